@@ -1,0 +1,34 @@
+# The two commands of the README's quick start: `make demo` and `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(VENV)/bin/pip
+# The local CPU wheel on these machines; on a GPU node pass TORCH_SPEC="torch" (or a CUDA wheel).
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: setup demo test lab bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "$(TORCH_SPEC)"
+	$(PIP) install -q -e ".[lab,test]"
+	touch $@
+
+setup: $(VENV)/.installed
+
+data/cache/corpus.meta.json: setup data/prepare.py
+	$(PY) data/prepare.py
+
+demo: setup data/cache/corpus.meta.json
+	$(PY) -m muonlab.cli demo
+
+test: setup data/cache/corpus.meta.json
+	CI=1 $(PY) -m pytest -q tests
+	CI=1 $(PY) -m pytest -q --nbval-lax -p no:cacheprovider notebooks
+
+lab: setup data/cache/corpus.meta.json
+	$(VENV)/bin/jupyter lab notebooks
+
+clean:
+	rm -rf $(VENV) runs data/cache
