@@ -1,0 +1,91 @@
+"""The corpus: the Python standard library's own source, byte-level, with a fixed split.
+
+No download at run time: every Python installation ships these files. ``prepare_corpus`` sorts them
+by relative path, concatenates them (each preceded by a header line naming the file), keeps the
+first ``max_bytes``, and caches the result with a manifest. The last ``val_fraction`` is validation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sysconfig
+from pathlib import Path
+
+import torch
+
+DEFAULT_MAX_BYTES = 4 << 20
+VAL_FRACTION = 0.1
+
+
+def default_cache_dir() -> Path:
+    """$MUONLAB_DATA, else data/cache in a source checkout, else ~/.cache/muonlab."""
+    env = os.environ.get("MUONLAB_DATA")
+    if env:
+        return Path(env)
+    checkout = Path(__file__).resolve().parent.parent / "data"
+    if (checkout / "prepare.py").exists():
+        return checkout / "cache"
+    return Path.home() / ".cache" / "muonlab"
+
+
+def _stdlib_files() -> list[Path]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = []
+    for path in root.rglob("*.py"):
+        rel = path.relative_to(root).parts
+        if "site-packages" in rel or "dist-packages" in rel:
+            continue
+        files.append(path)
+    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+
+
+def prepare_corpus(cache_dir: str | Path | None = None, max_bytes: int = DEFAULT_MAX_BYTES) -> Path:
+    """Build (or reuse) the cached corpus; returns the path of the byte file."""
+    cache = Path(cache_dir) if cache_dir else default_cache_dir()
+    out, meta_path = cache / "corpus.bin", cache / "corpus.meta.json"
+    if out.exists() and meta_path.exists():
+        meta = json.loads(meta_path.read_text())
+        if meta.get("max_bytes") == max_bytes and out.stat().st_size == meta["num_bytes"]:
+            return out
+    root = Path(sysconfig.get_paths()["stdlib"])
+    chunks, total, num_files = [], 0, 0
+    for path in _stdlib_files():
+        body = f"# file: {path.relative_to(root).as_posix()}\n".encode() + path.read_bytes()
+        chunks.append(body)
+        total += len(body)
+        num_files += 1
+        if total >= max_bytes:
+            break
+    data = b"".join(chunks)[:max_bytes]
+    if len(data) < 100_000:
+        raise RuntimeError(f"the standard library at {root} gave only {len(data)} bytes of source")
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    tmp.write_bytes(data)
+    tmp.replace(out)
+    meta = dict(num_bytes=len(data), num_files=num_files, max_bytes=max_bytes, stdlib=str(root),
+                sha256=hashlib.sha256(data).hexdigest(), val_fraction=VAL_FRACTION)
+    meta_path.write_text(json.dumps(meta, indent=1))
+    return out
+
+
+def load_corpus(split: str = "train", cache_dir: str | Path | None = None) -> torch.Tensor:
+    """The split as a 1-D uint8 tensor of bytes (prepared on first use)."""
+    if split not in ("train", "val"):
+        raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+    path = prepare_corpus(cache_dir)
+    data = torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8)
+    cut = int(len(data) * (1 - VAL_FRACTION))
+    return data[:cut] if split == "train" else data[cut:]
+
+
+def get_batch(data: torch.Tensor, batch_size: int, context: int, generator: torch.Generator | None = None):
+    """Random windows: inputs (batch, context) and next-byte targets, as int64."""
+    if len(data) <= context + 1:
+        raise ValueError(f"corpus of {len(data)} bytes is too short for context {context}")
+    starts = torch.randint(0, len(data) - context - 1, (batch_size,), generator=generator)
+    x = torch.stack([data[s : s + context] for s in starts.tolist()]).long()
+    y = torch.stack([data[s + 1 : s + 1 + context] for s in starts.tolist()]).long()
+    return x, y

@@ -1,0 +1,240 @@
+"""Newton-Schulz orthogonalization: presets, the torch path, backend dispatch, FLOP counts.
+
+Muon replaces a matrix update G = U S V^T by (approximately) U V^T. A few iterations of the odd
+polynomial X <- a X + b (X X^T) X + c (X X^T)^2 X push every singular value of a normalised X
+towards 1 without an SVD (Keller Jordan, "Muon: An optimizer for hidden layers", 2024).
+
+Two algebraically equal forms are offered:
+
+* ``form="plain"``: the iteration above, 4 m^2 n + 2 m^3 FLOPs per step for an m x n matrix
+  (m <= n after transposing tall inputs).
+* ``form="gram"``: iterate on the m x m Gram matrix R = X X^T instead of on X. With X_k = Q_k X_0,
+  Z_k = a I + b R_k + c R_k^2 gives Q_{k+1} = Z_k Q_k and R_{k+1} = Z_k R_k Z_k = Z_k^2 R_k
+  (Z_k is a polynomial in R_k, so they commute). X is touched only twice (R_0 = X_0 X_0^T and
+  X_K = Q_K X_0), so for n >> m most of the 4 m^2 n per step disappears. In low precision R drifts
+  from Q R_0 Q^T, so the iteration restarts (X = Q X_0, R = X X^T afresh) after the steps listed in
+  ``gram_restarts`` (the restart idea is from Dao-AILab's gram-newton-schulz).
+
+Both work on any leading batch dims (one matrix per expert); each matrix is normalised by its own
+Frobenius norm, never across the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+Coefficients = list[tuple[float, float, float]]
+
+# Per-iteration (a, b, c). A preset shorter than the requested steps repeats its last entry.
+PRESETS: dict[str, Coefficients] = {
+    # Keller Jordan's Muon: one quintic, repeated.
+    "keller": [(3.4445, -4.7750, 2.0315)],
+    # XTuner's / Moonlight-era tuned per-step coefficients.
+    "xtuner": [
+        (4.0848, -6.8946, 2.9270),
+        (3.9505, -6.3029, 2.6377),
+        (3.7418, -5.5913, 2.3037),
+        (2.8769, -3.1427, 1.2046),
+        (2.8366, -3.0525, 1.2012),
+    ],
+    # Polar Express (Amsel et al., 2025), with the input scaled by 1 / (1.02 ||X||_F).
+    "polar_express": [
+        (8.1566, -22.4833, 15.8788),
+        (4.0429, -2.8089, 0.5000),
+        (3.8917, -2.7725, 0.5061),
+        (3.2858, -2.3681, 0.4645),
+        (2.3465, -1.7098, 0.4232),
+    ],
+}
+
+# Extra safety factor on the normaliser: Polar Express's coefficients assume sigma_max < 1/1.02.
+NORM_SCALE = {"keller": 1.0, "xtuner": 1.0, "polar_express": 1.02}
+
+BACKENDS = ("auto", "torch", "triton")
+FORMS = ("plain", "gram")
+
+
+def resolve_coefficients(coefficients: str | Sequence, steps: int) -> Coefficients:
+    """Return exactly ``steps`` (a, b, c) tuples for a preset name or an explicit list."""
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+        raise ValueError(f"ns_steps must be a positive integer, got {steps!r}")
+    if isinstance(coefficients, str):
+        if coefficients not in PRESETS:
+            raise ValueError(
+                f"unknown Newton-Schulz preset {coefficients!r}; choose one of {sorted(PRESETS)} "
+                "or pass a list of (a, b, c) tuples"
+            )
+        table = PRESETS[coefficients]
+    else:
+        table = [tuple(float(v) for v in abc) for abc in coefficients]
+        if not table or any(len(abc) != 3 for abc in table):
+            raise ValueError(
+                f"ns_coefficients must be a preset name or a non-empty list of (a, b, c), got {coefficients!r}"
+            )
+    return [table[min(i, len(table) - 1)] for i in range(steps)]
+
+
+def norm_scale(coefficients: str | Sequence) -> float:
+    return NORM_SCALE.get(coefficients, 1.0) if isinstance(coefficients, str) else 1.0
+
+
+def _normalise(X: torch.Tensor, eps: float, scale: float) -> torch.Tensor:
+    # Per-matrix Frobenius norm (an upper bound on the spectral norm), in fp32 for accuracy.
+    norms = torch.linalg.matrix_norm(X.float(), ord="fro", keepdim=True)
+    return X / (norms * scale).clamp(min=eps).to(X.dtype)
+
+
+def _plain_iterations(X: torch.Tensor, coeffs: Coefficients) -> torch.Tensor:
+    for a, b, c in coeffs:
+        A = X @ X.mT
+        B = torch.baddbmm(A, A, A, beta=b, alpha=c) if A.ndim == 3 else b * A + c * (A @ A)
+        X = torch.baddbmm(X, B, X, beta=a) if X.ndim == 3 else a * X + B @ X
+    return X
+
+
+def _gram_iterations(X0: torch.Tensor, coeffs: Coefficients, restarts: Sequence[int]) -> torch.Tensor:
+    m = X0.shape[-2]
+    eye = torch.eye(m, dtype=X0.dtype, device=X0.device)
+    X_start = X0
+    R = X_start @ X_start.mT
+    Q = None  # identity, kept implicit until the first iteration
+    last = len(coeffs) - 1
+    for k, (a, b, c) in enumerate(coeffs):
+        Z = torch.baddbmm(R, R, R, beta=b, alpha=c) if R.ndim == 3 else b * R + c * (R @ R)
+        Z = Z + a * eye
+        Q = Z if Q is None else Z @ Q
+        if k == last:
+            break
+        if k in restarts:
+            X_start = Q @ X_start
+            R = X_start @ X_start.mT
+            Q = None
+        else:
+            R = Z @ (Z @ R)
+    return X_start if Q is None else Q @ X_start
+
+
+def newton_schulz(
+    G: torch.Tensor,
+    steps: int = 5,
+    coefficients: str | Sequence = "keller",
+    eps: float = 1e-7,
+    dtype: torch.dtype | None = torch.bfloat16,
+    *,
+    backend: str = "auto",
+    form: str = "plain",
+    gram_restarts: Sequence[int] = (2,),
+) -> torch.Tensor:
+    """Approximately orthogonalize the last two dims of ``G`` (batched over leading dims).
+
+    Args:
+        G: tensor with at least 2 dims; leading dims are a batch of independent matrices.
+        steps: number of iterations.
+        coefficients: a preset name ("keller", "xtuner", "polar_express") or a list of (a, b, c).
+        eps: floor on each matrix's norm, so an all-zero matrix maps to zero instead of NaN.
+        dtype: compute dtype (bf16 by default, like torch.optim.Muon); None keeps G's dtype.
+        backend: "torch", "triton" (CUDA + triton required) or "auto" (triton when usable).
+        form: "plain" or "gram" (fewer FLOPs for rectangular matrices; see the module doc).
+        gram_restarts: iterations after which the gram form recomputes R from X.
+
+    Returns:
+        A tensor of G's shape in ``dtype`` (or G's dtype when dtype is None).
+    """
+    if G.ndim < 2:
+        raise ValueError(f"newton_schulz needs a tensor with at least 2 dims, got shape {tuple(G.shape)}")
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown Newton-Schulz backend {backend!r}; choose one of {BACKENDS}")
+    if form not in FORMS:
+        raise ValueError(f"unknown Newton-Schulz form {form!r}; choose one of {FORMS}")
+    coeffs = resolve_coefficients(coefficients, steps)
+    shape = G.shape
+    X = G.to(dtype) if dtype is not None else G
+    if X.numel() == 0:
+        return X.clone()
+    X = X.reshape(-1, shape[-2], shape[-1])
+    tall = shape[-2] > shape[-1]
+    if tall:
+        X = X.mT
+    X = _normalise(X, eps, norm_scale(coefficients))
+
+    use = _pick_backend(backend, X)
+    if use == "triton":
+        if form != "plain":
+            raise ValueError("the triton backend implements form='plain' only")
+        from .triton_newton_schulz import newton_schulz_triton
+
+        X = newton_schulz_triton(X, coeffs)
+    elif form == "gram":
+        X = _gram_iterations(X, coeffs, tuple(gram_restarts))
+    else:
+        X = _plain_iterations(X, coeffs)
+
+    if tall:
+        X = X.mT
+    return X.reshape(shape).contiguous()
+
+
+def triton_usable(X: torch.Tensor) -> bool:
+    try:
+        from .triton_newton_schulz import TRITON_AVAILABLE
+    except ImportError:  # the kernel module itself failed to import
+        return False
+    return TRITON_AVAILABLE and X.is_cuda
+
+
+def _pick_backend(backend: str, X: torch.Tensor) -> str:
+    if backend == "torch":
+        return "torch"
+    usable = triton_usable(X)
+    if backend == "triton" and not usable:
+        raise ValueError(
+            "backend='triton' needs triton installed and a CUDA tensor "
+            f"(got device {X.device}); use backend='auto' to fall back to torch"
+        )
+    return "triton" if usable else "torch"
+
+
+def ns_flops(shape: Sequence[int], steps: int = 5, *, form: str = "plain", backend: str = "torch",
+             gram_restarts: Sequence[int] = (2,)) -> int:
+    """FLOPs (multiply-adds count 2) of ``newton_schulz`` on a tensor of ``shape``.
+
+    Plain: per iteration 4 m^2 n (X X^T and B X) + 2 m^3 (A A) with m = min, n = max of the last two
+    dims; the triton backend's symmetric products do m^2 n + m^3 of the first two, i.e.
+    3 m^2 n + m^3. Gram: see ``_gram_iterations`` (restarts re-pay the X products).
+    """
+    if form not in FORMS:
+        raise ValueError(f"unknown Newton-Schulz form {form!r}; choose one of {FORMS}")
+    if len(shape) < 2:
+        raise ValueError(f"ns_flops needs a shape with at least 2 dims, got {tuple(shape)}")
+    batch = 1
+    for d in shape[:-2]:
+        batch *= int(d)
+    m, n = sorted((int(shape[-2]), int(shape[-1])))
+    if form == "plain":
+        if backend == "triton":
+            per_iter = 3 * m * m * n + m**3
+        else:
+            per_iter = 4 * m * m * n + 2 * m**3
+        return batch * steps * per_iter
+    gram_x = 2 * m * m * n  # one X X^T or one Q X
+    mm = 2 * m**3
+    total = gram_x  # R_0
+    restarts = set(gram_restarts)
+    q_is_identity = True
+    for k in range(steps):
+        total += mm  # R @ R
+        if not q_is_identity:
+            total += mm  # Z @ Q
+        q_is_identity = False
+        if k == steps - 1:
+            break
+        if k in restarts:
+            total += 2 * gram_x  # Q X, then X X^T
+            q_is_identity = True
+        else:
+            total += 2 * mm  # Z (Z R)
+    if not q_is_identity:
+        total += gram_x  # final Q X_0
+    return batch * total

@@ -1,0 +1,108 @@
+"""The math of one step, on plain tensors and numbers (no optimizer object, no communication).
+
+Muon's per-matrix stages are split so that communication can sit between them:
+``muon_momentum_`` (on the rank that owns the shard) -> orthogonalize (elsewhere) ->
+``muon_apply_``. AdamW is a single function.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+ADJUST_LR_MODES = ("original", "match_rms_adamw", "spectral", None)
+MOMENTUM_FORMS = ("ema", "sum")
+
+
+def adjust_lr_ratio(matrix_shape: Sequence[int], mode: str | None) -> float:
+    """Scale applied to lr for one matrix of GLOBAL shape (A, B) (one expert for 3-D banks).
+
+    "original": sqrt(max(1, A/B)) (Keller Jordan's Muon); "match_rms_adamw": 0.2 sqrt(max(A, B))
+    (Moonlight, Liu et al. 2025); "spectral": sqrt(A/B) (Bernstein's spectral condition);
+    None: 1.
+    """
+    A, B = int(matrix_shape[-2]), int(matrix_shape[-1])
+    if mode == "original":
+        return math.sqrt(max(1.0, A / B))
+    if mode == "match_rms_adamw":
+        return 0.2 * math.sqrt(max(A, B))
+    if mode == "spectral":
+        return math.sqrt(A / B)
+    if mode is None:
+        return 1.0
+    raise ValueError(f"unknown adjust_lr {mode!r}; choose one of {ADJUST_LR_MODES}")
+
+
+def muon_momentum_(
+    grads: Sequence[torch.Tensor],
+    bufs: Sequence[torch.Tensor],
+    *,
+    momentum: float,
+    nesterov: bool,
+    form: str,
+) -> list[torch.Tensor]:
+    """Update momentum buffers in place; return the Newton-Schulz inputs (fp32, grad-shaped).
+
+    "ema" (torch.optim.Muon): m <- lerp(m, g, 1 - mu); input lerp(g, m, mu) or m.
+    "sum" (Moonlight, Dion): M <- mu M + g; input g + mu M or M.
+    """
+    if form not in MOMENTUM_FORMS:
+        raise ValueError(f"unknown momentum_form {form!r}; choose one of {MOMENTUM_FORMS}")
+    out = []
+    for g, buf in zip(grads, bufs):
+        g = g.to(buf.dtype)
+        if form == "ema":
+            buf.lerp_(g, 1 - momentum)
+            out.append(g.lerp(buf, momentum) if nesterov else buf.clone())
+        else:
+            buf.mul_(momentum).add_(g)
+            out.append(g.add(buf, alpha=momentum) if nesterov else buf.clone())
+    return out
+
+
+def muon_apply_(
+    params: Sequence[torch.Tensor],
+    updates: Sequence[torch.Tensor],
+    *,
+    lr: float,
+    weight_decay: float,
+    ratios: Sequence[float],
+) -> None:
+    """Decoupled weight decay with the unadjusted lr, then X -= lr * ratio * O."""
+    for p, o, ratio in zip(params, updates, ratios):
+        if weight_decay != 0:
+            p.mul_(1 - lr * weight_decay)
+        p.add_(o.to(p.dtype), alpha=-lr * ratio)
+
+
+def adamw_(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    steps: Sequence[torch.Tensor],
+    *,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+) -> None:
+    """AdamW (Loshchilov & Hutter) with bias correction; moments in fp32, step counts as tensors."""
+    beta1, beta2 = betas
+    for p, g, m, v, step in zip(params, grads, exp_avgs, exp_avg_sqs, steps):
+        step += 1
+        t = step.item()
+        g = g.to(m.dtype)
+        if weight_decay != 0:
+            p.mul_(1 - lr * weight_decay)
+        m.lerp_(g, 1 - beta1)
+        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        bias1 = 1 - beta1**t
+        bias2 = 1 - beta2**t
+        denom = (v.sqrt() / math.sqrt(bias2)).add_(eps)
+        if p.dtype == m.dtype:
+            p.addcdiv_(m, denom, value=-lr / bias1)  # same rounding as torch.optim.AdamW
+        else:
+            p.add_((m / denom).to(p.dtype), alpha=-lr / bias1)

@@ -1,0 +1,319 @@
+"""class Muon: validation, parameter groups, state; the step's stages in order.
+
+The math lives in ``functional`` (momentum, update, AdamW); moving matrices between ranks and
+orthogonalizing them lives in ``muonlab.comm`` (plan + paths). This file only wires them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch.optim import Optimizer
+
+from ..kernels.newton_schulz import BACKENDS, FORMS, resolve_coefficients
+from . import functional as F
+
+ALGORITHMS = ("muon", "adamw")
+
+MUON_DEFAULTS = dict(
+    lr=0.02,
+    momentum=0.95,
+    nesterov=True,
+    weight_decay=0.0,
+    ns_steps=5,
+    ns_coefficients="keller",
+    eps=1e-7,
+    adjust_lr="original",
+    momentum_form="ema",
+)
+ADAMW_DEFAULTS = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+
+
+def _fmt(shape) -> str:
+    return "(" + ", ".join(str(int(d)) for d in shape) + ")"
+
+
+class Muon(Optimizer):
+    """Muon for matrices, AdamW for everything else, in one optimizer.
+
+    Each parameter group carries ``"algorithm": "muon" | "adamw"`` (default "muon"). Muon groups
+    take ``lr, momentum, nesterov, weight_decay, ns_steps, ns_coefficients, eps, adjust_lr,
+    momentum_form``; AdamW groups take ``lr, betas, eps, weight_decay`` and fall back to the
+    ``adamw_*`` arguments. Muon parameters must be at least 2-D: the last two dims are one matrix,
+    leading dims are independent matrices (experts). Same-shape matrices are orthogonalized
+    together in one batched Newton-Schulz chain.
+
+    ``params`` may be tensors, ``(name, tensor)`` pairs (e.g. ``model.named_parameters()``) or
+    groups of either. Names are kept on the optimizer (``param_name(p)``), never in
+    ``param_groups`` or the state dict.
+
+    Args beyond the hyperparameters:
+        ns_dtype: Newton-Schulz compute dtype (bf16 like torch.optim.Muon; fp32 for tight parity).
+        ns_form: "plain" or "gram" (fewer FLOPs on rectangular matrices, see newton_schulz).
+        ns_backend: "auto", "torch" or "triton".
+    """
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 0.02,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        weight_decay: float = 0.0,
+        ns_steps: int = 5,
+        ns_coefficients: Any = "keller",
+        eps: float = 1e-7,
+        adjust_lr: str | None = "original",
+        momentum_form: str = "ema",
+        adamw_lr: float = 3e-4,
+        adamw_betas: tuple[float, float] = (0.9, 0.95),
+        adamw_eps: float = 1e-8,
+        adamw_weight_decay: float = 0.0,
+        *,
+        ns_dtype: torch.dtype | None = torch.bfloat16,
+        ns_form: str = "plain",
+        ns_backend: str = "torch",
+    ):
+        if ns_form not in FORMS:
+            raise ValueError(f"unknown ns_form {ns_form!r}; choose one of {FORMS}")
+        if ns_backend not in BACKENDS:
+            raise ValueError(f"unknown ns_backend {ns_backend!r}; choose one of {BACKENDS}")
+        self._muon_defaults = dict(
+            lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
+            ns_steps=ns_steps, ns_coefficients=ns_coefficients, eps=eps, adjust_lr=adjust_lr,
+            momentum_form=momentum_form,
+        )
+        self._adamw_defaults = dict(
+            lr=adamw_lr, betas=tuple(adamw_betas), eps=adamw_eps, weight_decay=adamw_weight_decay
+        )
+        self.ns_dtype = ns_dtype
+        self.ns_form = ns_form
+        self.ns_backend = ns_backend
+        self._names: dict[torch.Tensor, str] = {}
+        # Validate every group before torch's constructor stores any of them.
+        groups = self._normalise_params(params)
+        super().__init__(groups, {})
+
+    # ------------------------------------------------------------------ construction
+
+    def _normalise_params(self, params: Iterable) -> list[dict]:
+        if isinstance(params, torch.Tensor):
+            raise TypeError("params must be an iterable of tensors, (name, tensor) pairs or dicts, not a Tensor")
+        self._names.update(getattr(params, "names", {}))  # from muon_param_groups
+        items = list(params)
+        if not items:
+            raise ValueError("Muon got an empty parameter list")
+        if all(isinstance(it, dict) for it in items):
+            groups = [dict(g) for g in items]
+        elif any(isinstance(it, dict) for it in items):
+            raise TypeError("params mixes parameter-group dicts with tensors; pass one kind")
+        else:
+            groups = [{"params": items}]
+        seen: dict[torch.Tensor, str] = {}
+        for gi, group in enumerate(groups):
+            self._split_names(group, gi)
+            for p in group["params"]:
+                label = self._label(p)
+                if p in seen:
+                    raise ValueError(
+                        f"parameter {label} appears in more than one parameter group ({seen[p]} and group {gi})"
+                    )
+                seen[p] = f"group {gi}"
+        return groups
+
+    def _split_names(self, group: dict, gi: int) -> None:
+        if "params" not in group:
+            raise ValueError(f"parameter group {gi} has no 'params' entry")
+        raw = group["params"]
+        raw = [raw] if isinstance(raw, torch.Tensor) else list(raw)
+        if not raw:
+            raise ValueError(f"parameter group {gi} has an empty parameter list")
+        tensors = []
+        for item in raw:
+            if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str):
+                name, p = item
+                self._names[p] = name
+            else:
+                p = item
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(f"parameter group {gi} holds a {type(p).__name__}, not a Tensor")
+            tensors.append(p)
+        group["params"] = tensors
+        group.pop("param_names", None)
+
+    def param_name(self, p: torch.Tensor) -> str | None:
+        """The name given at construction (from named_parameters), or None."""
+        return self._names.get(p)
+
+    def _label(self, p: torch.Tensor) -> str:
+        name = self._names.get(p)
+        shape = _fmt(p.shape)
+        return f"'{name}' of shape {shape}" if name else f"of shape {shape}"
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Validate, fill per-algorithm defaults, then register (names stay outside the group)."""
+        if not isinstance(param_group, dict):
+            raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
+        group = dict(param_group)
+        if not isinstance(group.get("params"), list) or any(isinstance(p, tuple) for p in group["params"]):
+            self._split_names(group, len(self.param_groups))
+        algorithm = group.setdefault("algorithm", "muon")
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"unknown algorithm {algorithm!r} in a parameter group; choose one of {ALGORITHMS}")
+        defaults = self._muon_defaults if algorithm == "muon" else self._adamw_defaults
+        for key, value in defaults.items():
+            group.setdefault(key, value)
+        # Keys of the other algorithm would be silently ignored: reject them instead.
+        allowed = {"params", "algorithm", "initial_lr"} | set(defaults)
+        unknown = sorted(set(group) - allowed)
+        if unknown:
+            raise ValueError(f"unknown option(s) {unknown} for a {algorithm} parameter group")
+        self._validate_group(group)
+        existing = {p for g in self.param_groups for p in g["params"]}
+        for p in group["params"]:
+            if p in existing:
+                raise ValueError(f"parameter {self._label(p)} appears in more than one parameter group")
+        self.param_groups.append(group)
+
+    def _validate_group(self, group: dict) -> None:
+        lr = group["lr"]
+        if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+            raise ValueError("a tensor lr must have exactly one element")
+        if not float(lr) >= 0:
+            raise ValueError(f"lr must be >= 0, got {float(lr)}")
+        if not group["weight_decay"] >= 0:
+            raise ValueError(f"weight_decay must be >= 0, got {group['weight_decay']}")
+        if group["algorithm"] == "adamw":
+            b1, b2 = group["betas"]
+            if not (0 <= b1 < 1 and 0 <= b2 < 1):
+                raise ValueError(f"adamw betas must be in [0, 1), got {group['betas']}")
+            if not group["eps"] >= 0:
+                raise ValueError(f"adamw eps must be >= 0, got {group['eps']}")
+        else:
+            if not 0 <= group["momentum"] < 1:
+                raise ValueError(f"momentum must be in [0, 1), got {group['momentum']}")
+            resolve_coefficients(group["ns_coefficients"], group["ns_steps"])
+            if group["adjust_lr"] not in F.ADJUST_LR_MODES:
+                raise ValueError(f"unknown adjust_lr {group['adjust_lr']!r}; choose one of {F.ADJUST_LR_MODES}")
+            if group["momentum_form"] not in F.MOMENTUM_FORMS:
+                raise ValueError(
+                    f"unknown momentum_form {group['momentum_form']!r}; choose one of {F.MOMENTUM_FORMS}"
+                )
+            if not group["eps"] > 0:
+                raise ValueError(f"eps must be > 0, got {group['eps']}")
+        for p in group["params"]:
+            if not (p.is_leaf or p.retains_grad):
+                raise ValueError(f"can't optimize a non-leaf tensor {self._label(p)}")
+            if torch.is_complex(p):
+                raise ValueError(f"parameter {self._label(p)} is complex; Muon supports real tensors only")
+            if group["algorithm"] == "muon" and p.ndim < 2:
+                raise ValueError(
+                    f"Muon needs parameters with at least 2 dims, got {self._label(p)}; "
+                    "route it to AdamW with {'algorithm': 'adamw'} (see muon_param_groups)"
+                )
+
+    @staticmethod
+    def _process_value_according_to_param_policy(param, value, param_id, param_groups, key=None):
+        # State is kept in fp32 whatever the parameter's dtype; torch's default would cast it to
+        # the parameter's dtype on load and break exact resume for bf16 parameters.
+        return value.to(device=param.device)
+
+    # ------------------------------------------------------------------ the step
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        work = self._collect()  # raises before any state changes
+        for group, params in work["adamw"]:
+            self._adamw_group(group, params)
+        if work["muon"]:
+            self._muon_step(work["muon"])
+        return loss
+
+    def _collect(self) -> dict[str, list]:
+        """Parameters with grads, per group; every grad is checked before anything is modified."""
+        work: dict[str, list] = {"muon": [], "adamw": []}
+        for group in self.param_groups:
+            params = []
+            for p in group["params"]:
+                g = p.grad
+                if g is None:
+                    continue
+                if g.is_sparse:
+                    raise ValueError(f"parameter {self._label(p)} has a sparse gradient; Muon needs dense gradients")
+                if torch.is_complex(g):
+                    raise ValueError(f"parameter {self._label(p)} has a complex gradient")
+                if g.shape != p.shape:
+                    raise ValueError(
+                        f"parameter {self._label(p)} has a gradient of shape {_fmt(g.shape)}"
+                    )
+                params.append(p)
+            if params:
+                work[group["algorithm"]].append((group, params))
+        return work
+
+    def _state_for(self, p: torch.Tensor, algorithm: str) -> dict:
+        state = self.state[p]
+        if not state:
+            like = dict(dtype=torch.float32, memory_format=torch.preserve_format)
+            if algorithm == "muon":
+                state["momentum_buffer"] = torch.zeros_like(p, **like)
+            else:
+                state["step"] = torch.tensor(0.0)
+                state["exp_avg"] = torch.zeros_like(p, **like)
+                state["exp_avg_sq"] = torch.zeros_like(p, **like)
+        return state
+
+    def _adamw_group(self, group: dict, params: list[torch.Tensor]) -> None:
+        states = [self._state_for(p, "adamw") for p in params]
+        F.adamw_(
+            params,
+            [p.grad for p in params],
+            [s["exp_avg"] for s in states],
+            [s["exp_avg_sq"] for s in states],
+            [s["step"] for s in states],
+            lr=float(group["lr"]),
+            betas=group["betas"],
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
+        )
+
+    def _muon_step(self, work: list[tuple[dict, list[torch.Tensor]]]) -> None:
+        from ..comm.local import orthogonalize_local
+
+        # 1. momentum, per group, on the local tensors
+        inputs, entries = [], []
+        for group, params in work:
+            bufs = [self._state_for(p, "muon")["momentum_buffer"] for p in params]
+            upd = F.muon_momentum_(
+                [p.grad for p in params], bufs,
+                momentum=group["momentum"], nesterov=group["nesterov"], form=group["momentum_form"],
+            )
+            inputs.extend(upd)
+            entries.extend((group, p) for p in params)
+        # 2. orthogonalize: same-shape matrices with the same Newton-Schulz settings in one batch
+        keys = [self._ns_key(group) for group, _ in entries]
+        orthos = orthogonalize_local(inputs, keys, self._ns_kwargs)
+        # 3. update, with the lr ratio from each matrix's global shape
+        for (group, p), o in zip(entries, orthos):
+            F.muon_apply_(
+                [p], [o], lr=float(group["lr"]), weight_decay=group["weight_decay"],
+                ratios=[F.adjust_lr_ratio(p.shape[-2:], group["adjust_lr"])],
+            )
+
+    @staticmethod
+    def _ns_key(group: dict) -> tuple:
+        coeffs = group["ns_coefficients"]
+        coeffs = coeffs if isinstance(coeffs, str) else tuple(tuple(c) for c in coeffs)
+        return (group["ns_steps"], coeffs, group["eps"])
+
+    def _ns_kwargs(self, key: tuple) -> dict:
+        steps, coeffs, eps = key
+        return dict(steps=steps, coefficients=coeffs, eps=eps, dtype=self.ns_dtype,
+                    form=self.ns_form, backend=self.ns_backend)

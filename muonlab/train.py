@@ -1,0 +1,144 @@
+"""The small training loop behind the demo, the notebooks and the benchmarks."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from tqdm.auto import tqdm
+
+from .data import get_batch, load_corpus
+from .models import GPT, GPTConfig
+from .optim import Muon, muon_param_groups
+
+
+@dataclass
+class History:
+    """What one training run measured."""
+
+    steps: list[int] = field(default_factory=list)
+    train_loss: list[float] = field(default_factory=list)
+    val_steps: list[int] = field(default_factory=list)
+    val_loss: list[float] = field(default_factory=list)
+    step_time_s: list[float] = field(default_factory=list)
+    """Wall time of the whole training step (forward, backward, optimizer)."""
+    opt_time_s: list[float] = field(default_factory=list)
+    """Wall time of optimizer.step() alone."""
+    tokens_per_step: int = 0
+
+    @property
+    def tokens_per_s(self) -> float:
+        total = sum(self.step_time_s)
+        return self.tokens_per_step * len(self.step_time_s) / total if total else 0.0
+
+    @property
+    def opt_step_ms(self) -> float:
+        # The median ignores the first step's state allocation.
+        times = sorted(self.opt_time_s)
+        return 1e3 * times[len(times) // 2] if times else 0.0
+
+    def summary(self) -> dict:
+        return dict(
+            final_train_loss=self.train_loss[-1] if self.train_loss else float("nan"),
+            final_val_loss=self.val_loss[-1] if self.val_loss else float("nan"),
+            tokens_per_s=self.tokens_per_s,
+            opt_step_ms=self.opt_step_ms,
+        )
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def make_optimizer(name: str, model: torch.nn.Module, *, lr: float | None = None,
+                   adamw_lr: float = 3e-3, weight_decay: float = 0.0, **muon_kwargs):
+    """"muon": Muon on hidden matrices + AdamW on the rest; "adamw": torch.optim.AdamW on all."""
+    if name == "muon":
+        groups = muon_param_groups(model, adamw_lr=adamw_lr)
+        return Muon(groups, lr=0.02 if lr is None else lr, weight_decay=weight_decay, **muon_kwargs)
+    if name == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=adamw_lr if lr is None else lr,
+                                 betas=(0.9, 0.95), weight_decay=weight_decay)
+    raise ValueError(f"unknown optimizer {name!r}; choose 'muon' or 'adamw'")
+
+
+@torch.no_grad()
+def evaluate(model, data, *, batch_size: int, context: int, num_batches: int, device) -> float:
+    gen = torch.Generator().manual_seed(1234)  # the same validation windows every time
+    was_training = model.training
+    model.eval()
+    losses = []
+    for _ in range(num_batches):
+        x, y = get_batch(data, batch_size, context, gen)
+        losses.append(model(x.to(device), y.to(device)).item())
+    model.train(was_training)
+    return sum(losses) / len(losses)
+
+
+def train(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    steps: int,
+    batch_size: int = 16,
+    context: int | None = None,
+    eval_every: int = 0,
+    eval_batches: int = 4,
+    seed: int = 0,
+    device: torch.device | str | None = None,
+    scheduler=None,
+    progress: bool = True,
+    desc: str = "train",
+) -> History:
+    """Train on the corpus for ``steps`` steps; returns the History.
+
+    Batches come from a generator seeded with ``seed``, so two optimizers see the same data.
+    ``eval_every`` > 0 also evaluates on the validation split (and always after the last step).
+    """
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    device = torch.device(device) if device is not None else default_device()
+    context = context or model.cfg.context
+    train_data, val_data = load_corpus("train"), load_corpus("val")
+    gen = torch.Generator().manual_seed(seed)
+    model.to(device).train()
+    hist = History(tokens_per_step=batch_size * context)
+    for step in tqdm(range(1, steps + 1), desc=desc, disable=not progress, leave=False):
+        x, y = get_batch(train_data, batch_size, context, gen)
+        t0 = time.perf_counter()
+        loss = model(x.to(device), y.to(device))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        t1 = time.perf_counter()
+        optimizer.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        if scheduler is not None:
+            scheduler.step()
+        hist.steps.append(step)
+        hist.train_loss.append(loss.item())
+        hist.step_time_s.append(t2 - t0)
+        hist.opt_time_s.append(t2 - t1)
+        if (eval_every and step % eval_every == 0) or step == steps:
+            if not hist.val_steps or hist.val_steps[-1] != step:
+                hist.val_steps.append(step)
+                hist.val_loss.append(
+                    evaluate(model, val_data, batch_size=batch_size, context=context,
+                             num_batches=eval_batches, device=device)
+                )
+    return hist
+
+
+def compare_optimizers(cfg: GPTConfig, *, steps: int, seed: int = 0, names=("muon", "adamw"),
+                       optimizer_kwargs: dict | None = None, **train_kwargs) -> dict[str, History]:
+    """Train the same initial model with each optimizer on the same batches."""
+    optimizer_kwargs = optimizer_kwargs or {}
+    out = {}
+    for name in names:
+        torch.manual_seed(seed)
+        model = GPT(cfg)
+        opt = make_optimizer(name, model, **optimizer_kwargs.get(name, {}))
+        out[name] = train(model, opt, steps=steps, seed=seed, desc=name, **train_kwargs)
+    return out
