@@ -215,11 +215,19 @@ class Muon(Optimizer):
                     "route it to AdamW with {'algorithm': 'adamw'} (see muon_param_groups)"
                 )
 
-    @staticmethod
-    def _process_value_according_to_param_policy(param, value, param_id, param_groups, key=None):
-        # State is kept in fp32 whatever the parameter's dtype; torch's default would cast it to
-        # the parameter's dtype on load and break exact resume for bf16 parameters.
-        return value.to(device=param.device)
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's loader, then state tensors restored in their saved dtype.
+
+        State is kept in fp32 whatever the parameter's dtype; torch's loader casts floating state
+        to the parameter's dtype, which would break exact resume for bf16 parameters.
+        """
+        super().load_state_dict(state_dict)
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        for pid, p in zip(saved_ids, params):
+            for key, value in state_dict["state"].get(pid, {}).items():
+                if torch.is_tensor(value) and key != "step" and value.dtype != self.state[p][key].dtype:
+                    self.state[p][key] = value.to(device=p.device, copy=True)
 
     # ------------------------------------------------------------------ the step
 

@@ -48,7 +48,7 @@ class ParamGroups(list):
         return out
 
 
-def _route(module: nn.Module, pname: str, p: torch.Tensor, embeddings: list[torch.Tensor],
+def _route(module: nn.Module, p: torch.Tensor, embeddings: list[torch.Tensor], head: nn.Module | None,
            full_name: str, exclude: Sequence[str]) -> tuple[str, str]:
     for pattern in exclude:
         if fnmatch.fnmatchcase(full_name, pattern):
@@ -61,8 +61,8 @@ def _route(module: nn.Module, pname: str, p: torch.Tensor, embeddings: list[torc
         return "adamw", "convolution kernel"
     if any(p is e for e in embeddings):
         return "adamw", "tied to an embedding"
-    if isinstance(module, nn.Linear) and any(p.shape == e.shape for e in embeddings):
-        return "adamw", "output head (shaped like the embedding)"
+    if module is head:
+        return "adamw", "output head (last Linear shaped like an embedding)"
     if p.ndim >= 3:
         return "muon", f"bank of {p[..., 0, 0].numel()} matrices"
     return "muon", "hidden matrix"
@@ -84,6 +84,11 @@ def muon_param_groups(
     if isinstance(exclude, str):
         exclude = (exclude,)
     embeddings = [m.weight for m in model.modules() if isinstance(m, nn.Embedding)]
+    # The output head reads the vocabulary back out: the LAST Linear shaped like an embedding
+    # (earlier ones can match by accident in small models, e.g. an MLP of width == vocab).
+    heads = [m for m in model.modules()
+             if isinstance(m, nn.Linear) and any(m.weight.shape == e.shape for e in embeddings)]
+    head = heads[-1] if heads else None
     routes, names = [], {}
     buckets: dict[str, list[torch.Tensor]] = {"muon": [], "adamw": []}
     seen: set[int] = set()
@@ -93,7 +98,7 @@ def muon_param_groups(
                 continue  # tied weights are routed once, by their first owner
             seen.add(id(p))
             full = f"{mod_name}.{pname}" if mod_name else pname
-            algorithm, reason = _route(module, pname, p, embeddings, full, exclude)
+            algorithm, reason = _route(module, p, embeddings, head, full, exclude)
             buckets[algorithm].append(p)
             names[p] = full
             routes.append(Route(full, tuple(p.shape), algorithm, reason))

@@ -1,0 +1,62 @@
+"""A slow, readable Muon: one matrix at a time, no batching, no communication.
+
+The fast optimizer (batched, distributed) is tested against this; this is tested against
+torch.optim.Muon. Read it as the specification of one step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..kernels.newton_schulz import norm_scale, resolve_coefficients
+from .functional import adjust_lr_ratio
+
+
+def reference_newton_schulz(M: torch.Tensor, steps: int, coefficients, eps: float,
+                            dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Orthogonalize ONE 2-D matrix with the plain iteration, written out."""
+    assert M.ndim == 2
+    X = M.to(dtype)
+    transposed = X.shape[0] > X.shape[1]
+    if transposed:
+        X = X.T
+    X = X / (X.float().norm() * norm_scale(coefficients)).clamp(min=eps).to(dtype)
+    for a, b, c in resolve_coefficients(coefficients, steps):
+        A = X @ X.T
+        X = a * X + (b * A + c * (A @ A)) @ X
+    return X.T if transposed else X
+
+
+@torch.no_grad()
+def reference_muon_step(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    bufs: list[torch.Tensor],
+    *,
+    lr: float,
+    momentum: float,
+    nesterov: bool,
+    weight_decay: float,
+    ns_steps: int,
+    ns_coefficients,
+    eps: float,
+    adjust_lr: str | None,
+    momentum_form: str,
+    ns_dtype: torch.dtype = torch.float32,
+) -> None:
+    """One Muon step on full (unsharded) tensors; 3-D tensors are lists of matrices."""
+    for p, g, buf in zip(params, grads, bufs):
+        g = g.float()
+        if momentum_form == "ema":
+            buf.copy_(buf + (1 - momentum) * (g - buf))
+            u = g + momentum * (buf - g) if nesterov else buf.clone()
+        else:
+            buf.copy_(momentum * buf + g)
+            u = g + momentum * buf if nesterov else buf.clone()
+        matrices = u.reshape(-1, *u.shape[-2:])
+        ortho = torch.stack([
+            reference_newton_schulz(m, ns_steps, ns_coefficients, eps, ns_dtype).float() for m in matrices
+        ]).reshape(u.shape)
+        ratio = adjust_lr_ratio(p.shape[-2:], adjust_lr)
+        p.mul_(1 - lr * weight_decay)
+        p.add_(ortho.to(p.dtype), alpha=-lr * ratio)

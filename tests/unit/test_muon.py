@@ -1,0 +1,242 @@
+import copy
+
+import pytest
+import torch
+import torch.optim._muon as torch_muon
+
+from muonlab import Muon, muon_param_groups
+from muonlab.models import GPT, GPTConfig
+from muonlab.optim.reference import reference_muon_step
+
+SHAPES = [(24, 64), (64, 24), (40, 40)]  # wide, tall, square
+
+
+def _params(shapes, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+
+
+def _grads(shapes, steps, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return [[torch.randn(s, generator=gen) for s in shapes] for _ in range(steps)]
+
+
+def _rel_displacement(p_fast, p_ref, p0):
+    return max(((a - b).norm() / (b - c).norm()).item() for a, b, c in zip(p_fast, p_ref, p0))
+
+
+def _fp32_torch_ns(grad, ns_coefficients, ns_steps, eps):
+    # torch.optim.Muon's iteration with the bf16 cast removed, for a tight comparison
+    X = grad.float()
+    tall = X.size(0) > X.size(1)
+    X = X.T if tall else X
+    X = X / X.norm().clamp(min=eps)
+    a, b, c = ns_coefficients
+    for _ in range(ns_steps):
+        A = X @ X.T
+        X = a * X + (b * A + c * A @ A) @ X
+    return X.T if tall else X
+
+
+def _run_pair(monkeypatch, ns_dtype, fp32_torch, wd=0.01):
+    if fp32_torch:
+        monkeypatch.setattr(torch_muon, "_zeropower_via_newtonschulz", _fp32_torch_ns)
+    ours, theirs = _params(SHAPES), _params(SHAPES)
+    p0 = [p.detach().clone() for p in ours]
+    a = Muon(ours, lr=0.02, weight_decay=wd, ns_dtype=ns_dtype)
+    b = torch.optim.Muon(theirs, lr=0.02, weight_decay=wd, adjust_lr_fn="original")
+    for grads in _grads(SHAPES, 10):
+        for p, q, g in zip(ours, theirs, grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        a.step()
+        b.step()
+    return _rel_displacement(ours, theirs, p0)
+
+
+def test_parity_with_torch_muon_bf16(monkeypatch):
+    assert _run_pair(monkeypatch, torch.bfloat16, fp32_torch=False) <= 3e-2
+
+
+def test_parity_with_torch_muon_fp32_is_tight(monkeypatch):
+    # both in fp32: measured ~1e-7; the bound leaves room for BLAS differences only
+    assert _run_pair(monkeypatch, torch.float32, fp32_torch=True) <= 1e-5
+
+
+@pytest.mark.parametrize("form", ["ema", "sum"])
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("adjust_lr", ["original", "match_rms_adamw", "spectral", None])
+def test_batched_optimizer_matches_readable_reference(form, nesterov, adjust_lr):
+    shapes = SHAPES + [(3, 16, 32), (24, 64)]  # a 3-D expert bank and a same-shape pair
+    ours, ref = _params(shapes), _params(shapes)
+    hyper = dict(lr=0.01, momentum=0.9, nesterov=nesterov, weight_decay=0.1, ns_steps=5,
+                 ns_coefficients="xtuner", eps=1e-7, adjust_lr=adjust_lr, momentum_form=form)
+    opt = Muon(ours, ns_dtype=torch.float32, **hyper)
+    bufs = [torch.zeros_like(p) for p in ref]
+    for grads in _grads(shapes, 4):
+        for p, g in zip(ours, grads):
+            p.grad = g.clone()
+        opt.step()
+        reference_muon_step(ref, grads, bufs, ns_dtype=torch.float32, **hyper)
+    for p, q in zip(ours, ref):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_3d_bank_equals_loop_over_2d_slices():
+    bank = _params([(4, 16, 48)])[0]
+    slices = [torch.nn.Parameter(bank.detach()[e].clone()) for e in range(4)]
+    a = Muon([bank], ns_dtype=torch.float32, weight_decay=0.1)
+    b = Muon(slices, ns_dtype=torch.float32, weight_decay=0.1)
+    for (g,) in _grads([(4, 16, 48)], 3):
+        bank.grad = g.clone()
+        for e, s in enumerate(slices):
+            s.grad = g[e].clone()
+        a.step()
+        b.step()
+    torch.testing.assert_close(bank.detach(), torch.stack([s.detach() for s in slices]), rtol=1e-6, atol=1e-6)
+
+
+def _gpt_and_opt(seed=0):
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(d_model=32, n_layers=2, context=16))
+    opt = Muon(muon_param_groups(model), lr=0.02, weight_decay=0.01, adamw_lr=1e-3)
+    return model, opt
+
+
+def _train(model, opt, steps, seed, sched=None):
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randint(0, 256, (4, 16), generator=gen)
+        opt.zero_grad()
+        model(x, x).backward()
+        opt.step()
+        if sched is not None:
+            sched.step()
+
+
+def test_resume_from_state_dict_is_exact():
+    straight, opt = _gpt_and_opt()
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    _train(straight, opt, 4, seed=10, sched=sched)
+    model_sd = copy.deepcopy(straight.state_dict())
+    opt_sd = copy.deepcopy(opt.state_dict())
+    sched_sd = copy.deepcopy(sched.state_dict())
+    _train(straight, opt, 4, seed=11, sched=sched)
+
+    resumed, opt2 = _gpt_and_opt(seed=99)  # different init: everything must come from the checkpoint
+    sched2 = torch.optim.lr_scheduler.StepLR(opt2, step_size=3, gamma=0.5)
+    resumed.load_state_dict(model_sd)
+    opt2.load_state_dict(opt_sd)
+    sched2.load_state_dict(sched_sd)
+    _train(resumed, opt2, 4, seed=11, sched=sched2)
+    for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert opt.param_groups[0]["lr"] == opt2.param_groups[0]["lr"] == 0.02 * 0.25
+
+
+def test_state_dict_has_no_names_and_state_is_fp32_for_bf16_params():
+    model, opt = _gpt_and_opt()
+    model.to(torch.bfloat16)
+    _train(model, opt, 1, seed=0)
+    sd = opt.state_dict()
+    assert all("param_names" not in g for g in sd["param_groups"])
+    flat = repr(sd["param_groups"])
+    assert "blocks" not in flat and "tok_emb" not in flat
+    assert opt.param_name(model.blocks[0].attn.qkv.weight) == "blocks.0.attn.qkv.weight"
+    for state in opt.state.values():
+        for k, v in state.items():
+            if k != "step":
+                assert v.dtype == torch.float32
+    opt.load_state_dict(sd)  # reloading keeps fp32 state for bf16 params
+    assert all(v.dtype == torch.float32 for s in opt.state.values() for k, v in s.items() if k != "step")
+
+
+def test_zero_grads_at_lr_zero_leave_params_unchanged_and_state_finite():
+    model, opt = _gpt_and_opt()
+    before = copy.deepcopy(model.state_dict())
+    for group in opt.param_groups:
+        group["lr"] = 0.0
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert len(opt.state) == len(list(model.parameters()))
+    assert all(torch.isfinite(v).all() for s in opt.state.values() for v in s.values())
+
+
+def test_params_without_grad_are_skipped():
+    ps = _params([(8, 16), (8, 16)])
+    before = ps[1].detach().clone()
+    opt = Muon(ps)
+    ps[0].grad = torch.randn(8, 16)
+    opt.step()
+    assert torch.equal(ps[1].detach(), before) and ps[1] not in opt.state
+
+
+def test_named_parameters_are_accepted():
+    model = torch.nn.Linear(8, 4, bias=False)
+    opt = Muon(model.named_parameters())
+    assert opt.param_name(model.weight) == "weight"
+    assert "param_names" not in opt.param_groups[0]
+
+
+def test_adamw_group_matches_torch_adamw():
+    p, q = _params([(6,)]), _params([(6,)])
+    opt = Muon([{"params": p, "algorithm": "adamw", "lr": 1e-2, "weight_decay": 0.1}])
+    ref = torch.optim.AdamW(q, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    for (g,) in _grads([(6,)], 5):
+        p[0].grad, q[0].grad = g.clone(), g.clone()
+        opt.step()
+        ref.step()
+    torch.testing.assert_close(p[0], q[0], rtol=1e-6, atol=1e-7)
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def _one(shape=(4, 8), name=None):
+    p = torch.nn.Parameter(torch.randn(shape))
+    return [(name, p)] if name else [p]
+
+
+@pytest.mark.parametrize("make, kwargs, exc, match", [
+    (lambda: _one((8,), "norm.weight"), {}, ValueError, r"'norm.weight' of shape \(8\)"),
+    (lambda: _one((8,)), {}, ValueError, r"at least 2 dims, got of shape \(8\)"),
+    (lambda: [], {}, ValueError, "empty parameter list"),
+    (lambda: _one(), dict(lr=-1.0), ValueError, "lr must be >= 0"),
+    (lambda: _one(), dict(momentum=1.0), ValueError, r"momentum must be in \[0, 1\)"),
+    (lambda: _one(), dict(momentum=-0.1), ValueError, r"momentum must be in \[0, 1\)"),
+    (lambda: _one(), dict(ns_coefficients="magic"), ValueError, "unknown Newton-Schulz preset 'magic'"),
+    (lambda: _one(), dict(adjust_lr="bogus"), ValueError, "unknown adjust_lr"),
+    (lambda: _one(), dict(momentum_form="heavy"), ValueError, "unknown momentum_form"),
+    (lambda: [{"params": _one(), "algorithm": "sgd"}], {}, ValueError, "unknown algorithm 'sgd'"),
+    (lambda: [{"params": _one(), "algorithm": "adamw", "momentum": 0.9}], {}, ValueError, "unknown option"),
+    (lambda: [torch.randn(4, 4, requires_grad=True) * 2], {}, ValueError, "non-leaf"),
+    (lambda: [torch.nn.Parameter(torch.randn(4, 4, dtype=torch.complex64))], {}, ValueError, "complex"),
+])
+def test_bad_construction(make, kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        Muon(make(), **kwargs)
+
+
+def test_param_in_two_groups_names_it():
+    (name, p), = _one(name="w")
+    with pytest.raises(ValueError, match="'w' of shape \\(4, 8\\) appears in more than one"):
+        Muon([{"params": [(name, p)]}, {"params": [(name, p)]}])
+
+
+@pytest.mark.parametrize("bad_grad, match", [
+    (lambda: torch.randn(4, 8).to_sparse(), "sparse gradient"),
+    (lambda: torch.randn(4, 8, dtype=torch.complex64), "complex gradient"),
+])
+def test_bad_grads_raise_before_anything_changes(bad_grad, match):
+    good = torch.nn.Parameter(torch.randn(4, 8))
+    bad = torch.nn.Parameter(torch.randn(4, 8))
+    opt = Muon([("good", good), ("bad", bad)])
+    good.grad = torch.randn(4, 8)
+    bad.grad_dtype = None  # let autograd's dtype check through, to reach the optimizer's
+    bad.grad = bad_grad()
+    before = good.detach().clone()
+    with pytest.raises(ValueError, match=f"'bad' of shape \\(4, 8\\) has a {match}"):
+        opt.step()
+    assert torch.equal(good.detach(), before) and len(opt.state) == 0

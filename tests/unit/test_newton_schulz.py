@@ -1,0 +1,105 @@
+import pytest
+import torch
+
+from muonlab import PRESETS, newton_schulz, ns_flops
+from muonlab.kernels.newton_schulz import resolve_coefficients
+from muonlab.optim.reference import reference_newton_schulz
+
+
+def _sv(x):
+    return torch.linalg.svdvals(x.float())
+
+
+@pytest.mark.parametrize("shape", [(32, 96), (96, 32), (48, 48)])
+def test_matches_readable_reference_fp32(shape):
+    G = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    fast = newton_schulz(G, dtype=torch.float32)
+    slow = reference_newton_schulz(G, 5, "keller", 1e-7)
+    torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5)
+
+
+def test_batched_equals_per_matrix_and_norm_is_per_matrix():
+    gen = torch.Generator().manual_seed(1)
+    G = torch.randn(3, 2, 16, 40, generator=gen)
+    G[1, 0] *= 1000.0  # a huge matrix must not shrink its neighbours (no norm across the batch)
+    out = newton_schulz(G, dtype=torch.float32)
+    assert out.shape == G.shape
+    for i in range(3):
+        for j in range(2):
+            torch.testing.assert_close(out[i, j], newton_schulz(G[i, j], dtype=torch.float32), rtol=1e-5, atol=1e-6)
+
+
+# Each preset's final singular value band for a random 64 x 256 matrix (measured in fp32; bands
+# are a little wider than measured so BLAS differences pass but a wrong coefficient fails).
+BANDS = {"keller": (0.6, 1.2), "xtuner": (0.9, 1.1), "polar_express": (0.8, 1.2)}
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_presets_leave_singular_values_in_band(preset, dtype):
+    G = torch.randn(64, 256, generator=torch.Generator().manual_seed(2))
+    sv = _sv(newton_schulz(G, coefficients=preset, dtype=dtype))
+    lo, hi = BANDS[preset]
+    assert lo <= sv.min().item() and sv.max().item() <= hi, (preset, sv.min(), sv.max())
+    # and the input's spread (condition number ~ 10) is gone
+    assert sv.max() / sv.min() < 2.0
+
+
+def test_custom_coefficients_and_steps():
+    coeffs = [(2.0, -1.5, 0.5)]  # a convergent cubic-style polynomial, repeated
+    G = torch.randn(16, 32, generator=torch.Generator().manual_seed(3))
+    sv = _sv(newton_schulz(G, steps=25, coefficients=coeffs, dtype=torch.float32))
+    assert (sv - 1).abs().max() < 1e-3
+    assert len(resolve_coefficients("xtuner", 7)) == 7
+    assert resolve_coefficients("xtuner", 7)[-1] == PRESETS["xtuner"][-1]
+
+
+@pytest.mark.parametrize("shape", [(32, 128), (128, 32), (4, 24, 96), (40, 40)])
+def test_gram_form_matches_plain(shape):
+    G = torch.randn(shape, generator=torch.Generator().manual_seed(4))
+    plain = newton_schulz(G, dtype=torch.float32)
+    gram = newton_schulz(G, dtype=torch.float32, form="gram")
+    torch.testing.assert_close(gram, plain, rtol=1e-4, atol=1e-5)
+    # in bf16 the restart keeps it orthogonal
+    sv = _sv(newton_schulz(G, dtype=torch.bfloat16, form="gram"))
+    assert 0.5 < sv.min() and sv.max() < 1.25
+
+
+def test_zero_matrix_maps_to_zero_and_empty_is_fine():
+    assert newton_schulz(torch.zeros(8, 16)).abs().max() == 0
+    assert newton_schulz(torch.zeros(0, 8, 16)).shape == (0, 8, 16)
+
+
+def test_flop_counts():
+    m, n = 64, 256
+    assert ns_flops((m, n), 5) == 5 * (4 * m * m * n + 2 * m**3)
+    assert ns_flops((n, m), 5) == ns_flops((m, n), 5)  # tall inputs are transposed
+    assert ns_flops((3, m, n), 5) == 3 * ns_flops((m, n), 5)
+    # the Gram form saves FLOPs on rectangular matrices, not on square ones
+    assert ns_flops((256, 1024), form="gram") < 0.75 * ns_flops((256, 1024))
+    assert ns_flops((256, 256), form="gram") > ns_flops((256, 256))
+    sym = ns_flops((m, n), 5, backend="triton") / ns_flops((m, n), 5)
+    assert sym <= (3 * m * m * n + m**3) / (4 * m * m * n + 2 * m**3) + 1e-12
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(coefficients="nope"), "unknown Newton-Schulz preset 'nope'"),
+    (dict(coefficients=[(1.0, 2.0)]), "list of \\(a, b, c\\)"),
+    (dict(steps=0), "ns_steps must be a positive integer"),
+    (dict(backend="cuda"), "unknown Newton-Schulz backend"),
+    (dict(form="fast"), "unknown Newton-Schulz form"),
+])
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        newton_schulz(torch.randn(4, 8), **kwargs)
+    with pytest.raises(ValueError, match="at least 2 dims"):
+        newton_schulz(torch.randn(8))
+
+
+def test_triton_backend_without_cuda_is_a_clear_error():
+    if torch.cuda.is_available():
+        pytest.skip("has CUDA")
+    with pytest.raises(ValueError, match="backend='triton' needs"):
+        newton_schulz(torch.randn(4, 8), backend="triton")
+    # auto falls back to torch
+    newton_schulz(torch.randn(4, 8), backend="auto")
