@@ -1,39 +1,32 @@
-"""The ``local`` path: every matrix is whole on this rank, so nothing moves.
+"""The ``local`` path: every matrix this rank needs is already whole here, so nothing moves.
 
-Matrices are grouped by (Newton-Schulz settings, matrix shape) and each group runs as one batched
-Newton-Schulz chain: stacking turns many small matmuls into a few large batched ones.
+Used for a single process and for layouts whose shards are whole matrices (experts on dim 0).
+Each batch is one batched Newton-Schulz chain over all its parameters' matrices.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
-
 import torch
 
-from ..kernels.newton_schulz import newton_schulz
+from .base import PathRun
 
 
-def batch_by_shape(tensors: Sequence[torch.Tensor], keys: Sequence[Hashable]) -> dict[tuple, list[int]]:
-    """Indices of ``tensors`` grouped by (key, last-two-dims shape), in first-seen order."""
-    batches: dict[tuple, list[int]] = {}
-    for i, (t, key) in enumerate(zip(tensors, keys)):
-        batches.setdefault((key, tuple(t.shape[-2:])), []).append(i)
-    return batches
+class LocalRun(PathRun):
+    path = "local"
 
+    def wait_out(self):
+        shape = self.batch.matrix_shape
+        mats = [x.reshape(-1, *shape) for x in self.inputs]
+        stacked = torch.cat(mats) if mats else None
+        return stacked if stacked is not None and stacked.shape[0] else None
 
-def orthogonalize_local(
-    tensors: Sequence[torch.Tensor],
-    keys: Sequence[Hashable],
-    ns_kwargs: Callable[[Hashable], dict],
-) -> list[torch.Tensor]:
-    """Newton-Schulz of each tensor's trailing matrices; tensors with equal (key, shape) batched."""
-    out: list[torch.Tensor | None] = [None] * len(tensors)
-    for (key, (rows, cols)), idx in batch_by_shape(tensors, keys).items():
-        stacked = torch.cat([tensors[i].reshape(-1, rows, cols) for i in idx])
-        ortho = newton_schulz(stacked, **ns_kwargs(key))
-        offset = 0
-        for i in idx:
-            n = tensors[i].numel() // (rows * cols)
-            out[i] = ortho[offset : offset + n].reshape(tensors[i].shape)
+    def send_back(self, ortho):
+        self._ortho = ortho
+
+    def wait_back(self):
+        out, offset = [], 0
+        for x in self.inputs:
+            n = x.numel() // (self.batch.matrix_shape[0] * self.batch.matrix_shape[1]) if x.numel() else 0
+            out.append(self._ortho[offset:offset + n].reshape(x.shape) if n else x.new_zeros(x.shape))
             offset += n
-    return out
+        return out

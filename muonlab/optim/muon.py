@@ -11,9 +11,15 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.optim import Optimizer
 
-from ..kernels.newton_schulz import BACKENDS, FORMS, resolve_coefficients
+from ..comm.collectives import CommCounter
+from ..comm.engine import execute_plan
+from ..comm.layout import MatrixSpec, matrix_spec, process_group_for
+from ..comm.plan import REMAINDER_PATHS, Plan, plan_batches
+from ..kernels.newton_schulz import BACKENDS, FORMS, newton_schulz, resolve_coefficients
+from ..trace import Span, Tracer
 from . import functional as F
 
 ALGORITHMS = ("muon", "adamw")
@@ -30,6 +36,15 @@ MUON_DEFAULTS = dict(
     momentum_form="ema",
 )
 ADAMW_DEFAULTS = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+
+
+def _dist_on() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank holds (a DTensor's local shard, aliasing its storage)."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _fmt(shape) -> str:
@@ -76,6 +91,9 @@ class Muon(Optimizer):
         ns_dtype: torch.dtype | None = torch.bfloat16,
         ns_form: str = "plain",
         ns_backend: str = "torch",
+        process_group=None,
+        comm_dtype: torch.dtype = torch.bfloat16,
+        remainder_path: str = "all_to_all",
     ):
         if ns_form not in FORMS:
             raise ValueError(f"unknown ns_form {ns_form!r}; choose one of {FORMS}")
@@ -92,7 +110,17 @@ class Muon(Optimizer):
         self.ns_dtype = ns_dtype
         self.ns_form = ns_form
         self.ns_backend = ns_backend
+        if remainder_path not in REMAINDER_PATHS:
+            raise ValueError(f"unknown remainder_path {remainder_path!r}; choose one of {REMAINDER_PATHS}")
+        if comm_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise ValueError(f"comm_dtype must be bfloat16, float16 or float32, got {comm_dtype}")
+        self.process_group = process_group
+        self.comm_dtype = comm_dtype
+        self.remainder_path = remainder_path
         self._names: dict[torch.Tensor, str] = {}
+        self._plans: dict[tuple[int, ...], tuple] = {}
+        self._tracer = Tracer(rank=dist.get_rank() if _dist_on() else 0)
+        self._stats: dict = {}
         # Validate every group before torch's constructor stores any of them.
         groups = self._normalise_params(params)
         super().__init__(groups, {})
@@ -238,10 +266,19 @@ class Muon(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         work = self._collect()  # raises before any state changes
-        for group, params in work["adamw"]:
-            self._adamw_group(group, params)
+        self._tracer.reset()
+        counter = CommCounter()
+        phases = {"momentum": 0.0, "communication": 0.0, "newton_schulz": 0.0, "update": 0.0, "adamw": 0.0}
+        with self._tracer.span("adamw") as span:
+            for group, params in work["adamw"]:
+                self._adamw_group(group, params)
+        phases["adamw"] = span.duration
         if work["muon"]:
-            self._muon_step(work["muon"])
+            self._muon_step(work["muon"], counter, phases)
+        self._stats = dict(
+            bytes_sent=dict(counter.sent), bytes_recv=dict(counter.recv), calls=dict(counter.calls),
+            seconds=phases,
+        )
         return loss
 
     def _collect(self) -> dict[str, list]:
@@ -281,10 +318,10 @@ class Muon(Optimizer):
     def _adamw_group(self, group: dict, params: list[torch.Tensor]) -> None:
         states = [self._state_for(p, "adamw") for p in params]
         F.adamw_(
-            params,
-            [p.grad for p in params],
-            [s["exp_avg"] for s in states],
-            [s["exp_avg_sq"] for s in states],
+            [_local(p) for p in params],
+            [_local(p.grad) for p in params],
+            [_local(s["exp_avg"]) for s in states],
+            [_local(s["exp_avg_sq"]) for s in states],
             [s["step"] for s in states],
             lr=float(group["lr"]),
             betas=group["betas"],
@@ -292,28 +329,94 @@ class Muon(Optimizer):
             weight_decay=group["weight_decay"],
         )
 
-    def _muon_step(self, work: list[tuple[dict, list[torch.Tensor]]]) -> None:
-        from ..comm.local import orthogonalize_local
+    # ------------------------------------------------------------------ Muon: plan, then paths
 
-        # 1. momentum, per group, on the local tensors
-        inputs, entries = [], []
-        for group, params in work:
-            bufs = [self._state_for(p, "muon")["momentum_buffer"] for p in params]
-            upd = F.muon_momentum_(
-                [p.grad for p in params], bufs,
-                momentum=group["momentum"], nesterov=group["nesterov"], form=group["momentum_form"],
+    def _muon_entries(self) -> list[tuple[dict, torch.Tensor]]:
+        """Every Muon parameter with its group, in the optimizer's (rank-independent) order."""
+        return [(g, p) for g in self.param_groups if g["algorithm"] == "muon" for p in g["params"]]
+
+    def _replicate_group(self):
+        if self.process_group is not None:
+            return self.process_group
+        return dist.group.WORLD if _dist_on() and dist.get_world_size() > 1 else None
+
+    def _plan_for(self, indices: tuple[int, ...]) -> tuple[Plan, list[MatrixSpec], dict]:
+        """The plan for these Muon parameters (cached: it depends on metadata only)."""
+        if indices not in self._plans:
+            entries = self._muon_entries()
+            replicate = self._replicate_group()
+            specs, keys, groups = [], [], {None: (None, 0)}
+            for i in indices:
+                group, p = entries[i]
+                spec = matrix_spec(i, self._names.get(p, f"param{i}"), p, replicate)
+                specs.append(spec)
+                keys.append(self._ns_key(group))
+                if spec.group not in groups:
+                    groups[spec.group] = process_group_for(p, spec, replicate)
+            plan = plan_batches(
+                specs, keys, comm_itemsize=torch.empty(0, dtype=self.comm_dtype).element_size(),
+                ns_steps=lambda key: key[0], ns_form=self.ns_form, remainder_path=self.remainder_path,
             )
-            inputs.extend(upd)
-            entries.extend((group, p) for p in params)
-        # 2. orthogonalize: same-shape matrices with the same Newton-Schulz settings in one batch
-        keys = [self._ns_key(group) for group, _ in entries]
-        orthos = orthogonalize_local(inputs, keys, self._ns_kwargs)
-        # 3. update, with the lr ratio from each matrix's global shape
-        for (group, p), o in zip(entries, orthos):
-            F.muon_apply_(
-                [p], [o], lr=float(group["lr"]), weight_decay=group["weight_decay"],
-                ratios=[F.adjust_lr_ratio(p.shape[-2:], group["adjust_lr"])],
-            )
+            self._plans[indices] = (plan, {s.index: s for s in specs}, groups)
+        return self._plans[indices]
+
+    def plan(self) -> list:
+        """One record per batch (names, shape, path, ranks, bytes, FLOPs), from global metadata only."""
+        plan, _, _ = self._plan_for(tuple(range(len(self._muon_entries()))))
+        return list(plan)
+
+    def last_step_stats(self) -> dict:
+        """Bytes counted at each collective (per path) and seconds per phase, for the last step."""
+        return dict(self._stats)
+
+    def last_step_spans(self) -> list[Span]:
+        """This rank's spans of the last step (gather them with muonlab.trace.gather_spans)."""
+        return list(self._tracer.spans)
+
+    def _muon_step(self, work: list[tuple[dict, list[torch.Tensor]]], counter: CommCounter, phases: dict) -> None:
+        entries = self._muon_entries()
+        position = {id(p): i for i, (_, p) in enumerate(entries)}
+        indices = tuple(position[id(p)] for _, params in work for p in params)
+        plan, specs, groups = self._plan_for(indices)
+        owner = {}
+        for b in plan:
+            if b.path == "owner":
+                me = groups[b.group][1]
+                owner.update({i: o == me for i, o in zip(b.param_indices, b.owners)})
+
+        # 1. momentum on the local shard (replicated matrices: on their owner only)
+        inputs: dict[int, torch.Tensor | None] = {}
+        with self._tracer.span("momentum") as span:
+            for i in indices:
+                group, p = entries[i]
+                if not owner.get(i, True):
+                    inputs[i] = None
+                    continue
+                buf = _local(self._state_for(p, "muon")["momentum_buffer"])
+                (inputs[i],) = F.muon_momentum_(
+                    [_local(p.grad)], [buf], momentum=group["momentum"], nesterov=group["nesterov"],
+                    form=group["momentum_form"],
+                )
+        phases["momentum"] = span.duration
+
+        # 2. move, orthogonalize, move back (see muonlab.comm.engine)
+        def orthogonalize(key, mats):
+            return newton_schulz(mats, **self._ns_kwargs(key))
+
+        outputs, comm_phases = execute_plan(
+            plan, inputs, groups, orthogonalize, wire_dtype=self.comm_dtype, tracer=self._tracer, counter=counter,
+        )
+        phases.update(comm_phases)
+
+        # 3. update, with the lr ratio from each matrix's GLOBAL shape
+        with self._tracer.span("update") as span:
+            for i in indices:
+                group, p = entries[i]
+                F.muon_apply_(
+                    [_local(p)], [outputs[i]], lr=float(group["lr"]), weight_decay=group["weight_decay"],
+                    ratios=[F.adjust_lr_ratio(specs[i].matrix_shape, group["adjust_lr"])],
+                )
+        phases["update"] = span.duration
 
     @staticmethod
     def _ns_key(group: dict) -> tuple:

@@ -1,0 +1,137 @@
+"""Where a parameter's matrices live: read once from GLOBAL metadata, identical on every rank.
+
+A ``MatrixSpec`` says, for one Muon parameter, what the planner needs and nothing that differs
+between ranks: the global shape, how it is laid out over which group of ranks, and how many rows
+(dim-0 entries) each rank of that group holds. Layouts:
+
+* ``whole``: every rank that holds data holds whole matrices. A single process, or a DTensor of 3+
+  dims sharded on dim 0 (experts): no communication.
+* ``row_shard``: a 2-D DTensor sharded on dim 0 (FSDP2): rank i holds rows of every matrix, as
+  ``torch.chunk`` splits them (so trailing ranks may hold none).
+* ``replicated``: a plain tensor replicated over a process group (DDP): one owner per matrix.
+* ``gather_all``: any other DTensor placement; handled by a padded full gather (the fallback).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+try:
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+except ImportError:  # pragma: no cover - torch without distributed
+    DTensor = Replicate = Shard = None  # type: ignore[assignment,misc]
+
+LAYOUTS = ("whole", "row_shard", "replicated", "gather_all")
+
+
+@dataclass(frozen=True)
+class GroupKey:
+    """A process group named by its members, never by a Python object's identity.
+
+    ``ranks`` are global ranks in group order; ``mesh_dim`` names the mesh axis when the group is
+    one axis of a DeviceMesh (empty for a plain process group). For a mesh axis, every slice of the
+    axis has the same shape, so the plan is written with group-local ranks 0..size-1.
+    """
+
+    mesh_ranks: tuple[int, ...]
+    mesh_shape: tuple[int, ...]
+    mesh_dim: str
+    size: int
+
+
+@dataclass(frozen=True)
+class MatrixSpec:
+    index: int
+    """Position of the parameter in the optimizer's parameter order."""
+    name: str
+    shape: tuple[int, ...]
+    """Global shape of the parameter."""
+    layout: str
+    group: GroupKey | None
+    """Group the parameter is sharded or replicated over (None: this process only)."""
+    rows: tuple[int, ...] = ()
+    """Entries of the sharded dim held by each group-local rank (torch.chunk sizes)."""
+    shard_dim: int = 0
+    """The tensor dim the group shards (gather_all may shard any dim)."""
+
+    @property
+    def matrix_shape(self) -> tuple[int, int]:
+        return self.shape[-2], self.shape[-1]
+
+    @property
+    def num_matrices(self) -> int:
+        n = 1
+        for d in self.shape[:-2]:
+            n *= d
+        return n
+
+    def local_num_matrices(self, group_rank: int) -> int:
+        """Whole matrices held by one group-local rank (layout 'whole')."""
+        if not self.rows:
+            return self.num_matrices
+        per_row = self.num_matrices // self.shape[0]
+        return self.rows[group_rank] * per_row
+
+
+def chunk_sizes(dim_size: int, parts: int) -> tuple[int, ...]:
+    """Sizes ``torch.chunk`` (and so FSDP2's Shard(0)) gives: ceil-sized chunks, trailing ones short or empty."""
+    step = -(-dim_size // parts) if dim_size else 0
+    return tuple(max(0, min(step, dim_size - i * step)) for i in range(parts))
+
+
+def group_key_for_mesh(mesh, mesh_dim: int) -> GroupKey:
+    names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
+    return GroupKey(tuple(mesh.mesh.flatten().tolist()), tuple(mesh.mesh.shape), names[mesh_dim],
+                    mesh.mesh.shape[mesh_dim])
+
+
+def group_key_for_pg(group) -> GroupKey:
+    ranks = tuple(dist.get_process_group_ranks(group))
+    return GroupKey(ranks, (len(ranks),), "", len(ranks))
+
+
+def matrix_spec(index: int, name: str, p: torch.Tensor, replicate_group=None) -> MatrixSpec:
+    """The layout of parameter ``p`` from its own metadata.
+
+    ``replicate_group``: the process group a plain tensor is replicated over (None: not
+    distributed, or a single rank).
+    """
+    shape = tuple(p.shape)
+    if DTensor is not None and isinstance(p, DTensor):
+        mesh, placements = p.device_mesh, p.placements
+        sharded = [(i, pl) for i, pl in enumerate(placements) if not isinstance(pl, Replicate)]
+        if not sharded and mesh.ndim == 1:
+            # replicated like DDP: each matrix gets one owner instead of redundant NS everywhere
+            return MatrixSpec(index, name, shape, "replicated", group_key_for_mesh(mesh, 0))
+        if len(sharded) == 1 and isinstance(sharded[0][1], Shard):
+            mesh_dim, dim = sharded[0][0], sharded[0][1].dim
+            key = group_key_for_mesh(mesh, mesh_dim)
+            rows = chunk_sizes(shape[dim], key.size)
+            if dim == 0:
+                # 2-D: every rank holds rows of the matrix; 3-D+: whole matrices (experts)
+                layout = "row_shard" if len(shape) == 2 else "whole"
+                return MatrixSpec(index, name, shape, layout, key, rows)
+            return MatrixSpec(index, name, shape, "gather_all", key, rows, shard_dim=dim)
+        raise ValueError(
+            f"Muon parameter '{name}' of shape {shape} has placements {tuple(placements)} on mesh "
+            f"{tuple(mesh.mesh.shape)}; supported: one Shard(dim) on one mesh axis (others Replicate), "
+            "or Replicate on a 1-D mesh"
+        )
+    if replicate_group is not None and dist.get_world_size(replicate_group) > 1:
+        return MatrixSpec(index, name, shape, "replicated", group_key_for_pg(replicate_group))
+    return MatrixSpec(index, name, shape, "whole", None)
+
+
+def process_group_for(p: torch.Tensor, spec: MatrixSpec, replicate_group) -> tuple[object, int]:
+    """(torch ProcessGroup, this rank's index in it) for a parameter's spec."""
+    if spec.group is None:
+        return None, 0
+    if DTensor is not None and isinstance(p, DTensor):
+        mesh = p.device_mesh
+        names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
+        dim = names.index(spec.group.mesh_dim)
+        return mesh.get_group(dim), mesh.get_local_rank(dim)
+    return replicate_group, dist.get_group_rank(replicate_group, dist.get_rank())

@@ -1,0 +1,274 @@
+"""The plan of a Muon step: which matrices go together, on which path, at what cost.
+
+``plan_batches`` reads only ``MatrixSpec`` metadata (global shapes, layouts, group sizes), so every
+rank computes the same plan, and a simulation at thousands of ranks runs the very same function.
+Bytes are the logical bytes that leave (``bytes_sent``) and enter (``bytes_recv``) each rank, in
+the wire dtype, excluding a rank's copy to itself; the collectives count the same at the call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+
+from ..kernels.newton_schulz import ns_flops
+from .layout import GroupKey, MatrixSpec
+
+PATHS = ("local", "all_to_all", "agrs", "owner", "gather_all")
+REMAINDER_PATHS = ("all_to_all", "agrs")
+
+
+@dataclass
+class BatchPlan:
+    """One batch of same-shape matrices moved and orthogonalized together."""
+
+    index: int
+    path: str
+    names: tuple[str, ...]
+    param_indices: tuple[int, ...]
+    matrix_shape: tuple[int, int]
+    num_matrices: int
+    group: GroupKey | None
+    ns_key: Hashable
+    ranks: tuple[int, ...]
+    """Group-local ranks that take part (send, receive or compute)."""
+    owners: tuple[int, ...] = ()
+    """Group-local rank that orthogonalizes each parameter of the batch (empty for local)."""
+    bytes_sent: tuple[int, ...] = ()
+    bytes_recv: tuple[int, ...] = ()
+    flops: tuple[int, ...] = ()
+    """Newton-Schulz FLOPs per group-local rank."""
+    rows: tuple[int, ...] = ()
+    """Sharded-dim entries per group-local rank (same for every parameter of the batch)."""
+    param_shapes: tuple[tuple[int, ...], ...] = ()
+    """Global shape of each parameter of the batch."""
+    shard_dim: int = 0
+    notes: str = ""
+
+    @property
+    def param_numels(self) -> tuple[int, ...]:
+        return tuple(_numel(s) for s in self.param_shapes)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bytes_sent)
+
+    def as_row(self) -> dict:
+        return dict(batch=self.index, path=self.path, shape=self.matrix_shape, matrices=self.num_matrices,
+                    names=", ".join(self.names), ranks=len(self.ranks),
+                    max_bytes_sent=max(self.bytes_sent, default=0), total_bytes=self.total_bytes,
+                    max_flops=max(self.flops, default=0), notes=self.notes)
+
+
+@dataclass
+class Plan:
+    batches: list[BatchPlan] = field(default_factory=list)
+
+    def __iter__(self):
+        return iter(self.batches)
+
+    def __len__(self):
+        return len(self.batches)
+
+    def bytes_by_path(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for b in self.batches:
+            out[b.path] = out.get(b.path, 0) + b.total_bytes
+        return out
+
+    def flops_per_rank(self) -> list[int]:
+        size = max((b.group.size if b.group else 1) for b in self.batches) if self.batches else 1
+        out = [0] * size
+        for b in self.batches:
+            for r, f in enumerate(b.flops):
+                out[r] += f
+        return out
+
+    def table(self) -> str:
+        head = f"{'#':>3} {'path':<11}{'shape':<13}{'mats':>5}{'ranks':>6}{'max sent B':>12}{'max NS GFLOP':>13}  names"
+        lines = [head]
+        for b in self.batches:
+            r = b.as_row()
+            lines.append(f"{r['batch']:>3} {r['path']:<11}{str(r['shape']):<13}{r['matrices']:>5}{r['ranks']:>6}"
+                         f"{r['max_bytes_sent']:>12}{r['max_flops'] / 1e9:>13.4f}  {r['names']}")
+        return "\n".join(lines)
+
+
+def _zeros(n: int) -> list[int]:
+    return [0] * n
+
+
+def _all_to_all_bytes(rows: Sequence[int], cols: int, owners: Sequence[int], itemsize: int):
+    """Out: each rank sends its rows of matrix i to owner i; back: owner i returns each rank's rows."""
+    size = len(rows)
+    sent, recv = _zeros(size), _zeros(size)
+    for o in owners:
+        for q in range(size):
+            if q == o:
+                continue
+            chunk = rows[q] * cols * itemsize
+            sent[q] += chunk  # out
+            recv[o] += chunk
+            sent[o] += chunk  # back
+            recv[q] += chunk
+    return sent, recv
+
+
+def _agrs_bytes(rows: Sequence[int], cols: int, owners: Sequence[int], itemsize: int):
+    """Out: all-gather of every rank's rows of all k matrices; back: as all_to_all."""
+    size, k = len(rows), len(owners)
+    sent, recv = _zeros(size), _zeros(size)
+    total = sum(rows) * cols * itemsize * k
+    for q in range(size):
+        mine = rows[q] * cols * itemsize * k
+        sent[q] += (size - 1) * mine
+        recv[q] += total - mine
+    for o in owners:
+        for q in range(size):
+            if q != o:
+                chunk = rows[q] * cols * itemsize
+                sent[o] += chunk
+                recv[q] += chunk
+    return sent, recv
+
+
+def _gather_bytes(payload: Sequence[int]):
+    """An all-gather where rank q contributes payload[q] bytes."""
+    size, total = len(payload), sum(payload)
+    return [(size - 1) * p for p in payload], [total - p for p in payload]
+
+
+def _least_loaded(load: list[int], candidates: Sequence[int], prefer: Sequence[int] | None = None) -> int:
+    # ties go to the rank holding more rows (fewer bytes move), then the lowest rank
+    return min(candidates, key=lambda r: (load[r], -(prefer[r] if prefer else 0), r))
+
+
+def plan_batches(
+    specs: Sequence[MatrixSpec],
+    ns_keys: Sequence[Hashable],
+    *,
+    comm_itemsize: int = 2,
+    ns_steps: Callable[[Hashable], int] = lambda key: 5,
+    ns_form: str = "plain",
+    remainder_path: str = "all_to_all",
+) -> Plan:
+    """Group matrices into batches and give each a path, owners, bytes and FLOPs.
+
+    Args:
+        specs: one MatrixSpec per Muon parameter, in the optimizer's order (same on every rank).
+        ns_keys: Newton-Schulz settings per parameter; only equal keys share a batch.
+        comm_itemsize: bytes per element on the wire (2 for bf16, 4 for fp32).
+        ns_steps: iterations for a key (FLOP counts).
+        remainder_path: path of a row-sharded batch with fewer matrices than ranks.
+    """
+    if remainder_path not in REMAINDER_PATHS:
+        raise ValueError(f"remainder_path must be one of {REMAINDER_PATHS}, got {remainder_path!r}")
+    # same group, layout, matrix shape and NS settings -> one bucket, in first-seen order
+    buckets: dict[tuple, list[int]] = {}
+    for i, (spec, key) in enumerate(zip(specs, ns_keys)):
+        buckets.setdefault((spec.group, spec.layout, spec.matrix_shape, key), []).append(i)
+
+    plan = Plan()
+    loads: dict[GroupKey | None, list[int]] = {}
+
+    def flops_of(i: int) -> int:
+        return ns_flops(specs[i].matrix_shape, ns_steps(ns_keys[i]), form=ns_form)
+
+    def add(path, idx, group, key, ranks, owners=(), sent=(), recv=(), flops=(), notes=""):
+        plan.batches.append(BatchPlan(
+            index=len(plan.batches), path=path, names=tuple(specs[i].name for i in idx),
+            param_indices=tuple(specs[i].index for i in idx), matrix_shape=specs[idx[0]].matrix_shape,
+            num_matrices=sum(specs[i].num_matrices for i in idx), group=group, ns_key=key,
+            ranks=tuple(ranks), owners=tuple(owners), bytes_sent=tuple(sent), bytes_recv=tuple(recv),
+            flops=tuple(flops), rows=specs[idx[0]].rows, param_shapes=tuple(specs[i].shape for i in idx),
+            shard_dim=specs[idx[0]].shard_dim, notes=notes))
+
+    remainders = []  # (group, key, indices) of row-sharded buckets' leftovers
+    replicated: dict[GroupKey, list[tuple]] = {}
+    for (group, layout, shape, key), idx in buckets.items():
+        size = group.size if group else 1
+        load = loads.setdefault(group, _zeros(size))
+        if layout == "whole":
+            per_matrix = flops_of(idx[0])
+            flops = [sum(specs[i].local_num_matrices(r) for i in idx) * per_matrix for r in range(size)]
+            for r in range(size):
+                load[r] += flops[r]
+            add("local", idx, group, key, [r for r in range(size) if flops[r]] or [0],
+                sent=_zeros(size), recv=_zeros(size), flops=flops)
+        elif layout == "row_shard":
+            rows = specs[idx[0]].rows
+            full = len(idx) - len(idx) % size
+            for start in range(0, full, size):
+                chunk = idx[start:start + size]
+                owners = list(range(size))
+                sent, recv = _all_to_all_bytes(rows, shape[1], owners, comm_itemsize)
+                flops = [flops_of(i) for i in chunk]
+                for r in range(size):
+                    load[r] += flops[r]
+                add("all_to_all", chunk, group, key, range(size), owners, sent, recv, flops)
+            if full < len(idx):
+                remainders.append((group, key, idx[full:]))
+        elif layout == "replicated":
+            replicated.setdefault(group, []).extend((i, key) for i in idx)
+        elif layout == "gather_all":
+            for i in idx:
+                spec = specs[i]
+                dim_size = spec.shape[spec.shard_dim]
+                padded = -(-dim_size // size) * (_numel(spec.shape) // max(dim_size, 1)) * comm_itemsize
+                sent, recv = _gather_bytes([padded] * size)
+                add("gather_all", [i], group, key, range(size), sent=sent, recv=recv,
+                    flops=[flops_of(i) * spec.num_matrices] * size,
+                    notes=f"fallback for Shard({spec.shard_dim}): padded all-gather, every rank computes it")
+        else:  # pragma: no cover - MatrixSpec validates layouts
+            raise AssertionError(layout)
+
+    # Remainders, largest first, to the least-loaded ranks (LPT keeps max-rank FLOPs near the mean).
+    for group, key, idx in sorted(remainders, key=lambda t: -flops_of(t[2][0])):
+        size = group.size
+        load = loads[group]
+        rows = specs[idx[0]].rows
+        owners = []
+        for i in idx:
+            o = _least_loaded(load, [r for r in range(size) if r not in owners], rows)
+            owners.append(o)
+            load[o] += flops_of(i)
+        shape = specs[idx[0]].matrix_shape
+        if remainder_path == "agrs":
+            sent, recv = _agrs_bytes(rows, shape[1], owners, comm_itemsize)
+        else:
+            sent, recv = _all_to_all_bytes(rows, shape[1], owners, comm_itemsize)
+        flops = _zeros(size)
+        for i, o in zip(idx, owners):
+            flops[o] += flops_of(i)
+        add(remainder_path, idx, group, key, range(size), owners, sent, recv, flops,
+            notes=f"remainder: {len(idx)} < {size} matrices")
+
+    # Replicated (DDP): each parameter gets one owner, by LPT over the whole group.
+    for group, items in replicated.items():
+        size = group.size
+        load = loads[group]
+        cost = {i: flops_of(i) * specs[i].num_matrices for i, _ in items}
+        owner_of = {}
+        for i, _ in sorted(items, key=lambda t: (-cost[t[0]], t[0])):
+            o = _least_loaded(load, range(size))
+            owner_of[i] = o
+            load[o] += cost[i]
+        by_shape: dict[tuple, list[int]] = {}
+        for i, key in items:
+            by_shape.setdefault((specs[i].matrix_shape, key), []).append(i)
+        for (shape, key), idx in by_shape.items():
+            payload = _zeros(size)
+            flops = _zeros(size)
+            for i in idx:
+                payload[owner_of[i]] += specs[i].num_matrices * shape[0] * shape[1] * comm_itemsize
+                flops[owner_of[i]] += cost[i]
+            sent, recv = _gather_bytes(payload)
+            add("owner", idx, group, key, range(size), [owner_of[i] for i in idx], sent, recv, flops)
+    return plan
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
