@@ -56,5 +56,6 @@ class AllToAllRun(PathRun):
     def wait_back(self):
         flat = self._back.wait()
         # received blocks arrive in source-rank order, i.e. in owner-rank order
-        per_owner = dict(zip(sorted(set(self.batch.owners)), flat.split(self.rows[self.me] * self.cols)))
+        n = self.rows[self.me] * self.cols  # may be 0: an empty trailing shard
+        per_owner = {o: flat[k * n:(k + 1) * n] for k, o in enumerate(sorted(set(self.batch.owners)))}
         return [per_owner[o].view(x.shape) for o, x in zip(self.batch.owners, self.inputs)]

@@ -109,6 +109,8 @@ def matrix_spec(index: int, name: str, p: torch.Tensor, replicate_group=None) ->
         if len(sharded) == 1 and isinstance(sharded[0][1], Shard):
             mesh_dim, dim = sharded[0][0], sharded[0][1].dim
             key = group_key_for_mesh(mesh, mesh_dim)
+            if key.size == 1:  # a one-rank axis holds everything: nothing to move
+                return MatrixSpec(index, name, shape, "whole", None)
             rows = chunk_sizes(shape[dim], key.size)
             if dim == 0:
                 # 2-D: every rank holds rows of the matrix; 3-D+: whole matrices (experts)

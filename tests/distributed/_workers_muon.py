@@ -1,0 +1,172 @@
+"""Worker functions for the distributed Muon tests (importable by spawned children).
+
+Each returns plain data (full tensors, plan rows, byte counts) so the parent compares against a
+single-process reference computed the same way.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from muonlab import Muon, muon_param_groups
+from muonlab.models import GPT, GPTConfig
+
+GPT_CFG = dict(d_model=24, n_layers=2, n_heads=2, context=16)
+HYPER = dict(lr=0.02, weight_decay=0.01, momentum=0.9)
+STEPS = 5
+BATCH_PER_RANK = 2
+
+
+def _full(t):
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+
+
+def _plan_bytes(opt, group_rank_of):
+    """What the plan says this rank sends/receives, per path."""
+    sent, recv = {}, {}
+    for b in opt.plan():
+        r = group_rank_of(b)
+        sent[b.path] = sent.get(b.path, 0) + b.bytes_sent[r]
+        recv[b.path] = recv.get(b.path, 0) + b.bytes_recv[r]
+    return {k: v for k, v in sent.items() if v or k in recv}, {k: v for k, v in recv.items()}
+
+
+def gpt_batches(world: int, steps: int = STEPS):
+    gen = torch.Generator().manual_seed(5)
+    return [torch.randint(0, 256, (world * BATCH_PER_RANK, GPT_CFG["context"]), generator=gen) for _ in range(steps)]
+
+
+def single_process_gpt(world: int, ns_dtype: torch.dtype, steps: int = STEPS):
+    """The reference: one process, the whole global batch."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**GPT_CFG))
+    opt = Muon(muon_param_groups(model), ns_dtype=ns_dtype, **HYPER)
+    for x in gpt_batches(world, steps):
+        model(x, x).backward()
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _train_gpt(mode: str, precision: str):
+    from muonlab.distributed import apply_ddp, apply_fsdp, build_mesh
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    dtype = torch.float32 if precision == "fp32" else torch.bfloat16
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**GPT_CFG))
+    groups = muon_param_groups(model)
+    if mode == "fsdp":
+        model = apply_fsdp(model, build_mesh())
+        groups = muon_param_groups(model)
+    else:
+        model = apply_ddp(model)
+        groups = muon_param_groups(model.module)
+    opt = Muon(groups, ns_dtype=dtype, comm_dtype=dtype, **HYPER)
+    for x in gpt_batches(world):
+        xs = x[rank * BATCH_PER_RANK:(rank + 1) * BATCH_PER_RANK]
+        model(xs, xs).backward()
+        opt.step()
+        opt.zero_grad()
+    inner = model.module if mode == "ddp" else model
+    params = {n: _full(p) for n, p in inner.named_parameters()}
+    stats = opt.last_step_stats()
+    plan_sent, plan_recv = _plan_bytes(opt, lambda b: rank)
+    rows = [(b.path, b.names, b.owners, b.bytes_sent, b.flops) for b in opt.plan()]
+    return dict(params=params, sent=stats["bytes_sent"], recv=stats["bytes_recv"], plan_sent=plan_sent,
+                plan_recv=plan_recv, plan=rows, spans=len(opt.last_step_spans()))
+
+
+def gpt_runs(cases):
+    """Several (mode, precision) trainings in one launch: process start-up is the slow part."""
+    return {case: _train_gpt(*case) for case in cases}
+
+
+# ---------------------------------------------------------------- every path, explicit layouts
+
+def path_params(world: int):
+    """(name, global shape, placement kind) of a set of parameters that exercises every path."""
+    specs = [(f"even{i}", (8, 10), "shard0") for i in range(world + 1)]  # a full batch + a remainder
+    specs += [("rows_uneven_a", (6, 10), "shard0"), ("rows_uneven_b", (6, 10), "shard0")]  # 2,2,2,0 on 4
+    specs += [("rows_uneven_c", (10, 7), "shard0")]  # 3,3,3,1 on 4; 4,4,2 on 3
+    specs += [("experts", (5, 6, 8), "shard0")]  # whole experts: 2,2,1,0 on 4 -> local
+    specs += [("cols", (8, 6), "shard1")]  # no fast path -> gather_all fallback
+    specs += [(f"replicated{i}", (12, 5), "replicate") for i in range(3)]  # plain tensors -> owner
+    if world == 4:
+        specs += [("second_mesh", (9, 4), "hsdp")]  # another mesh: 2 x 2, sharded on its 2nd axis
+    return specs
+
+
+def init_tensor(shape, seed):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+
+def grads_for(shape, seed, step):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(1000 * seed + step))
+
+
+def run_paths(world: int, remainder_path: str, precision: str, steps: int = 3):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    dtype = torch.float32 if precision == "fp32" else torch.bfloat16
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    mesh2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("rep", "shard")) if world == 4 else None
+    placement = {
+        "shard0": (mesh, [Shard(0)]), "shard1": (mesh, [Shard(1)]),
+        "hsdp": (mesh2, [Replicate(), Shard(0)]),
+    }
+    params, layouts = [], []
+    for seed, (name, shape, kind) in enumerate(path_params(world)):
+        full = init_tensor(shape, seed)
+        if kind == "replicate":
+            p = torch.nn.Parameter(full)
+        else:
+            m, pl = placement[kind]
+            p = torch.nn.Parameter(distribute_tensor(full, m, pl))
+        params.append((name, p))
+        layouts.append(placement.get(kind))
+    opt = Muon(params, ns_dtype=dtype, comm_dtype=dtype, remainder_path=remainder_path, **HYPER)
+    for step in range(steps):
+        for seed, ((name, p), layout) in enumerate(zip(params, layouts)):
+            g = grads_for(p.shape, seed, step)
+            p.grad = g if layout is None else distribute_tensor(g, *layout)
+        opt.step()
+    stats = opt.last_step_stats()
+    rank = dist.get_rank()
+
+    def group_rank(b):
+        if b.group is not None and b.group.mesh_dim == "shard":
+            return mesh2.get_local_rank("shard")
+        return rank
+
+    plan_sent, plan_recv = _plan_bytes(opt, group_rank)
+    return dict(
+        params={n: _full(p) for n, p in params},
+        momentum={n: _full(opt.state[p]["momentum_buffer"]) for n, p in params if p in opt.state},
+        sent=stats["bytes_sent"], recv=stats["bytes_recv"], plan_sent=plan_sent, plan_recv=plan_recv,
+        plan=[(b.path, b.names, b.owners, b.bytes_sent, b.flops) for b in opt.plan()],
+        spans=[(s.name, s.path, s.bytes_sent) for s in opt.last_step_spans()],
+    )
+
+
+def path_runs(world: int, cases):
+    return {case: run_paths(world, *case) for case in cases}
+
+
+def single_process_paths(world: int, precision: str, steps: int = 3):
+    dtype = torch.float32 if precision == "fp32" else torch.bfloat16
+    params = [(name, torch.nn.Parameter(init_tensor(shape, seed)))
+              for seed, (name, shape, _) in enumerate(path_params(world))]
+    opt = Muon(params, ns_dtype=dtype, **HYPER)
+    for step in range(steps):
+        for seed, (_, p) in enumerate(params):
+            p.grad = grads_for(p.shape, seed, step)
+        opt.step()
+    return {n: p.detach().clone() for n, p in params}
+
+
+def everything(world: int, gpt_cases, path_cases):
+    """All checks of one world size in one launch."""
+    return dict(gpt=gpt_runs(gpt_cases), paths=path_runs(world, path_cases))

@@ -1,0 +1,108 @@
+"""The same Muon on FSDP2, DDP and explicit DTensor layouts equals the single-process Muon.
+
+One launch per world size runs every case (worker start-up dominates the cost).
+"""
+
+import pytest
+import torch
+
+from muonlab.distributed import launch
+
+from . import _workers_muon as W
+
+GPT_CASES = [("fsdp", "fp32"), ("fsdp", "bf16"), ("ddp", "fp32"), ("ddp", "bf16")]
+PATH_CASES = [("all_to_all", "fp32"), ("agrs", "fp32"), ("all_to_all", "bf16")]
+TOLERANCE = {"fp32": 1e-5, "bf16": 3e-2}
+
+
+def rel_displacement(got: dict, ref: dict, start: dict) -> float:
+    """||(got - start) - (ref - start)|| / ||ref - start|| over all parameters together."""
+    num = sum(((got[n] - ref[n]).double() ** 2).sum() for n in ref)
+    den = sum(((ref[n] - start[n]).double() ** 2).sum() for n in ref)
+    return float((num / den).sqrt())
+
+
+@pytest.fixture(scope="module", params=[1, 2, 3, 4], ids=lambda w: f"world{w}")
+def world_results(request):
+    world = request.param
+    return world, launch(W.everything, world, world, GPT_CASES, PATH_CASES, timeout_s=400)
+
+
+def _gpt_start():
+    torch.manual_seed(0)
+    from muonlab.models import GPT, GPTConfig
+
+    return {n: p.detach().clone() for n, p in GPT(GPTConfig(**W.GPT_CFG)).named_parameters()}
+
+
+@pytest.mark.timeout(600)
+def test_fsdp_and_ddp_match_single_process(world_results):
+    world, results = world_results
+    start = _gpt_start()
+    for mode, precision in GPT_CASES:
+        ref = W.single_process_gpt(world, torch.float32 if precision == "fp32" else torch.bfloat16)
+        for rank, res in results.items():
+            got = res["gpt"][(mode, precision)]["params"]
+            err = rel_displacement(got, ref, start)
+            assert err <= TOLERANCE[precision], (world, mode, precision, rank, err)
+
+
+@pytest.mark.timeout(600)
+def test_gpt_plan_identical_on_every_rank_bytes_match_and_no_padding(world_results):
+    world, results = world_results
+    for case in GPT_CASES:
+        plans = [res["gpt"][case]["plan"] for res in results.values()]
+        assert all(p == plans[0] for p in plans), case
+        paths = {row[0] for row in plans[0]}
+        assert "gather_all" not in paths
+        expected = {"fsdp": {"all_to_all"}, "ddp": {"owner"}}[case[0]] if world > 1 else {"local"}
+        assert paths == expected, (case, paths)
+        for rank, res in results.items():
+            r = res["gpt"][case]
+            assert r["sent"] == {k: v for k, v in r["plan_sent"].items() if k in r["sent"]}, (case, rank)
+            assert sum(r["sent"].values()) == sum(r["plan_sent"].values())
+            assert r["recv"] == {k: v for k, v in r["plan_recv"].items() if k in r["recv"]}, (case, rank)
+            assert sum(r["recv"].values()) == sum(r["plan_recv"].values())
+            assert r["spans"] > 0
+
+
+@pytest.mark.timeout(600)
+def test_every_path_matches_single_process(world_results):
+    world, results = world_results
+    for remainder, precision in PATH_CASES:
+        ref = W.single_process_paths(world, precision)
+        start = {n: W.init_tensor(s, seed) for seed, (n, s, _) in enumerate(W.path_params(world))}
+        for rank, res in results.items():
+            r = res["paths"][(remainder, precision)]
+            err = rel_displacement(r["params"], ref, start)
+            assert err <= TOLERANCE[precision], (world, remainder, precision, rank, err)
+            # each matrix individually too: a wrong owner or block order shows up here
+            for n in ref:
+                e = rel_displacement({n: r["params"][n]}, {n: ref[n]}, {n: start[n]})
+                assert e <= TOLERANCE[precision] * 10, (n, e)
+
+
+@pytest.mark.timeout(600)
+def test_paths_taken_bytes_counted_and_momentum_on_owner_only(world_results):
+    world, results = world_results
+    for remainder, precision in PATH_CASES:
+        rows = [res["paths"][(remainder, precision)] for res in results.values()]
+        assert all(r["plan"] == rows[0]["plan"] for r in rows)
+        paths = {row[0] for row in rows[0]["plan"]}
+        if world == 1:
+            assert paths == {"local"}
+            continue
+        assert {"local", "all_to_all", "owner", "gather_all"} <= paths, paths
+        assert (remainder == "agrs") == ("agrs" in paths)
+        gather_rows = [row for row in rows[0]["plan"] if row[0] == "gather_all"]
+        assert [row[1] for row in gather_rows] == [("cols",)]  # the fallback only where nothing else applies
+        for r in rows:
+            assert r["sent"] == {k: v for k, v in r["plan_sent"].items() if v or k in r["sent"]}
+            assert sum(r["recv"].values()) == sum(r["plan_recv"].values())
+            assert {"comm_out", "newton_schulz", "comm_back", "momentum", "update"} <= {s[0] for s in r["spans"]}
+        # replicated matrices: exactly one rank keeps each one's momentum
+        owners = [row for row in rows[0]["plan"] if row[0] == "owner"]
+        for row in owners:
+            for name, owner in zip(row[1], row[2]):
+                holders = [rank for rank, r in enumerate(rows) if name in r["momentum"]]
+                assert holders == [owner], (name, holders, owner)
