@@ -9,13 +9,16 @@ the wire dtype, excluding a rank's copy to itself; the collectives count the sam
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..kernels.newton_schulz import ns_flops
 from .layout import GroupKey, MatrixSpec
 
 PATHS = ("local", "all_to_all", "agrs", "owner", "gather_all")
 REMAINDER_PATHS = ("all_to_all", "agrs")
+# "muonlab": the planner below. "redundant": the baseline every distributed Muon is measured
+# against, in which every rank gathers and orthogonalizes every matrix.
+STRATEGIES = ("muonlab", "redundant")
 
 
 @dataclass
@@ -151,6 +154,7 @@ def plan_batches(
     ns_steps: Callable[[Hashable], int] = lambda key: 5,
     ns_form: str = "plain",
     remainder_path: str = "all_to_all",
+    strategy: str = "muonlab",
 ) -> Plan:
     """Group matrices into batches and give each a path, owners, bytes and FLOPs.
 
@@ -160,9 +164,14 @@ def plan_batches(
         comm_itemsize: bytes per element on the wire (2 for bf16, 4 for fp32).
         ns_steps: iterations for a key (FLOP counts).
         remainder_path: path of a row-sharded batch with fewer matrices than ranks.
+        strategy: "muonlab" or "redundant" (see STRATEGIES).
     """
     if remainder_path not in REMAINDER_PATHS:
         raise ValueError(f"remainder_path must be one of {REMAINDER_PATHS}, got {remainder_path!r}")
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    if strategy == "redundant":
+        specs = [_redundant(s) for s in specs]
     # same group, layout, matrix shape and NS settings -> one bucket, in first-seen order
     buckets: dict[tuple, list[int]] = {}
     for i, (spec, key) in enumerate(zip(specs, ns_keys)):
@@ -227,10 +236,11 @@ def plan_batches(
         size = group.size
         load = loads[group]
         rows = specs[idx[0]].rows
-        owners = []
+        owners, taken = [], set()
         for i in idx:
-            o = _least_loaded(load, [r for r in range(size) if r not in owners], rows)
+            o = _least_loaded(load, [r for r in range(size) if r not in taken], rows)
             owners.append(o)
+            taken.add(o)
             load[o] += flops_of(i)
         shape = specs[idx[0]].matrix_shape
         if remainder_path == "agrs":
@@ -265,6 +275,14 @@ def plan_batches(
             sent, recv = _gather_bytes(payload)
             add("owner", idx, group, key, range(size), [owner_of[i] for i in idx], sent, recv, flops)
     return plan
+
+
+def _redundant(spec: MatrixSpec) -> MatrixSpec:
+    if spec.layout == "row_shard":
+        return replace(spec, layout="gather_all")
+    if spec.layout == "replicated":
+        return replace(spec, layout="whole", group=None, rows=())
+    return spec
 
 
 def _numel(shape) -> int:

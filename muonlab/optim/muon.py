@@ -17,7 +17,7 @@ from torch.optim import Optimizer
 from ..comm.collectives import CommCounter
 from ..comm.engine import execute_plan
 from ..comm.layout import MatrixSpec, matrix_spec, process_group_for
-from ..comm.plan import REMAINDER_PATHS, Plan, plan_batches
+from ..comm.plan import REMAINDER_PATHS, STRATEGIES, Plan, plan_batches
 from ..kernels.newton_schulz import BACKENDS, FORMS, newton_schulz, resolve_coefficients
 from ..trace import Span, Tracer
 from . import functional as F
@@ -69,6 +69,16 @@ class Muon(Optimizer):
         ns_dtype: Newton-Schulz compute dtype (bf16 like torch.optim.Muon; fp32 for tight parity).
         ns_form: "plain" or "gram" (fewer FLOPs on rectangular matrices, see newton_schulz).
         ns_backend: "auto", "torch" or "triton".
+        process_group: the group replicated (plain-tensor, DDP) parameters are divided over;
+            default: the default group when torch.distributed runs with more than one rank.
+            DTensor parameters always use their own mesh.
+        comm_dtype: dtype of matrices on the wire (bf16; fp32 for exact parity). Momentum is fp32.
+        remainder_path: "all_to_all" or "agrs" for row-sharded batches of fewer than W matrices.
+        strategy: "muonlab" (the planner) or "redundant" (every rank gathers and orthogonalizes
+            every matrix: the baseline, for benchmarks and parity).
+
+    Distributed: ``plan()`` says which path each batch takes and what it moves and computes;
+    ``last_step_stats()`` and ``last_step_spans()`` say what the last step measured.
     """
 
     def __init__(
@@ -94,6 +104,7 @@ class Muon(Optimizer):
         process_group=None,
         comm_dtype: torch.dtype = torch.bfloat16,
         remainder_path: str = "all_to_all",
+        strategy: str = "muonlab",
     ):
         if ns_form not in FORMS:
             raise ValueError(f"unknown ns_form {ns_form!r}; choose one of {FORMS}")
@@ -117,6 +128,9 @@ class Muon(Optimizer):
         self.process_group = process_group
         self.comm_dtype = comm_dtype
         self.remainder_path = remainder_path
+        if strategy not in STRATEGIES:
+            raise ValueError(f"unknown strategy {strategy!r}; choose one of {STRATEGIES}")
+        self.strategy = strategy
         self._names: dict[torch.Tensor, str] = {}
         self._plans: dict[tuple[int, ...], tuple] = {}
         self._tracer = Tracer(rank=dist.get_rank() if _dist_on() else 0)
@@ -356,6 +370,7 @@ class Muon(Optimizer):
             plan = plan_batches(
                 specs, keys, comm_itemsize=torch.empty(0, dtype=self.comm_dtype).element_size(),
                 ns_steps=lambda key: key[0], ns_form=self.ns_form, remainder_path=self.remainder_path,
+                strategy=self.strategy,
             )
             self._plans[indices] = (plan, {s.index: s for s in specs}, groups)
         return self._plans[indices]
