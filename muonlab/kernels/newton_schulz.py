@@ -177,23 +177,28 @@ def newton_schulz(
 
 
 def triton_usable(X: torch.Tensor) -> bool:
+    """Triton kernels can run on X: triton imports and X is on CUDA (or the interpreter is on)."""
     try:
-        from .triton_newton_schulz import TRITON_AVAILABLE
+        from .triton_newton_schulz import INTERPRET, TRITON_AVAILABLE
     except ImportError:  # the kernel module itself failed to import
         return False
-    return TRITON_AVAILABLE and X.is_cuda
+    return TRITON_AVAILABLE and (X.is_cuda or (INTERPRET and X.device.type == "cpu"))
 
 
 def _pick_backend(backend: str, X: torch.Tensor) -> str:
     if backend == "torch":
         return "torch"
     usable = triton_usable(X)
-    if backend == "triton" and not usable:
-        raise ValueError(
-            "backend='triton' needs triton installed and a CUDA tensor "
-            f"(got device {X.device}); use backend='auto' to fall back to torch"
-        )
-    return "triton" if usable else "torch"
+    if backend == "triton":
+        if not usable:
+            raise ValueError(
+                "backend='triton' needs triton installed and a CUDA tensor (or TRITON_INTERPRET=1 "
+                f"set before muonlab is imported, for CPU tests); got device {X.device}. "
+                "backend='auto' falls back to torch"
+            )
+        return "triton"
+    # auto: the interpreter is for correctness tests only, never picked automatically
+    return "triton" if usable and X.is_cuda else "torch"
 
 
 def ns_flops(shape: Sequence[int], steps: int = 5, *, form: str = "plain", backend: str = "torch",
@@ -214,7 +219,9 @@ def ns_flops(shape: Sequence[int], steps: int = 5, *, form: str = "plain", backe
     m, n = sorted((int(shape[-2]), int(shape[-1])))
     if form == "plain":
         if backend == "triton":
-            per_iter = 3 * m * m * n + m**3
+            from .triton_newton_schulz import triton_ns_flops_per_iter
+
+            per_iter = triton_ns_flops_per_iter(m, n)
         else:
             per_iter = 4 * m * m * n + 2 * m**3
         return batch * steps * per_iter

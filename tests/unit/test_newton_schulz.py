@@ -96,9 +96,12 @@ def test_bad_arguments(kwargs, match):
         newton_schulz(torch.randn(8))
 
 
-def test_triton_backend_without_cuda_is_a_clear_error():
+def test_triton_backend_without_cuda_is_a_clear_error(monkeypatch):
     if torch.cuda.is_available():
         pytest.skip("has CUDA")
+    import muonlab.kernels.triton_newton_schulz as tns
+
+    monkeypatch.setattr(tns, "INTERPRET", False)  # tests/conftest.py turns it on for the kernel tests
     with pytest.raises(ValueError, match="backend='triton' needs"):
         newton_schulz(torch.randn(4, 8), backend="triton")
     # auto falls back to torch
