@@ -1,0 +1,26 @@
+"""Worker launching, named meshes and data parallelism (apply_fsdp, apply_ddp)."""
+
+import warnings
+
+# `python -m muonlab.distributed.launch` (the torchrun entry point) runs launch.py as __main__
+# after this package has imported it; runpy's warning about that is harmless here.
+warnings.filterwarnings(
+    "ignore",
+    message=r".*'muonlab\.distributed\.launch' found in sys\.modules",
+    category=RuntimeWarning,
+)
+
+from .launch import WorkerError, WorkerTimeout, launch, run_worker  # noqa: E402
+from .mesh import build_mesh, mesh_axis_group  # noqa: E402
+from .parallelize import apply_ddp, apply_fsdp  # noqa: E402
+
+__all__ = [
+    "WorkerError",
+    "WorkerTimeout",
+    "apply_ddp",
+    "apply_fsdp",
+    "build_mesh",
+    "launch",
+    "mesh_axis_group",
+    "run_worker",
+]

@@ -1,0 +1,212 @@
+"""launch(): real worker processes over gloo on CPU.
+
+Each launch costs seconds of process start-up on a 2-core machine, so one launch checks several
+things: the launches after a failure double as the 1-process value checks, and the 4-process one
+shares test_mesh.py's launch.
+"""
+
+from __future__ import annotations
+
+import glob
+import multiprocessing
+import os
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+from muonlab.distributed import WorkerError, WorkerTimeout, launch
+from tests.distributed import _workers_launch as workers
+
+
+def _assert_gone(pids) -> None:
+    """No process with these pids exists (zombies would still answer kill(pid, 0))."""
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def _new_children(before) -> list:
+    return [p for p in multiprocessing.active_children() if p not in before]
+
+
+def _check_rank_info(results, num_procs, args=(), kwargs=None) -> None:
+    assert sorted(results) == list(range(num_procs))
+    for rank, info in results.items():
+        assert info["rank"] == rank
+        assert info["world_size"] == num_procs
+        assert info["rank_sum"] == sum(range(num_procs))
+        assert info["args"] == tuple(args)
+        assert info["kwargs"] == (kwargs or {})
+        assert info["num_threads"] == 1
+        assert info["backend"] == "gloo"
+    _assert_gone(info["pid"] for info in results.values())
+
+
+def _undefined_in_main():  # pretend it was defined in a notebook cell
+    return 0
+
+
+_undefined_in_main.__module__ = "__main__"
+
+
+@pytest.mark.timeout(30)
+def test_unimportable_functions_are_refused_before_starting(monkeypatch):
+    before = set(multiprocessing.active_children())
+    started = []
+    # The package attribute `launch` is the function; the module is in sys.modules.
+    launch_module = sys.modules["muonlab.distributed.launch"]
+    monkeypatch.setattr(launch_module, "elastic_launch", lambda *a, **k: started.append(a))
+
+    def local_fn():
+        return 0
+
+    with pytest.raises(ValueError, match=r"_undefined_in_main.*__main__.*\.py module"):
+        launch(_undefined_in_main, 2)
+    with pytest.raises(ValueError, match=r"local_fn.*importable \.py module"):
+        launch(local_fn, 2)
+    with pytest.raises(ValueError, match="lambda"):
+        launch(lambda: 0, 1)
+    with pytest.raises(ValueError, match="nprocs"):
+        launch(workers.rank_info, 0)
+    assert started == []
+    assert _new_children(before) == []
+
+
+@pytest.mark.timeout(180)
+def test_two_ranks_with_a_function_only_on_the_callers_sys_path(tmp_path, monkeypatch):
+    # The notebook case: a .py file next to the notebook, importable through the caller's
+    # sys.path only (not installed, not under the repository root).
+    (tmp_path / "nb_helpers_for_launch.py").write_text(
+        textwrap.dedent(
+            """
+            from tests.distributed._workers_launch import rank_info
+
+            def info(*args, **kwargs):
+                return rank_info(*args, **kwargs)
+            """
+        )
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import nb_helpers_for_launch
+
+    results = launch(nb_helpers_for_launch.info, 2, "a", 2, scale=0.5, name="x", timeout_s=150)
+    _check_rank_info(results, 2, args=("a", 2), kwargs={"scale": 0.5, "name": "x"})
+
+
+@pytest.mark.timeout(180)
+def test_worker_error_names_rank_and_traceback_then_launch_again():
+    before = set(multiprocessing.active_children())
+    with pytest.raises(WorkerError) as info:
+        launch(workers.raise_on_rank, 2, 1, "deliberate failure 7f3a", timeout_s=150)
+    err = info.value
+    message = str(err)
+    assert not isinstance(err, WorkerTimeout)
+    assert message.startswith("rank 1 of 2 failed in tests.distributed._workers_launch.raise_on_rank")
+    assert "Traceback (most recent call last)" in message
+    assert "ValueError: deliberate failure 7f3a" in message
+    assert 'in raise_on_rank\n    raise ValueError(message)' in message
+    assert err.ranks[0] == 1
+    assert "deliberate failure 7f3a" in err.failures[1]
+    assert _new_children(before) == []
+
+    results = launch(workers.rank_info, 1, 3, key="v", timeout_s=150)
+    _check_rank_info(results, 1, args=(3,), kwargs={"key": "v"})
+
+
+class _ChildPidSampler:
+    """Collects the pids of this process's children while a launch runs, from /proc: it never
+    waits on them, so it cannot disturb elastic's own bookkeeping."""
+
+    def __init__(self):
+        self.before = _child_pids()
+        self.seen: set[int] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self._stop.wait(0.05):
+            self.seen |= _child_pids() - self.before
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
+def _child_pids() -> set[int]:
+    """Spawned children (not multiprocessing's long-lived resource tracker)."""
+    pids = set()
+    for path in glob.glob(f"/proc/{os.getpid()}/task/*/children"):
+        try:
+            with open(path) as f:
+                children = [int(pid) for pid in f.read().split()]
+            for pid in children:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if b"spawn_main" in f.read():
+                        pids.add(pid)
+        except OSError:
+            pass
+    return pids
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_hanging_worker_times_out_leaves_nothing_then_launch_again(tmp_path):
+    before = set(multiprocessing.active_children())
+    start = time.monotonic()
+    with _ChildPidSampler() as sampler, pytest.raises(WorkerTimeout) as info:
+        launch(workers.hang_on_rank0, 2, str(tmp_path), timeout_s=15)
+    elapsed = time.monotonic() - start
+    assert 15 <= elapsed < 30, elapsed
+    err = info.value
+    assert isinstance(err, WorkerError)
+    assert "timed out after 15 s" in str(err)
+    assert 0 in err.ranks  # rank 0 sleeps forever; rank 1 may have finished
+    assert "all worker processes have been killed" in str(err)
+    # the workers' pids as they wrote them, and every child process seen during the launch
+    pids = {int(p.read_text()) for p in tmp_path.glob("rank*.pid")} | sampler.seen
+    assert pids, "no worker process was seen"
+    _assert_gone(pids)
+    assert _new_children(before) == []
+
+    results = launch(workers.rank_info, 1, timeout_s=150)
+    _check_rank_info(results, 1)
+
+
+@pytest.mark.timeout(60)
+def test_worker_main_runs_module_function_in_a_process_group_from_env(monkeypatch):
+    # What `torchrun ... -m muonlab.distributed.launch MODULE:FUNCTION ARGS` runs in each
+    # process, here in this process as a world of one.
+    import socket
+
+    import torch
+
+    from muonlab.distributed.launch import worker_main
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    for key, value in dict(
+        RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    ).items():
+        monkeypatch.setenv(key, value)
+    num_threads = torch.get_num_threads()
+    try:
+        info = worker_main(
+            ["--backend", "gloo", "tests.distributed._workers_launch:rank_info", "--lr", "3"]
+        )
+    finally:
+        torch.set_num_threads(num_threads)
+    assert (info["rank"], info["world_size"], info["rank_sum"]) == (0, 1, 0.0)
+    assert info["args"] == ("--lr", "3")
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    with pytest.raises(ValueError, match="MODULE:FUNCTION"):
+        worker_main(["no_colon_here"])
