@@ -72,9 +72,12 @@ class MLP(nn.Module):
 class MoE(nn.Module):
     """Top-k routed experts; expert weights are banks of shape (num_experts, d_out, d_in).
 
-    ``dispatch`` moves tokens to the experts and back. The default computes every local expert on
-    this rank; expert parallelism swaps in an all-to-all dispatcher (muonlab.distributed).
+    ``dispatcher`` moves tokens to the experts and back: ``None`` (the default) computes every
+    expert on this rank; expert parallelism (muonlab.distributed.apply_ep) installs a callable
+    ``dispatcher(moe, tokens_sorted_by_expert, counts) -> outputs in the same order``.
     """
+
+    dispatcher = None
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -113,7 +116,10 @@ class MoE(nn.Module):
         B, T, C = x.shape
         flat = x.reshape(-1, C)
         token, gate, counts = self.route(flat)
-        y = self.expert_forward(self.w_in, self.w_out, flat[token], counts)
+        if self.dispatcher is None:
+            y = self.expert_forward(self.w_in, self.w_out, flat[token], counts)
+        else:
+            y = self.dispatcher(self, flat[token], counts)
         out = torch.zeros_like(flat).index_add_(0, token, y * gate.unsqueeze(-1).to(y.dtype))
         return out.view(B, T, C)
 
