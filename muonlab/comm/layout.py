@@ -40,6 +40,15 @@ class GroupKey:
     mesh_shape: tuple[int, ...]
     mesh_dim: str
     size: int
+    axis: int = 0
+    """Index of ``mesh_dim`` in ``mesh_shape``."""
+
+    def local_ranks(self) -> dict[int, int]:
+        """{global rank: this axis' index of it} for every rank on the mesh."""
+        inner = 1
+        for d in self.mesh_shape[self.axis + 1:]:
+            inner *= d
+        return {g: (flat // inner) % self.mesh_shape[self.axis] for flat, g in enumerate(self.mesh_ranks)}
 
 
 @dataclass(frozen=True)
@@ -83,9 +92,20 @@ def chunk_sizes(dim_size: int, parts: int) -> tuple[int, ...]:
 
 
 def group_key_for_mesh(mesh, mesh_dim: int) -> GroupKey:
+    """Key of one mesh axis, named on the ROOT mesh so that every rank builds the same key.
+
+    A sub-mesh such as ``mesh2d["fsdp"]`` holds only this rank's slice; its root (the 2-D mesh)
+    is the same everywhere.
+    """
     names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
-    return GroupKey(tuple(mesh.mesh.flatten().tolist()), tuple(mesh.mesh.shape), names[mesh_dim],
-                    mesh.mesh.shape[mesh_dim])
+    root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
+    root = root if root is not None else mesh
+    root_names = root.mesh_dim_names or tuple(f"dim{i}" for i in range(root.ndim))
+    if root is mesh or names[mesh_dim] not in root_names:
+        root, root_names = mesh, names
+    axis = root_names.index(names[mesh_dim])
+    return GroupKey(tuple(root.mesh.flatten().tolist()), tuple(root.mesh.shape), names[mesh_dim],
+                    root.mesh.shape[axis], axis)
 
 
 def group_key_for_pg(group) -> GroupKey:

@@ -15,7 +15,7 @@ from ..kernels.newton_schulz import ns_flops
 from .layout import GroupKey, MatrixSpec
 
 PATHS = ("local", "all_to_all", "agrs", "owner", "gather_all")
-REMAINDER_PATHS = ("all_to_all", "agrs")
+REMAINDER_PATHS = ("auto", "all_to_all", "agrs")
 # "muonlab": the planner below. "redundant": the baseline every distributed Muon is measured
 # against, in which every rank gathers and orthogonalizes every matrix.
 STRATEGIES = ("muonlab", "redundant")
@@ -77,6 +77,21 @@ class Plan:
         out: dict[str, int] = {}
         for b in self.batches:
             out[b.path] = out.get(b.path, 0) + b.total_bytes
+        return out
+
+    def per_rank(self, world: int) -> dict[str, list[int]]:
+        """Newton-Schulz FLOPs, bytes sent and received per GLOBAL rank 0..world-1."""
+        out = {"flops": _zeros(world), "sent": _zeros(world), "recv": _zeros(world)}
+        index: dict = {None: {0: 0}}
+        for b in self.batches:
+            if b.group not in index:
+                index[b.group] = b.group.local_ranks()
+            for g, r in index[b.group].items():
+                if g >= world or r >= len(b.flops):
+                    continue
+                out["flops"][g] += b.flops[r]
+                out["sent"][g] += b.bytes_sent[r] if b.bytes_sent else 0
+                out["recv"][g] += b.bytes_recv[r] if b.bytes_recv else 0
         return out
 
     def flops_per_rank(self) -> list[int]:
@@ -153,8 +168,9 @@ def plan_batches(
     comm_itemsize: int = 2,
     ns_steps: Callable[[Hashable], int] = lambda key: 5,
     ns_form: str = "plain",
-    remainder_path: str = "all_to_all",
+    remainder_path: str = "auto",
     strategy: str = "muonlab",
+    profile=None,
 ) -> Plan:
     """Group matrices into batches and give each a path, owners, bytes and FLOPs.
 
@@ -163,9 +179,14 @@ def plan_batches(
         ns_keys: Newton-Schulz settings per parameter; only equal keys share a batch.
         comm_itemsize: bytes per element on the wire (2 for bf16, 4 for fp32).
         ns_steps: iterations for a key (FLOP counts).
-        remainder_path: path of a row-sharded batch with fewer matrices than ranks.
+        remainder_path: path of a row-sharded batch with fewer matrices than ranks; "auto"
+            takes whichever of all_to_all and agrs has the lower modelled time under ``profile``.
         strategy: "muonlab" or "redundant" (see STRATEGIES).
+        profile: a cost.HardwareProfile or its name (default "cpu_gloo"), for "auto".
     """
+    from .cost import batch_seconds, get_profile
+
+    profile = get_profile(profile or "cpu_gloo")
     if remainder_path not in REMAINDER_PATHS:
         raise ValueError(f"remainder_path must be one of {REMAINDER_PATHS}, got {remainder_path!r}")
     if strategy not in STRATEGIES:
@@ -183,16 +204,19 @@ def plan_batches(
     def flops_of(i: int) -> int:
         return ns_flops(specs[i].matrix_shape, ns_steps(ns_keys[i]), form=ns_form)
 
-    def add(path, idx, group, key, ranks, owners=(), sent=(), recv=(), flops=(), notes=""):
-        plan.batches.append(BatchPlan(
+    def make(path, idx, group, key, ranks, owners=(), sent=(), recv=(), flops=(), notes=""):
+        return BatchPlan(
             index=len(plan.batches), path=path, names=tuple(specs[i].name for i in idx),
             param_indices=tuple(specs[i].index for i in idx), matrix_shape=specs[idx[0]].matrix_shape,
             num_matrices=sum(specs[i].num_matrices for i in idx), group=group, ns_key=key,
             ranks=tuple(ranks), owners=tuple(owners), bytes_sent=tuple(sent), bytes_recv=tuple(recv),
             flops=tuple(flops), rows=specs[idx[0]].rows, param_shapes=tuple(specs[i].shape for i in idx),
-            shard_dim=specs[idx[0]].shard_dim, notes=notes))
+            shard_dim=specs[idx[0]].shard_dim, notes=notes)
 
-    remainders = []  # (group, key, indices) of row-sharded buckets' leftovers
+    def add(*args, **kwargs):
+        plan.batches.append(make(*args, **kwargs))
+
+    row_sharded = []  # (group, key, indices) of row-sharded buckets
     replicated: dict[GroupKey, list[tuple]] = {}
     for (group, layout, shape, key), idx in buckets.items():
         size = group.size if group else 1
@@ -205,18 +229,7 @@ def plan_batches(
             add("local", idx, group, key, [r for r in range(size) if flops[r]] or [0],
                 sent=_zeros(size), recv=_zeros(size), flops=flops)
         elif layout == "row_shard":
-            rows = specs[idx[0]].rows
-            full = len(idx) - len(idx) % size
-            for start in range(0, full, size):
-                chunk = idx[start:start + size]
-                owners = list(range(size))
-                sent, recv = _all_to_all_bytes(rows, shape[1], owners, comm_itemsize)
-                flops = [flops_of(i) for i in chunk]
-                for r in range(size):
-                    load[r] += flops[r]
-                add("all_to_all", chunk, group, key, range(size), owners, sent, recv, flops)
-            if full < len(idx):
-                remainders.append((group, key, idx[full:]))
+            row_sharded.append((group, key, idx))
         elif layout == "replicated":
             replicated.setdefault(group, []).extend((i, key) for i in idx)
         elif layout == "gather_all":
@@ -231,27 +244,46 @@ def plan_batches(
         else:  # pragma: no cover - MatrixSpec validates layouts
             raise AssertionError(layout)
 
-    # Remainders, largest first, to the least-loaded ranks (LPT keeps max-rank FLOPs near the mean).
-    for group, key, idx in sorted(remainders, key=lambda t: -flops_of(t[2][0])):
-        size = group.size
-        load = loads[group]
-        rows = specs[idx[0]].rows
-        owners, taken = [], set()
-        for i in idx:
-            o = _least_loaded(load, [r for r in range(size) if r not in taken], rows)
-            owners.append(o)
-            taken.add(o)
+    # Row-sharded matrices: every matrix of a group, largest first, to the least-loaded rank (LPT:
+    # max-rank FLOPs <= 4/3 of the optimum). Then each (shape, settings) bucket is packed into
+    # batches in which every owner appears once: W matrices make a full all_to_all batch (each
+    # rank receives one whole matrix), fewer a remainder batch on ``remainder_path``.
+    by_group: dict[GroupKey, list[tuple[int, Hashable]]] = {}
+    for group, key, idx in row_sharded:
+        by_group.setdefault(group, []).extend((i, key) for i in idx)
+    for group, items in by_group.items():
+        size, load = group.size, loads[group]
+        owner_of = {}
+        for i, _ in sorted(items, key=lambda t: (-flops_of(t[0]), t[0])):
+            o = _least_loaded(load, range(size), specs[i].rows)
+            owner_of[i] = o
             load[o] += flops_of(i)
-        shape = specs[idx[0]].matrix_shape
-        if remainder_path == "agrs":
-            sent, recv = _agrs_bytes(rows, shape[1], owners, comm_itemsize)
-        else:
-            sent, recv = _all_to_all_bytes(rows, shape[1], owners, comm_itemsize)
-        flops = _zeros(size)
-        for i, o in zip(idx, owners):
-            flops[o] += flops_of(i)
-        add(remainder_path, idx, group, key, range(size), owners, sent, recv, flops,
-            notes=f"remainder: {len(idx)} < {size} matrices")
+        sub_batches: dict[tuple, list[list[int]]] = {}
+        for i, key in items:
+            batches = sub_batches.setdefault((specs[i].matrix_shape, key), [])
+            free = next((b for b in batches if owner_of[i] not in {owner_of[j] for j in b}), None)
+            if free is None:
+                batches.append([i])
+            else:
+                free.append(i)
+        for (shape, key), batches in sub_batches.items():
+            for idx in batches:
+                rows = specs[idx[0]].rows
+                owners = [owner_of[i] for i in idx]
+                flops = _zeros(size)
+                for i, o in zip(idx, owners):
+                    flops[o] += flops_of(i)
+                if len(idx) == size:
+                    candidates, notes = ["all_to_all"], ""
+                else:
+                    candidates = ["all_to_all", "agrs"] if remainder_path == "auto" else [remainder_path]
+                    notes = f"remainder: {len(idx)} < {size} matrices"
+                options = []
+                for path in candidates:
+                    bytes_fn = _agrs_bytes if path == "agrs" else _all_to_all_bytes
+                    sent, recv = bytes_fn(rows, shape[1], owners, comm_itemsize)
+                    options.append(make(path, idx, group, key, range(size), owners, sent, recv, flops, notes))
+                plan.batches.append(min(options, key=lambda b: batch_seconds(b, profile)))
 
     # Replicated (DDP): each parameter gets one owner, by LPT over the whole group.
     for group, items in replicated.items():

@@ -10,12 +10,15 @@ warnings.filterwarnings(
     category=RuntimeWarning,
 )
 
+from .expert_parallel import apply_ep, build_ep_mesh  # noqa: E402
 from .launch import WorkerError, WorkerTimeout, launch, run_worker  # noqa: E402
 from .mesh import build_mesh, mesh_axis_group  # noqa: E402
 from .parallelize import apply_ddp, apply_fsdp  # noqa: E402
 
 __all__ = [
     "WorkerError",
+    "apply_ep",
+    "build_ep_mesh",
     "WorkerTimeout",
     "apply_ddp",
     "apply_fsdp",

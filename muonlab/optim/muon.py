@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from ..comm.collectives import CommCounter
+from ..comm.cost import get_profile
 from ..comm.engine import execute_plan
 from ..comm.layout import MatrixSpec, matrix_spec, process_group_for
 from ..comm.plan import REMAINDER_PATHS, STRATEGIES, Plan, plan_batches
@@ -73,7 +74,10 @@ class Muon(Optimizer):
             default: the default group when torch.distributed runs with more than one rank.
             DTensor parameters always use their own mesh.
         comm_dtype: dtype of matrices on the wire (bf16; fp32 for exact parity). Momentum is fp32.
-        remainder_path: "all_to_all" or "agrs" for row-sharded batches of fewer than W matrices.
+        remainder_path: "auto", "all_to_all" or "agrs" for row-sharded batches of fewer than W
+            matrices; "auto" takes the lower modelled time under ``hardware_profile``.
+        hardware_profile: a muonlab.comm.cost profile name or HardwareProfile (default:
+            "h100_node" with CUDA, else "cpu_gloo").
         strategy: "muonlab" (the planner) or "redundant" (every rank gathers and orthogonalizes
             every matrix: the baseline, for benchmarks and parity).
 
@@ -103,8 +107,9 @@ class Muon(Optimizer):
         ns_backend: str = "torch",
         process_group=None,
         comm_dtype: torch.dtype = torch.bfloat16,
-        remainder_path: str = "all_to_all",
+        remainder_path: str = "auto",
         strategy: str = "muonlab",
+        hardware_profile=None,
     ):
         if ns_form not in FORMS:
             raise ValueError(f"unknown ns_form {ns_form!r}; choose one of {FORMS}")
@@ -131,6 +136,8 @@ class Muon(Optimizer):
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown strategy {strategy!r}; choose one of {STRATEGIES}")
         self.strategy = strategy
+        self.hardware_profile = get_profile(
+            hardware_profile or ("h100_node" if torch.cuda.is_available() else "cpu_gloo"))
         self._names: dict[torch.Tensor, str] = {}
         self._plans: dict[tuple[int, ...], tuple] = {}
         self._tracer = Tracer(rank=dist.get_rank() if _dist_on() else 0)
@@ -370,7 +377,7 @@ class Muon(Optimizer):
             plan = plan_batches(
                 specs, keys, comm_itemsize=torch.empty(0, dtype=self.comm_dtype).element_size(),
                 ns_steps=lambda key: key[0], ns_form=self.ns_form, remainder_path=self.remainder_path,
-                strategy=self.strategy,
+                strategy=self.strategy, profile=self.hardware_profile,
             )
             self._plans[indices] = (plan, {s.index: s for s in specs}, groups)
         return self._plans[indices]

@@ -1,0 +1,98 @@
+"""Turn a batch's bytes and FLOPs into modelled seconds under a hardware profile.
+
+The model is deliberately small (an alpha-beta model per collective plus a matmul rate):
+
+    comm(batch)    = collectives x latency + max over ranks of
+                     max(intra-node bytes / intra_bw, inter-node bytes / inter_bw)
+    compute(batch) = max-rank Newton-Schulz FLOPs / matmul rate
+    step           = sum over batches of max(comm, compute)   (batch i+1 moves while i computes)
+
+Bytes leaving a rank are split between intra- and inter-node links in proportion to how many of
+the group's other ranks share its node (the group is assumed laid out node-major).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # plan.py uses this module to choose paths
+    from .plan import BatchPlan, Plan
+
+# collectives per path: out + back
+COLLECTIVES = {"local": 0, "all_to_all": 2, "agrs": 2, "owner": 1, "gather_all": 1, "padded_all_to_all": 2}
+
+
+@dataclass(frozen=True, kw_only=True)
+class HardwareProfile:
+    """Link and compute rates of one rank."""
+
+    name: str
+    """Short name used in tables."""
+    intra_bw: float
+    """Bytes/s one rank can send to ranks on its own node."""
+    inter_bw: float
+    """Bytes/s one rank can send to other nodes."""
+    ranks_per_node: int
+    """Ranks sharing the fast intra-node links."""
+    latency_s: float
+    """Fixed cost of one collective call."""
+    matmul_flops: float
+    """Dense matmul rate (FLOP/s) in the Newton-Schulz dtype."""
+    source: str = ""
+    """Where the numbers come from."""
+
+
+PROFILES = {
+    # NVIDIA H100 SXM: NVLink 4 at 900 GB/s bidirectional per GPU (450 GB/s each way), one
+    # ConnectX-7 NDR 400 Gb/s (50 GB/s) InfiniBand port per GPU, 989 TFLOP/s dense bf16 (H100
+    # datasheet). Latency ~15 us per NCCL collective is an order of magnitude, not a measurement.
+    "h100_node": HardwareProfile(
+        name="h100_node", intra_bw=450e9, inter_bw=50e9, ranks_per_node=8, latency_s=15e-6,
+        matmul_flops=989e12 * 0.6,
+        source="H100 SXM datasheet: NVLink4 450 GB/s/direction, NDR IB 50 GB/s, 989 TFLOP/s bf16 (x0.6 achievable)",
+    ),
+    # This project's 2-core CPU machines with gloo over loopback, measured by
+    # benchmarks/bench_planner.py --measure (see benchmarks/results/planner.md).
+    "cpu_gloo": HardwareProfile(
+        name="cpu_gloo", intra_bw=1.0e9, inter_bw=1.0e9, ranks_per_node=64, latency_s=200e-6,
+        matmul_flops=40e9,
+        source="measured on the 2-core CPU machine: gloo all_to_all_single bf16 ~1 GB/s, bf16 matmul ~40 GFLOP/s",
+    ),
+}
+
+
+def get_profile(profile: str | HardwareProfile) -> HardwareProfile:
+    if isinstance(profile, HardwareProfile):
+        return profile
+    if profile not in PROFILES:
+        raise ValueError(f"unknown hardware profile {profile!r}; choose one of {sorted(PROFILES)}")
+    return PROFILES[profile]
+
+
+def comm_seconds(batch: BatchPlan, profile: HardwareProfile, path: str | None = None) -> float:
+    path = path or batch.path
+    size = len(batch.bytes_sent) or 1
+    if size <= 1 or not any(batch.bytes_sent):
+        return 0.0
+    peers = size - 1
+    local_peers = min(profile.ranks_per_node, size) - 1
+    intra_frac = local_peers / peers
+    worst = 0.0
+    for sent, recv in zip(batch.bytes_sent, batch.bytes_recv):
+        traffic = max(sent, recv)
+        worst = max(worst, max(traffic * intra_frac / profile.intra_bw, traffic * (1 - intra_frac) / profile.inter_bw))
+    return COLLECTIVES.get(path, 2) * profile.latency_s + worst
+
+
+def compute_seconds(batch: BatchPlan, profile: HardwareProfile) -> float:
+    return max(batch.flops, default=0) / profile.matmul_flops
+
+
+def batch_seconds(batch: BatchPlan, profile: HardwareProfile) -> float:
+    return max(comm_seconds(batch, profile), compute_seconds(batch, profile))
+
+
+def step_seconds(plan: Plan | list[BatchPlan], profile: HardwareProfile) -> float:
+    """Modelled optimizer time of the Muon part of one step."""
+    return sum(batch_seconds(b, profile) for b in plan)

@@ -1,0 +1,166 @@
+"""Plans without processes: what Muon would move and compute at any world size.
+
+``simulate`` builds the same ``MatrixSpec`` records a real run reads off its DTensors, from shapes
+alone, and hands them to the same ``plan_batches`` the optimizer uses (muonlab.comm.plan): one
+code path for the real step and for a 2048-rank plan.
+
+    from muonlab.plan import simulate, summarize
+    plan = simulate(model, 2048, profile="h100_node")          # or a list of (name, shape)
+    print(summarize(plan, 2048, "h100_node"))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from .comm.cost import get_profile, step_seconds
+from .comm.layout import GroupKey, MatrixSpec, chunk_sizes
+from .comm.plan import Plan, plan_batches
+from .comm.reference_plans import REFERENCE_STRATEGIES, reference_plan
+from .kernels.newton_schulz import ns_flops
+
+STRATEGIES = ("muonlab",) + REFERENCE_STRATEGIES
+LAYOUTS = ("fsdp", "ddp")
+
+
+def muon_shapes(model: torch.nn.Module) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of the parameters muon_param_groups routes to Muon."""
+    from .optim.routing import muon_param_groups
+
+    return [(r.name, r.shape) for r in muon_param_groups(model).routes if r.algorithm == "muon"]
+
+
+def _named_shapes(params_or_shapes) -> list[tuple[str, tuple[int, ...]]]:
+    if isinstance(params_or_shapes, torch.nn.Module):
+        return muon_shapes(params_or_shapes)
+    if isinstance(params_or_shapes, dict):
+        items = list(params_or_shapes.items())
+    else:
+        items = list(params_or_shapes)
+    out = []
+    for i, item in enumerate(items):
+        name, shape = item if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str) else (f"param{i}", item)
+        shape = tuple(int(d) for d in shape)
+        if len(shape) < 2:
+            raise ValueError(f"Muon parameters need at least 2 dims; '{name}' has shape {shape}")
+        out.append((name, shape))
+    return out
+
+
+def mesh_specs(named_shapes: Iterable[tuple[str, tuple[int, ...]]], world: int, *, ep: int = 1,
+               layout: str = "fsdp") -> list[MatrixSpec]:
+    """The MatrixSpecs of a run: 2-D matrices sharded (fsdp) or replicated (ddp) over the world;
+    3-D+ banks (experts) split over ``ep`` ranks and sharded on the expert dim over the fsdp axis.
+
+    Axis names and order follow muonlab.distributed (build_mesh, build_ep_mesh): the dense mesh
+    is 1-D "dp"; the expert mesh is ("fsdp", "ep") with ep innermost.
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if world < 1 or ep < 1 or world % ep:
+        raise ValueError(f"world size {world} must be a positive multiple of ep={ep}")
+    fsdp = world // ep
+    ranks = tuple(range(world))
+    dense = GroupKey(ranks, (world,), "dp", world, 0)
+    experts = GroupKey(ranks, (fsdp, ep), "fsdp", fsdp, 0) if ep > 1 else dense
+    specs = []
+    for i, (name, shape) in enumerate(named_shapes):
+        if len(shape) >= 3:
+            if shape[0] % ep:
+                raise ValueError(f"'{name}' has {shape[0]} experts, not divisible by ep={ep}")
+            local = (shape[0] // ep,) + shape[1:]
+            group = experts if layout == "fsdp" or ep > 1 else dense
+            if layout == "ddp" and ep == 1:
+                specs.append(MatrixSpec(i, name, local, "replicated", dense))
+            else:
+                specs.append(MatrixSpec(i, name, local, "whole", group, chunk_sizes(local[0], group.size)))
+        elif world == 1:
+            specs.append(MatrixSpec(i, name, shape, "whole", None))
+        elif layout == "ddp":
+            specs.append(MatrixSpec(i, name, shape, "replicated", dense))
+        else:
+            specs.append(MatrixSpec(i, name, shape, "row_shard", dense, chunk_sizes(shape[0], world)))
+    return specs
+
+
+def simulate(
+    params_or_shapes,
+    mesh_shape: int | Sequence[int],
+    *,
+    layout: str = "fsdp",
+    strategy: str = "muonlab",
+    profile="h100_node",
+    comm_dtype: torch.dtype = torch.bfloat16,
+    ns_steps: int = 5,
+    ns_form: str = "plain",
+    remainder_path: str = "auto",
+) -> Plan:
+    """The plan (records as ``Muon.plan()``) for these Muon matrices on a mesh.
+
+    Args:
+        params_or_shapes: a model (its Muon-routed parameters), or (name, shape) pairs / shapes.
+        mesh_shape: world size W, or (ep, fsdp) for expert parallel.
+        layout: "fsdp" (sharded) or "ddp" (replicated) for the dense matrices.
+        strategy: "muonlab", or a reference strategy: "padded_all_to_all", "xtuner".
+        profile: hardware profile name or HardwareProfile (path choice under "auto").
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; choose one of {STRATEGIES}")
+    if isinstance(mesh_shape, int):
+        world, ep = mesh_shape, 1
+    else:
+        if len(mesh_shape) != 2:
+            raise ValueError(f"mesh_shape must be W or (ep, fsdp), got {tuple(mesh_shape)}")
+        ep, fsdp = (int(d) for d in mesh_shape)
+        world = ep * fsdp
+    specs = mesh_specs(_named_shapes(params_or_shapes), world, ep=ep, layout=layout)
+    keys = [ns_steps] * len(specs)
+    itemsize = torch.empty(0, dtype=comm_dtype).element_size()
+    if strategy == "muonlab":
+        return plan_batches(specs, keys, comm_itemsize=itemsize, ns_steps=lambda k: k, ns_form=ns_form,
+                            remainder_path=remainder_path, profile=profile)
+    return reference_plan(strategy, specs, keys, comm_itemsize=itemsize, ns_steps=lambda k: k, ns_form=ns_form)
+
+
+def lower_bound_bytes(plan: Plan, comm_itemsize: int = 2) -> int:
+    """Sharded matrices: each gathered once to one rank and scattered back once, 2 (W-1)/W of its
+    bytes; replicated ones: one all-gather of the updates, (W-1)/W of their bytes on each rank."""
+    total = 0.0
+    for b in plan:
+        if b.group is None or b.group.size == 1:
+            continue
+        W = b.group.size
+        copies = len(b.group.mesh_ranks) // W  # an axis of a bigger mesh repeats per slice
+        for shape in b.param_shapes:
+            nbytes = comm_itemsize
+            for d in shape:
+                nbytes *= d
+            if b.path == "owner":
+                total += copies * (W - 1) * nbytes  # summed over the W ranks
+            elif b.path != "local":
+                total += copies * 2 * (W - 1) / W * nbytes
+    return int(round(total))
+
+
+def summarize(plan: Plan, world: int, profile="h100_node", comm_itemsize: int = 2) -> dict:
+    """Totals a researcher compares across strategies: bytes vs bound, balance, modelled time."""
+    per = plan.per_rank(world)
+    per_matrix = [ns_flops(b.matrix_shape) for b in plan for _ in range(b.num_matrices)]
+    total_flops = sum(per["flops"])
+    largest = max((f for f in per_matrix), default=0)
+    target = max(total_flops / world, largest) or 1
+    bound = lower_bound_bytes(plan, comm_itemsize)
+    total = sum(per["sent"])
+    return dict(
+        total_bytes=total,
+        bound_bytes=bound,
+        bytes_over_bound=total / bound if bound else (1.0 if total == 0 else float("inf")),
+        max_rank_bytes=max(max(per["sent"]), max(per["recv"])),
+        max_rank_flops=max(per["flops"]),
+        flop_imbalance=max(per["flops"]) / target,
+        modelled_s=step_seconds(plan, get_profile(profile)),
+        batches=len(plan),
+        paths=sorted({b.path for b in plan}),
+    )

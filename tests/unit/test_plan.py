@@ -1,0 +1,101 @@
+"""The planner on metadata alone: no processes, any world size."""
+
+import pytest
+
+from muonlab.comm.layout import GroupKey, MatrixSpec, chunk_sizes
+from muonlab.comm.plan import plan_batches
+from muonlab.kernels.newton_schulz import ns_flops
+
+
+def group(size):
+    return GroupKey(tuple(range(size)), (size,), "dp", size)
+
+
+def row_specs(shapes, size):
+    g = group(size)
+    return [MatrixSpec(i, f"m{i}", s, "row_shard", g, chunk_sizes(s[0], size)) for i, s in enumerate(shapes)]
+
+
+def test_chunk_sizes_follow_torch_chunk():
+    import torch
+
+    for dim, parts in [(6, 4), (10, 4), (8, 4), (3, 5), (0, 3), (1, 2)]:
+        got = chunk_sizes(dim, parts)
+        want = [c.shape[0] for c in torch.arange(dim).chunk(parts)] if dim else []
+        assert list(got[: len(want)]) == want and sum(got) == dim and len(got) == parts
+
+
+@pytest.mark.parametrize("size", [2, 3, 4, 7, 64])
+def test_sharded_bytes_meet_the_lower_bound_and_flops_balance(size):
+    shapes = [(96, 32), (32, 96), (64, 64)] * 5  # 15 matrices: full batches and remainders
+    specs = row_specs(shapes, size)
+    plan = plan_batches(specs, [0] * len(specs))
+    # every matrix exactly once
+    assert sorted(i for b in plan for i in b.param_indices) == list(range(len(specs)))
+    bound = sum(2 * (size - 1) / size * a * b * 2 for a, b in shapes)
+    total = sum(b.total_bytes for b in plan)
+    assert total == sum(sum(b.bytes_recv) for b in plan)
+    assert total <= 1.05 * bound, (total, bound)
+    per_matrix = [ns_flops(s) for s in shapes]
+    target = max(sum(per_matrix) / size, max(per_matrix))
+    worst = max(plan.flops_per_rank())
+    if size <= 4:  # enough matrices per rank: within 10% of max(mean, largest matrix)
+        assert worst <= 1.1 * target, (worst, target)
+    else:  # few matrices per rank: LPT's guarantee, 4/3 of a bound below the optimum
+        assert worst <= 4 / 3 * target, (worst, target)
+
+
+def test_full_batches_use_all_to_all_and_remainders_follow_the_option():
+    specs = row_specs([(16, 8)] * 6, 4)  # one batch of 4, a remainder of 2
+    plan = plan_batches(specs, [0] * 6)
+    assert [b.path for b in plan] == ["all_to_all", "all_to_all"]
+    assert plan.batches[0].owners == (0, 1, 2, 3) and len(plan.batches[1].owners) == 2
+    agrs = plan_batches(specs, [0] * 6, remainder_path="agrs")
+    assert [b.path for b in agrs] == ["all_to_all", "agrs"]
+    assert agrs.batches[1].total_bytes > plan.batches[1].total_bytes  # the gather moves more
+
+
+def test_empty_trailing_shards_send_nothing_and_do_not_own_remainders():
+    specs = row_specs([(6, 10)], 4)  # rows 2, 2, 2, 0
+    (batch,) = plan_batches(specs, [0])
+    assert batch.rows == (2, 2, 2, 0)
+    assert batch.owners[0] != 3  # the owner holds rows, so fewer bytes move
+    assert batch.bytes_sent[3] == 0 and batch.bytes_recv[3] == 0
+
+
+def test_different_ns_settings_or_groups_never_share_a_batch():
+    g2, g4 = group(2), group(4)
+    specs = [MatrixSpec(0, "a", (8, 8), "row_shard", g2, (4, 4)), MatrixSpec(1, "b", (8, 8), "row_shard", g4, (2, 2, 2, 2)),
+             MatrixSpec(2, "c", (8, 8), "row_shard", g2, (4, 4))]
+    plan = plan_batches(specs, ["k1", "k1", "k2"])
+    assert sorted(b.param_indices for b in plan) == [(0,), (1,), (2,)]
+
+
+def test_replicated_matrices_get_one_owner_each_balanced_by_flops():
+    g = group(3)
+    shapes = [(64, 64), (64, 64), (32, 32), (32, 32), (128, 64)]
+    specs = [MatrixSpec(i, f"m{i}", s, "replicated", g) for i, s in enumerate(shapes)]
+    plan = plan_batches(specs, [0] * len(specs))
+    assert {b.path for b in plan} == {"owner"}
+    owners = {i: o for b in plan for i, o in zip(b.param_indices, b.owners)}
+    assert set(owners) == set(range(5))
+    loads = plan.flops_per_rank()
+    assert max(loads) == ns_flops((128, 64))  # LPT: the largest alone on one rank
+    # every rank receives what the others computed: (W-1)/W of all update bytes per rank on average
+    total = sum(a * b * 2 for a, b in shapes)
+    assert sum(sum(b.bytes_recv) for b in plan) == (3 - 1) * total
+
+
+def test_whole_experts_stay_local_with_their_flops_where_the_data_is():
+    g = group(4)
+    spec = MatrixSpec(0, "experts", (5, 6, 8), "whole", g, chunk_sizes(5, 4))  # 2, 2, 1, 0 experts
+    (batch,) = plan_batches([spec], [0])
+    assert batch.path == "local" and batch.total_bytes == 0
+    assert batch.flops == tuple(n * ns_flops((6, 8)) for n in (2, 2, 1, 0))
+
+
+def test_bad_options():
+    with pytest.raises(ValueError, match="remainder_path"):
+        plan_batches([], [], remainder_path="ring")
+    with pytest.raises(ValueError, match="strategy"):
+        plan_batches([], [], strategy="magic")
