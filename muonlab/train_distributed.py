@@ -1,0 +1,117 @@
+"""Train the small GPT with Muon under FSDP2 or DDP, in workers started by muonlab.distributed.launch.
+
+``train_worker`` runs on every rank and returns plain data (losses, the plan as rows, the counted
+bytes, and on rank 0 every rank's spans of the last step), so a notebook or the CLI can show what
+the optimizer did without touching the workers' tensors::
+
+    from muonlab.distributed import launch
+    from muonlab.train_distributed import train_worker
+    results = launch(train_worker, 4, mode="fsdp", steps=5)
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+
+import torch
+import torch.distributed as dist
+
+from .comm.plan import Plan
+from .data import get_batch, load_corpus
+from .models import GPT, GPTConfig
+from .optim import Muon, muon_param_groups
+from .trace import gather_spans
+
+__all__ = ["COMM_DTYPES", "MODES", "plan_rows", "train_worker"]
+
+MODES = ("fsdp", "ddp")
+COMM_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def plan_rows(plan) -> list[dict]:
+    """``as_row()`` of each batch plus its per-rank tuples (owners, bytes, FLOPs), for plotting."""
+    return [dict(b.as_row(), owners=list(b.owners), bytes_sent=list(b.bytes_sent),
+                 bytes_recv=list(b.bytes_recv), flops=list(b.flops)) for b in plan]
+
+
+def train_worker(
+    mode: str = "fsdp",
+    *,
+    steps: int = 5,
+    d_model: int = 64,
+    n_layers: int = 2,
+    n_heads: int = 4,
+    context: int = 64,
+    batch_per_rank: int = 4,
+    lr: float = 0.02,
+    adamw_lr: float = 3e-3,
+    comm_dtype_name: str = "bf16",
+    ns_dtype_name: str = "bf16",
+    remainder_path: str | None = None,
+    seed: int = 0,
+) -> dict:
+    """Train for ``steps`` steps on this rank's slice of each global batch; return what happened.
+
+    Every rank builds the model from the same seed and draws the same global batch of
+    ``batch_per_rank * world_size`` windows from one seeded generator, then takes its own slice.
+
+    Returns a dict with: rank, world_size, mode, losses (this rank's loss per step), mean_losses
+    (mean over ranks per step), step_seconds (optimizer step per step), plan (``plan_rows``),
+    plan_table (str), plan_bytes_sent / plan_bytes_recv (this rank's nonzero bytes per path
+    according to the plan), stats (``last_step_stats()``), and spans: every rank's spans of the last step as
+    dicts on rank 0, None on the other ranks.
+    """
+    from .distributed import apply_ddp, apply_fsdp, build_mesh
+
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if comm_dtype_name not in COMM_DTYPES or ns_dtype_name not in COMM_DTYPES:
+        raise ValueError(f"dtype names must be in {sorted(COMM_DTYPES)}, got {comm_dtype_name!r}, {ns_dtype_name!r}")
+    world, rank = dist.get_world_size(), dist.get_rank()
+
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(d_model=d_model, n_layers=n_layers, n_heads=n_heads, context=context))
+    if mode == "fsdp":
+        model = apply_fsdp(model, build_mesh())
+        groups = muon_param_groups(model)
+    else:
+        model = apply_ddp(model)
+        groups = muon_param_groups(model.module)
+    extra = {} if remainder_path is None else dict(remainder_path=remainder_path)  # None: Muon's default
+    opt = Muon(groups, lr=lr, adamw_lr=adamw_lr, comm_dtype=COMM_DTYPES[comm_dtype_name],
+               ns_dtype=COMM_DTYPES[ns_dtype_name], **extra)
+
+    data = load_corpus("train")
+    gen = torch.Generator().manual_seed(seed)
+    mine = slice(rank * batch_per_rank, (rank + 1) * batch_per_rank)
+    losses, mean_losses, step_seconds = [], [], []
+    for _ in range(steps):
+        x, y = get_batch(data, batch_per_rank * world, context, gen)
+        loss = model(x[mine], y[mine])
+        loss.backward()
+        t0 = time.perf_counter()
+        opt.step()
+        step_seconds.append(time.perf_counter() - t0)
+        opt.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(loss.item())
+        mean_losses.append(mean.item() / world)
+
+    plan = opt.plan()
+    # The worker builds 1-D meshes only, so every batch's group-local rank is the global rank.
+    plan_sent, plan_recv = {}, {}
+    for b in plan:
+        plan_sent[b.path] = plan_sent.get(b.path, 0) + b.bytes_sent[rank]
+        plan_recv[b.path] = plan_recv.get(b.path, 0) + b.bytes_recv[rank]
+    # Paths that move nothing on this rank (e.g. local) are left out, as at the collectives.
+    plan_sent = {path: n for path, n in plan_sent.items() if n}
+    plan_recv = {path: n for path, n in plan_recv.items() if n}
+    spans = gather_spans(opt.last_step_spans())
+    return dict(
+        rank=rank, world_size=world, mode=mode, losses=losses, mean_losses=mean_losses,
+        step_seconds=step_seconds, plan=plan_rows(plan), plan_table=Plan(batches=plan).table(),
+        plan_bytes_sent=plan_sent, plan_bytes_recv=plan_recv, stats=opt.last_step_stats(),
+        spans=None if spans is None else [asdict(s) for s in spans],
+    )

@@ -1,0 +1,218 @@
+"""What one distributed optimizer step did: a per-rank timeline, bytes per path, the plan's loads.
+
+Everything here only reads what the workers recorded: spans (``muonlab.trace.Span`` or their
+``asdict`` rows), ``Muon.last_step_stats()`` dicts and plan rows (``BatchPlan.as_row()``, with the
+per-rank ``bytes_sent`` / ``flops`` lists that ``muonlab.train_distributed.plan_rows`` adds).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, is_dataclass
+
+import matplotlib
+
+matplotlib.use(matplotlib.get_backend())  # keep the notebook's backend; Agg when headless
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.patches import Patch  # noqa: E402
+
+from ..comm.plan import PATHS  # noqa: E402
+from ..trace.spans import LANES  # noqa: E402
+
+__all__ = ["PATH_COLORS", "PHASE_COLORS", "plot_bytes_by_path", "plot_plan", "plot_timeline"]
+
+PATH_COLORS = {"all_to_all": "#1f77b4", "agrs": "#ff7f0e", "owner": "#2ca02c", "gather_all": "#d62728",
+               "local": "#7f7f7f"}
+PHASE_COLORS = {"momentum": "#8c564b", "newton_schulz": "#9467bd", "update": "#e377c2", "adamw": "#bcbd22"}
+_OTHER = "#17becf"
+_HATCH = {"comm_out": "", "comm_back": "////"}
+
+
+def _rows(items: Iterable) -> list[dict]:
+    return [asdict(s) if is_dataclass(s) else dict(s) for s in items]
+
+
+def _path_color(path: str) -> str:
+    return PATH_COLORS.get(path, _OTHER)
+
+
+def _pack(spans: list[dict]) -> list[int]:
+    """Greedy interval packing: a track per span so that spans on one track don't overlap."""
+    track_end: list[float] = []
+    tracks = [0] * len(spans)
+    for i in sorted(range(len(spans)), key=lambda i: (spans[i]["start"], spans[i]["end"])):
+        s = spans[i]
+        for t, end in enumerate(track_end):
+            if end <= s["start"]:
+                break
+        else:
+            t = len(track_end)
+            track_end.append(0.0)
+        track_end[t] = s["end"]
+        tracks[i] = t
+    return tracks
+
+
+def plot_timeline(spans, ax=None, *, title: str = "one optimizer step, per rank", label_batches: bool = True):
+    """Gantt chart of one step: a band per rank, compute on top, communication below.
+
+    Compute spans are coloured by phase. Communication spans are coloured by path, solid on the way
+    out and hatched on the way back; spans that moved no bytes on this rank are drawn as outlines.
+    A comm span lasts from the collective's start to the end of its wait, so batches in flight
+    together overlap; they are stacked on separate tracks. Times are ms from the earliest start.
+    """
+    rows = _rows(spans)
+    if ax is None:
+        _, ax = plt.subplots(figsize=(11, 1.0 + 1.1 * max(1, len({r["rank"] for r in rows}))))
+    if not rows:
+        ax.set_title(title + " (no spans)")
+        return ax
+    t0 = min(r["start"] for r in rows)
+    ranks = sorted({r["rank"] for r in rows})
+    compute_h, gap = 0.28, 0.04
+    comm_total = 1.0 - compute_h - 3 * gap  # band of one rank spans [y, y + 1)
+    phases_seen, paths_seen, dirs_seen = [], [], set()
+    span_ms = (max(r["end"] for r in rows) - t0) * 1e3 or 1.0
+    for k, rank in enumerate(ranks):
+        # rank 0 at the top
+        base = len(ranks) - 1 - k
+        mine = [r for r in rows if r["rank"] == rank]
+        comm = [r for r in mine if LANES.get(r["name"], "compute") == "comm"]
+        compute = [r for r in mine if LANES.get(r["name"], "compute") != "comm"]
+        y_compute = base + 1 - gap - compute_h
+        for r in compute:
+            start, width = (r["start"] - t0) * 1e3, (r["end"] - r["start"]) * 1e3
+            color = PHASE_COLORS.get(r["name"], _OTHER)
+            ax.broken_barh([(start, width)], (y_compute, compute_h), facecolors=color, edgecolor="white", lw=0.5)
+            if r["name"] not in phases_seen:
+                phases_seen.append(r["name"])
+            if label_batches and r.get("batch", -1) >= 0 and width > 0.025 * span_ms:
+                ax.text(start + width / 2, y_compute + compute_h / 2, str(r["batch"]), ha="center",
+                        va="center", fontsize=7, color="white")
+        tracks = _pack(comm)
+        num_tracks = max(tracks, default=0) + 1
+        track_h = comm_total / num_tracks
+        for r, t in zip(comm, tracks):
+            start, width = (r["start"] - t0) * 1e3, (r["end"] - r["start"]) * 1e3
+            color = _path_color(r.get("path", ""))
+            moved = r.get("bytes_sent", 0) or r.get("bytes_recv", 0)
+            y = base + gap + (num_tracks - 1 - t) * track_h
+            ax.broken_barh([(start, width)], (y, track_h * 0.9),
+                           facecolors=color if moved else "none", edgecolor=color if not moved else "white",
+                           hatch=_HATCH.get(r["name"], ""), lw=0.6 if moved else 0.8)
+            if r.get("path") and r["path"] not in paths_seen:
+                paths_seen.append(r["path"])
+            dirs_seen.add(r["name"])
+        if k:
+            ax.axhline(base + 1, color="0.8", lw=0.6)
+    ax.set_ylim(0, len(ranks))
+    ax.set_yticks([len(ranks) - 1 - k + 0.5 for k in range(len(ranks))])
+    ax.set_yticklabels([f"rank {r}" for r in ranks])
+    ax.tick_params(axis="y", length=0)
+    ax.set_xlim(0, span_ms * 1.01)
+    ax.set_xlabel("ms from the first span of the step")
+    ax.set_title(title + "  (top of each band: compute; bottom: communication)", fontsize=10)
+    ax.grid(axis="x", alpha=0.3)
+
+    handles = [Patch(facecolor=PHASE_COLORS.get(p, _OTHER), label=p) for p in phases_seen]
+    handles += [Patch(facecolor=_path_color(p), label=f"comm: {p}") for p in paths_seen]
+    if "comm_out" in dirs_seen:
+        handles.append(Patch(facecolor="white", edgecolor="0.3", label="out (solid)"))
+    if "comm_back" in dirs_seen:
+        handles.append(Patch(facecolor="white", edgecolor="0.3", hatch="////", label="back (hatched)"))
+    if any(not (r.get("bytes_sent", 0) or r.get("bytes_recv", 0)) for r in rows if LANES.get(r["name"]) == "comm"):
+        handles.append(Patch(facecolor="none", edgecolor="0.3", label="no bytes on this rank"))
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+    return ax
+
+
+def _stats_items(stats_by_rank) -> list[tuple[int, Mapping]]:
+    if isinstance(stats_by_rank, Mapping):
+        return sorted(stats_by_rank.items())
+    return list(enumerate(stats_by_rank))
+
+
+def _ordered_paths(seen) -> list[str]:
+    return [p for p in PATHS if p in seen] + sorted(p for p in seen if p not in PATHS)
+
+
+def plot_bytes_by_path(stats_by_rank, ax=None, *, which: str = "bytes_sent", title: str | None = None):
+    """Bars of the bytes each rank sent (``which="bytes_recv"``: received) per path, in KiB.
+
+    ``stats_by_rank``: ``{rank: opt.last_step_stats()}`` or a list indexed by rank.
+    """
+    if which not in ("bytes_sent", "bytes_recv"):
+        raise ValueError(f"which must be 'bytes_sent' or 'bytes_recv', got {which!r}")
+    items = _stats_items(stats_by_rank)
+    if ax is None:
+        _, ax = plt.subplots(figsize=(6, 3.2))
+    paths = _ordered_paths({p for _, s in items for p in s.get(which, {})})
+    width = 0.8 / max(1, len(paths))
+    for j, path in enumerate(paths):
+        xs = [k + (j - (len(paths) - 1) / 2) * width for k in range(len(items))]
+        ys = [s.get(which, {}).get(path, 0) / 1024 for _, s in items]
+        ax.bar(xs, ys, width=width * 0.95, color=_path_color(path), label=path)
+    ax.set_xticks(range(len(items)))
+    ax.set_xticklabels([f"rank {r}" for r, _ in items])
+    ax.set_ylabel(f"KiB {'sent' if which == 'bytes_sent' else 'received'}")
+    ax.set_title(title or f"Muon {'bytes sent' if which == 'bytes_sent' else 'bytes received'} per path, last step")
+    if paths:
+        ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    return ax
+
+
+def plot_plan(plan_rows, ax=None, *, title: str = "plan"):
+    """Where the plan puts bytes and Newton-Schulz FLOPs.
+
+    Rows with per-rank ``bytes_sent`` and ``flops`` lists: two stacked-bar panels (KiB sent and NS
+    MFLOP per rank), one segment per batch, coloured by path and labelled with the batch index.
+    Plain ``as_row()`` rows: per-batch ``max_bytes_sent`` and ``max_flops`` instead.
+    ``ax``: None (a new figure) or a pair of axes (bytes, FLOPs). Returns the pair.
+    """
+    rows = [r if isinstance(r, Mapping) else (r.as_row() | dict(bytes_sent=list(r.bytes_sent),
+                                                               flops=list(r.flops))) for r in plan_rows]
+    if ax is None:
+        _, ax = plt.subplots(1, 2, figsize=(11, 3.4))
+    ax_bytes, ax_flops = ax
+    per_rank = bool(rows) and all(isinstance(r.get("bytes_sent"), (list, tuple)) and
+                                  isinstance(r.get("flops"), (list, tuple)) for r in rows)
+    if per_rank:
+        num_ranks = max(len(r["bytes_sent"]) for r in rows)
+        for target, key, scale in ((ax_bytes, "bytes_sent", 1 / 1024), (ax_flops, "flops", 1e-6)):
+            bottom = [0.0] * num_ranks
+            top = max(sum(r[key][q] for r in rows if q < len(r[key])) for q in range(num_ranks)) * scale or 1.0
+            for r in rows:
+                vals = [(r[key][q] if q < len(r[key]) else 0) * scale for q in range(num_ranks)]
+                target.bar(range(num_ranks), vals, bottom=bottom, color=_path_color(r["path"]),
+                           edgecolor="white", lw=0.8, width=0.7)
+                for q, v in enumerate(vals):
+                    if v > 0.06 * top:
+                        target.text(q, bottom[q] + v / 2, str(r["batch"]), ha="center", va="center",
+                                    fontsize=7, color="white")
+                bottom = [b + v for b, v in zip(bottom, vals)]
+            target.set_xticks(range(num_ranks))
+            target.set_xticklabels([f"rank {q}" for q in range(num_ranks)])
+        ax_bytes.set_ylabel("KiB sent per step")
+        ax_flops.set_ylabel("Newton-Schulz MFLOP per step")
+        ax_bytes.set_title(f"{title}: bytes sent per rank (segments: batches)", fontsize=10)
+        ax_flops.set_title(f"{title}: NS FLOPs per rank (segments: batches)", fontsize=10)
+    else:
+        xs = [r["batch"] for r in rows]
+        colors = [_path_color(r["path"]) for r in rows]
+        ax_bytes.bar(xs, [r["max_bytes_sent"] / 1024 for r in rows], color=colors)
+        ax_flops.bar(xs, [r["max_flops"] * 1e-6 for r in rows], color=colors)
+        for target in (ax_bytes, ax_flops):
+            target.set_xlabel("batch")
+            target.set_xticks(xs)
+        ax_bytes.set_ylabel("max KiB sent by one rank")
+        ax_flops.set_ylabel("max NS MFLOP on one rank")
+        ax_bytes.set_title(f"{title}: bytes per batch", fontsize=10)
+        ax_flops.set_title(f"{title}: NS FLOPs per batch", fontsize=10)
+    for target in (ax_bytes, ax_flops):
+        target.grid(axis="y", alpha=0.3)
+    paths = _ordered_paths({r["path"] for r in rows})
+    if paths:
+        ax_flops.legend(handles=[Patch(facecolor=_path_color(p), label=p) for p in paths], fontsize=8,
+                        loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    return ax_bytes, ax_flops
