@@ -36,6 +36,10 @@ def demo(args) -> None:
     plt.tight_layout()
     plt.savefig(out / "loss_curves.png", dpi=120)
     print(f"wrote {out / 'loss_curves.png'}")
+    if args.nprocs > 1:
+        from .demo_distributed import run as run_distributed
+
+        run_distributed(out, nprocs=args.nprocs)
 
 
 def main(argv=None) -> None:
@@ -46,6 +50,7 @@ def main(argv=None) -> None:
     d.add_argument("--width", type=int, default=128)
     d.add_argument("--layers", type=int, default=2)
     d.add_argument("--out", default="runs/demo")
+    d.add_argument("--nprocs", type=int, default=4, help="CPU workers for the FSDP2 part (1 skips it)")
     d.set_defaults(fn=demo)
     args = parser.parse_args(argv)
     args.fn(args)
