@@ -101,7 +101,7 @@ def simulate(
 
     Args:
         params_or_shapes: a model (its Muon-routed parameters), or (name, shape) pairs / shapes.
-        mesh_shape: world size W, or (ep, fsdp) for expert parallel.
+        mesh_shape: world size W, or (fsdp, ep) for expert parallel (build_ep_mesh's shape).
         layout: "fsdp" (sharded) or "ddp" (replicated) for the dense matrices.
         strategy: "muonlab", or a reference strategy: "padded_all_to_all", "xtuner".
         profile: hardware profile name or HardwareProfile (path choice under "auto").
@@ -112,8 +112,8 @@ def simulate(
         world, ep = mesh_shape, 1
     else:
         if len(mesh_shape) != 2:
-            raise ValueError(f"mesh_shape must be W or (ep, fsdp), got {tuple(mesh_shape)}")
-        ep, fsdp = (int(d) for d in mesh_shape)
+            raise ValueError(f"mesh_shape must be W or (fsdp, ep) like build_ep_mesh, got {tuple(mesh_shape)}")
+        fsdp, ep = (int(d) for d in mesh_shape)
         world = ep * fsdp
     specs = mesh_specs(_named_shapes(params_or_shapes), world, ep=ep, layout=layout)
     keys = [ns_steps] * len(specs)
@@ -125,8 +125,9 @@ def simulate(
 
 
 def lower_bound_bytes(plan: Plan, comm_itemsize: int = 2) -> int:
-    """Sharded matrices: each gathered once to one rank and scattered back once, 2 (W-1)/W of its
-    bytes; replicated ones: one all-gather of the updates, (W-1)/W of their bytes on each rank."""
+    """Sharded matrices (row shards and whole experts alike): each gathered once to one rank and
+    scattered back once, 2 (W-1)/W of its bytes; replicated ones: one all-gather of the updates,
+    (W-1)/W of their bytes on each rank. Matrices on a one-rank group count nothing."""
     total = 0.0
     for b in plan:
         if b.group is None or b.group.size == 1:
@@ -139,7 +140,7 @@ def lower_bound_bytes(plan: Plan, comm_itemsize: int = 2) -> int:
                 nbytes *= d
             if b.path == "owner":
                 total += copies * (W - 1) * nbytes  # summed over the W ranks
-            elif b.path != "local":
+            else:  # sharded, whole experts included: gathered to one rank and back, at most
                 total += copies * 2 * (W - 1) / W * nbytes
     return int(round(total))
 

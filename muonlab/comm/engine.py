@@ -23,10 +23,11 @@ from .gather_all import GatherAllRun
 from .layout import GroupKey
 from .local import LocalRun
 from .owner import OwnerRun
+from .rebalance import RebalanceRun
 from .plan import Plan
 
 RUNS: dict[str, type[PathRun]] = {
-    "local": LocalRun, "all_to_all": AllToAllRun, "agrs": AgrsRun, "owner": OwnerRun, "gather_all": GatherAllRun,
+    "local": LocalRun, "rebalance": RebalanceRun, "all_to_all": AllToAllRun, "agrs": AgrsRun, "owner": OwnerRun, "gather_all": GatherAllRun,
 }
 
 
@@ -82,7 +83,7 @@ def execute_plan(
         results = run.wait_back()
         t1 = time.time()
         phase["communication"] += t1 - t0
-        if run.path != "local":
+        if run.path != "local":  # local moves nothing
             tracer.add("comm_back", starts[i], t1, path=run.path, batch=i,
                        bytes_sent=run.bytes_sent - sent, bytes_recv=run.bytes_recv - recv)
         outputs.update(zip(run.batch.param_indices, results))

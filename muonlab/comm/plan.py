@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from ..kernels.newton_schulz import ns_flops
 from .layout import GroupKey, MatrixSpec
 
-PATHS = ("local", "all_to_all", "agrs", "owner", "gather_all")
+PATHS = ("local", "rebalance", "all_to_all", "agrs", "owner", "gather_all")
 REMAINDER_PATHS = ("auto", "all_to_all", "agrs")
 # "muonlab": the planner below. "redundant": the baseline every distributed Muon is measured
 # against, in which every rank gathers and orthogonalizes every matrix.
@@ -45,6 +45,9 @@ class BatchPlan:
     """Sharded-dim entries per group-local rank (same for every parameter of the batch)."""
     param_shapes: tuple[tuple[int, ...], ...] = ()
     """Global shape of each parameter of the batch."""
+    moves: tuple[tuple[int, int, int, int], ...] = ()
+    """Whole matrices moved for balance (rebalance path): (parameter position in the batch,
+    matrix index in that parameter's group-wide matrices, source rank, owner rank)."""
     shard_dim: int = 0
     notes: str = ""
 
@@ -171,6 +174,8 @@ def plan_batches(
     remainder_path: str = "auto",
     strategy: str = "muonlab",
     profile=None,
+    row_assignment: str = "best",
+    rebalance: bool | None = None,
 ) -> Plan:
     """Group matrices into batches and give each a path, owners, bytes and FLOPs.
 
@@ -182,11 +187,25 @@ def plan_batches(
         remainder_path: path of a row-sharded batch with fewer matrices than ranks; "auto"
             takes whichever of all_to_all and agrs has the lower modelled time under ``profile``.
         strategy: "muonlab" or "redundant" (see STRATEGIES).
-        profile: a cost.HardwareProfile or its name (default "cpu_gloo"), for "auto".
+        profile: a cost.HardwareProfile or its name (default "cpu_gloo"), for "auto" and "best".
+        row_assignment: "best", "structured" or "lpt": how row-sharded matrices get owners.
+        rebalance: move whole matrices off overloaded ranks (None: plan both ways under "best").
     """
-    from .cost import batch_seconds, get_profile
+    from .cost import batch_seconds, get_profile, step_seconds
 
     profile = get_profile(profile or "cpu_gloo")
+    if row_assignment == "best":
+        def flops_of_spec(spec):
+            return ns_flops(spec.matrix_shape, ns_steps(ns_keys[specs.index(spec)]), form=ns_form)
+
+        moves = (True, False) if rebalance is None else (rebalance,)
+        options = [plan_batches(specs, ns_keys, comm_itemsize=comm_itemsize, ns_steps=ns_steps, ns_form=ns_form,
+                                remainder_path=remainder_path, strategy=strategy, profile=profile,
+                                row_assignment=rule, rebalance=move)
+                   for rule in ("structured", "lpt") for move in moves]
+        return min(options, key=lambda p: (max(_imbalance(p, specs, flops_of_spec), 1.1), step_seconds(p, profile)))
+    if row_assignment not in ("structured", "lpt"):
+        raise ValueError(f"row_assignment must be 'best', 'structured' or 'lpt', got {row_assignment!r}")
     if remainder_path not in REMAINDER_PATHS:
         raise ValueError(f"remainder_path must be one of {REMAINDER_PATHS}, got {remainder_path!r}")
     if strategy not in STRATEGIES:
@@ -217,17 +236,17 @@ def plan_batches(
         plan.batches.append(make(*args, **kwargs))
 
     row_sharded = []  # (group, key, indices) of row-sharded buckets
+    whole = []  # (group, key, indices) of buckets whose matrices are whole where they lie
     replicated: dict[GroupKey, list[tuple]] = {}
     for (group, layout, shape, key), idx in buckets.items():
         size = group.size if group else 1
         load = loads.setdefault(group, _zeros(size))
         if layout == "whole":
             per_matrix = flops_of(idx[0])
-            flops = [sum(specs[i].local_num_matrices(r) for i in idx) * per_matrix for r in range(size)]
-            for r in range(size):
-                load[r] += flops[r]
-            add("local", idx, group, key, [r for r in range(size) if flops[r]] or [0],
-                sent=_zeros(size), recv=_zeros(size), flops=flops)
+            for i in idx:
+                for r in range(size):
+                    load[r] += specs[i].local_num_matrices(r) * per_matrix
+            whole.append((group, key, idx))
         elif layout == "row_shard":
             row_sharded.append((group, key, idx))
         elif layout == "replicated":
@@ -244,17 +263,44 @@ def plan_batches(
         else:  # pragma: no cover - MatrixSpec validates layouts
             raise AssertionError(layout)
 
-    # Row-sharded matrices: every matrix of a group, largest first, to the least-loaded rank (LPT:
-    # max-rank FLOPs <= 4/3 of the optimum). Then each (shape, settings) bucket is packed into
-    # batches in which every owner appears once: W matrices make a full all_to_all batch (each
-    # rank receives one whole matrix), fewer a remainder batch on ``remainder_path``.
+    # Row-sharded matrices get one owner each, by one of two rules (``row_assignment``):
+    #   "structured": each (shape, settings) bucket in rounds of W, one matrix per rank (balanced
+    #                 batch by batch, fewest collectives); each bucket's leftovers on distinct,
+    #                 least-loaded ranks (one remainder batch per bucket);
+    #   "lpt":        every matrix of the group, largest first, to the least-loaded rank (max-rank
+    #                 FLOPs <= 4/3 of the optimum, but more, smaller batches).
+    # "best" plans both and keeps the lower modelled time. Then each bucket is packed into batches
+    # in which every owner appears once: W matrices make a full all_to_all batch (each rank receives
+    # one whole matrix), fewer a remainder batch on ``remainder_path``.
     by_group: dict[GroupKey, list[tuple[int, Hashable]]] = {}
     for group, key, idx in row_sharded:
         by_group.setdefault(group, []).extend((i, key) for i in idx)
     for group, items in by_group.items():
         size, load = group.size, loads[group]
         owner_of = {}
-        for i, _ in sorted(items, key=lambda t: (-flops_of(t[0]), t[0])):
+        free = items
+        if row_assignment == "structured":
+            free = []
+            buckets_of: dict[tuple, list[int]] = {}
+            for i, key in items:
+                buckets_of.setdefault((specs[i].matrix_shape, key), []).append(i)
+            leftovers = []
+            for (_, key), idx in buckets_of.items():
+                full = len(idx) - len(idx) % size
+                for pos, i in enumerate(idx[:full]):
+                    owner_of[i] = pos % size
+                    load[pos % size] += flops_of(i)
+                if full < len(idx):
+                    leftovers.append(idx[full:])
+            # each bucket's leftovers on distinct ranks (one remainder batch), largest buckets first
+            for idx in sorted(leftovers, key=lambda idx: (-flops_of(idx[0]), idx[0])):
+                taken: set[int] = set()
+                for i in idx:
+                    o = _least_loaded(load, [r for r in range(size) if r not in taken], specs[i].rows)
+                    taken.add(o)
+                    owner_of[i] = o
+                    load[o] += flops_of(i)
+        for i, _ in sorted(free, key=lambda t: (-flops_of(t[0]), t[0])):
             o = _least_loaded(load, range(size), specs[i].rows)
             owner_of[i] = o
             load[o] += flops_of(i)
@@ -285,6 +331,8 @@ def plan_batches(
                     options.append(make(path, idx, group, key, range(size), owners, sent, recv, flops, notes))
                 plan.batches.append(min(options, key=lambda b: batch_seconds(b, profile)))
 
+    _plan_whole(whole, specs, loads, flops_of, make, plan, comm_itemsize, rebalance is not False)
+
     # Replicated (DDP): each parameter gets one owner, by LPT over the whole group.
     for group, items in replicated.items():
         size = group.size
@@ -307,6 +355,76 @@ def plan_batches(
             sent, recv = _gather_bytes(payload)
             add("owner", idx, group, key, range(size), [owner_of[i] for i in idx], sent, recv, flops)
     return plan
+
+
+def _imbalance(plan: Plan, specs, flops_of_spec) -> float:
+    """Max-rank FLOPs / max(mean, largest single matrix), per group-local rank."""
+    loads = plan.flops_per_rank()
+    largest = max((flops_of_spec(s) for s in specs), default=0)
+    target = max(sum(loads) / max(len(loads), 1), largest) or 1
+    return max(loads, default=0) / target
+
+
+def _matrix_sources(spec: MatrixSpec, size: int) -> list[int]:
+    """Group-local rank holding each of a whole-layout parameter's matrices, in order."""
+    if spec.group is None or not spec.rows:
+        return [0] * spec.num_matrices
+    per_row = spec.num_matrices // spec.shape[0] if spec.shape[0] else 0
+    return [r for r in range(size) for _ in range(spec.rows[r] * per_row)]
+
+
+def _plan_whole(whole, specs, loads, flops_of, make, plan, comm_itemsize, rebalance):
+    """Whole matrices stay where they lie unless their rank is overloaded; then the largest ones
+    move to the least-loaded ranks (path "rebalance": out to the owner and back), until no rank
+    exceeds what an LPT placement would reach. Experts of a MoE layer sharded over more ranks than
+    experts would otherwise leave most ranks idle."""
+    by_group: dict = {}
+    for group, key, idx in whole:
+        by_group.setdefault(group, []).append((key, idx))
+    for group, buckets in by_group.items():
+        size = group.size if group else 1
+        load = loads[group]
+        sources = {i: _matrix_sources(specs[i], size) for _, idx in buckets for i in idx}
+        items = [(i, j, src) for _, idx in buckets for i in idx for j, src in enumerate(sources[i])]
+        # the target: the makespan LPT reaches placing these matrices freely on top of the rest
+        base = list(load)
+        for i, _, src in items:
+            base[src] -= flops_of(i)
+        for i, _, _ in sorted(items, key=lambda t: -flops_of(t[0])):
+            r = min(range(size), key=lambda q: (base[q], q))
+            base[r] += flops_of(i)
+        cap = max(base)
+        owner = {(i, j): src for i, j, src in items}
+        for i, j, src in [] if not rebalance else sorted(items, key=lambda t: (-flops_of(t[0]), t[0], t[1])):
+            f = flops_of(i)
+            if load[src] <= cap:
+                continue
+            target = min(range(size), key=lambda r: (load[r], r))
+            if load[target] + f <= cap:
+                owner[(i, j)] = target
+                load[src] -= f
+                load[target] += f
+        for key, idx in buckets:
+            moves, flops = [], _zeros(size)
+            sent, recv = _zeros(size), _zeros(size)
+            for pos, i in enumerate(idx):
+                A, B = specs[i].matrix_shape
+                for j, src in enumerate(sources[i]):
+                    o = owner[(i, j)]
+                    flops[o] += flops_of(i)
+                    if o != src:
+                        moves.append((pos, j, src, o))
+                        nbytes = A * B * comm_itemsize
+                        sent[src] += nbytes
+                        recv[o] += nbytes
+                        sent[o] += nbytes
+                        recv[src] += nbytes
+            path = "rebalance" if moves else "local"
+            batch = make(path, idx, group, key, [r for r in range(size) if flops[r]] or [0], sent=sent,
+                         recv=recv, flops=flops, notes=f"{len(moves)} matrices moved for balance" if moves else "")
+            batch.moves = tuple(moves)
+            batch.index = len(plan.batches)
+            plan.batches.append(batch)
 
 
 def _redundant(spec: MatrixSpec) -> MatrixSpec:

@@ -91,6 +91,8 @@ def path_params(world: int):
     specs += [("rows_uneven_a", (6, 10), "shard0"), ("rows_uneven_b", (6, 10), "shard0")]  # 2,2,2,0 on 4
     specs += [("rows_uneven_c", (10, 7), "shard0")]  # 3,3,3,1 on 4; 4,4,2 on 3
     specs += [("experts", (5, 6, 8), "shard0")]  # whole experts: 2,2,1,0 on 4 -> local
+    # two banks of 2 large experts: on 4 ranks they sit on ranks 0, 1 only -> rebalance
+    specs += [("bank_a", (2, 24, 32), "shard0"), ("bank_b", (2, 24, 32), "shard0")]
     specs += [("cols", (8, 6), "shard1")]  # no fast path -> gather_all fallback
     specs += [(f"replicated{i}", (12, 5), "replicate") for i in range(3)]  # plain tensors -> owner
     if world == 4:

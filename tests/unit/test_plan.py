@@ -99,3 +99,14 @@ def test_bad_options():
         plan_batches([], [], remainder_path="ring")
     with pytest.raises(ValueError, match="strategy"):
         plan_batches([], [], strategy="magic")
+
+
+def test_whole_experts_move_only_to_fix_imbalance():
+    g = group(8)
+    banks = [MatrixSpec(i, f"bank{i}", (4, 6, 8), "whole", g, chunk_sizes(4, 8)) for i in range(2)]  # 1,1,1,1,0,0,0,0
+    plan = plan_batches(banks, [0, 0])
+    assert [b.path for b in plan] == ["rebalance"]
+    (batch,) = plan.batches
+    assert len(batch.moves) == 4 and all(src < 4 <= owner for _, _, src, owner in batch.moves)
+    assert batch.flops == (ns_flops((6, 8)),) * 8  # one matrix per rank
+    assert batch.total_bytes == 4 * 2 * 6 * 8 * 2  # each moved matrix goes out and back once
