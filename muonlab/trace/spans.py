@@ -76,21 +76,23 @@ def gather_spans(spans: list[Span], group=None, dst: int = 0) -> list[Span] | No
 
 
 def to_chrome_trace(spans: list[Span]) -> dict:
-    """Chrome trace-event JSON: one process per rank, a comm and a compute thread each."""
+    """Chrome trace-event JSON: one process per rank; compute on one thread, and each batch's
+    communication on a thread of its own (batches overlap, and a thread's events must nest)."""
     t0 = min((s.start for s in spans), default=0.0)
     events = []
     for s in spans:
         lane = LANES.get(s.name, "compute")
         events.append(dict(
             name=f"{s.name}[{s.path}]" if s.path else s.name, ph="X", pid=s.rank,
-            tid=0 if lane == "comm" else 1, ts=(s.start - t0) * 1e6, dur=max(s.duration, 0.0) * 1e6,
+            tid=2 + max(s.batch, 0) if lane == "comm" else 1, ts=(s.start - t0) * 1e6, dur=max(s.duration, 0.0) * 1e6,
             args=dict(path=s.path, batch=s.batch, bytes_sent=s.bytes_sent, bytes_recv=s.bytes_recv),
         ))
-    ranks = sorted({s.rank for s in spans})
-    for r in ranks:
+    for r in sorted({s.rank for s in spans}):
         events.append(dict(name="process_name", ph="M", pid=r, args=dict(name=f"rank {r}")))
-        events.append(dict(name="thread_name", ph="M", pid=r, tid=0, args=dict(name="communication")))
         events.append(dict(name="thread_name", ph="M", pid=r, tid=1, args=dict(name="compute")))
+        for b in sorted({s.batch for s in spans if s.rank == r and LANES.get(s.name) == "comm"}):
+            events.append(dict(name="thread_name", ph="M", pid=r, tid=2 + max(b, 0),
+                               args=dict(name=f"comm batch {b}")))
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
