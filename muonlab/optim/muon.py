@@ -139,7 +139,7 @@ class Muon(Optimizer):
         self.hardware_profile = get_profile(
             hardware_profile or ("h100_node" if torch.cuda.is_available() else "cpu_gloo"))
         self._names: dict[torch.Tensor, str] = {}
-        self._plans: dict[tuple[int, ...], tuple] = {}
+        self._plans: dict[tuple, tuple] = {}
         self._tracer = Tracer(rank=dist.get_rank() if _dist_on() else 0)
         self._stats: dict = {}
         # Validate every group before torch's constructor stores any of them.
@@ -361,17 +361,18 @@ class Muon(Optimizer):
             return self.process_group
         return dist.group.WORLD if _dist_on() and dist.get_world_size() > 1 else None
 
-    def _plan_for(self, indices: tuple[int, ...]) -> tuple[Plan, list[MatrixSpec], dict]:
-        """The plan for these Muon parameters (cached: it depends on metadata only)."""
-        if indices not in self._plans:
-            entries = self._muon_entries()
+    def _plan_for(self, indices: tuple[int, ...]) -> tuple[Plan, dict[int, MatrixSpec], dict]:
+        """The plan for these Muon parameters. Cached: it depends only on metadata and on the
+        groups' Newton-Schulz settings (part of the key, so changing them re-plans)."""
+        entries = self._muon_entries()
+        keys = tuple(self._ns_key(entries[i][0]) for i in indices)
+        if (indices, keys) not in self._plans:
             replicate = self._replicate_group()
-            specs, keys, groups = [], [], {None: (None, 0)}
+            specs, groups = [], {None: (None, 0)}
             for i in indices:
                 group, p = entries[i]
                 spec = matrix_spec(i, self._names.get(p, f"param{i}"), p, replicate)
                 specs.append(spec)
-                keys.append(self._ns_key(group))
                 if spec.group not in groups:
                     groups[spec.group] = process_group_for(p, spec, replicate)
             plan = plan_batches(
@@ -379,8 +380,8 @@ class Muon(Optimizer):
                 ns_steps=lambda key: key[0], ns_form=self.ns_form, remainder_path=self.remainder_path,
                 strategy=self.strategy, profile=self.hardware_profile,
             )
-            self._plans[indices] = (plan, {s.index: s for s in specs}, groups)
-        return self._plans[indices]
+            self._plans[(indices, keys)] = (plan, {s.index: s for s in specs}, groups)
+        return self._plans[(indices, keys)]
 
     def plan(self) -> list:
         """One record per batch (names, shape, path, ranks, bytes, FLOPs), from global metadata only."""

@@ -240,3 +240,15 @@ def test_bad_grads_raise_before_anything_changes(bad_grad, match):
     with pytest.raises(ValueError, match=f"'bad' of shape \\(4, 8\\) has a {match}"):
         opt.step()
     assert torch.equal(good.detach(), before) and len(opt.state) == 0
+
+
+def test_changing_ns_settings_replans():
+    ps = _params([(8, 16), (8, 16)])
+    opt = Muon(ps, ns_dtype=torch.float32)
+    for p in ps:
+        p.grad = torch.ones(8, 16)
+    opt.step()
+    assert opt.plan()[0].ns_key[0] == 5
+    opt.param_groups[0]["ns_steps"] = 7
+    opt.step()
+    assert opt.plan()[0].ns_key[0] == 7
