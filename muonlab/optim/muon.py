@@ -24,6 +24,7 @@ from ..trace import Span, Tracer
 from . import functional as F
 
 ALGORITHMS = ("muon", "adamw")
+NONFINITE_POLICIES = ("skip", "raise", "ignore")
 
 MUON_DEFAULTS = dict(
     lr=0.02,
@@ -78,6 +79,10 @@ class Muon(Optimizer):
             matrices; "auto" takes the lower modelled time under ``hardware_profile``.
         hardware_profile: a muonlab.comm.cost profile name or HardwareProfile (default:
             "h100_node" with CUDA, else "cpu_gloo").
+        nonfinite: an inf or NaN in any gradient on any rank makes every rank "skip" the step
+            (decided together by one all-reduce; parameters and state untouched, counted in
+            ``skipped_steps`` and ``last_step_stats()``), "raise" a ValueError naming the
+            parameter and rank, or is "ignore"d.
         strategy: "muonlab" (the planner) or "redundant" (every rank gathers and orthogonalizes
             every matrix: the baseline, for benchmarks and parity).
 
@@ -110,6 +115,7 @@ class Muon(Optimizer):
         remainder_path: str = "auto",
         strategy: str = "muonlab",
         hardware_profile=None,
+        nonfinite: str = "skip",
     ):
         if ns_form not in FORMS:
             raise ValueError(f"unknown ns_form {ns_form!r}; choose one of {FORMS}")
@@ -136,6 +142,10 @@ class Muon(Optimizer):
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown strategy {strategy!r}; choose one of {STRATEGIES}")
         self.strategy = strategy
+        if nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(f"unknown nonfinite policy {nonfinite!r}; choose one of {NONFINITE_POLICIES}")
+        self.nonfinite = nonfinite
+        self.skipped_steps = 0
         self.hardware_profile = get_profile(
             hardware_profile or ("h100_node" if torch.cuda.is_available() else "cpu_gloo"))
         self._names: dict[torch.Tensor, str] = {}
@@ -290,6 +300,17 @@ class Muon(Optimizer):
         self._tracer.reset()
         counter = CommCounter()
         phases = {"momentum": 0.0, "communication": 0.0, "newton_schulz": 0.0, "update": 0.0, "adamw": 0.0}
+        if self.nonfinite != "ignore":
+            bad_ranks, bad_names = self._nonfinite_check(work)
+            if bad_ranks:
+                if self.nonfinite == "raise":
+                    mine = f"; here: {', '.join(bad_names)}" if bad_names else ""
+                    raise ValueError(f"non-finite gradient on rank(s) {bad_ranks}{mine}")
+                self.skipped_steps += 1
+                self._stats = dict(bytes_sent={}, bytes_recv={}, calls={}, seconds=phases, skipped=True,
+                                   skipped_steps=self.skipped_steps, nonfinite_ranks=bad_ranks,
+                                   nonfinite_params=bad_names)
+                return loss
         with self._tracer.span("adamw") as span:
             for group, params in work["adamw"]:
                 self._adamw_group(group, params)
@@ -298,9 +319,26 @@ class Muon(Optimizer):
             self._muon_step(work["muon"], counter, phases)
         self._stats = dict(
             bytes_sent=dict(counter.sent), bytes_recv=dict(counter.recv), calls=dict(counter.calls),
-            seconds=phases,
+            seconds=phases, skipped=False, skipped_steps=self.skipped_steps,
         )
         return loss
+
+    def _nonfinite_check(self, work) -> tuple[list[int], list[str]]:
+        """Ranks whose gradients hold an inf or NaN (all ranks agree), and this rank's culprits."""
+        bad_names = [
+            self._names.get(p, f"of shape {_fmt(p.shape)}")
+            for kind in ("muon", "adamw") for _, params in work[kind] for p in params
+            if not torch.isfinite(_local(p.grad)).all()
+        ]
+        group = self._replicate_group() if self.process_group is None else self.process_group
+        if group is None:
+            return ([0] if bad_names else []), bad_names
+        # one all-reduce of a per-rank flag vector: every rank learns who had non-finite grads
+        flags = torch.zeros(dist.get_world_size(group))
+        flags[dist.get_group_rank(group, dist.get_rank())] = float(bool(bad_names))
+        dist.all_reduce(flags, group=group)
+        ranks = [dist.get_global_rank(group, r) for r in flags.nonzero().flatten().tolist()]
+        return ranks, bad_names
 
     def _collect(self) -> dict[str, list]:
         """Parameters with grads, per group; every grad is checked before anything is modified."""

@@ -169,6 +169,33 @@ def single_process_paths(world: int, precision: str, steps: int = 3):
     return {n: p.detach().clone() for n, p in params}
 
 
+def nonfinite_case():
+    """An inf on the last rank only: every rank skips; with nonfinite="raise" every rank raises."""
+    from muonlab.distributed import apply_fsdp, build_mesh
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(0)
+    model = apply_fsdp(GPT(GPTConfig(**GPT_CFG)), build_mesh())
+    out = {}
+    for policy in ("skip", "raise"):
+        opt = Muon(muon_param_groups(model), nonfinite=policy, **HYPER)
+        x = gpt_batches(world, 1)[0][rank * BATCH_PER_RANK:(rank + 1) * BATCH_PER_RANK]
+        model(x, x).backward()
+        if rank == world - 1:
+            model.blocks[0].mlp.fc.weight.grad.to_local().view(-1)[0] = float("inf")
+        before = {n: _full(p) for n, p in model.named_parameters()}
+        try:
+            opt.step()
+            out[policy] = opt.last_step_stats()
+        except ValueError as e:
+            out[policy] = str(e)
+        opt.zero_grad()
+        out[policy + "_unchanged"] = all(torch.equal(before[n], _full(p)) for n, p in model.named_parameters())
+        out[policy + "_state"] = len(opt.state)
+    return out
+
+
 def everything(world: int, gpt_cases, path_cases):
     """All checks of one world size in one launch."""
-    return dict(gpt=gpt_runs(gpt_cases), paths=path_runs(world, path_cases))
+    return dict(gpt=gpt_runs(gpt_cases), paths=path_runs(world, path_cases),
+                nonfinite=nonfinite_case() if world > 1 else None)

@@ -131,3 +131,18 @@ def test_simulated_plan_equals_the_runtime_plan(world_results):
             assert {row[0] for row in runtime} == {b.path for b in sim} == {"local"}
             continue
         assert [(b.path, b.names, b.owners, b.bytes_sent, b.flops) for b in sim] == runtime, mode
+
+
+@pytest.mark.timeout(600)
+def test_nonfinite_on_one_rank_skips_or_raises_on_every_rank(world_results):
+    world, results = world_results
+    if world == 1:
+        return
+    last = world - 1
+    for rank, res in results.items():
+        r = res["nonfinite"]
+        assert r["skip"]["skipped"] and r["skip"]["nonfinite_ranks"] == [last], (rank, r["skip"])
+        assert r["skip_unchanged"] and r["skip_state"] == 0
+        assert isinstance(r["raise"], str) and f"non-finite gradient on rank(s) [{last}]" in r["raise"]
+        assert ("blocks.0.mlp.fc.weight" in r["raise"]) == (rank == last)
+        assert r["raise_unchanged"] and r["raise_state"] == 0

@@ -252,3 +252,35 @@ def test_changing_ns_settings_replans():
     opt.param_groups[0]["ns_steps"] = 7
     opt.step()
     assert opt.plan()[0].ns_key[0] == 7
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_nonfinite_grad_skips_the_step_untouched(bad):
+    model, opt = _gpt_and_opt()
+    _train(model, opt, 1, seed=0)  # state exists
+    before = copy.deepcopy(model.state_dict())
+    state_before = copy.deepcopy(opt.state_dict())
+    x = torch.randint(0, 256, (2, 16))
+    opt.zero_grad()
+    model(x, x).backward()
+    model.blocks[0].mlp.fc.weight.grad[0, 0] = bad
+    opt.step()
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    after = opt.state_dict()
+    for pid, state in state_before["state"].items():
+        for key, value in state.items():
+            assert torch.equal(after["state"][pid][key], value), (pid, key)
+    stats = opt.last_step_stats()
+    assert stats["skipped"] and opt.skipped_steps == 1
+    assert stats["nonfinite_params"] == ["blocks.0.mlp.fc.weight"]
+
+
+def test_nonfinite_grad_can_raise_naming_the_parameter():
+    p = torch.nn.Parameter(torch.randn(4, 8))
+    opt = Muon([("w", p)], nonfinite="raise")
+    p.grad = torch.full((4, 8), float("nan"))
+    with pytest.raises(ValueError, match=r"non-finite gradient on rank\(s\) \[0\]; here: w"):
+        opt.step()
+    with pytest.raises(ValueError, match="unknown nonfinite policy"):
+        Muon([p], nonfinite="maybe")
