@@ -1,0 +1,137 @@
+"""Muon on the expert-parallel MoE GPT (EP x FSDP2 on 4 gloo ranks) equals single-process Muon.
+
+One launch runs every case (process start-up dominates): E in {3, 4, 6, 8} experts with ep in
+{1, 2} (E=3 with ep=2 must be refused by apply_ep), 3 steps with fp32 Newton-Schulz and an fp32
+wire, plus one case with a bf16 wire and bf16 Newton-Schulz. Checked per case: the parameters after
+training (expert banks gathered back into global banks) against one process on the global batch,
+the plan identical on every rank, the bytes counted at the collectives equal to the plan's bytes
+for this rank, and the plan equal to ``muonlab.plan.simulate`` from shapes alone.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from muonlab.distributed import launch
+
+from . import _workers_muon_ep as W
+
+NUM_RANKS = 4
+INVALID = [(2, 3, "fp32")]
+CASES = [(ep, e, "fp32") for ep in (1, 2) for e in (3, 4, 6, 8) if e % ep == 0] + [(2, 6, "bf16")]
+TOLERANCE = {"fp32": 1e-5, "bf16": 3e-2}
+
+
+def rel_displacement(got: dict, ref: dict, start: dict) -> float:
+    """||(got - start) - (ref - start)|| / ||ref - start|| over all parameters together."""
+    num = sum(((got[n] - ref[n]).double() ** 2).sum() for n in ref)
+    den = sum(((ref[n] - start[n]).double() ** 2).sum() for n in ref)
+    return float((num / den).sqrt())
+
+
+def _id(case) -> str:
+    ep, e, precision = case
+    return f"ep{ep}-E{e}-{precision}"
+
+
+@pytest.fixture(scope="module")
+def results():
+    return launch(W.everything, NUM_RANKS, INVALID + CASES, timeout_s=300)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("case", INVALID, ids=_id)
+def test_experts_not_divisible_by_ep_are_refused(results, case):
+    ep, num_experts, _ = case
+    for rank, res in results.items():
+        msg = res[case]["error"]
+        assert msg is not None, f"apply_ep accepted {num_experts} experts with ep={ep} on rank {rank}"
+        assert f"num_experts={num_experts}" in msg and f"ep={ep}" in msg, msg
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("case", CASES, ids=_id)
+def test_matches_single_process(results, case):
+    ep, num_experts, precision = case
+    ref = W.single_process(NUM_RANKS, num_experts, precision)
+    start = {n: p.detach().clone() for n, p in W.build_model(num_experts).named_parameters()}
+    tol = TOLERANCE[precision]
+    for rank, res in results.items():
+        got = res[case]["params"]
+        assert set(got) == set(ref)
+        assert all(got[n].shape == ref[n].shape for n in ref), rank
+        err = rel_displacement(got, ref, start)
+        assert err <= tol, (case, rank, err)
+        # each expert bank on its own: a matrix orthogonalized on the wrong rank shows up here
+        for n in ("blocks.0.mlp.w_in", "blocks.0.mlp.w_out"):
+            e = rel_displacement({n: got[n]}, {n: ref[n]}, {n: start[n]})
+            assert e <= 10 * tol, (case, rank, n, e)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("case", CASES, ids=_id)
+def test_plan_identical_and_bytes_measured_equal_plan_bytes(results, case):
+    plans = [res[case]["plan"] for res in results.values()]
+    assert all(p == plans[0] for p in plans), "ranks planned differently"
+    paths = sorted({row[0] for row in plans[0]})
+    assert "gather_all" not in paths
+    groups = results[0][case]["groups"]
+    for row, group in zip(plans[0], groups):
+        path, names = row[0], row[1]
+        if any(n.endswith(("w_in", "w_out")) for n in names):
+            # expert banks: whole matrices on the "fsdp" axis of the (fsdp, ep) mesh
+            assert path in ("local", "rebalance"), (names, path)
+            assert group == ("fsdp", NUM_RANKS // case[0]), group
+            assert (sum(row[3]) > 0) == (path == "rebalance") == bool(row[6]), row
+        else:
+            assert path in ("all_to_all", "agrs"), (names, path)
+            assert group[1] == NUM_RANKS, group
+    for rank, res in results.items():
+        r = res[case]
+        assert r["expert_group_ranks_agree"], rank  # GroupKey.local_ranks == mesh["fsdp"] coordinate
+        plan_sent = {k: v for k, v in r["plan_sent"].items() if v}
+        plan_recv = {k: v for k, v in r["plan_recv"].items() if v}
+        assert r["sent"] == plan_sent, (rank, r["sent"], plan_sent)
+        assert r["recv"] == plan_recv, (rank, r["recv"], plan_recv)
+        expected = {"comm_out", "comm_back", "momentum", "update"} | ({"newton_schulz"} if r["plan_flops"] else set())
+        assert expected <= set(r["spans"]), (rank, r["spans"])
+
+
+# The planner keeps one FLOP load per GroupKey (muonlab/comm/plan.py, ``loads``), so the dense
+# "dp" mesh and apply_ep's ("fsdp", "ep") mesh over the SAME 4 ranks are balanced as if they were
+# different machines; simulate((4, 1)) puts the experts on the dense key instead and balances them
+# together. Where the experts leave a rank short (3 or 6 experts on 4 ranks) the two plans differ:
+# at runtime rank 3 gets no dense matrix although it holds no expert (E=3: NS FLOPs per rank
+# 1024000, 737280, 737280, 0 instead of 737280 x 3, 286720).
+SHARED_RANKS_BUG = pytest.mark.xfail(
+    strict=True, reason="planner balances two meshes over the same ranks separately; simulate((W, 1)) "
+                        "merges them (muonlab/comm/plan.py loads per GroupKey)")
+SIM_CASES = [pytest.param(c, marks=SHARED_RANKS_BUG) if c[0] == 1 and c[1] in (3, 6) else c for c in CASES]
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("case", SIM_CASES, ids=_id)
+def test_simulated_plan_equals_the_runtime_plan(results, case):
+    """muonlab.plan.simulate with mesh (fsdp, ep) gives the plan the workers ran and measured."""
+    from muonlab.plan import simulate
+
+    ep, num_experts, precision = case
+    sim = simulate(W.build_model(num_experts), (NUM_RANKS // ep, ep), profile="cpu_gloo",
+                   comm_dtype=W.DTYPES[precision])
+    runtime = [row[:4] + row[5:6] for row in results[0][case]["plan"]]
+    assert [(b.path, b.names, b.owners, b.bytes_sent, b.flops) for b in sim] == runtime
+
+
+@pytest.mark.timeout(400)
+def test_paths_taken_across_cases(results):
+    seen = {case: sorted({row[0] for row in results[0][case]["plan"]}) for case in CASES}
+    for case, paths in seen.items():
+        print(f"{_id(case)}: {paths}")
+    union = set().union(*seen.values())
+    assert {"local", "all_to_all"} <= union, seen
+    # experts that don't spread evenly over the fsdp axis (6 on 4 ranks: 2,2,2,0; 3 on 2: 2,1)
+    # leave a rank idle or overloaded: the planner moves whole matrices for balance
+    rebalanced = [case for case, paths in seen.items() if "rebalance" in paths]
+    assert rebalanced, seen
+    assert all(case[1] == 6 for case in rebalanced), rebalanced
