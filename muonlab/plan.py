@@ -50,12 +50,13 @@ def _named_shapes(params_or_shapes) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def mesh_specs(named_shapes: Iterable[tuple[str, tuple[int, ...]]], world: int, *, ep: int = 1,
-               layout: str = "fsdp") -> list[MatrixSpec]:
+               layout: str = "fsdp", expert_mesh: bool | None = None) -> list[MatrixSpec]:
     """The MatrixSpecs of a run: 2-D matrices sharded (fsdp) or replicated (ddp) over the world;
     3-D+ banks (experts) split over ``ep`` ranks and sharded on the expert dim over the fsdp axis.
 
     Axis names and order follow muonlab.distributed (build_mesh, build_ep_mesh): the dense mesh
-    is 1-D "dp"; the expert mesh is ("fsdp", "ep") with ep innermost.
+    is 1-D "dp"; the expert mesh is ("fsdp", "ep") with ep innermost. ``expert_mesh`` (default:
+    ep > 1) puts the banks on that expert mesh even for ep=1, as apply_ep does.
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
@@ -64,7 +65,8 @@ def mesh_specs(named_shapes: Iterable[tuple[str, tuple[int, ...]]], world: int, 
     fsdp = world // ep
     ranks = tuple(range(world))
     dense = GroupKey(ranks, (world,), "dp", world, 0)
-    experts = GroupKey(ranks, (fsdp, ep), "fsdp", fsdp, 0) if ep > 1 else dense
+    expert_mesh = ep > 1 if expert_mesh is None else expert_mesh
+    experts = GroupKey(ranks, (fsdp, ep), "fsdp", fsdp, 0) if expert_mesh else dense
     specs = []
     for i, (name, shape) in enumerate(named_shapes):
         if len(shape) >= 3:
@@ -108,6 +110,7 @@ def simulate(
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; choose one of {STRATEGIES}")
+    expert_mesh = not isinstance(mesh_shape, int)
     if isinstance(mesh_shape, int):
         world, ep = mesh_shape, 1
     else:
@@ -115,7 +118,7 @@ def simulate(
             raise ValueError(f"mesh_shape must be W or (fsdp, ep) like build_ep_mesh, got {tuple(mesh_shape)}")
         fsdp, ep = (int(d) for d in mesh_shape)
         world = ep * fsdp
-    specs = mesh_specs(_named_shapes(params_or_shapes), world, ep=ep, layout=layout)
+    specs = mesh_specs(_named_shapes(params_or_shapes), world, ep=ep, layout=layout, expert_mesh=expert_mesh)
     keys = [ns_steps] * len(specs)
     itemsize = torch.empty(0, dtype=comm_dtype).element_size()
     if strategy == "muonlab":

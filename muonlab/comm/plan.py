@@ -159,7 +159,50 @@ def _gather_bytes(payload: Sequence[int]):
     return [(size - 1) * p for p in payload], [total - p for p in payload]
 
 
-def _least_loaded(load: list[int], candidates: Sequence[int], prefer: Sequence[int] | None = None) -> int:
+class _RankLoads:
+    """Newton-Schulz FLOPs per GLOBAL rank, seen through any group.
+
+    Two groups may cover the same ranks (a dense "dp" mesh and an expert ("fsdp", "ep") mesh over
+    one world), so balance is kept per global rank, not per group. A group-local rank r stands
+    for every global rank at index r of the group's axis (one per slice of a bigger mesh); its
+    load is the largest of theirs, and work given to r lands on all of them.
+    """
+
+    def __init__(self):
+        self.by_rank: dict[int, int] = {}
+        self._members: dict[GroupKey | None, list[list[int]]] = {}
+
+    def view(self, group: GroupKey | None) -> "_GroupLoad":
+        if group not in self._members:
+            if group is None:
+                self._members[group] = [[0]]
+            else:
+                members: list[list[int]] = [[] for _ in range(group.size)]
+                for g, r in group.local_ranks().items():
+                    members[r].append(g)
+                self._members[group] = members
+        return _GroupLoad(self, self._members[group])
+
+
+class _GroupLoad:
+    def __init__(self, loads: _RankLoads, members: list[list[int]]):
+        self.loads, self.members = loads, members
+
+    def __len__(self):
+        return len(self.members)
+
+    def __getitem__(self, r: int) -> int:
+        return max(self.loads.by_rank.get(g, 0) for g in self.members[r])
+
+    def __iter__(self):
+        return (self[r] for r in range(len(self)))
+
+    def add(self, r: int, flops: int) -> None:
+        for g in self.members[r]:
+            self.loads.by_rank[g] = self.loads.by_rank.get(g, 0) + flops
+
+
+def _least_loaded(load, candidates: Sequence[int], prefer: Sequence[int] | None = None) -> int:
     # ties go to the rank holding more rows (fewer bytes move), then the lowest rank
     return min(candidates, key=lambda r: (load[r], -(prefer[r] if prefer else 0), r))
 
@@ -218,7 +261,7 @@ def plan_batches(
         buckets.setdefault((spec.group, spec.layout, spec.matrix_shape, key), []).append(i)
 
     plan = Plan()
-    loads: dict[GroupKey | None, list[int]] = {}
+    loads = _RankLoads()
 
     def flops_of(i: int) -> int:
         return ns_flops(specs[i].matrix_shape, ns_steps(ns_keys[i]), form=ns_form)
@@ -240,12 +283,12 @@ def plan_batches(
     replicated: dict[GroupKey, list[tuple]] = {}
     for (group, layout, shape, key), idx in buckets.items():
         size = group.size if group else 1
-        load = loads.setdefault(group, _zeros(size))
+        load = loads.view(group)
         if layout == "whole":
             per_matrix = flops_of(idx[0])
             for i in idx:
                 for r in range(size):
-                    load[r] += specs[i].local_num_matrices(r) * per_matrix
+                    load.add(r, specs[i].local_num_matrices(r) * per_matrix)
             whole.append((group, key, idx))
         elif layout == "row_shard":
             row_sharded.append((group, key, idx))
@@ -276,7 +319,7 @@ def plan_batches(
     for group, key, idx in row_sharded:
         by_group.setdefault(group, []).extend((i, key) for i in idx)
     for group, items in by_group.items():
-        size, load = group.size, loads[group]
+        size, load = group.size, loads.view(group)
         owner_of = {}
         free = items
         if row_assignment == "structured":
@@ -289,7 +332,7 @@ def plan_batches(
                 full = len(idx) - len(idx) % size
                 for pos, i in enumerate(idx[:full]):
                     owner_of[i] = pos % size
-                    load[pos % size] += flops_of(i)
+                    load.add(pos % size, flops_of(i))
                 if full < len(idx):
                     leftovers.append(idx[full:])
             # each bucket's leftovers on distinct ranks (one remainder batch), largest buckets first
@@ -299,11 +342,11 @@ def plan_batches(
                     o = _least_loaded(load, [r for r in range(size) if r not in taken], specs[i].rows)
                     taken.add(o)
                     owner_of[i] = o
-                    load[o] += flops_of(i)
+                    load.add(o, flops_of(i))
         for i, _ in sorted(free, key=lambda t: (-flops_of(t[0]), t[0])):
             o = _least_loaded(load, range(size), specs[i].rows)
             owner_of[i] = o
-            load[o] += flops_of(i)
+            load.add(o, flops_of(i))
         sub_batches: dict[tuple, list[list[int]]] = {}
         for i, key in items:
             batches = sub_batches.setdefault((specs[i].matrix_shape, key), [])
@@ -336,13 +379,13 @@ def plan_batches(
     # Replicated (DDP): each parameter gets one owner, by LPT over the whole group.
     for group, items in replicated.items():
         size = group.size
-        load = loads[group]
+        load = loads.view(group)
         cost = {i: flops_of(i) * specs[i].num_matrices for i, _ in items}
         owner_of = {}
         for i, _ in sorted(items, key=lambda t: (-cost[t[0]], t[0])):
             o = _least_loaded(load, range(size))
             owner_of[i] = o
-            load[o] += cost[i]
+            load.add(o, cost[i])
         by_shape: dict[tuple, list[int]] = {}
         for i, key in items:
             by_shape.setdefault((specs[i].matrix_shape, key), []).append(i)
@@ -383,7 +426,7 @@ def _plan_whole(whole, specs, loads, flops_of, make, plan, comm_itemsize, rebala
         by_group.setdefault(group, []).append((key, idx))
     for group, buckets in by_group.items():
         size = group.size if group else 1
-        load = loads[group]
+        load = loads.view(group)
         sources = {i: _matrix_sources(specs[i], size) for _, idx in buckets for i in idx}
         items = [(i, j, src) for _, idx in buckets for i in idx for j, src in enumerate(sources[i])]
         # the target: the makespan LPT reaches placing these matrices freely on top of the rest
@@ -402,8 +445,8 @@ def _plan_whole(whole, specs, loads, flops_of, make, plan, comm_itemsize, rebala
             target = min(range(size), key=lambda r: (load[r], r))
             if load[target] + f <= cap:
                 owner[(i, j)] = target
-                load[src] -= f
-                load[target] += f
+                load.add(src, -f)
+                load.add(target, f)
         for key, idx in buckets:
             moves, flops = [], _zeros(size)
             sent, recv = _zeros(size), _zeros(size)

@@ -98,16 +98,7 @@ def test_plan_identical_and_bytes_measured_equal_plan_bytes(results, case):
         assert expected <= set(r["spans"]), (rank, r["spans"])
 
 
-# The planner keeps one FLOP load per GroupKey (muonlab/comm/plan.py, ``loads``), so the dense
-# "dp" mesh and apply_ep's ("fsdp", "ep") mesh over the SAME 4 ranks are balanced as if they were
-# different machines; simulate((4, 1)) puts the experts on the dense key instead and balances them
-# together. Where the experts leave a rank short (3 or 6 experts on 4 ranks) the two plans differ:
-# at runtime rank 3 gets no dense matrix although it holds no expert (E=3: NS FLOPs per rank
-# 1024000, 737280, 737280, 0 instead of 737280 x 3, 286720).
-SHARED_RANKS_BUG = pytest.mark.xfail(
-    strict=True, reason="planner balances two meshes over the same ranks separately; simulate((W, 1)) "
-                        "merges them (muonlab/comm/plan.py loads per GroupKey)")
-SIM_CASES = [pytest.param(c, marks=SHARED_RANKS_BUG) if c[0] == 1 and c[1] in (3, 6) else c for c in CASES]
+SIM_CASES = CASES
 
 
 @pytest.mark.timeout(400)
