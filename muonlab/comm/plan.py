@@ -8,6 +8,7 @@ the wire dtype, excluding a rank's copy to itself; the collectives count the sam
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -433,20 +434,29 @@ def _plan_whole(whole, specs, loads, flops_of, make, plan, comm_itemsize, rebala
         base = list(load)
         for i, _, src in items:
             base[src] -= flops_of(i)
+        heap = [(b, r) for r, b in enumerate(base)]
+        heapq.heapify(heap)
         for i, _, _ in sorted(items, key=lambda t: -flops_of(t[0])):
-            r = min(range(size), key=lambda q: (base[q], q))
-            base[r] += flops_of(i)
-        cap = max(base)
+            b, r = heapq.heappop(heap)
+            heapq.heappush(heap, (b + flops_of(i), r))
+        cap = max(b for b, _ in heap)
         owner = {(i, j): src for i, j, src in items}
+        # least-loaded rank by a heap with lazy deletion: an entry is current if it matches the load
+        heap = [(load[r], r) for r in range(size)]
+        heapq.heapify(heap)
         for i, j, src in [] if not rebalance else sorted(items, key=lambda t: (-flops_of(t[0]), t[0], t[1])):
             f = flops_of(i)
             if load[src] <= cap:
                 continue
-            target = min(range(size), key=lambda r: (load[r], r))
+            while heap[0][0] != load[heap[0][1]]:
+                heapq.heappop(heap)
+            target = heap[0][1]
             if load[target] + f <= cap:
                 owner[(i, j)] = target
                 load.add(src, -f)
                 load.add(target, f)
+                heapq.heappush(heap, (load[src], src))
+                heapq.heappush(heap, (load[target], target))
         for key, idx in buckets:
             moves, flops = [], _zeros(size)
             sent, recv = _zeros(size), _zeros(size)
