@@ -16,7 +16,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from .comm.cost import get_profile, step_seconds
-from .comm.layout import GroupKey, MatrixSpec, chunk_sizes
+from .comm.layout import GroupKey, MatrixSpec, chunk_sizes, fused_row_layout
 from .comm.plan import Plan, plan_batches
 from .comm.reference_plans import REFERENCE_STRATEGIES, reference_plan
 from .kernels.newton_schulz import ns_flops
@@ -50,7 +50,8 @@ def _named_shapes(params_or_shapes) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def mesh_specs(named_shapes: Iterable[tuple[str, tuple[int, ...]]], world: int, *, ep: int = 1,
-               layout: str = "fsdp", expert_mesh: bool | None = None) -> list[MatrixSpec]:
+               layout: str = "fsdp", expert_mesh: bool | None = None,
+               fused_banks: dict[str, int] | None = None) -> list[MatrixSpec]:
     """The MatrixSpecs of a run: 2-D matrices sharded (fsdp) or replicated (ddp) over the world;
     3-D+ banks (experts) split over ``ep`` ranks and sharded on the expert dim over the fsdp axis.
 
@@ -63,6 +64,7 @@ def mesh_specs(named_shapes: Iterable[tuple[str, tuple[int, ...]]], world: int, 
     if world < 1 or ep < 1 or world % ep:
         raise ValueError(f"world size {world} must be a positive multiple of ep={ep}")
     fsdp = world // ep
+    fused = dict(fused_banks or {})
     ranks = tuple(range(world))
     dense = GroupKey(ranks, (world,), "dp", world, 0)
     expert_mesh = ep > 1 if expert_mesh is None else expert_mesh
@@ -79,9 +81,12 @@ def mesh_specs(named_shapes: Iterable[tuple[str, tuple[int, ...]]], world: int, 
             else:
                 specs.append(MatrixSpec(i, name, local, "whole", group, chunk_sizes(local[0], group.size)))
         elif world == 1:
-            specs.append(MatrixSpec(i, name, shape, "whole", None))
+            specs.append(MatrixSpec(i, name, shape, "whole", None, num_fused=fused.get(name, 1)))
         elif layout == "ddp":
-            specs.append(MatrixSpec(i, name, shape, "replicated", dense))
+            specs.append(MatrixSpec(i, name, shape, "replicated", dense, num_fused=fused.get(name, 1)))
+        elif name in fused:
+            specs.append(MatrixSpec(i, name, shape, fused_row_layout(shape[0], fused[name], world), dense,
+                                    chunk_sizes(shape[0], world), num_fused=fused[name]))
         else:
             specs.append(MatrixSpec(i, name, shape, "row_shard", dense, chunk_sizes(shape[0], world)))
     return specs
@@ -98,6 +103,7 @@ def simulate(
     ns_steps: int = 5,
     ns_form: str = "plain",
     remainder_path: str = "auto",
+    fused_banks: dict[str, int] | None = None,
 ) -> Plan:
     """The plan (records as ``Muon.plan()``) for these Muon matrices on a mesh.
 
@@ -107,6 +113,7 @@ def simulate(
         layout: "fsdp" (sharded) or "ddp" (replicated) for the dense matrices.
         strategy: "muonlab", or a reference strategy: "padded_all_to_all", "xtuner".
         profile: hardware profile name or HardwareProfile (path choice under "auto").
+        fused_banks: {name: E} for 2-D parameters stacking E matrices on dim 0 (as in Muon).
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; choose one of {STRATEGIES}")
@@ -118,7 +125,8 @@ def simulate(
             raise ValueError(f"mesh_shape must be W or (fsdp, ep) like build_ep_mesh, got {tuple(mesh_shape)}")
         fsdp, ep = (int(d) for d in mesh_shape)
         world = ep * fsdp
-    specs = mesh_specs(_named_shapes(params_or_shapes), world, ep=ep, layout=layout, expert_mesh=expert_mesh)
+    specs = mesh_specs(_named_shapes(params_or_shapes), world, ep=ep, layout=layout, expert_mesh=expert_mesh,
+                       fused_banks=fused_banks)
     keys = [ns_steps] * len(specs)
     itemsize = torch.empty(0, dtype=comm_dtype).element_size()
     if strategy == "muonlab":

@@ -24,10 +24,12 @@ from .layout import GroupKey
 from .local import LocalRun
 from .owner import OwnerRun
 from .rebalance import RebalanceRun
+from .subgroup import SubgroupRun
 from .plan import Plan
 
 RUNS: dict[str, type[PathRun]] = {
     "local": LocalRun, "rebalance": RebalanceRun, "all_to_all": AllToAllRun, "agrs": AgrsRun, "owner": OwnerRun, "gather_all": GatherAllRun,
+    "subgroup": SubgroupRun,
 }
 
 

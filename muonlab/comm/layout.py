@@ -9,11 +9,14 @@ between ranks: the global shape, how it is laid out over which group of ranks, a
 * ``row_shard``: a 2-D DTensor sharded on dim 0 (FSDP2): rank i holds rows of every matrix, as
   ``torch.chunk`` splits them (so trailing ranks may hold none).
 * ``replicated``: a plain tensor replicated over a process group (DDP): one owner per matrix.
+* ``subgroup``: a fused expert bank (E*M, N) row-sharded so that each expert spans W/E ranks:
+  each sub-group of W/E ranks all-gathers its expert.
 * ``gather_all``: any other DTensor placement; handled by a padded full gather (the fallback).
 """
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +27,7 @@ try:
 except ImportError:  # pragma: no cover - torch without distributed
     DTensor = Replicate = Shard = None  # type: ignore[assignment,misc]
 
-LAYOUTS = ("whole", "row_shard", "replicated", "gather_all")
+LAYOUTS = ("whole", "row_shard", "subgroup", "replicated", "gather_all")
 
 
 @dataclass(frozen=True)
@@ -65,24 +68,31 @@ class MatrixSpec:
     """Entries of the sharded dim held by each group-local rank (torch.chunk sizes)."""
     shard_dim: int = 0
     """The tensor dim the group shards (gather_all may shard any dim)."""
+    num_fused: int = 1
+    """Matrices stacked along dim 0 of a 2-D parameter (a fused expert bank (E*M, N)), else 1."""
 
     @property
     def matrix_shape(self) -> tuple[int, int]:
-        return self.shape[-2], self.shape[-1]
+        return self.shape[-2] // self.num_fused, self.shape[-1]
 
     @property
     def num_matrices(self) -> int:
-        n = 1
+        n = self.num_fused
         for d in self.shape[:-2]:
             n *= d
         return n
 
-    def local_num_matrices(self, group_rank: int) -> int:
-        """Whole matrices held by one group-local rank (layout 'whole')."""
-        if not self.rows:
-            return self.num_matrices
-        per_row = self.num_matrices // self.shape[0]
-        return self.rows[group_rank] * per_row
+    def matrix_sources(self) -> list[int]:
+        """Group-local rank holding each matrix, for layouts whose shards are whole matrices."""
+        if self.group is None or not self.rows:
+            return [0] * self.num_matrices
+        holders = [r for r in range(len(self.rows)) if self.rows[r]]
+        starts = [sum(self.rows[:r]) for r in holders]
+        out = []
+        for m in range(self.num_matrices):
+            entry = m * self.shape[0] // self.num_matrices  # the dim-0 entry where matrix m starts
+            out.append(holders[bisect.bisect_right(starts, entry) - 1])
+        return out
 
 
 def chunk_sizes(dim_size: int, parts: int) -> tuple[int, ...]:
@@ -113,13 +123,36 @@ def group_key_for_pg(group) -> GroupKey:
     return GroupKey(ranks, (len(ranks),), "", len(ranks))
 
 
-def matrix_spec(index: int, name: str, p: torch.Tensor, replicate_group=None) -> MatrixSpec:
+def fused_row_layout(num_rows: int, num_fused: int, size: int) -> str:
+    """How a fused bank of ``num_fused`` matrices stacked on dim 0 falls on ``size`` row shards.
+
+    "whole": every matrix lies on one rank (no communication); "subgroup": each matrix spans
+    exactly size / num_fused ranks with equal rows (a sub-group all-gather rebuilds it);
+    "gather_all": anything else (the padded fallback).
+    """
+    rows = chunk_sizes(num_rows, size)
+    starts = [sum(rows[:r]) for r in range(size)]
+    M = num_rows // num_fused
+
+    def rank_of(row):
+        return max(r for r in range(size) if starts[r] <= row and rows[r])
+
+    if all(rank_of(m * M) == rank_of((m + 1) * M - 1) for m in range(num_fused)):
+        return "whole"
+    if size % num_fused == 0 and M % (size // num_fused) == 0 and len(set(rows)) == 1:
+        return "subgroup"
+    return "gather_all"
+
+
+def matrix_spec(index: int, name: str, p: torch.Tensor, replicate_group=None, num_fused: int = 1) -> MatrixSpec:
     """The layout of parameter ``p`` from its own metadata.
 
     ``replicate_group``: the process group a plain tensor is replicated over (None: not
-    distributed, or a single rank).
+    distributed, or a single rank). ``num_fused``: matrices stacked on dim 0 of a 2-D bank.
     """
     shape = tuple(p.shape)
+    if num_fused > 1 and (len(shape) != 2 or shape[0] % num_fused):
+        raise ValueError(f"fused bank '{name}' of shape {shape} must be 2-D with rows divisible by {num_fused}")
     if DTensor is not None and isinstance(p, DTensor):
         mesh, placements = p.device_mesh, p.placements
         sharded = [(i, pl) for i, pl in enumerate(placements) if not isinstance(pl, Replicate)]
@@ -130,8 +163,11 @@ def matrix_spec(index: int, name: str, p: torch.Tensor, replicate_group=None) ->
             mesh_dim, dim = sharded[0][0], sharded[0][1].dim
             key = group_key_for_mesh(mesh, mesh_dim)
             if key.size == 1:  # a one-rank axis holds everything: nothing to move
-                return MatrixSpec(index, name, shape, "whole", None)
+                return MatrixSpec(index, name, shape, "whole", None, num_fused=num_fused)
             rows = chunk_sizes(shape[dim], key.size)
+            if dim == 0 and num_fused > 1:
+                layout = fused_row_layout(shape[0], num_fused, key.size)
+                return MatrixSpec(index, name, shape, layout, key, rows, num_fused=num_fused)
             if dim == 0:
                 # 2-D: every rank holds rows of the matrix; 3-D+: whole matrices (experts)
                 layout = "row_shard" if len(shape) == 2 else "whole"
@@ -143,8 +179,8 @@ def matrix_spec(index: int, name: str, p: torch.Tensor, replicate_group=None) ->
             "or Replicate on a 1-D mesh"
         )
     if replicate_group is not None and dist.get_world_size(replicate_group) > 1:
-        return MatrixSpec(index, name, shape, "replicated", group_key_for_pg(replicate_group))
-    return MatrixSpec(index, name, shape, "whole", None)
+        return MatrixSpec(index, name, shape, "replicated", group_key_for_pg(replicate_group), num_fused=num_fused)
+    return MatrixSpec(index, name, shape, "whole", None, num_fused=num_fused)
 
 
 def process_group_for(p: torch.Tensor, spec: MatrixSpec, replicate_group) -> tuple[object, int]:

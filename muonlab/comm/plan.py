@@ -9,13 +9,14 @@ the wire dtype, excluding a rank's copy to itself; the collectives count the sam
 from __future__ import annotations
 
 import heapq
+from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field, replace
 
 from ..kernels.newton_schulz import ns_flops
 from .layout import GroupKey, MatrixSpec
 
-PATHS = ("local", "rebalance", "all_to_all", "agrs", "owner", "gather_all")
+PATHS = ("local", "rebalance", "all_to_all", "agrs", "subgroup", "owner", "gather_all")
 REMAINDER_PATHS = ("auto", "all_to_all", "agrs")
 # "muonlab": the planner below. "redundant": the baseline every distributed Muon is measured
 # against, in which every rank gathers and orthogonalizes every matrix.
@@ -46,6 +47,8 @@ class BatchPlan:
     """Sharded-dim entries per group-local rank (same for every parameter of the batch)."""
     param_shapes: tuple[tuple[int, ...], ...] = ()
     """Global shape of each parameter of the batch."""
+    sources: tuple[tuple[int, ...], ...] = ()
+    """Whole layouts: the group-local rank holding each matrix of each parameter."""
     moves: tuple[tuple[int, int, int, int], ...] = ()
     """Whole matrices moved for balance (rebalance path): (parameter position in the batch,
     matrix index in that parameter's group-wide matrices, source rank, owner rank)."""
@@ -288,11 +291,22 @@ def plan_batches(
         if layout == "whole":
             per_matrix = flops_of(idx[0])
             for i in idx:
-                for r in range(size):
-                    load.add(r, specs[i].local_num_matrices(r) * per_matrix)
+                for r, count in Counter(specs[i].matrix_sources()).items():
+                    load.add(r, count * per_matrix)
             whole.append((group, key, idx))
         elif layout == "row_shard":
             row_sharded.append((group, key, idx))
+        elif layout == "subgroup":
+            # each of the E experts spans k = W / E ranks; every rank all-gathers its expert within
+            # its sub-group and orthogonalizes it (the k ranks of a sub-group compute the same one)
+            k = size // specs[idx[0]].num_fused
+            rows = specs[idx[0]].rows
+            per_rank = [(k - 1) * rows[r] * shape[1] * comm_itemsize * len(idx) for r in range(size)]
+            flops = [flops_of(idx[0]) * len(idx)] * size
+            for r in range(size):
+                load.add(r, flops[r])
+            add("subgroup", idx, group, key, range(size), sent=per_rank, recv=per_rank, flops=flops,
+                notes=f"sub-groups of {k} ranks rebuild one expert each")
         elif layout == "replicated":
             replicated.setdefault(group, []).extend((i, key) for i in idx)
         elif layout == "gather_all":
@@ -409,14 +423,6 @@ def _imbalance(plan: Plan, specs, flops_of_spec) -> float:
     return max(loads, default=0) / target
 
 
-def _matrix_sources(spec: MatrixSpec, size: int) -> list[int]:
-    """Group-local rank holding each of a whole-layout parameter's matrices, in order."""
-    if spec.group is None or not spec.rows:
-        return [0] * spec.num_matrices
-    per_row = spec.num_matrices // spec.shape[0] if spec.shape[0] else 0
-    return [r for r in range(size) for _ in range(spec.rows[r] * per_row)]
-
-
 def _plan_whole(whole, specs, loads, flops_of, make, plan, comm_itemsize, rebalance):
     """Whole matrices stay where they lie unless their rank is overloaded; then the largest ones
     move to the least-loaded ranks (path "rebalance": out to the owner and back), until no rank
@@ -428,7 +434,7 @@ def _plan_whole(whole, specs, loads, flops_of, make, plan, comm_itemsize, rebala
     for group, buckets in by_group.items():
         size = group.size if group else 1
         load = loads.view(group)
-        sources = {i: _matrix_sources(specs[i], size) for _, idx in buckets for i in idx}
+        sources = {i: specs[i].matrix_sources() for _, idx in buckets for i in idx}
         items = [(i, j, src) for _, idx in buckets for i in idx for j, src in enumerate(sources[i])]
         # the target: the makespan LPT reaches placing these matrices freely on top of the rest
         base = list(load)
@@ -476,6 +482,7 @@ def _plan_whole(whole, specs, loads, flops_of, make, plan, comm_itemsize, rebala
             batch = make(path, idx, group, key, [r for r in range(size) if flops[r]] or [0], sent=sent,
                          recv=recv, flops=flops, notes=f"{len(moves)} matrices moved for balance" if moves else "")
             batch.moves = tuple(moves)
+            batch.sources = tuple(tuple(sources[i]) for i in idx)
             batch.index = len(plan.batches)
             plan.batches.append(batch)
 

@@ -24,12 +24,14 @@ class RebalanceRun(LocalRun):
         self.size = len(b.bytes_sent)
         self.numel = b.matrix_shape[0] * b.matrix_shape[1]
         self.local = [x.reshape(-1, *b.matrix_shape) for x in self.inputs]
-        per_row = _numel(b.param_shapes[0][1:-2])  # matrices per entry of the sharded dim 0
-        self.start = sum(b.rows[: self.me]) * per_row  # index of the first matrix held here
+        # slot of each matrix held here: its position among this rank's matrices of that parameter
+        self.slot = {(pos, j): k for pos, src in enumerate(b.sources)
+                     for k, j in enumerate(j for j, s in enumerate(src) if s == self.me)}
         # moves in plan order, split by direction; the order is the same on sender and receiver
         self.outgoing = sorted((m for m in b.moves if m[2] == self.me), key=lambda m: m[3])
         self.incoming = sorted((m for m in b.moves if m[3] == self.me), key=lambda m: m[2])
         self.moved_out = {(pos, j) for pos, j, _, _ in self.outgoing}
+        self.held = [[j for j, s in enumerate(src) if s == self.me] for src in b.sources]
 
     def _splits(self, moves, rank_of):
         counts = [0] * self.size
@@ -40,7 +42,7 @@ class RebalanceRun(LocalRun):
     def send_out(self):
         self._setup()
         wire = self.ctx.wire_dtype
-        parts = [self.local[pos][j - self.start].reshape(-1).to(wire) for pos, j, _, _ in self.outgoing]
+        parts = [self.local[pos][self.slot[(pos, j)]].reshape(-1).to(wire) for pos, j, _, _ in self.outgoing]
         send = torch.cat(parts) if parts else self.inputs[0].new_empty(0, dtype=wire)
         self._out = self._count(all_to_all(send, self._splits(self.outgoing, lambda m: m[3]),
                                            self._splits(self.incoming, lambda m: m[2]),
@@ -48,8 +50,8 @@ class RebalanceRun(LocalRun):
 
     def wait_out(self):
         received = self._out.wait().view(-1, *self.batch.matrix_shape)
-        kept = [mats[k] for pos, mats in enumerate(self.local) for k in range(mats.shape[0])
-                if (pos, self.start + k) not in self.moved_out]
+        kept = [self.local[pos][k] for pos, held in enumerate(self.held) for k, j in enumerate(held)
+                if (pos, j) not in self.moved_out]
         self.num_kept = len(kept)
         mats = kept + [received[k].to(self.local[0].dtype) for k in range(received.shape[0])]
         return torch.stack(mats) if mats else None
@@ -68,10 +70,10 @@ class RebalanceRun(LocalRun):
         returned = self._back.wait().view(-1, *self.batch.matrix_shape)
         from_owner = {(pos, j): returned[k] for k, (pos, j, _, _) in enumerate(self.outgoing)}
         out, kept = [], 0
-        for pos, (x, mats) in enumerate(zip(self.inputs, self.local)):
+        for pos, (x, held) in enumerate(zip(self.inputs, self.held)):
             result = []
-            for k in range(mats.shape[0]):
-                key = (pos, self.start + k)
+            for j in held:
+                key = (pos, j)
                 if key in from_owner:
                     result.append(from_owner[key])
                 else:
@@ -80,10 +82,3 @@ class RebalanceRun(LocalRun):
             dtype = result[0].dtype if result else x.dtype
             out.append(torch.stack([r.to(dtype) for r in result]).view(x.shape) if result else x.new_zeros(x.shape))
         return out
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n

@@ -18,6 +18,7 @@ from ..comm.collectives import CommCounter
 from ..comm.cost import get_profile
 from ..comm.engine import execute_plan
 from ..comm.layout import MatrixSpec, matrix_spec, process_group_for
+from ..comm.subgroup import ranks_per_expert, subgroups_for
 from ..comm.plan import REMAINDER_PATHS, STRATEGIES, Plan, plan_batches
 from ..kernels.newton_schulz import BACKENDS, FORMS, newton_schulz, resolve_coefficients
 from ..trace import Span, Tracer
@@ -79,6 +80,8 @@ class Muon(Optimizer):
             matrices; "auto" takes the lower modelled time under ``hardware_profile``.
         hardware_profile: a muonlab.comm.cost profile name or HardwareProfile (default:
             "h100_node" with CUDA, else "cpu_gloo").
+        fused_banks: {parameter name: E} for 2-D parameters that stack E matrices on dim 0 (a
+            fused expert bank (E*M, N)); each is orthogonalized as E separate matrices.
         nonfinite: an inf or NaN in any gradient on any rank makes every rank "skip" the step
             (decided together by one all-reduce; parameters and state untouched, counted in
             ``skipped_steps`` and ``last_step_stats()``), "raise" a ValueError naming the
@@ -116,6 +119,7 @@ class Muon(Optimizer):
         strategy: str = "muonlab",
         hardware_profile=None,
         nonfinite: str = "skip",
+        fused_banks: dict[str, int] | None = None,
     ):
         if ns_form not in FORMS:
             raise ValueError(f"unknown ns_form {ns_form!r}; choose one of {FORMS}")
@@ -145,6 +149,7 @@ class Muon(Optimizer):
         if nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"unknown nonfinite policy {nonfinite!r}; choose one of {NONFINITE_POLICIES}")
         self.nonfinite = nonfinite
+        self.fused_banks = dict(fused_banks or {})
         self.skipped_steps = 0
         self.hardware_profile = get_profile(
             hardware_profile or ("h100_node" if torch.cuda.is_available() else "cpu_gloo"))
@@ -155,6 +160,13 @@ class Muon(Optimizer):
         # Validate every group before torch's constructor stores any of them.
         groups = self._normalise_params(params)
         super().__init__(groups, {})
+        unknown = sorted(set(self.fused_banks) - set(self._names.values()))
+        if unknown:
+            raise ValueError(f"fused_banks names {unknown} are not parameters of this optimizer "
+                             "(pass named parameters or muon_param_groups(model))")
+        for p, name in self._names.items():
+            if name in self.fused_banks:
+                matrix_spec(-1, name, p, None, self.fused_banks[name])  # validates the shape
 
     # ------------------------------------------------------------------ construction
 
@@ -409,7 +421,8 @@ class Muon(Optimizer):
             specs, groups = [], {None: (None, 0)}
             for i in indices:
                 group, p = entries[i]
-                spec = matrix_spec(i, self._names.get(p, f"param{i}"), p, replicate)
+                name = self._names.get(p, f"param{i}")
+                spec = matrix_spec(i, name, p, replicate, self.fused_banks.get(name, 1))
                 specs.append(spec)
                 if spec.group not in groups:
                     groups[spec.group] = process_group_for(p, spec, replicate)
@@ -418,6 +431,9 @@ class Muon(Optimizer):
                 ns_steps=lambda key: key[0], ns_form=self.ns_form, remainder_path=self.remainder_path,
                 strategy=self.strategy, profile=self.hardware_profile,
             )
+            for b in plan:  # sub-groups are created collectively, here, never mid-step
+                if b.path == "subgroup":
+                    subgroups_for(b.group, ranks_per_expert(b))
             self._plans[(indices, keys)] = (plan, {s.index: s for s in specs}, groups)
         return self._plans[(indices, keys)]
 

@@ -95,9 +95,15 @@ def path_params(world: int):
     specs += [("bank_a", (2, 24, 32), "shard0"), ("bank_b", (2, 24, 32), "shard0")]
     specs += [("cols", (8, 6), "shard1")]  # no fast path -> gather_all fallback
     specs += [(f"replicated{i}", (12, 5), "replicate") for i in range(3)]  # plain tensors -> owner
+    # fused expert banks (E*M, N): on 4 ranks, 2 experts of 8 rows -> sub-groups of 2 ranks;
+    # 8 experts of 3 rows -> 2 whole experts per rank
+    specs += [("fused_pair", (16, 8), "shard0"), ("fused_eight", (24, 5), "shard0")]
     if world == 4:
         specs += [("second_mesh", (9, 4), "hsdp")]  # another mesh: 2 x 2, sharded on its 2nd axis
     return specs
+
+
+FUSED = {"fused_pair": 2, "fused_eight": 8}
 
 
 def init_tensor(shape, seed):
@@ -129,7 +135,7 @@ def run_paths(world: int, remainder_path: str, precision: str, steps: int = 3):
             p = torch.nn.Parameter(distribute_tensor(full, m, pl))
         params.append((name, p))
         layouts.append(placement.get(kind))
-    opt = Muon(params, ns_dtype=dtype, comm_dtype=dtype, remainder_path=remainder_path, **HYPER)
+    opt = Muon(params, ns_dtype=dtype, comm_dtype=dtype, remainder_path=remainder_path, fused_banks=FUSED, **HYPER)
     for step in range(steps):
         for seed, ((name, p), layout) in enumerate(zip(params, layouts)):
             g = grads_for(p.shape, seed, step)
@@ -139,9 +145,7 @@ def run_paths(world: int, remainder_path: str, precision: str, steps: int = 3):
     rank = dist.get_rank()
 
     def group_rank(b):
-        if b.group is not None and b.group.mesh_dim == "shard":
-            return mesh2.get_local_rank("shard")
-        return rank
+        return b.group.local_ranks()[rank] if b.group is not None else 0
 
     plan_sent, plan_recv = _plan_bytes(opt, group_rank)
     return dict(
@@ -161,7 +165,7 @@ def single_process_paths(world: int, precision: str, steps: int = 3):
     dtype = torch.float32 if precision == "fp32" else torch.bfloat16
     params = [(name, torch.nn.Parameter(init_tensor(shape, seed)))
               for seed, (name, shape, _) in enumerate(path_params(world))]
-    opt = Muon(params, ns_dtype=dtype, **HYPER)
+    opt = Muon(params, ns_dtype=dtype, fused_banks=FUSED, **HYPER)
     for step in range(steps):
         for seed, (_, p) in enumerate(params):
             p.grad = grads_for(p.shape, seed, step)

@@ -110,3 +110,19 @@ def test_whole_experts_move_only_to_fix_imbalance():
     assert len(batch.moves) == 4 and all(src < 4 <= owner for _, _, src, owner in batch.moves)
     assert batch.flops == (ns_flops((6, 8)),) * 8  # one matrix per rank
     assert batch.total_bytes == 4 * 2 * 6 * 8 * 2  # each moved matrix goes out and back once
+
+
+def test_fused_banks_by_how_experts_fall_on_the_shards():
+    from muonlab.comm.layout import fused_row_layout
+
+    assert fused_row_layout(24, 8, 4) == "whole"  # 2 whole experts of 3 rows per rank
+    assert fused_row_layout(16, 2, 4) == "subgroup"  # each expert over 2 ranks, 4 rows each
+    assert fused_row_layout(16, 2, 3) == "gather_all"  # rows 6, 6, 4: nothing aligns
+    g = group(4)
+    spec = MatrixSpec(0, "bank", (16, 8), "subgroup", g, chunk_sizes(16, 4), num_fused=2)
+    assert spec.matrix_shape == (8, 8) and spec.num_matrices == 2
+    (batch,) = plan_batches([spec], [0])
+    assert batch.path == "subgroup"
+    # each rank sends its 4 x 8 rows to the one other rank of its sub-group, nothing back
+    assert batch.bytes_sent == batch.bytes_recv == (4 * 8 * 2,) * 4
+    assert batch.flops == (ns_flops((8, 8)),) * 4
