@@ -323,12 +323,15 @@ class Muon(Optimizer):
                                    skipped_steps=self.skipped_steps, nonfinite_ranks=bad_ranks,
                                    nonfinite_params=bad_names)
                 return loss
+        # plan first: it may raise (ranks disagree), and nothing may have changed by then
+        indices = self._muon_indices(work["muon"])
+        planned = self._plan_for(indices) if indices else None
         with self._tracer.span("adamw") as span:
             for group, params in work["adamw"]:
                 self._adamw_group(group, params)
         phases["adamw"] = span.duration
-        if work["muon"]:
-            self._muon_step(work["muon"], counter, phases)
+        if planned:
+            self._muon_step(indices, planned, counter, phases)
         self._stats = dict(
             bytes_sent=dict(counter.sent), bytes_recv=dict(counter.recv), calls=dict(counter.calls),
             seconds=phases, skipped=False, skipped_steps=self.skipped_steps,
@@ -431,11 +434,34 @@ class Muon(Optimizer):
                 ns_steps=lambda key: key[0], ns_form=self.ns_form, remainder_path=self.remainder_path,
                 strategy=self.strategy, profile=self.hardware_profile,
             )
+            self._check_ranks_agree(specs, keys)
             for b in plan:  # sub-groups are created collectively, here, never mid-step
                 if b.path == "subgroup":
                     subgroups_for(b.group, ranks_per_expert(b))
             self._plans[(indices, keys)] = (plan, {s.index: s for s in specs}, groups)
         return self._plans[(indices, keys)]
+
+    def _check_ranks_agree(self, specs: list[MatrixSpec], keys: tuple) -> None:
+        """Every rank must plan the same matrices, or collectives would pair up wrongly and hang.
+
+        One all_gather_object of (name, global shape, layout) per parameter, once per new plan;
+        a mismatch is a ValueError naming the ranks and the first parameter that differs.
+        """
+        if not _dist_on() or dist.get_world_size() == 1:
+            return
+        mine = [(s.name, s.shape, s.layout, s.num_fused, k) for s, k in zip(specs, keys)]
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        for rank, theirs in enumerate(everyone):
+            if theirs == everyone[0]:
+                continue
+            for a, b in zip(everyone[0], theirs):
+                if a != b:
+                    raise ValueError(
+                        f"ranks disagree on the Muon parameters: rank 0 has {a[0]!r} of shape {a[1]} "
+                        f"({a[2]}), rank {rank} has {b[0]!r} of shape {b[1]} ({b[2]})")
+            raise ValueError(f"ranks disagree on the Muon parameters: rank 0 has {len(everyone[0])} "
+                             f"with gradients, rank {rank} has {len(theirs)}")
 
     def plan(self) -> list:
         """One record per batch (names, shape, path, ranks, bytes, FLOPs), from global metadata only."""
@@ -450,11 +476,13 @@ class Muon(Optimizer):
         """This rank's spans of the last step (gather them with muonlab.trace.gather_spans)."""
         return list(self._tracer.spans)
 
-    def _muon_step(self, work: list[tuple[dict, list[torch.Tensor]]], counter: CommCounter, phases: dict) -> None:
+    def _muon_indices(self, work: list[tuple[dict, list[torch.Tensor]]]) -> tuple[int, ...]:
+        position = {id(p): i for i, (_, p) in enumerate(self._muon_entries())}
+        return tuple(position[id(p)] for _, params in work for p in params)
+
+    def _muon_step(self, indices: tuple[int, ...], planned: tuple, counter: CommCounter, phases: dict) -> None:
         entries = self._muon_entries()
-        position = {id(p): i for i, (_, p) in enumerate(entries)}
-        indices = tuple(position[id(p)] for _, params in work for p in params)
-        plan, specs, groups = self._plan_for(indices)
+        plan, specs, groups = planned
         owner = {}
         for b in plan:
             if b.path == "owner":

@@ -199,7 +199,23 @@ def nonfinite_case():
     return out
 
 
+def disagree_case():
+    """The last rank builds a matrix of another shape: every rank gets a clear error, nothing moves."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    w = torch.nn.Parameter(torch.ones(4, 9 if rank == world - 1 else 8))
+    b = torch.nn.Parameter(torch.ones(4))
+    opt = Muon([{"params": [("w", w)]}, {"params": [("b", b)], "algorithm": "adamw"}])
+    w.grad, b.grad = torch.ones_like(w), torch.ones_like(b)
+    try:
+        opt.step()
+        message = None
+    except ValueError as e:
+        message = str(e)
+    return dict(message=message, untouched=bool((w == 1).all() and (b == 1).all()), state=len(opt.state))
+
+
 def everything(world: int, gpt_cases, path_cases):
     """All checks of one world size in one launch."""
     return dict(gpt=gpt_runs(gpt_cases), paths=path_runs(world, path_cases),
-                nonfinite=nonfinite_case() if world > 1 else None)
+                nonfinite=nonfinite_case() if world > 1 else None,
+                disagree=disagree_case() if world > 1 else None)

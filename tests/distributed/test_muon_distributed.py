@@ -149,3 +149,15 @@ def test_nonfinite_on_one_rank_skips_or_raises_on_every_rank(world_results):
         assert isinstance(r["raise"], str) and f"non-finite gradient on rank(s) [{last}]" in r["raise"]
         assert ("blocks.0.mlp.fc.weight" in r["raise"]) == (rank == last)
         assert r["raise_unchanged"] and r["raise_state"] == 0
+
+
+@pytest.mark.timeout(600)
+def test_ranks_that_disagree_on_a_shape_get_a_clear_error_and_nothing_changes(world_results):
+    world, results = world_results
+    if world == 1:
+        return
+    for rank, res in results.items():
+        r = res["disagree"]
+        assert r["message"] == (f"ranks disagree on the Muon parameters: rank 0 has 'w' of shape (4, 8) "
+                                f"(replicated), rank {world - 1} has 'w' of shape (4, 9) (replicated)"), r
+        assert r["untouched"] and r["state"] == 0
