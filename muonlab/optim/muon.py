@@ -472,6 +472,41 @@ class Muon(Optimizer):
         """Bytes counted at each collective (per path) and seconds per phase, for the last step."""
         return dict(self._stats)
 
+    # ------------------------------------------------------------------ state for checkpoints
+
+    def init_state(self) -> None:
+        """Create every parameter's state now (zeros, no collective), so every rank holds the
+        same keys and global shapes before the first step, as distributed checkpointing needs."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                self._state_for(p, group["algorithm"])
+
+    def _owned(self) -> list[tuple[torch.Tensor, object, int, bool]]:
+        """(param, process group, owner's global rank, owned here) for replicated (DDP) matrices."""
+        entries = self._muon_entries()
+        plan, _, groups = self._plan_for(tuple(range(len(entries))))
+        out = []
+        for b in plan:
+            if b.path == "owner":
+                pg, me = groups[b.group]
+                for i, o in zip(b.param_indices, b.owners):
+                    out.append((entries[i][1], pg, dist.get_global_rank(pg, o), o == me))
+        return out
+
+    def consolidate_state(self) -> None:
+        """Collective (call on every rank): owners broadcast the momentum of replicated matrices
+        so that every rank holds every state tensor, e.g. before saving a checkpoint."""
+        self.init_state()
+        for p, pg, owner, _ in self._owned():
+            dist.broadcast(self.state[p]["momentum_buffer"], src=owner, group=pg)
+
+    def release_unowned_state(self) -> None:
+        """Drop the momentum of replicated matrices this rank does not own (after a save or a
+        load): it lives on its owner only, a ZeRO-1 style saving."""
+        for p, _, _, mine in self._owned():
+            if not mine:
+                self.state.pop(p, None)
+
     def last_step_spans(self) -> list[Span]:
         """This rank's spans of the last step (gather them with muonlab.trace.gather_spans)."""
         return list(self._tracer.spans)
