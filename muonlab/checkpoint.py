@@ -1,0 +1,229 @@
+"""Save and load training state (model, Muon optimizer, step, lr scheduler) with
+torch.distributed.checkpoint (DCP).
+
+::
+
+    from muonlab import checkpoint
+    checkpoint.save("ckpt/step100", model, opt, step=100, scheduler=sched)
+    ...
+    step = checkpoint.load("ckpt/step100", model, opt, scheduler=sched)
+
+Both are collective when torch.distributed is initialised (call them on every rank) and work in
+a single process without it. The checkpoint is a DCP directory: every tensor is saved once, by
+the ranks that hold its shards, in its global shape, so it loads on any world size (4 ranks ->
+2 or 1, 2 -> 4) with resharding, for FSDP2 (DTensor) parameters and their optimizer state.
+
+What Muon needs around DCP:
+
+* every rank must present the same keys: ``opt.init_state()`` creates all state (zeros) before
+  the first step, and ``opt.consolidate_state()`` has the owners of replicated (DDP) matrices
+  broadcast their momentum (Muon keeps it on one owner only); ``opt.release_unowned_state()``
+  drops the copies again after the save or load;
+* expert banks under expert parallelism (``apply_ep``) hold different experts under the same
+  name on each "ep" coordinate; they are saved under ``NAME@ep<r>of<n>`` so the ep groups do not
+  overwrite each other (a checkpoint with experts therefore loads only with the same ep size);
+* the step count, the scheduler's ``state_dict()`` and ``extra`` are written by rank 0 next to
+  the tensors (``muonlab_meta.pt``), readable on any world size.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+__all__ = ["save", "load", "read_meta", "META_FILE"]
+
+META_FILE = "muonlab_meta.pt"
+
+
+def _dist_on() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank() -> int:
+    return dist.get_rank() if _dist_on() else 0
+
+
+def _barrier() -> None:
+    if _dist_on() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def _inner(model: torch.nn.Module) -> torch.nn.Module:
+    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+
+
+def _ep_renames(model: torch.nn.Module) -> dict[str, str]:
+    """FQN -> the name it is saved under, for expert banks placed by apply_ep."""
+    out = {}
+    for name, p in _inner(model).named_parameters():
+        if hasattr(p, "_ep_rank") and getattr(p, "_ep_size", 1) > 1:
+            out[name] = f"{name}@ep{p._ep_rank}of{p._ep_size}"
+    return out
+
+
+def _rename(msd: dict, osd: dict, renames: dict[str, str]) -> tuple[dict, dict]:
+    if not renames:
+        return msd, osd
+    msd = {renames.get(k, k): v for k, v in msd.items()}
+    osd = dict(osd)
+    osd["state"] = {renames.get(k, k): v for k, v in osd.get("state", {}).items()}
+    osd["param_groups"] = [
+        {**g, "params": [renames.get(k, k) for k in g["params"]]} for g in osd.get("param_groups", [])
+    ]
+    return msd, osd
+
+
+def _unrename(msd: dict, osd: dict, renames: dict[str, str]) -> tuple[dict, dict]:
+    return _rename(msd, osd, {v: k for k, v in renames.items()})
+
+
+def _strip_param_names(osd: dict) -> dict:
+    # Muon keeps names outside param_groups; never let a copy of them into the checkpoint
+    for g in osd.get("param_groups", []):
+        g.pop("param_names", None)
+    return osd
+
+
+def _shape(t: Any) -> tuple[int, ...] | None:
+    return tuple(t.shape) if torch.is_tensor(t) else None
+
+
+def _check_against(path: str, state: dict) -> None:
+    """ValueError naming the first parameter / state tensor whose key or shape differs."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    flat: dict[str, Any] = {}
+    for name, t in state["model"].items():
+        flat[f"model.{name}"] = t
+    for name, entry in state["optim"]["state"].items():
+        for key, t in entry.items():
+            flat[f"optim.state.{name}.{key}"] = t
+    model_keys = {k for k in saved if k.startswith("model.")}
+    missing = [k for k in flat if k not in saved]
+    if missing:
+        what = missing[0]
+        kind = "parameter" if what.startswith("model.") else "optimizer state"
+        raise ValueError(
+            f"checkpoint {path!r} does not match the model: it has no {kind} {what.split('.', 1)[1]!r}"
+            f" ({len(missing)} missing; checkpoint parameters: {sorted(k[6:] for k in model_keys)[:8]}...)"
+        )
+    unexpected = sorted(k for k in model_keys if k not in flat)
+    if unexpected:
+        raise ValueError(
+            f"checkpoint {path!r} does not match the model: parameter {unexpected[0][6:]!r} is in the "
+            f"checkpoint but not in the model ({len(unexpected)} such)"
+        )
+    for key, t in flat.items():
+        meta = saved[key]
+        shape = _shape(t)
+        if shape is None or not isinstance(meta, TensorStorageMetadata):
+            continue
+        if shape != tuple(meta.size):
+            name = key.split(".", 1)[1] if key.startswith("model.") else key[len("optim.state."):]
+            raise ValueError(
+                f"checkpoint {path!r} does not match the model: {name!r} has shape {tuple(meta.size)} "
+                f"in the checkpoint and {shape} in the model"
+            )
+
+
+def save(
+    path: str | os.PathLike,
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    step: int,
+    *,
+    scheduler: Any = None,
+    extra: Any = None,
+) -> None:
+    """Save ``model``, ``opt`` (Muon or any torch optimizer), ``step``, ``scheduler`` and ``extra``.
+
+    Collective when torch.distributed is initialised: call it on every rank with the same
+    ``path``. ``model`` may be plain, FSDP2-sharded, DDP-wrapped or expert-parallel. ``extra``
+    (any picklable object, from rank 0) comes back from :func:`read_meta`.
+    """
+    path = os.fspath(path)
+    has_muon_state = hasattr(opt, "consolidate_state")
+    if has_muon_state:
+        opt.init_state()
+        opt.consolidate_state()
+    try:
+        msd, osd = get_state_dict(model, opt)
+        osd = _strip_param_names(osd)
+        msd, osd = _rename(msd, osd, _ep_renames(model))
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+        if _rank() == 0:
+            meta = dict(
+                step=int(step),
+                scheduler=None if scheduler is None else scheduler.state_dict(),
+                extra=extra,
+                world_size=dist.get_world_size() if _dist_on() else 1,
+                torch_version=torch.__version__,
+            )
+            tmp = os.path.join(path, META_FILE + ".tmp")
+            torch.save(meta, tmp)
+            os.replace(tmp, os.path.join(path, META_FILE))
+        _barrier()
+    finally:
+        if has_muon_state:
+            opt.release_unowned_state()
+
+
+def read_meta(path: str | os.PathLike) -> dict:
+    """The small, rank-independent part of a checkpoint: step, scheduler state, extra, world size."""
+    path = os.fspath(path)
+    meta_path = os.path.join(path, META_FILE)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"no checkpoint at {path!r} (not a directory)")
+    if not os.path.exists(meta_path) or not os.path.exists(os.path.join(path, ".metadata")):
+        raise FileNotFoundError(
+            f"{path!r} is not a complete muonlab checkpoint (missing {META_FILE} or DCP .metadata; "
+            f"was the save interrupted?)"
+        )
+    return torch.load(meta_path, weights_only=False)
+
+
+def load(
+    path: str | os.PathLike,
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    *,
+    scheduler: Any = None,
+) -> int:
+    """Load a checkpoint written by :func:`save` into ``model``/``opt`` (and ``scheduler``); return
+    the saved step.
+
+    Collective when torch.distributed is initialised. The world size and sharding may differ from
+    the save's (DCP reshards). Raises FileNotFoundError for a missing or incomplete checkpoint and
+    ValueError naming the first parameter whose name or shape does not match the model, before
+    anything is changed.
+    """
+    path = os.fspath(path)
+    meta = read_meta(path)
+    if scheduler is not None and meta["scheduler"] is None:
+        raise ValueError(f"checkpoint {path!r} holds no lr scheduler state, but a scheduler was given")
+    has_muon_state = hasattr(opt, "init_state")
+    if has_muon_state:
+        opt.init_state()
+    try:
+        msd, osd = get_state_dict(model, opt)
+        osd = _strip_param_names(osd)
+        renames = _ep_renames(model)
+        msd, osd = _rename(msd, osd, renames)
+        state = {"model": msd, "optim": osd}
+        _check_against(path, state)
+        dcp.load(state, checkpoint_id=path)
+        msd, osd = _unrename(state["model"], state["optim"], renames)
+        set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+    finally:
+        if has_muon_state:
+            opt.release_unowned_state()
+    if scheduler is not None:
+        scheduler.load_state_dict(meta["scheduler"])
+    return int(meta["step"])
