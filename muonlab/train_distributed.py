@@ -1,4 +1,5 @@
-"""Train the small GPT with Muon under FSDP2 or DDP, in workers started by muonlab.distributed.launch.
+"""Train the small GPT with Muon under FSDP2 or DDP, or its MoE variant under expert parallelism x
+FSDP2 ("ep"), in workers started by muonlab.distributed.launch.
 
 ``train_worker`` runs on every rank and returns plain data (losses, the plan as rows, the counted
 bytes, and on rank 0 every rank's spans of the last step), so a notebook or the CLI can show what
@@ -7,11 +8,13 @@ the optimizer did without touching the workers' tensors::
     from muonlab.distributed import launch
     from muonlab.train_distributed import train_worker
     results = launch(train_worker, 4, mode="fsdp", steps=5)
+    results = launch(train_worker, 4, mode="ep", ep=2, num_experts=4, steps=5)  # (fsdp=2, ep=2)
 """
 
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import asdict
 
 import torch
@@ -20,12 +23,13 @@ import torch.distributed as dist
 from .comm.plan import Plan
 from .data import get_batch, load_corpus
 from .models import GPT, GPTConfig
+from .models.gpt import moe_config
 from .optim import Muon, muon_param_groups
 from .trace import gather_spans
 
 __all__ = ["COMM_DTYPES", "MODES", "plan_rows", "train_worker"]
 
-MODES = ("fsdp", "ddp")
+MODES = ("fsdp", "ddp", "ep")
 COMM_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -50,19 +54,28 @@ def train_worker(
     ns_dtype_name: str = "bf16",
     remainder_path: str | None = None,
     seed: int = 0,
+    ep: int = 2,
+    num_experts: int = 4,
 ) -> dict:
     """Train for ``steps`` steps on this rank's slice of each global batch; return what happened.
 
     Every rank builds the model from the same seed and draws the same global batch of
     ``batch_per_rank * world_size`` windows from one seeded generator, then takes its own slice.
 
+    Modes: "fsdp" (FSDP2 over the world), "ddp", and "ep": the MoE GPT (``num_experts`` experts per
+    block) on ``build_ep_mesh(ep)``, a (world // ep, ep) mesh; ``apply_ep`` keeps this EP rank's
+    experts, FSDP2-sharded over the "fsdp" axis, and shards the dense parts over the world.
+    ``ep`` and ``num_experts`` are read in "ep" mode only.
+
     Returns a dict with: rank, world_size, mode, losses (this rank's loss per step), mean_losses
     (mean over ranks per step), step_seconds (optimizer step per step), plan (``plan_rows``),
     plan_table (str), plan_bytes_sent / plan_bytes_recv (this rank's nonzero bytes per path
-    according to the plan), stats (``last_step_stats()``), and spans: every rank's spans of the last step as
-    dicts on rank 0, None on the other ranks.
+    according to the plan), stats (``last_step_stats()``), plan_batches (the ``BatchPlan`` records,
+    for ``muonlab.viz.planner.plot_plan_per_rank``), and spans: every rank's spans of the last step as
+    dicts on rank 0, None on the other ranks. Per-rank entries of a plan row are group-local (a
+    batch of expert banks in "ep" mode is planned over the "fsdp" axis only).
     """
-    from .distributed import apply_ddp, apply_fsdp, build_mesh
+    from .distributed import apply_ddp, apply_ep, apply_fsdp, build_ep_mesh, build_mesh
 
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -71,11 +84,22 @@ def train_worker(
     world, rank = dist.get_world_size(), dist.get_rank()
 
     torch.manual_seed(seed)
-    model = GPT(GPTConfig(d_model=d_model, n_layers=n_layers, n_heads=n_heads, context=context))
-    if mode == "fsdp":
+    if mode == "ep":
+        # MoE.forward returns a view and Block adds it out of place, so FSDP2's pre-backward hook
+        # is kept; its warning about views would repeat in every layer and step of every worker.
+        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPMoE\) returned a view",
+                                category=UserWarning)
+        # same seed on every rank: apply_ep slices this EP rank's experts out of the full banks
+        model = GPT(moe_config(d_model=d_model, n_layers=n_layers, n_heads=n_heads, context=context,
+                               num_experts=num_experts))
+        model = apply_ep(model, build_ep_mesh(ep))
+        groups = muon_param_groups(model)
+    elif mode == "fsdp":
+        model = GPT(GPTConfig(d_model=d_model, n_layers=n_layers, n_heads=n_heads, context=context))
         model = apply_fsdp(model, build_mesh())
         groups = muon_param_groups(model)
     else:
+        model = GPT(GPTConfig(d_model=d_model, n_layers=n_layers, n_heads=n_heads, context=context))
         model = apply_ddp(model)
         groups = muon_param_groups(model.module)
     extra = {} if remainder_path is None else dict(remainder_path=remainder_path)  # None: Muon's default
@@ -100,11 +124,15 @@ def train_worker(
         mean_losses.append(mean.item() / world)
 
     plan = opt.plan()
-    # The worker builds 1-D meshes only, so every batch's group-local rank is the global rank.
+    # A batch's per-rank tuples are indexed by this rank's place in the batch's group: the global
+    # rank on the 1-D meshes of fsdp/ddp, the "fsdp" coordinate for expert banks in "ep" mode.
     plan_sent, plan_recv = {}, {}
     for b in plan:
-        plan_sent[b.path] = plan_sent.get(b.path, 0) + b.bytes_sent[rank]
-        plan_recv[b.path] = plan_recv.get(b.path, 0) + b.bytes_recv[rank]
+        r = b.group.local_ranks()[rank] if b.group is not None else 0
+        if not b.bytes_sent:
+            continue
+        plan_sent[b.path] = plan_sent.get(b.path, 0) + b.bytes_sent[r]
+        plan_recv[b.path] = plan_recv.get(b.path, 0) + b.bytes_recv[r]
     # Paths that move nothing on this rank (e.g. local) are left out, as at the collectives.
     plan_sent = {path: n for path, n in plan_sent.items() if n}
     plan_recv = {path: n for path, n in plan_recv.items() if n}
@@ -113,5 +141,5 @@ def train_worker(
         rank=rank, world_size=world, mode=mode, losses=losses, mean_losses=mean_losses,
         step_seconds=step_seconds, plan=plan_rows(plan), plan_table=Plan(batches=plan).table(),
         plan_bytes_sent=plan_sent, plan_bytes_recv=plan_recv, stats=opt.last_step_stats(),
-        spans=None if spans is None else [asdict(s) for s in spans],
+        plan_batches=list(plan), spans=None if spans is None else [asdict(s) for s in spans],
     )
