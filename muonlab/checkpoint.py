@@ -94,7 +94,7 @@ def _shape(t: Any) -> tuple[int, ...] | None:
     return tuple(t.shape) if torch.is_tensor(t) else None
 
 
-def _check_against(path: str, state: dict) -> None:
+def _check_against(path: str, state: dict, renames: dict[str, str]) -> None:
     """ValueError naming the first parameter / state tensor whose key or shape differs."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -114,7 +114,8 @@ def _check_against(path: str, state: dict) -> None:
             f"checkpoint {path!r} does not match the model: it has no {kind} {what.split('.', 1)[1]!r}"
             f" ({len(missing)} missing; checkpoint parameters: {sorted(k[6:] for k in model_keys)[:8]}...)"
         )
-    unexpected = sorted(k for k in model_keys if k not in flat)
+    # other ep coordinates' expert banks are not this rank's to load
+    unexpected = sorted(k for k in model_keys if k not in flat and k[6:].split("@ep")[0] not in renames)
     if unexpected:
         raise ValueError(
             f"checkpoint {path!r} does not match the model: parameter {unexpected[0][6:]!r} is in the "
@@ -217,7 +218,7 @@ def load(
         renames = _ep_renames(model)
         msd, osd = _rename(msd, osd, renames)
         state = {"model": msd, "optim": osd}
-        _check_against(path, state)
+        _check_against(path, state, renames)
         dcp.load(state, checkpoint_id=path)
         msd, osd = _unrename(state["model"], state["optim"], renames)
         set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
