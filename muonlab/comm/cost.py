@@ -4,8 +4,8 @@ The model is deliberately small (an alpha-beta model per collective plus a matmu
 
     comm(batch)    = collectives x latency + max over ranks of
                      max(intra-node bytes / intra_bw, inter-node bytes / inter_bw)
-    compute(batch) = max-rank Newton-Schulz FLOPs / matmul rate
-    step           = sum over batches of max(comm, compute)   (batch i+1 moves while i computes)
+    compute(batch) = per-rank Newton-Schulz FLOPs / matmul rate
+    step           = the engine's pipeline replayed with these times (see step_seconds)
 
 Bytes leaving a rank are split between intra- and inter-node links in proportion to how many of
 the group's other ranks share its node (the group is assumed laid out node-major).
@@ -93,6 +93,48 @@ def batch_seconds(batch: BatchPlan, profile: HardwareProfile) -> float:
     return max(comm_seconds(batch, profile), compute_seconds(batch, profile))
 
 
+# Share of a path's communication that happens before Newton-Schulz can start (the rest, the way
+# back, runs behind the next batches).
+OUT_SHARE = {"local": 0.0, "owner": 0.0, "subgroup": 1.0, "gather_all": 1.0}
+
+
 def step_seconds(plan: Plan | list[BatchPlan], profile: HardwareProfile) -> float:
-    """Modelled optimizer time of the Muon part of one step."""
+    """Modelled optimizer time of the Muon part of one step, following the engine's pipeline.
+
+    The engine issues batch i+1's collective before computing batch i, so batch i's data is
+    complete once every rank has finished batch i-2 and the transfer took its time:
+        arrive(i) = max over ranks of done_r(i-2) + out(i)
+        done_r(i) = max(done_r(i-1), arrive(i)) + compute_r(i)
+    and the step ends when the last rank is done and the last way back has landed, but never
+    before the links could carry all of the bytes.
+    """
+    batches = list(plan)
+    if not batches:
+        return 0.0
+    index: dict = {None: {0: 0}}
+    for b in batches:
+        if b.group not in index:
+            index[b.group] = b.group.local_ranks()
+    world = max((max(m) + 1 for m in index.values() if m), default=1)
+    done = [[0.0] * world, [0.0] * world]  # done after batch i-2, after batch i-1
+    total_comm = 0.0
+    last_back = 0.0
+    for b in batches:
+        comm = comm_seconds(b, profile)
+        total_comm += comm
+        share = OUT_SHARE.get(b.path, 0.5)
+        arrive = max(done[0]) + share * comm
+        local = index[b.group]
+        now = []
+        for g in range(world):
+            r = local.get(g)
+            work = b.flops[r] / profile.matmul_flops if r is not None and r < len(b.flops) else 0.0
+            now.append(max(done[1][g], arrive) + work)
+        done = [done[1], now]
+        last_back = (1 - share) * comm
+    return max(max(done[1]) + last_back, total_comm)
+
+
+def lockstep_seconds(plan: Plan | list[BatchPlan], profile: HardwareProfile) -> float:
+    """The pessimistic model: batches one after another, each as slow as its slowest part."""
     return sum(batch_seconds(b, profile) for b in plan)

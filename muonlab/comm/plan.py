@@ -124,36 +124,31 @@ def _zeros(n: int) -> list[int]:
 
 
 def _all_to_all_bytes(rows: Sequence[int], cols: int, owners: Sequence[int], itemsize: int):
-    """Out: each rank sends its rows of matrix i to owner i; back: owner i returns each rank's rows."""
-    size = len(rows)
-    sent, recv = _zeros(size), _zeros(size)
-    for o in owners:
-        for q in range(size):
-            if q == o:
-                continue
-            chunk = rows[q] * cols * itemsize
-            sent[q] += chunk  # out
-            recv[o] += chunk
-            sent[o] += chunk  # back
-            recv[q] += chunk
-    return sent, recv
+    """Out: each rank sends its rows of matrix i to owner i; back: owner i returns each rank's rows.
+
+    With chunk_q = rows[q] * cols * itemsize, T = sum of chunks and K distinct owners, rank q sends
+    chunk_q to every owner but itself on the way out, and an owner sends T - chunk_o back (and
+    receives as much on the way out): closed forms, so a 2048-rank batch costs O(W).
+    """
+    owned = set(owners)
+    chunks = [r * cols * itemsize for r in rows]
+    total, k = sum(chunks), len(owned)
+    sent = [c * (k - (q in owned)) + ((total - c) if q in owned else 0) for q, c in enumerate(chunks)]
+    return sent, list(sent)
 
 
 def _agrs_bytes(rows: Sequence[int], cols: int, owners: Sequence[int], itemsize: int):
     """Out: all-gather of every rank's rows of all k matrices; back: as all_to_all."""
     size, k = len(rows), len(owners)
-    sent, recv = _zeros(size), _zeros(size)
-    total = sum(rows) * cols * itemsize * k
-    for q in range(size):
-        mine = rows[q] * cols * itemsize * k
-        sent[q] += (size - 1) * mine
-        recv[q] += total - mine
-    for o in owners:
-        for q in range(size):
-            if q != o:
-                chunk = rows[q] * cols * itemsize
-                sent[o] += chunk
-                recv[q] += chunk
+    owned = set(owners)
+    chunks = [r * cols * itemsize for r in rows]
+    total = sum(chunks)
+    sent = [(size - 1) * k * c for c in chunks]
+    recv = [k * (total - c) for c in chunks]
+    for q, c in enumerate(chunks):  # the way back: owners return each rank its rows
+        if q in owned:
+            sent[q] += total - c
+        recv[q] += c * (len(owned) - (q in owned))
     return sent, recv
 
 
@@ -189,19 +184,25 @@ class _RankLoads:
 
 
 class _GroupLoad:
+    """One group's view of the loads: a snapshot taken when the view is made, kept current by
+    its own ``add`` (a rank's members are disjoint from the other ranks' of the same group). Take
+    a fresh view after adding through another group's view."""
+
     def __init__(self, loads: _RankLoads, members: list[list[int]]):
         self.loads, self.members = loads, members
+        self.values = [max(loads.by_rank.get(g, 0) for g in m) for m in members]
 
     def __len__(self):
-        return len(self.members)
+        return len(self.values)
 
     def __getitem__(self, r: int) -> int:
-        return max(self.loads.by_rank.get(g, 0) for g in self.members[r])
+        return self.values[r]
 
     def __iter__(self):
-        return (self[r] for r in range(len(self)))
+        return iter(list(self.values))
 
     def add(self, r: int, flops: int) -> None:
+        self.values[r] += flops
         for g in self.members[r]:
             self.loads.by_rank[g] = self.loads.by_rank.get(g, 0) + flops
 
@@ -249,10 +250,10 @@ def plan_batches(
         options = [plan_batches(specs, ns_keys, comm_itemsize=comm_itemsize, ns_steps=ns_steps, ns_form=ns_form,
                                 remainder_path=remainder_path, strategy=strategy, profile=profile,
                                 row_assignment=rule, rebalance=move)
-                   for rule in ("structured", "lpt") for move in moves]
+                   for rule in ("structured", "capped", "lpt") for move in moves]
         return min(options, key=lambda p: (max(_imbalance(p, specs, flops_of_spec), 1.1), step_seconds(p, profile)))
-    if row_assignment not in ("structured", "lpt"):
-        raise ValueError(f"row_assignment must be 'best', 'structured' or 'lpt', got {row_assignment!r}")
+    if row_assignment not in ("structured", "capped", "lpt"):
+        raise ValueError(f"row_assignment must be 'best', 'structured', 'capped' or 'lpt', got {row_assignment!r}")
     if remainder_path not in REMAINDER_PATHS:
         raise ValueError(f"remainder_path must be one of {REMAINDER_PATHS}, got {remainder_path!r}")
     if strategy not in STRATEGIES:
@@ -267,8 +268,12 @@ def plan_batches(
     plan = Plan()
     loads = _RankLoads()
 
+    flops_cache: dict[int, int] = {}
+
     def flops_of(i: int) -> int:
-        return ns_flops(specs[i].matrix_shape, ns_steps(ns_keys[i]), form=ns_form)
+        if i not in flops_cache:
+            flops_cache[i] = ns_flops(specs[i].matrix_shape, ns_steps(ns_keys[i]), form=ns_form)
+        return flops_cache[i]
 
     def make(path, idx, group, key, ranks, owners=(), sent=(), recv=(), flops=(), notes=""):
         return BatchPlan(
@@ -325,6 +330,8 @@ def plan_batches(
     #   "structured": each (shape, settings) bucket in rounds of W, one matrix per rank (balanced
     #                 batch by batch, fewest collectives); each bucket's leftovers on distinct,
     #                 least-loaded ranks (one remainder batch per bucket);
+    #   "capped":     as structured, but no rank goes past the LPT makespan: a bucket whose
+    #                 leftovers don't fit on distinct ranks under it takes a second round;
     #   "lpt":        every matrix of the group, largest first, to the least-loaded rank (max-rank
     #                 FLOPs <= 4/3 of the optimum, but more, smaller batches).
     # "best" plans both and keeps the lower modelled time. Then each bucket is packed into batches
@@ -337,7 +344,7 @@ def plan_batches(
         size, load = group.size, loads.view(group)
         owner_of = {}
         free = items
-        if row_assignment == "structured":
+        if row_assignment in ("structured", "capped"):
             free = []
             buckets_of: dict[tuple, list[int]] = {}
             for i, key in items:
@@ -350,11 +357,21 @@ def plan_batches(
                     load.add(pos % size, flops_of(i))
                 if full < len(idx):
                     leftovers.append(idx[full:])
-            # each bucket's leftovers on distinct ranks (one remainder batch), largest buckets first
+            # each bucket's leftovers on distinct ranks (one remainder batch), largest buckets first;
+            # "capped" keeps every rank under the LPT makespan, opening another round if needed
+            cap = _lpt_makespan(list(load), [flops_of(i) for idx in leftovers for i in idx])
             for idx in sorted(leftovers, key=lambda idx: (-flops_of(idx[0]), idx[0])):
                 taken: set[int] = set()
                 for i in idx:
-                    o = _least_loaded(load, [r for r in range(size) if r not in taken], specs[i].rows)
+                    f = flops_of(i)
+                    candidates = [r for r in range(size) if r not in taken]
+                    if row_assignment == "capped":
+                        under = [r for r in candidates if load[r] + f <= cap]
+                        if not under:  # this round is full: start the next one
+                            taken.clear()
+                            under = [r for r in range(size) if load[r] + f <= cap] or list(range(size))
+                        candidates = under
+                    o = _least_loaded(load, candidates, specs[i].rows)
                     taken.add(o)
                     owner_of[i] = o
                     load.add(o, flops_of(i))
@@ -412,7 +429,23 @@ def plan_batches(
                 flops[owner_of[i]] += cost[i]
             sent, recv = _gather_bytes(payload)
             add("owner", idx, group, key, range(size), [owner_of[i] for i in idx], sent, recv, flops)
+    # Order: batches that move nothing first (they compute while the first transfer travels), then
+    # the heaviest compute first (more time to hide the transfers queued behind it). The order is
+    # a function of the plan alone, so every rank runs the same sequence.
+    plan.batches.sort(key=lambda b: (b.total_bytes > 0, -max(b.flops, default=0)))
+    for n, b in enumerate(plan.batches):
+        b.index = n
     return plan
+
+
+def _lpt_makespan(loads: list[int], work: list[int]) -> int:
+    """Largest load after placing ``work`` largest first on the least-loaded of ``loads``."""
+    heap = [(x, r) for r, x in enumerate(loads)]
+    heapq.heapify(heap)
+    for f in sorted(work, reverse=True):
+        x, r = heapq.heappop(heap)
+        heapq.heappush(heap, (x + f, r))
+    return max(x for x, _ in heap) if heap else 0
 
 
 def _imbalance(plan: Plan, specs, flops_of_spec) -> float:
