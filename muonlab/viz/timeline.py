@@ -22,9 +22,9 @@ from ..trace.spans import LANES  # noqa: E402
 __all__ = ["PATH_COLORS", "PHASE_COLORS", "plot_bytes_by_path", "plot_plan", "plot_timeline"]
 
 PATH_COLORS = {"all_to_all": "#1f77b4", "agrs": "#ff7f0e", "owner": "#2ca02c", "gather_all": "#d62728",
-               "local": "#7f7f7f"}
+               "local": "#7f7f7f", "rebalance": "#17becf", "subgroup": "#aec7e8"}
 PHASE_COLORS = {"momentum": "#8c564b", "newton_schulz": "#9467bd", "update": "#e377c2", "adamw": "#bcbd22"}
-_OTHER = "#17becf"
+_OTHER = "#000000"
 _HATCH = {"comm_out": "", "comm_back": "////"}
 
 
