@@ -82,6 +82,20 @@ def main():
             f"{r['bytes_over_bound']:.3f} | {r['max_rank_bytes'] / 1e6:.1f} | {r['flop_imbalance']:.3f} | "
             f"{1e3 * r['modelled_s']:.2f} | {goal} |"
         )
+    lines += [
+        "",
+        "Notes:",
+        "- Whole experts (a bank sharded on its expert dim) count in the bound like any sharded matrix, but",
+        "  need no bytes when they are orthogonalized where they lie, so MoE rows can sit below 1.0; bytes",
+        "  appear only when the planner moves experts off overloaded ranks (path rebalance).",
+        "- The reference strategies count the zero matrices they pad in as computed FLOPs, so their",
+        "  imbalance column compares padded work; muonlab's counts real matrices only.",
+        "- moe W=128 ep=8 misses the balance goal: each rank holds one expert per bank and the 72 dense",
+        "  matrices land on 72 of 128 ranks; evening that out needs moving experts differently in each EP",
+        "  slice, while a plan is one pattern repeated over the slices (a known limit).",
+        "- Modelled time replays the engine's pipeline (muonlab.comm.cost.step_seconds): batch i+1's",
+        "  transfer is in flight while batch i computes.",
+    ]
     text = "\n".join(lines) + "\n"
     print(text)
     out = Path(__file__).resolve().parent / "results" / "planner.md"
