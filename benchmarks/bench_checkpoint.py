@@ -1,0 +1,87 @@
+"""Checkpoint size on disk vs the bytes of parameters + optimizer tensors, and save/load time.
+
+    .venv/bin/python benchmarks/bench_checkpoint.py [--world 4] [--widths 64 128 256] [--repeats 3]
+
+A 4-layer GPT at each width, FSDP2 over --world gloo ranks, Muon (momentum for matrices, AdamW
+moments and step for embeddings/head/norms) after one step; muonlab.checkpoint.save / load on
+the local disk. Times are medians of --repeats, barrier to barrier. Goal: disk / tensor bytes
+<= 1.05 (DCP writes every tensor once plus metadata).
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from muonlab.distributed import launch  # noqa: E402
+from muonlab.train_distributed_ckpt import bench_save_load  # noqa: E402
+
+
+def cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--world", type=int, default=4)
+    ap.add_argument("--widths", type=int, nargs="+", default=[64, 128, 256, 512])
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="muonlab_bench_ckpt_") as root:
+        res = launch(bench_save_load, args.world, root, args.widths, repeats=args.repeats, timeout_s=600)
+    rows = res[0]
+    # every rank times the same barrier-to-barrier interval; take the slowest
+    for i, row in enumerate(rows):
+        row["save_s"] = max(r[i]["save_s"] for r in res.values())
+        row["load_s"] = max(r[i]["load_s"] for r in res.values())
+    lines = [
+        "| width | layers | params MB | optimizer MB | tensors MB | disk MB | disk - tensors MB | disk / tensors | save ms | load ms |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        tensors = r["param_bytes"] + r["state_bytes"]
+        ratio = r["disk_bytes"] / tensors
+        mark = "" if ratio <= 1.05 else " (goal missed)"
+        lines.append(
+            f"| {r['width']} | {r['n_layers']} | {r['param_bytes'] / 1e6:.3f} | {r['state_bytes'] / 1e6:.3f} | "
+            f"{tensors / 1e6:.3f} | {r['disk_bytes'] / 1e6:.3f} | {(r['disk_bytes'] - tensors) / 1e6:.3f} | {ratio:.3f}{mark} | {r['save_s'] * 1e3:.0f} | "
+            f"{r['load_s'] * 1e3:.0f} |"
+        )
+    table = "\n".join(lines)
+    print(table)
+    command = "Command: `.venv/bin/python benchmarks/bench_checkpoint.py " + " ".join(sys.argv[1:]) + "`"
+    machine = (f"Machine: {cpu_name()}, {torch.get_num_threads()} threads available, torch {torch.__version__}, "
+               f"gloo, {args.world} ranks (1 thread each), local disk; shared with other jobs.")
+    text = "\n".join([
+        "# Checkpoint size and save/load time (muonlab.checkpoint on torch.distributed.checkpoint)",
+        "", command, machine,
+        "Model: 4-layer GPT (vocab 256, context 32, 4 heads), FSDP2 over all ranks, fp32 parameters, Muon "
+        "(fp32 momentum for matrices; AdamW exp_avg, exp_avg_sq and a step scalar for the rest) after one step.",
+        "", table, "",
+        "tensors = bytes of all parameters + all optimizer state tensors at their global shapes; disk = every "
+        "file of the checkpoint directory (DCP shards, .metadata, muonlab_meta.pt). Goal: disk / tensors <= 1.05.",
+        "The overhead (disk - tensors) is about constant: DCP's .metadata (one entry per tensor shard and the pickled "
+        "param_groups) and per-file headers, so small models miss the ratio goal and larger ones meet it.",
+        "Save/load: medians of " + str(args.repeats) + " repeats, barrier to barrier, slowest rank. Save includes "
+        "consolidate_state (no-op under FSDP2: no replicated matrices).", "",
+    ])
+    out = Path(__file__).resolve().parent / "results" / "checkpoint.md"
+    out.write_text(text)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
