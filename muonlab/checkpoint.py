@@ -28,7 +28,9 @@ What Muon needs around DCP:
 
 from __future__ import annotations
 
+import contextlib
 import os
+import warnings
 from typing import Any
 
 import torch
@@ -47,6 +49,15 @@ def _dist_on() -> bool:
 
 def _rank() -> int:
     return dist.get_rank() if _dist_on() else 0
+
+
+@contextlib.contextmanager
+def _quiet_single_process():
+    """DCP warns that it assumes a single process when torch.distributed is off: that is intended."""
+    with warnings.catch_warnings():
+        if not _dist_on():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def _barrier() -> None:
@@ -158,7 +169,8 @@ def save(
         msd, osd = get_state_dict(model, opt)
         osd = _strip_param_names(osd)
         msd, osd = _rename(msd, osd, _ep_renames(model))
-        dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+        with _quiet_single_process():
+            dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
         if _rank() == 0:
             meta = dict(
                 step=int(step),
@@ -219,7 +231,8 @@ def load(
         msd, osd = _rename(msd, osd, renames)
         state = {"model": msd, "optim": osd}
         _check_against(path, state, renames)
-        dcp.load(state, checkpoint_id=path)
+        with _quiet_single_process():
+            dcp.load(state, checkpoint_id=path)
         msd, osd = _unrename(state["model"], state["optim"], renames)
         set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
     finally:

@@ -111,6 +111,7 @@ def test_saved_param_groups_hold_no_names_and_bad_inputs_are_named(runs, tmp_pat
     import torch.distributed.checkpoint as dcp
 
     saved_keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    assert "optim.param_groups.0.lr" in saved_keys  # param_groups are flattened into the keys
     assert not any("param_names" in k for k in saved_keys)
 
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
