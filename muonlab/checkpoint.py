@@ -120,6 +120,14 @@ def _check_against(path: str, state: dict, renames: dict[str, str]) -> None:
     missing = [k for k in flat if k not in saved]
     if missing:
         what = missing[0]
+        base = what.split(".", 1)[1].split("@ep")[0]
+        ep_saved = sorted({k.split("@", 1)[1] for k in model_keys if k[6:].split("@ep")[0] == base and "@" in k})
+        if ep_saved or "@ep" in what:
+            raise ValueError(
+                f"checkpoint {path!r} does not match the model's expert parallelism: expert bank {base!r} is "
+                f"saved as {ep_saved or 'one unsplit bank'}, this rank wants {what.split('.', 1)[1]!r}; "
+                f"load with the ep size used for saving"
+            )
         kind = "parameter" if what.startswith("model.") else "optimizer state"
         raise ValueError(
             f"checkpoint {path!r} does not match the model: it has no {kind} {what.split('.', 1)[1]!r}"

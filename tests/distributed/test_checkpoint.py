@@ -132,3 +132,16 @@ def test_saved_param_groups_hold_no_names_and_bad_inputs_are_named(runs, tmp_pat
         m2, _, o2, s2, _ = W.build("plain")
         checkpoint.save(tmp_path / "nosched", m2, o2, 0)
         checkpoint.load(tmp_path / "nosched", m2, o2, scheduler=s2)
+
+
+@pytest.mark.timeout(60)
+def test_expert_checkpoint_needs_the_same_ep_size(runs):
+    from muonlab import Muon, muon_param_groups
+    from muonlab.models import GPT
+    from muonlab.models.gpt import moe_config
+
+    path = runs["a"][0]["save"][("ep", "fp32")]["path"]
+    model = GPT(moe_config(**W.MOE_CFG))  # no expert parallelism: one unsplit bank
+    with pytest.raises(ValueError, match=r"expert parallelism: expert bank 'blocks.0.mlp.w_in' is saved as "
+                                         r"\['ep0of2', 'ep1of2'\]"):
+        checkpoint.load(path, model, Muon(muon_param_groups(model), **W.HYPER))
