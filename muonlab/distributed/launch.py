@@ -304,11 +304,15 @@ def _failure_texts(err: ChildFailedError, log_dir: str, status_dir: str) -> dict
     """Rank -> error text, the first failure first (elastic's root cause where times tie)."""
     recorded = _read_error_files(log_dir)
     texts: dict[int, str] = {}
+    killed = set()
     for rank, failure in err.failures.items():
         text = recorded.get(rank) or _error_text(failure.error_file_data)[0]
+        if text == "<NONE>":  # elastic's placeholder when the process left no error file
+            text = ""
         if not text:
             if failure.exitcode < 0:
                 text = f"killed by signal {failure.signal_name()} (no Python traceback)"
+                killed.add(rank)
             else:
                 text = (
                     f"exited with code {failure.exitcode} without a recorded Python exception "
@@ -319,7 +323,9 @@ def _failure_texts(err: ChildFailedError, log_dir: str, status_dir: str) -> dict
         texts.setdefault(rank, text)
     times = _failure_times(status_dir)
     first_seen = {rank: i for i, rank in enumerate(texts)}
-    order = sorted(texts, key=lambda r: (times.get(r, float("inf")), first_seen[r]))
+    # A rank killed by a signal leaves no timestamp, but it is the likeliest root cause: the others
+    # usually failed because its connections broke, so it goes first.
+    order = sorted(texts, key=lambda r: (r not in killed, times.get(r, float("inf")), first_seen[r]))
     return {rank: texts[rank] for rank in order}
 
 

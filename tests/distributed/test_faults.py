@@ -71,10 +71,6 @@ def test_fault_surfaces_as_a_clear_error_naming_the_rank(fault, tmp_path):
     SURVIVED.append(f"{fault}: {type(err).__name__} naming rank(s) {err.ranks} after {elapsed:.1f} s")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "launch(): a SIGKILLed worker's elastic error data is the string '<NONE>', which "
-    "_failure_texts takes as its text instead of 'killed by signal SIGKILL', and with no .failed "
-    "stamp it is ordered after the ranks whose collectives it broke (rank 3 is named first)"))
 def test_sigkilled_rank_is_named_first_with_its_signal():
     err = ERRORS.get("sigkill")
     if err is None:
