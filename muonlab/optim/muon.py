@@ -23,6 +23,7 @@ from ..comm.plan import REMAINDER_PATHS, STRATEGIES, Plan, plan_batches
 from ..kernels.newton_schulz import BACKENDS, FORMS, newton_schulz, resolve_coefficients
 from ..trace import Span, Tracer
 from . import functional as F
+from .routing import check_not_flat
 
 ALGORITHMS = ("muon", "adamw")
 NONFINITE_POLICIES = ("skip", "raise", "ignore")
@@ -276,6 +277,7 @@ class Muon(Optimizer):
             if not group["eps"] > 0:
                 raise ValueError(f"eps must be > 0, got {group['eps']}")
         for p in group["params"]:
+            check_not_flat(p, self._names.get(p, "?"))
             if not (p.is_leaf or p.retains_grad):
                 raise ValueError(f"can't optimize a non-leaf tensor {self._label(p)}")
             if torch.is_complex(p):

@@ -15,6 +15,28 @@ import torch
 import torch.nn as nn
 
 
+def flat_shard_origin(p: torch.Tensor) -> str | None:
+    """What flattened ``p`` into a 1-D shard of many parameters, or None.
+
+    FSDP1 (use_orig_params=False) and ZeRO hand the optimizer 1-D flat buffers; their matrices'
+    shapes are gone, so Muon cannot orthogonalize them, and routing them to AdamW would silently
+    train the model without Muon.
+    """
+    if getattr(p, "_is_flat_param", False):
+        return "an FSDP1 FlatParameter (use FSDP2 fully_shard, e.g. muonlab.distributed.apply_fsdp, or FSDP1 with use_orig_params=True)"
+    if hasattr(p, "ds_numel") or hasattr(p, "ds_id"):
+        return "a DeepSpeed ZeRO partition (give Muon the module's original parameters)"
+    return None
+
+
+def check_not_flat(p: torch.Tensor, name: str) -> None:
+    origin = flat_shard_origin(p)
+    if origin:
+        raise ValueError(
+            f"parameter '{name}' of shape {tuple(p.shape)} is {origin}: a flattened 1-D shard of several "
+            "matrices, which Muon cannot orthogonalize and which must not silently fall back to AdamW")
+
+
 @dataclass(frozen=True)
 class Route:
     name: str
@@ -98,6 +120,7 @@ def muon_param_groups(
                 continue  # tied weights are routed once, by their first owner
             seen.add(id(p))
             full = f"{mod_name}.{pname}" if mod_name else pname
+            check_not_flat(p, full)
             algorithm, reason = _route(module, p, embeddings, head, full, exclude)
             buckets[algorithm].append(p)
             names[p] = full

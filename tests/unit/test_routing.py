@@ -57,3 +57,23 @@ def test_optimizer_takes_groups_and_their_names():
     opt = Muon(groups)
     assert opt.param_groups[1]["algorithm"] == "adamw" and opt.param_groups[1]["lr"] == 1e-3
     assert opt.param_name(model.lm_head.weight) == "lm_head.weight"
+
+
+def test_flattened_fsdp1_shards_are_explained_not_sent_to_adamw():
+    # FSDP1 itself needs an accelerator in this torch, so build its FlatParameter directly: the
+    # real class, as FSDP1's use_orig_params=False hands it to an optimizer.
+    import pytest
+    import torch
+    from torch.distributed.fsdp._flat_param import FlatParameter
+
+    class Wrapped(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.flat = FlatParameter(torch.zeros(8 * 16 + 16 * 4))
+
+    model = Wrapped()
+    with pytest.raises(ValueError, match=r"'flat' of shape \(192,\) is an FSDP1 FlatParameter .*fully_shard.*"
+                                         r"must not silently fall back to AdamW"):
+        muon_param_groups(model)
+    with pytest.raises(ValueError, match="is an FSDP1 FlatParameter"):
+        Muon([{"params": [("flat", model.flat)], "algorithm": "adamw"}])
