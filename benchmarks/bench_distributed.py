@@ -89,7 +89,7 @@ def main():
     ]
     text = "\n".join(lines) + "\n"
     print(text)
-    out = Path(__file__).resolve().parent / "results" / "distributed.md"
+    out = Path(__file__).resolve().parent / "results" / ("distributed.md" if W == 4 else f"distributed_w{W}.md")
     out.parent.mkdir(exist_ok=True)
     out.write_text(text)
     print(f"wrote {out}")
