@@ -11,7 +11,6 @@ the local disk. Times are medians of --repeats, barrier to barrier. Goal: disk /
 from __future__ import annotations
 
 import argparse
-import platform
 import sys
 import tempfile
 from pathlib import Path
@@ -22,16 +21,8 @@ import torch  # noqa: E402
 
 from muonlab.distributed import launch  # noqa: E402
 from muonlab.train_distributed_ckpt import bench_save_load  # noqa: E402
-
-
-def cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _machine import cpu_name  # noqa: E402
 
 
 def main():

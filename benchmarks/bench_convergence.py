@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import shlex
 import sys
 import time
@@ -32,26 +31,8 @@ import torch
 
 from muonlab.models import GPT, GPTConfig
 from muonlab.train import History, make_optimizer, train
-
-
-def machine() -> str:
-    cpu = platform.processor() or "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return (f"{cpu}, {os.cpu_count()} logical cores, torch {torch.__version__}, "
-            f"torch threads {torch.get_num_threads()}, Python {platform.python_version()}")
-
-
-def load() -> str:
-    try:
-        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
-    except OSError:
-        return "n/a"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _machine import load, machine  # noqa: E402
 
 
 def smooth(values: list[float], window: int) -> list[float]:

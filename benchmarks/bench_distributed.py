@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import sys
 from pathlib import Path
 
@@ -25,16 +24,7 @@ from _dist_workers import bench_worker, gpt_matrix_shapes, single_process  # noq
 
 from muonlab import ns_flops  # noqa: E402
 from muonlab.distributed import launch  # noqa: E402
-
-
-def cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
+from _machine import cpu_name  # noqa: E402
 
 
 def main():

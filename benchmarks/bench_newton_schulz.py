@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import platform
 import shlex
 import statistics
 import sys
@@ -26,29 +25,11 @@ from pathlib import Path
 import torch
 
 from muonlab.kernels import PRESETS, newton_schulz, ns_flops
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _machine import load, machine  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 FORMS = ("plain", "gram")
-
-
-def machine() -> str:
-    cpu = platform.processor() or "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return (f"{cpu}, {os.cpu_count()} logical cores, torch {torch.__version__}, "
-            f"torch threads {torch.get_num_threads()}, Python {platform.python_version()}")
-
-
-def load() -> str:
-    try:
-        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
-    except OSError:
-        return "n/a"
 
 
 class MatmulProbe:

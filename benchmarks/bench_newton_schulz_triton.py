@@ -40,23 +40,9 @@ from muonlab.kernels.triton_newton_schulz import (  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "newton_schulz_triton.md"
 
-COEFFICIENTS = {
-    "keller": [(3.4445, -4.7750, 2.0315)] * 5,
-    "xtuner": [
-        (4.0848, -6.8946, 2.9270),
-        (3.9505, -6.3029, 2.6377),
-        (3.7418, -5.5913, 2.3037),
-        (2.8769, -3.1427, 1.2046),
-        (2.8366, -3.0525, 1.2012),
-    ],
-    "polar_express": [
-        (8.1566, -22.4833, 15.8788),
-        (4.0429, -2.8089, 0.5000),
-        (3.8917, -2.7725, 0.5061),
-        (3.2858, -2.3681, 0.4645),
-        (2.3465, -1.7098, 0.4232),
-    ],
-}
+from muonlab.kernels.newton_schulz import PRESETS, resolve_coefficients  # noqa: E402
+
+COEFFICIENTS = {name: resolve_coefficients(name, 5) for name in PRESETS}
 
 # (batch, m, n) with m <= n, the layout newton_schulz hands to the backend.
 GPU_SHAPES = [

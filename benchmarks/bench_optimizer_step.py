@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import platform
 import shlex
 import statistics
 import sys
@@ -34,29 +33,11 @@ import muonlab
 from muonlab import muon_param_groups, newton_schulz, ns_flops
 from muonlab.models import GPT, GPTConfig
 from muonlab.optim import functional as F
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _machine import load, machine  # noqa: E402
 
 LR, MOMENTUM, NS_STEPS = 0.02, 0.95, 5
 KELLER = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's default, = muonlab's "keller" preset
-
-
-def machine() -> str:
-    cpu = platform.processor() or "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return (f"{cpu}, {os.cpu_count()} logical cores, torch {torch.__version__}, "
-            f"torch threads {torch.get_num_threads()}, Python {platform.python_version()}")
-
-
-def load() -> str:
-    try:
-        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
-    except OSError:
-        return "n/a"
 
 
 def cpu_bf16_support() -> str:
