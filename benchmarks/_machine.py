@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import platform
+import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -31,3 +33,30 @@ def load() -> str:
         return " ".join(Path("/proc/loadavg").read_text().split()[:3])
     except OSError:
         return "n/a"
+
+
+class MatmulProbe:
+    """Times one n x n x n torch.matmul per dtype whenever ``probe()`` is called (once per round).
+
+    Measured inside the rounds, next to the configurations, so the reference rate sees the same
+    load as they do; ``rate(dtype)`` is the GFLOP/s of the median time.
+    """
+
+    def __init__(self, n: int):
+        gen = torch.Generator().manual_seed(0)
+        self.n = n
+        self.mats = {d: (torch.randn(n, n, generator=gen).to(dt), torch.randn(n, n, generator=gen).to(dt))
+                     for d, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16))}
+        self.times: dict[str, list[float]] = {d: [] for d in self.mats}
+        for a, b in self.mats.values():
+            a @ b  # warm-up
+
+    def probe(self, record: bool = True) -> None:
+        for d, (a, b) in self.mats.items():
+            t0 = time.perf_counter()
+            a @ b
+            if record:
+                self.times[d].append(time.perf_counter() - t0)
+
+    def rate(self, d: str) -> float:
+        return 2 * self.n**3 / statistics.median(self.times[d]) / 1e9

@@ -26,37 +26,10 @@ import torch
 
 from muonlab.kernels import PRESETS, newton_schulz, ns_flops
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _machine import load, machine  # noqa: E402
+from _machine import MatmulProbe, load, machine  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 FORMS = ("plain", "gram")
-
-
-class MatmulProbe:
-    """Times one n x n x n torch.matmul per dtype whenever ``probe()`` is called (once per round).
-
-    Measured inside the rounds, next to the configurations, so the reference rate sees the same
-    load as they do; ``rate(dtype)`` is the GFLOP/s of the median time.
-    """
-
-    def __init__(self, n: int):
-        gen = torch.Generator().manual_seed(0)
-        self.n = n
-        self.mats = {d: (torch.randn(n, n, generator=gen).to(dt), torch.randn(n, n, generator=gen).to(dt))
-                     for d, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16))}
-        self.times: dict[str, list[float]] = {d: [] for d in self.mats}
-        for a, b in self.mats.values():
-            a @ b  # warm-up
-
-    def probe(self, record: bool = True) -> None:
-        for d, (a, b) in self.mats.items():
-            t0 = time.perf_counter()
-            a @ b
-            if record:
-                self.times[d].append(time.perf_counter() - t0)
-
-    def rate(self, d: str) -> float:
-        return 2 * self.n**3 / statistics.median(self.times[d]) / 1e9
 
 
 def parse_shape(text: str) -> tuple[int, ...]:
