@@ -134,7 +134,3 @@ def step_seconds(plan: Plan | list[BatchPlan], profile: HardwareProfile) -> floa
         last_back = (1 - share) * comm
     return max(max(done[1]) + last_back, total_comm)
 
-
-def lockstep_seconds(plan: Plan | list[BatchPlan], profile: HardwareProfile) -> float:
-    """The pessimistic model: batches one after another, each as slow as its slowest part."""
-    return sum(batch_seconds(b, profile) for b in plan)

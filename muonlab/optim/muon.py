@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -40,6 +40,18 @@ MUON_DEFAULTS = dict(
     momentum_form="ema",
 )
 ADAMW_DEFAULTS = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+
+
+class _Planned(NamedTuple):
+    """A plan with what the step needs beside it, cached per set of parameters."""
+
+    plan: Plan
+    specs: dict[int, MatrixSpec]
+    """Parameter index -> its layout."""
+    groups: dict
+    """GroupKey -> (torch ProcessGroup, this rank's index in it)."""
+    owners: dict[int, tuple]
+    """Replicated (DDP) parameter index -> (process group, owner's global rank, owned here)."""
 
 
 def _dist_on() -> bool:
@@ -416,7 +428,7 @@ class Muon(Optimizer):
             return self.process_group
         return dist.group.WORLD if _dist_on() and dist.get_world_size() > 1 else None
 
-    def _plan_for(self, indices: tuple[int, ...]) -> tuple[Plan, dict[int, MatrixSpec], dict]:
+    def _plan_for(self, indices: tuple[int, ...]) -> "_Planned":
         """The plan for these Muon parameters. Cached: it depends only on metadata and on the
         groups' Newton-Schulz settings (part of the key, so changing them re-plans)."""
         entries = self._muon_entries()
@@ -431,16 +443,21 @@ class Muon(Optimizer):
                 specs.append(spec)
                 if spec.group not in groups:
                     groups[spec.group] = process_group_for(p, spec, replicate)
+            self._check_ranks_agree(specs, keys)  # before planning: disagreeing ranks can't plan alike
             plan = plan_batches(
                 specs, keys, comm_itemsize=torch.empty(0, dtype=self.comm_dtype).element_size(),
                 ns_steps=lambda key: key[0], ns_form=self.ns_form, remainder_path=self.remainder_path,
                 strategy=self.strategy, profile=self.hardware_profile,
             )
-            self._check_ranks_agree(specs, keys)
-            for b in plan:  # sub-groups are created collectively, here, never mid-step
-                if b.path == "subgroup":
+            owners = {}
+            for b in plan:
+                if b.path == "subgroup":  # sub-groups are created collectively, here, never mid-step
                     subgroups_for(b.group, ranks_per_expert(b))
-            self._plans[(indices, keys)] = (plan, {s.index: s for s in specs}, groups)
+                if b.path == "owner":
+                    pg, me = groups[b.group]
+                    owners.update({i: (pg, dist.get_global_rank(pg, o), o == me)
+                                   for i, o in zip(b.param_indices, b.owners)})
+            self._plans[(indices, keys)] = _Planned(plan, {s.index: s for s in specs}, groups, owners)
         return self._plans[(indices, keys)]
 
     def _check_ranks_agree(self, specs: list[MatrixSpec], keys: tuple) -> None:
@@ -467,7 +484,7 @@ class Muon(Optimizer):
 
     def plan(self) -> list:
         """One record per batch (names, shape, path, ranks, bytes, FLOPs), from global metadata only."""
-        plan, _, _ = self._plan_for(tuple(range(len(self._muon_entries()))))
+        plan = self._plan_for(tuple(range(len(self._muon_entries())))).plan
         return list(plan)
 
     def last_step_stats(self) -> dict:
@@ -486,14 +503,8 @@ class Muon(Optimizer):
     def _owned(self) -> list[tuple[torch.Tensor, object, int, bool]]:
         """(param, process group, owner's global rank, owned here) for replicated (DDP) matrices."""
         entries = self._muon_entries()
-        plan, _, groups = self._plan_for(tuple(range(len(entries))))
-        out = []
-        for b in plan:
-            if b.path == "owner":
-                pg, me = groups[b.group]
-                for i, o in zip(b.param_indices, b.owners):
-                    out.append((entries[i][1], pg, dist.get_global_rank(pg, o), o == me))
-        return out
+        owners = self._plan_for(tuple(range(len(entries)))).owners
+        return [(entries[i][1], pg, owner, mine) for i, (pg, owner, mine) in owners.items()]
 
     def consolidate_state(self) -> None:
         """Collective (call on every rank): owners broadcast the momentum of replicated matrices
@@ -517,21 +528,16 @@ class Muon(Optimizer):
         position = {id(p): i for i, (_, p) in enumerate(self._muon_entries())}
         return tuple(position[id(p)] for _, params in work for p in params)
 
-    def _muon_step(self, indices: tuple[int, ...], planned: tuple, counter: CommCounter, phases: dict) -> None:
+    def _muon_step(self, indices: tuple[int, ...], planned: "_Planned", counter: CommCounter, phases: dict) -> None:
         entries = self._muon_entries()
-        plan, specs, groups = planned
-        owner = {}
-        for b in plan:
-            if b.path == "owner":
-                me = groups[b.group][1]
-                owner.update({i: o == me for i, o in zip(b.param_indices, b.owners)})
+        plan, specs, groups, owners = planned
 
         # 1. momentum on the local shard (replicated matrices: on their owner only)
         inputs: dict[int, torch.Tensor | None] = {}
         with self._tracer.span("momentum") as span:
             for i in indices:
                 group, p = entries[i]
-                if not owner.get(i, True):
+                if i in owners and not owners[i][2]:
                     inputs[i] = None
                     continue
                 buf = _local(self._state_for(p, "muon")["momentum_buffer"])
