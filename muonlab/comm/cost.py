@@ -13,14 +13,11 @@ the group's other ranks share its node (the group is assumed laid out node-major
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # plan.py uses this module to choose paths
-    from .plan import BatchPlan, Plan
-
-# collectives per path: out + back
-COLLECTIVES = {"local": 0, "all_to_all": 2, "agrs": 2, "owner": 1, "gather_all": 1, "padded_all_to_all": 2}
+from .paths import PATHS
+from .records import BatchPlan, group_rank_maps
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,8 +67,7 @@ def get_profile(profile: str | HardwareProfile) -> HardwareProfile:
     return PROFILES[profile]
 
 
-def comm_seconds(batch: BatchPlan, profile: HardwareProfile, path: str | None = None) -> float:
-    path = path or batch.path
+def comm_seconds(batch: BatchPlan, profile: HardwareProfile) -> float:
     size = len(batch.bytes_sent) or 1
     if size <= 1 or not any(batch.bytes_sent):
         return 0.0
@@ -82,7 +78,7 @@ def comm_seconds(batch: BatchPlan, profile: HardwareProfile, path: str | None = 
     for sent, recv in zip(batch.bytes_sent, batch.bytes_recv):
         traffic = max(sent, recv)
         worst = max(worst, max(traffic * intra_frac / profile.intra_bw, traffic * (1 - intra_frac) / profile.inter_bw))
-    return COLLECTIVES.get(path, 2) * profile.latency_s + worst
+    return PATHS[batch.path].collectives * profile.latency_s + worst
 
 
 def compute_seconds(batch: BatchPlan, profile: HardwareProfile) -> float:
@@ -93,12 +89,7 @@ def batch_seconds(batch: BatchPlan, profile: HardwareProfile) -> float:
     return max(comm_seconds(batch, profile), compute_seconds(batch, profile))
 
 
-# Share of a path's communication that happens before Newton-Schulz can start (the rest, the way
-# back, runs behind the next batches).
-OUT_SHARE = {"local": 0.0, "owner": 0.0, "subgroup": 1.0, "gather_all": 1.0}
-
-
-def step_seconds(plan: Plan | list[BatchPlan], profile: HardwareProfile) -> float:
+def step_seconds(plan: Iterable[BatchPlan], profile: HardwareProfile) -> float:
     """Modelled optimizer time of the Muon part of one step, following the engine's pipeline.
 
     The engine issues batch i+1's collective before computing batch i, so batch i's data is
@@ -111,10 +102,7 @@ def step_seconds(plan: Plan | list[BatchPlan], profile: HardwareProfile) -> floa
     batches = list(plan)
     if not batches:
         return 0.0
-    index: dict = {None: {0: 0}}
-    for b in batches:
-        if b.group not in index:
-            index[b.group] = b.group.local_ranks()
+    index = group_rank_maps(batches)
     world = max((max(m) + 1 for m in index.values() if m), default=1)
     done = [[0.0] * world, [0.0] * world]  # done after batch i-2, after batch i-1
     total_comm = 0.0
@@ -122,7 +110,7 @@ def step_seconds(plan: Plan | list[BatchPlan], profile: HardwareProfile) -> floa
     for b in batches:
         comm = comm_seconds(b, profile)
         total_comm += comm
-        share = OUT_SHARE.get(b.path, 0.5)
+        share = PATHS[b.path].out_share
         arrive = max(done[0]) + share * comm
         local = index[b.group]
         now = []

@@ -22,6 +22,7 @@ Frobenius norm, never across the batch.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -116,58 +117,87 @@ def _gram_iterations(X0: torch.Tensor, coeffs: Coefficients, restarts: Sequence[
     return X_start if Q is None else Q @ X_start
 
 
-def newton_schulz(
-    G: torch.Tensor,
-    steps: int = 5,
-    coefficients: str | Sequence = "keller",
-    eps: float = 1e-7,
-    dtype: torch.dtype | None = torch.bfloat16,
-    *,
-    backend: str = "auto",
-    form: str = "plain",
-    gram_restarts: Sequence[int] = (2,),
-) -> torch.Tensor:
+@dataclass(frozen=True, kw_only=True)
+class NSConfig:
+    """The Newton-Schulz settings a batch of matrices shares; hashable, so it keys plan batches."""
+
+    steps: int = 5
+    """Number of iterations."""
+    coefficients: str | tuple[tuple[float, float, float], ...] = "keller"
+    """A preset name ("keller", "xtuner", "polar_express") or per-iteration (a, b, c) tuples."""
+    eps: float = 1e-7
+    """Floor on each matrix's norm, so an all-zero matrix maps to zero instead of NaN."""
+    dtype: torch.dtype | None = torch.bfloat16
+    """Compute dtype (bf16 like torch.optim.Muon); None keeps the input's dtype."""
+    form: str = "plain"
+    """"plain" or "gram" (fewer FLOPs on rectangular matrices; see the module doc)."""
+    backend: str = "auto"
+    """"torch", "triton" (CUDA + triton required) or "auto" (triton when usable on CUDA)."""
+    gram_restarts: tuple[int, ...] = (2,)
+    """Iterations after which the gram form recomputes R from X."""
+
+    def __post_init__(self):
+        if self.backend not in BACKENDS:
+            raise ValueError(f"unknown Newton-Schulz backend {self.backend!r}; choose one of {BACKENDS}")
+        if self.form not in FORMS:
+            raise ValueError(f"unknown Newton-Schulz form {self.form!r}; choose one of {FORMS}")
+        if self.dtype is not None and not isinstance(self.dtype, torch.dtype):
+            raise TypeError(f"Newton-Schulz dtype must be a torch.dtype or None, got {self.dtype!r}")
+        resolve_coefficients(self.coefficients, self.steps)  # raises on bad steps or coefficients
+        if not isinstance(self.coefficients, str):  # lists become tuples: the config stays hashable
+            object.__setattr__(self, "coefficients", tuple(tuple(float(v) for v in abc) for abc in self.coefficients))
+        object.__setattr__(self, "gram_restarts", tuple(int(k) for k in self.gram_restarts))
+
+    def resolved_coefficients(self) -> Coefficients:
+        return resolve_coefficients(self.coefficients, self.steps)
+
+
+def _config(config: NSConfig | None, settings: dict) -> NSConfig:
+    """``config`` with keyword overrides (the fields of NSConfig), or a new one from them."""
+    unknown = sorted(set(settings) - {f.name for f in fields(NSConfig)})
+    if unknown:
+        raise TypeError(f"unknown Newton-Schulz setting(s) {unknown}; NSConfig has {[f.name for f in fields(NSConfig)]}")
+    if config is None:
+        return NSConfig(**settings)
+    if not isinstance(config, NSConfig):
+        raise TypeError(f"config must be an NSConfig, got {type(config).__name__} (pass steps=... by keyword)")
+    return replace(config, **settings) if settings else config
+
+
+def newton_schulz(G: torch.Tensor, config: NSConfig | None = None, **settings) -> torch.Tensor:
     """Approximately orthogonalize the last two dims of ``G`` (batched over leading dims).
 
     Args:
         G: tensor with at least 2 dims; leading dims are a batch of independent matrices.
-        steps: number of iterations.
-        coefficients: a preset name ("keller", "xtuner", "polar_express") or a list of (a, b, c).
-        eps: floor on each matrix's norm, so an all-zero matrix maps to zero instead of NaN.
-        dtype: compute dtype (bf16 by default, like torch.optim.Muon); None keeps G's dtype.
-        backend: "torch", "triton" (CUDA + triton required) or "auto" (triton when usable).
-        form: "plain" or "gram" (fewer FLOPs for rectangular matrices; see the module doc).
-        gram_restarts: iterations after which the gram form recomputes R from X.
+        config: the settings (``NSConfig``); keyword ``settings`` (its field names: steps,
+            coefficients, eps, dtype, form, backend, gram_restarts) override or replace it.
 
     Returns:
-        A tensor of G's shape in ``dtype`` (or G's dtype when dtype is None).
+        A tensor of G's shape in the config's dtype (or G's dtype when dtype is None).
     """
     if G.ndim < 2:
         raise ValueError(f"newton_schulz needs a tensor with at least 2 dims, got shape {tuple(G.shape)}")
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown Newton-Schulz backend {backend!r}; choose one of {BACKENDS}")
-    if form not in FORMS:
-        raise ValueError(f"unknown Newton-Schulz form {form!r}; choose one of {FORMS}")
-    coeffs = resolve_coefficients(coefficients, steps)
+    cfg = _config(config, settings)
+    coeffs = cfg.resolved_coefficients()
     shape = G.shape
-    X = G.to(dtype) if dtype is not None else G
+    X = G.to(cfg.dtype) if cfg.dtype is not None else G
     if X.numel() == 0:
         return X.clone()
     X = X.reshape(-1, shape[-2], shape[-1])
     tall = shape[-2] > shape[-1]
     if tall:
         X = X.mT
-    X = _normalise(X, eps, norm_scale(coefficients))
+    X = _normalise(X, cfg.eps, norm_scale(cfg.coefficients))
 
-    use = _pick_backend(backend, X)
+    use = _pick_backend(cfg.backend, X)
     if use == "triton":
-        if form != "plain":
+        if cfg.form != "plain":
             raise ValueError("the triton backend implements form='plain' only")
         from .triton_newton_schulz import newton_schulz_triton
 
         X = newton_schulz_triton(X, coeffs)
-    elif form == "gram":
-        X = _gram_iterations(X, coeffs, tuple(gram_restarts))
+    elif cfg.form == "gram":
+        X = _gram_iterations(X, coeffs, cfg.gram_restarts)
     else:
         X = _plain_iterations(X, coeffs)
 
@@ -201,34 +231,56 @@ def _pick_backend(backend: str, X: torch.Tensor) -> str:
     return "triton" if usable and X.is_cuda else "torch"
 
 
-def ns_flops(shape: Sequence[int], steps: int = 5, *, form: str = "plain", backend: str = "torch",
-             gram_restarts: Sequence[int] = (2,)) -> int:
-    """FLOPs (multiply-adds count 2) of ``newton_schulz`` on a tensor of ``shape``.
+def plain_flops_per_iter(m: int, n: int) -> int:
+    """One plain iteration on an m x n matrix (m <= n): 2m^2n (X X^T) + 2m^3 (A A) + 2m^2n (B X)."""
+    return 4 * m * m * n + 2 * m**3
 
-    Plain: per iteration 4 m^2 n (X X^T and B X) + 2 m^3 (A A) with m = min, n = max of the last two
-    dims; the triton backend's symmetric products do m^2 n + m^3 of the first two, i.e.
-    3 m^2 n + m^3. Gram: see ``_gram_iterations`` (restarts re-pay the X products).
+
+def symmetric_flops_per_iter(m: int, n: int, block: int | None = None) -> int:
+    """One iteration of the Triton backend, whose X X^T and A A compute only upper tiles.
+
+    m^2 n for the symmetric X X^T, m^3 for the symmetric A A, 2 m^2 n for B X: 3 m^2 n + m^3 (0.67
+    of the plain count for a square matrix). With ``block``, what the kernels execute at tile
+    granularity: whole diagonal tiles and the padding of partial tiles (masked lanes still go
+    through ``tl.dot``).
     """
-    if form not in FORMS:
-        raise ValueError(f"unknown Newton-Schulz form {form!r}; choose one of {FORMS}")
+    if m > n:
+        raise ValueError(f"symmetric_flops_per_iter expects m <= n, got m={m}, n={n}")
+    if block is None:
+        return 3 * m * m * n + m**3
+    num_blocks = -(-m // block)
+    num_pairs = num_blocks * (num_blocks + 1) // 2
+    padded_m = num_blocks * block
+    padded_n = -(-n // block) * block
+    sym_xxt = num_pairs * 2 * block * block * padded_n
+    sym_aa = num_pairs * 2 * block * block * padded_m
+    bx = 2 * padded_m * padded_n * padded_m
+    return sym_xxt + sym_aa + bx
+
+
+def ns_flops(shape: Sequence[int], config: NSConfig | None = None, **settings) -> int:
+    """FLOPs (multiply-adds count 2) of ``newton_schulz`` on a tensor of ``shape`` under a config.
+
+    Plain: ``plain_flops_per_iter`` per iteration with m = min, n = max of the last two dims;
+    backend "triton": ``symmetric_flops_per_iter``; "auto" counts as torch (it picks Triton only on
+    CUDA, which a plan made from shapes cannot know). Gram: see ``_gram_iterations`` (restarts
+    re-pay the X products).
+    """
+    cfg = _config(config, settings)
     if len(shape) < 2:
         raise ValueError(f"ns_flops needs a shape with at least 2 dims, got {tuple(shape)}")
     batch = 1
     for d in shape[:-2]:
         batch *= int(d)
     m, n = sorted((int(shape[-2]), int(shape[-1])))
-    if form == "plain":
-        if backend == "triton":
-            from .triton_newton_schulz import triton_ns_flops_per_iter
-
-            per_iter = triton_ns_flops_per_iter(m, n)
-        else:
-            per_iter = 4 * m * m * n + 2 * m**3
+    steps = cfg.steps
+    if cfg.form == "plain":
+        per_iter = symmetric_flops_per_iter(m, n) if cfg.backend == "triton" else plain_flops_per_iter(m, n)
         return batch * steps * per_iter
     gram_x = 2 * m * m * n  # one X X^T or one Q X
     mm = 2 * m**3
     total = gram_x  # R_0
-    restarts = set(gram_restarts)
+    restarts = set(cfg.gram_restarts)
     q_is_identity = True
     for k in range(steps):
         total += mm  # R @ R

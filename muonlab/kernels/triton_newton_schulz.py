@@ -51,10 +51,6 @@ __all__ = [
     "sym_matmul",
     "batched_matmul_add",
     "newton_schulz_triton",
-    "newton_schulz_reference",
-    "triton_ns_flops_per_iter",
-    "plain_ns_flops_per_iter",
-    "sym_ns_flops",
 ]
 
 # Read once, like triton itself: the interpreter must be chosen before the kernels are defined.
@@ -67,61 +63,6 @@ _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # and partial tiles are exercised; long K and N blocks keep the instance count low.
 INTERPRET_BLOCK_M = 64
 INTERPRET_BLOCK_NK = 128
-
-
-# --------------------------------------------------------------------------------------------
-# Reference and FLOP counts (no triton needed)
-# --------------------------------------------------------------------------------------------
-
-
-def newton_schulz_reference(X: torch.Tensor, coefficients: Sequence[Tuple[float, float, float]]) -> torch.Tensor:
-    """The slow, readable torch version of ``newton_schulz_triton``: the same plain iteration."""
-    for a, b, c in coefficients:
-        A = X @ X.mT
-        B = b * A + c * (A @ A)
-        X = a * X + B @ X
-    return X
-
-# --------------------------------------------------------------------------------------------
-
-
-def plain_ns_flops_per_iter(m: int, n: int) -> int:
-    """FLOPs of one plain iteration on an m x n matrix: 2m^2n (X X^T) + 2m^3 (A A) + 2m^2n (B X)."""
-    return 4 * m * m * n + 2 * m ** 3
-
-
-def triton_ns_flops_per_iter(m: int, n: int) -> int:
-    """Analytic FLOPs of one iteration of this backend for an m x n matrix (m <= n).
-
-    m^2 n for the symmetric X X^T, m^3 for the symmetric A A, 2 m^2 n for B X: 3 m^2 n + m^3.
-    For a square matrix that is 4/6 = 0.67 of the plain count.
-    """
-    if m > n:
-        raise ValueError(f"triton_ns_flops_per_iter expects m <= n, got m={m}, n={n}")
-    return 3 * m * m * n + m ** 3
-
-
-def sym_ns_flops(m: int, n: int, block: Optional[int] = None) -> int:
-    """FLOPs of one iteration; with ``block``, what the kernels execute at tile granularity.
-
-    With a block size the count includes the full diagonal tiles of both symmetric products and
-    the padding of partial tiles (masked lanes still go through ``tl.dot``).
-    """
-    if block is None:
-        return triton_ns_flops_per_iter(m, n)
-    if m > n:
-        raise ValueError(f"sym_ns_flops expects m <= n, got m={m}, n={n}")
-    num_blocks = -(-m // block)
-    num_pairs = num_blocks * (num_blocks + 1) // 2
-    padded_m = num_blocks * block
-
-    def padded(size: int) -> int:
-        return -(-size // block) * block
-
-    sym_xxt = num_pairs * 2 * block * block * padded(n)
-    sym_aa = num_pairs * 2 * block * block * padded_m
-    bx = 2 * padded_m * padded(n) * padded_m
-    return sym_xxt + sym_aa + bx
 
 
 # --------------------------------------------------------------------------------------------

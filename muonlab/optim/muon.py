@@ -17,10 +17,11 @@ from torch.optim import Optimizer
 from ..comm.collectives import CommCounter
 from ..comm.cost import get_profile
 from ..comm.engine import execute_plan
-from ..comm.layout import MatrixSpec, matrix_spec, process_group_for
-from ..comm.subgroup import ranks_per_expert, subgroups_for
-from ..comm.plan import REMAINDER_PATHS, STRATEGIES, Plan, plan_batches
-from ..kernels.newton_schulz import BACKENDS, FORMS, newton_schulz, resolve_coefficients
+from ..comm.paths.subgroup import ranks_per_expert, subgroups_for
+from ..comm.planner import REMAINDER_PATHS, STRATEGIES, plan_batches
+from ..comm.records import BatchPlan, Plan
+from ..comm.specs import MatrixSpec, matrix_spec, process_group_for
+from ..kernels.newton_schulz import NSConfig, resolve_coefficients
 from ..trace import Span, Tracer
 from . import functional as F
 from .routing import check_not_flat
@@ -134,10 +135,7 @@ class Muon(Optimizer):
         nonfinite: str = "skip",
         fused_banks: dict[str, int] | None = None,
     ):
-        if ns_form not in FORMS:
-            raise ValueError(f"unknown ns_form {ns_form!r}; choose one of {FORMS}")
-        if ns_backend not in BACKENDS:
-            raise ValueError(f"unknown ns_backend {ns_backend!r}; choose one of {BACKENDS}")
+        NSConfig(dtype=ns_dtype, form=ns_form, backend=ns_backend)  # raises on a bad ns_* setting
         self._muon_defaults = dict(
             lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
             ns_steps=ns_steps, ns_coefficients=ns_coefficients, eps=eps, adjust_lr=adjust_lr,
@@ -430,10 +428,11 @@ class Muon(Optimizer):
 
     def _plan_for(self, indices: tuple[int, ...]) -> "_Planned":
         """The plan for these Muon parameters. Cached: it depends only on metadata and on the
-        groups' Newton-Schulz settings (part of the key, so changing them re-plans)."""
+        settings below (part of the key, so changing one re-plans)."""
         entries = self._muon_entries()
-        keys = tuple(self._ns_key(entries[i][0]) for i in indices)
-        if (indices, keys) not in self._plans:
+        configs = tuple(self._ns_config(entries[i][0]) for i in indices)
+        cache_key = (indices, configs, self.comm_dtype, self.strategy, self.remainder_path, self.hardware_profile)
+        if cache_key not in self._plans:
             replicate = self._replicate_group()
             specs, groups = [], {None: (None, 0)}
             for i in indices:
@@ -443,11 +442,10 @@ class Muon(Optimizer):
                 specs.append(spec)
                 if spec.group not in groups:
                     groups[spec.group] = process_group_for(p, spec, replicate)
-            self._check_ranks_agree(specs, keys)  # before planning: disagreeing ranks can't plan alike
+            self._check_ranks_agree(specs, configs)  # before planning: disagreeing ranks can't plan alike
             plan = plan_batches(
-                specs, keys, comm_itemsize=torch.empty(0, dtype=self.comm_dtype).element_size(),
-                ns_steps=lambda key: key[0], ns_form=self.ns_form, remainder_path=self.remainder_path,
-                strategy=self.strategy, profile=self.hardware_profile,
+                specs, configs, comm_itemsize=torch.empty(0, dtype=self.comm_dtype).element_size(),
+                remainder_path=self.remainder_path, strategy=self.strategy, profile=self.hardware_profile,
             )
             owners = {}
             for b in plan:
@@ -457,10 +455,10 @@ class Muon(Optimizer):
                     pg, me = groups[b.group]
                     owners.update({i: (pg, dist.get_global_rank(pg, o), o == me)
                                    for i, o in zip(b.param_indices, b.owners)})
-            self._plans[(indices, keys)] = _Planned(plan, {s.index: s for s in specs}, groups, owners)
-        return self._plans[(indices, keys)]
+            self._plans[cache_key] = _Planned(plan, {s.index: s for s in specs}, groups, owners)
+        return self._plans[cache_key]
 
-    def _check_ranks_agree(self, specs: list[MatrixSpec], keys: tuple) -> None:
+    def _check_ranks_agree(self, specs: list[MatrixSpec], configs: tuple) -> None:
         """Every rank must plan the same matrices, or collectives would pair up wrongly and hang.
 
         One all_gather_object of (name, global shape, layout) per parameter, once per new plan;
@@ -468,7 +466,7 @@ class Muon(Optimizer):
         """
         if not _dist_on() or dist.get_world_size() == 1:
             return
-        mine = [(s.name, s.shape, s.layout, s.num_fused, k) for s, k in zip(specs, keys)]
+        mine = [(s.name, s.shape, s.layout, s.num_fused, c) for s, c in zip(specs, configs)]
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
         for rank, theirs in enumerate(everyone):
@@ -482,7 +480,7 @@ class Muon(Optimizer):
             raise ValueError(f"ranks disagree on the Muon parameters: rank 0 has {len(everyone[0])} "
                              f"with gradients, rank {rank} has {len(theirs)}")
 
-    def plan(self) -> list:
+    def plan(self) -> list[BatchPlan]:
         """One record per batch (names, shape, path, ranks, bytes, FLOPs), from global metadata only."""
         plan = self._plan_for(tuple(range(len(self._muon_entries())))).plan
         return list(plan)
@@ -548,11 +546,8 @@ class Muon(Optimizer):
         phases["momentum"] = span.duration
 
         # 2. move, orthogonalize, move back (see muonlab.comm.engine)
-        def orthogonalize(key, mats):
-            return newton_schulz(mats, **self._ns_kwargs(key))
-
         outputs, comm_phases = execute_plan(
-            plan, inputs, groups, orthogonalize, wire_dtype=self.comm_dtype, tracer=self._tracer, counter=counter,
+            plan, inputs, groups, wire_dtype=self.comm_dtype, tracer=self._tracer, counter=counter,
         )
         phases.update(comm_phases)
 
@@ -566,13 +561,7 @@ class Muon(Optimizer):
                 )
         phases["update"] = span.duration
 
-    @staticmethod
-    def _ns_key(group: dict) -> tuple:
-        coeffs = group["ns_coefficients"]
-        coeffs = coeffs if isinstance(coeffs, str) else tuple(tuple(c) for c in coeffs)
-        return (group["ns_steps"], coeffs, group["eps"])
-
-    def _ns_kwargs(self, key: tuple) -> dict:
-        steps, coeffs, eps = key
-        return dict(steps=steps, coefficients=coeffs, eps=eps, dtype=self.ns_dtype,
-                    form=self.ns_form, backend=self.ns_backend)
+    def _ns_config(self, group: dict) -> NSConfig:
+        """A Muon group's Newton-Schulz settings with the optimizer-wide dtype, form and backend."""
+        return NSConfig(steps=group["ns_steps"], coefficients=group["ns_coefficients"], eps=group["eps"],
+                        dtype=self.ns_dtype, form=self.ns_form, backend=self.ns_backend)

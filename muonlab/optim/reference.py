@@ -8,23 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.newton_schulz import norm_scale, resolve_coefficients
+from ..kernels.reference import reference_newton_schulz
 from .functional import adjust_lr_ratio
-
-
-def reference_newton_schulz(M: torch.Tensor, steps: int, coefficients, eps: float,
-                            dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Orthogonalize ONE 2-D matrix with the plain iteration, written out."""
-    assert M.ndim == 2
-    X = M.to(dtype)
-    transposed = X.shape[0] > X.shape[1]
-    if transposed:
-        X = X.T
-    X = X / (X.float().norm() * norm_scale(coefficients)).clamp(min=eps).to(dtype)
-    for a, b, c in resolve_coefficients(coefficients, steps):
-        A = X @ X.T
-        X = a * X + (b * A + c * (A @ A)) @ X
-    return X.T if transposed else X
 
 
 @torch.no_grad()

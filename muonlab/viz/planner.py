@@ -1,7 +1,7 @@
 """Views of the planner: per-rank bytes and FLOPs of one plan, strategies across world sizes, and
 an ipywidgets panel that re-simulates as the mesh or the model changes.
 
-Everything here reads ``muonlab.plan`` records only: a ``Plan`` (or its ``BatchPlan`` list, as
+Everything here reads ``muonlab.comm.records`` only: a ``Plan`` (or its ``BatchPlan`` list, as
 ``Muon.plan()`` and ``train_worker`` return it) and ``summarize()`` rows. Nothing is launched: the
 panel's plans come from ``simulate``, the same planner a real step runs.
 
@@ -18,6 +18,8 @@ import matplotlib.pyplot as plt
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
+from ..comm.records import per_rank
+from ..simulate import SIMULATED_STRATEGIES, simulate, summarize
 from .timeline import _ordered_paths, _path_color
 
 __all__ = ["PlannerPanel", "dense_shapes", "moe_shapes", "planner_panel", "plot_plan_per_rank",
@@ -63,27 +65,6 @@ _BYTE_UNITS = ((1, "B"), (2 ** 10, "KiB"), (2 ** 20, "MiB"), (2 ** 30, "GiB"))
 _FLOP_UNITS = ((1, "FLOP"), (1e6, "MFLOP"), (1e9, "GFLOP"), (1e12, "TFLOP"))
 
 
-def per_rank_by_path(plan, world: int) -> dict[str, dict[str, list[int]]]:
-    """{path: {"sent", "recv", "flops": per GLOBAL rank 0..world-1}}, as ``Plan.per_rank`` but
-    split by path. Group-local entries map to global ranks through ``GroupKey.local_ranks`` (every
-    slice of a mesh axis repeats the batch); a batch with no group (one process) is rank 0's."""
-    out: dict[str, dict[str, list[int]]] = {}
-    index: dict = {None: {0: 0}}
-    for b in plan:
-        if b.group not in index:
-            index[b.group] = b.group.local_ranks()
-        per = out.setdefault(b.path, {"sent": [0] * world, "recv": [0] * world, "flops": [0] * world})
-        for g, r in index[b.group].items():
-            if g >= world:
-                continue
-            if r < len(b.flops):
-                per["flops"][g] += b.flops[r]
-            if r < len(b.bytes_sent):
-                per["sent"][g] += b.bytes_sent[r]
-                per["recv"][g] += b.bytes_recv[r]
-    return out
-
-
 def _stacked(ax, per: dict[str, dict[str, list[int]]], key: str, world: int, units) -> list[str]:
     paths = [p for p in _ordered_paths(per) if any(per[p][key])]
     totals = [sum(per[p][key][g] for p in paths) for g in range(world)]
@@ -123,7 +104,7 @@ def plot_plan_per_rank(plan, world: int, ax=None, *, title: str = "plan"):
     if ax is None:
         _, ax = plt.subplots(1, 2, figsize=(11, 3.4))
     ax_bytes, ax_flops = ax
-    per = per_rank_by_path(batches, world)
+    per = per_rank(batches, world, by_path=True)
     seen = _stacked(ax_bytes, per, "sent", world, _BYTE_UNITS)
     seen += [p for p in _stacked(ax_flops, per, "flops", world, _FLOP_UNITS) if p not in seen]
     ax_bytes.set_ylabel(ax_bytes.get_ylabel() + " sent per step")
@@ -217,13 +198,12 @@ def simulate_views(shapes_fn: Callable, *, world: int, ep: int = 1, experts: int
     (those ``ep`` divides). Returns dict(plan, summary (one summarize() row per strategy at
     ``world``), sweep (rows), figure). Raises ValueError for a mesh that doesn't fit.
     """
-    from ..plan import STRATEGIES, simulate, summarize
 
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown strategy {strategy!r}; choose one of {STRATEGIES}")
+    if strategy not in SIMULATED_STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; choose one of {SIMULATED_STRATEGIES}")
     model = model or getattr(shapes_fn, "__name__", "model")
     shapes = _shapes(shapes_fn, layers, experts)
-    sweep_strategies = tuple(sweep_strategies or STRATEGIES)
+    sweep_strategies = tuple(sweep_strategies or SIMULATED_STRATEGIES)
     mesh = _mesh(world, ep)
 
     def row(W, s):
@@ -282,7 +262,6 @@ class PlannerPanel:
         import ipywidgets as w
 
         from ..comm.cost import PROFILES
-        from ..plan import STRATEGIES
 
         worlds = sorted(set(worlds))
         if world not in worlds:
@@ -303,7 +282,7 @@ class PlannerPanel:
         self.layers = w.IntSlider(value=layers, min=1, max=max_layers, description="layers", style=style,
                                   continuous_update=False)
         self.profile = w.Dropdown(options=sorted(PROFILES), value=profile, description="hardware", style=style)
-        self.strategy = w.Dropdown(options=list(STRATEGIES), value=strategy, description="per-rank plot",
+        self.strategy = w.Dropdown(options=list(SIMULATED_STRATEGIES), value=strategy, description="per-rank plot",
                                    style=style)
         self.status = w.HTML("")
         self.table = w.HTML("")

@@ -2,7 +2,7 @@
 
 Everything here only reads what the workers recorded: spans (``muonlab.trace.Span`` or their
 ``asdict`` rows), ``Muon.last_step_stats()`` dicts and plan rows (``BatchPlan.as_row()``, with the
-per-rank ``bytes_sent`` / ``flops`` lists that ``muonlab.train_distributed.plan_rows`` adds).
+per-rank ``bytes_sent`` / ``flops`` lists that ``plan_rows`` of the training worker adds).
 """
 
 from __future__ import annotations
@@ -16,13 +16,12 @@ matplotlib.use(matplotlib.get_backend())  # keep the notebook's backend; Agg whe
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
-from ..comm.plan import PATHS  # noqa: E402
+from ..comm.paths import PATHS  # noqa: E402
 from ..trace.spans import LANES  # noqa: E402
 
 __all__ = ["PATH_COLORS", "PHASE_COLORS", "plot_bytes_by_path", "plot_plan", "plot_timeline"]
 
-PATH_COLORS = {"all_to_all": "#1f77b4", "agrs": "#ff7f0e", "owner": "#2ca02c", "gather_all": "#d62728",
-               "local": "#7f7f7f", "rebalance": "#17becf", "subgroup": "#aec7e8"}
+PATH_COLORS = {name: path.color for name, path in PATHS.items()}
 PHASE_COLORS = {"momentum": "#8c564b", "newton_schulz": "#9467bd", "update": "#e377c2", "adamw": "#bcbd22"}
 _OTHER = "#000000"
 _HATCH = {"comm_out": "", "comm_back": "////"}

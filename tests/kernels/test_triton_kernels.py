@@ -34,17 +34,20 @@ from muonlab.kernels.triton_newton_schulz import (  # noqa: E402,F401  (public n
     TRITON_AVAILABLE,
     batched_matmul_add,
     newton_schulz_triton,
-    plain_ns_flops_per_iter,
     sym_matmul,
-    sym_ns_flops,
-    triton_ns_flops_per_iter,
 )
 
 REPO = Path(__file__).resolve().parents[2]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (compiled Triton)")
 
-from muonlab.kernels.newton_schulz import PRESETS, resolve_coefficients  # noqa: E402
+from muonlab.kernels.newton_schulz import (  # noqa: E402
+    PRESETS,
+    plain_flops_per_iter,
+    resolve_coefficients,
+    symmetric_flops_per_iter,
+)
+from muonlab.kernels.reference import plain_iterations  # noqa: E402
 
 COEFFICIENTS = {name: resolve_coefficients(name, 5) for name in PRESETS}
 
@@ -79,12 +82,7 @@ def _assert_written_and_close(out, ref, dtype):
 
 
 def _reference_ns(X, coefficients):
-    X = X.double()
-    for a, b, c in coefficients:
-        A = X @ X.mT
-        B = b * A + c * A @ A
-        X = a * X + B @ X
-    return X
+    return plain_iterations(X.double(), coefficients)
 
 
 # ------------------------------------------------------------------------------------ sym_matmul
@@ -303,7 +301,6 @@ _NO_TRITON_SCRIPT = textwrap.dedent(
     import muonlab.kernels.triton_newton_schulz as m
     assert m.TRITON_AVAILABLE is False
     assert "triton" not in sys.modules
-    assert m.triton_ns_flops_per_iter(2, 3) == 3 * 4 * 3 + 8
     try:
         import torch
         m.sym_matmul(torch.zeros(1, 2, 2))
@@ -331,8 +328,8 @@ def test_module_imports_without_triton():
 @pytest.mark.parametrize("m,n", [(1, 1), (1, 64), (127, 300), (512, 512), (1024, 4096), (4096, 4096)])
 def test_flops_symmetric_saving(m, n):
     plain = 4 * m * m * n + 2 * m**3
-    assert plain_ns_flops_per_iter(m, n) == plain
-    sym = triton_ns_flops_per_iter(m, n)
+    assert plain_flops_per_iter(m, n) == plain
+    sym = symmetric_flops_per_iter(m, n)
     assert sym == 3 * m * m * n + m**3
     assert sym / plain <= (3 * m * m * n + m**3) / (4 * m * m * n + 2 * m**3)
     if m == n:
@@ -342,12 +339,12 @@ def test_flops_symmetric_saving(m, n):
 def test_flops_block_granularity():
     # At tile granularity the diagonal tiles and the padding cost extra, approaching the analytic
     # count as the matrix grows relative to the tile.
-    assert sym_ns_flops(4096, 4096) == triton_ns_flops_per_iter(4096, 4096)
-    blocked = sym_ns_flops(4096, 4096, block=128)
-    assert triton_ns_flops_per_iter(4096, 4096) < blocked < 1.05 * triton_ns_flops_per_iter(4096, 4096)
-    assert sym_ns_flops(100, 100, block=128) == 2 * 128**3 * 3
+    assert symmetric_flops_per_iter(4096, 4096) == symmetric_flops_per_iter(4096, 4096)
+    blocked = symmetric_flops_per_iter(4096, 4096, block=128)
+    assert symmetric_flops_per_iter(4096, 4096) < blocked < 1.05 * symmetric_flops_per_iter(4096, 4096)
+    assert symmetric_flops_per_iter(100, 100, block=128) == 2 * 128**3 * 3
     with pytest.raises(ValueError, match="m <= n"):
-        triton_ns_flops_per_iter(5, 4)
+        symmetric_flops_per_iter(5, 4)
 
 
 # -------------------------------------------------------------------------------------- GPU only

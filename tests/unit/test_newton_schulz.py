@@ -3,7 +3,7 @@ import torch
 
 from muonlab import PRESETS, newton_schulz, ns_flops
 from muonlab.kernels.newton_schulz import resolve_coefficients
-from muonlab.optim.reference import reference_newton_schulz
+from muonlab.kernels.reference import reference_newton_schulz
 
 
 def _sv(x):
@@ -72,13 +72,13 @@ def test_zero_matrix_maps_to_zero_and_empty_is_fine():
 
 def test_flop_counts():
     m, n = 64, 256
-    assert ns_flops((m, n), 5) == 5 * (4 * m * m * n + 2 * m**3)
-    assert ns_flops((n, m), 5) == ns_flops((m, n), 5)  # tall inputs are transposed
-    assert ns_flops((3, m, n), 5) == 3 * ns_flops((m, n), 5)
+    assert ns_flops((m, n), steps=5) == 5 * (4 * m * m * n + 2 * m**3)
+    assert ns_flops((n, m), steps=5) == ns_flops((m, n), steps=5)  # tall inputs are transposed
+    assert ns_flops((3, m, n), steps=5) == 3 * ns_flops((m, n), steps=5)
     # the Gram form saves FLOPs on rectangular matrices, not on square ones
     assert ns_flops((256, 1024), form="gram") < 0.75 * ns_flops((256, 1024))
     assert ns_flops((256, 256), form="gram") > ns_flops((256, 256))
-    sym = ns_flops((m, n), 5, backend="triton") / ns_flops((m, n), 5)
+    sym = ns_flops((m, n), steps=5, backend="triton") / ns_flops((m, n), steps=5)
     assert sym <= (3 * m * m * n + m**3) / (4 * m * m * n + 2 * m**3) + 1e-12
 
 
@@ -106,3 +106,23 @@ def test_triton_backend_without_cuda_is_a_clear_error(monkeypatch):
         newton_schulz(torch.randn(4, 8), backend="triton")
     # auto falls back to torch
     newton_schulz(torch.randn(4, 8), backend="auto")
+
+
+def test_ns_config_is_the_batch_key_and_keywords_override_it():
+    from muonlab import NSConfig
+
+    listed = NSConfig(coefficients=[[3.4445, -4.7750, 2.0315]], dtype=torch.float32)
+    assert listed == NSConfig(coefficients=((3.4445, -4.7750, 2.0315),), dtype=torch.float32)
+    assert len({listed, NSConfig(coefficients=((3.4445, -4.7750, 2.0315),), dtype=torch.float32)}) == 1
+    G = torch.randn(3, 16, 32, generator=torch.Generator().manual_seed(0))
+    cfg = NSConfig(dtype=torch.float32, steps=3)
+    assert torch.equal(newton_schulz(G, cfg), newton_schulz(G, steps=3, dtype=torch.float32))
+    assert torch.equal(newton_schulz(G, cfg, steps=5), newton_schulz(G, dtype=torch.float32))
+    assert ns_flops((16, 32), cfg) == ns_flops((16, 32), steps=3)
+    with pytest.raises(TypeError, match="unknown Newton-Schulz setting"):
+        newton_schulz(G, cfg, stepz=5)
+    with pytest.raises(TypeError, match="must be an NSConfig"):
+        ns_flops((16, 32), 5)
+    with pytest.raises(TypeError, match="dtype must be a torch.dtype"):
+        NSConfig(dtype="bf16")
+

@@ -2,13 +2,16 @@
 
 import pytest
 
-from muonlab.comm.layout import GroupKey, MatrixSpec, chunk_sizes
-from muonlab.comm.plan import plan_batches
-from muonlab.kernels.newton_schulz import ns_flops
+from muonlab.comm.planner import plan_batches
+from muonlab.comm.records import flops_per_group_rank
+from muonlab.comm.specs import GroupKey, MatrixSpec, chunk_sizes
+from muonlab.kernels.newton_schulz import NSConfig, ns_flops
+
+CFG = NSConfig()
 
 
 def group(size):
-    return GroupKey(tuple(range(size)), (size,), "dp", size)
+    return GroupKey(mesh_ranks=tuple(range(size)), mesh_shape=(size,), axis_name="dp")
 
 
 def row_specs(shapes, size):
@@ -29,7 +32,7 @@ def test_chunk_sizes_follow_torch_chunk():
 def test_sharded_bytes_meet_the_lower_bound_and_flops_balance(size):
     shapes = [(96, 32), (32, 96), (64, 64)] * 5  # 15 matrices: full batches and remainders
     specs = row_specs(shapes, size)
-    plan = plan_batches(specs, [0] * len(specs))
+    plan = plan_batches(specs, [CFG] * len(specs))
     # every matrix exactly once
     assert sorted(i for b in plan for i in b.param_indices) == list(range(len(specs)))
     bound = sum(2 * (size - 1) / size * a * b * 2 for a, b in shapes)
@@ -38,7 +41,7 @@ def test_sharded_bytes_meet_the_lower_bound_and_flops_balance(size):
     assert total <= 1.05 * bound, (total, bound)
     per_matrix = [ns_flops(s) for s in shapes]
     target = max(sum(per_matrix) / size, max(per_matrix))
-    worst = max(plan.flops_per_rank())
+    worst = max(flops_per_group_rank(plan))
     if size <= 4:  # enough matrices per rank: within 10% of max(mean, largest matrix)
         assert worst <= 1.1 * target, (worst, target)
     else:  # few matrices per rank: LPT's guarantee, 4/3 of a bound below the optimum
@@ -47,17 +50,17 @@ def test_sharded_bytes_meet_the_lower_bound_and_flops_balance(size):
 
 def test_full_batches_use_all_to_all_and_remainders_follow_the_option():
     specs = row_specs([(16, 8)] * 6, 4)  # one batch of 4, a remainder of 2
-    plan = plan_batches(specs, [0] * 6)
+    plan = plan_batches(specs, [CFG] * 6)
     assert [b.path for b in plan] == ["all_to_all", "all_to_all"]
     assert plan.batches[0].owners == (0, 1, 2, 3) and len(plan.batches[1].owners) == 2
-    agrs = plan_batches(specs, [0] * 6, remainder_path="agrs")
+    agrs = plan_batches(specs, [CFG] * 6, remainder_path="agrs")
     assert [b.path for b in agrs] == ["all_to_all", "agrs"]
     assert agrs.batches[1].total_bytes > plan.batches[1].total_bytes  # the gather moves more
 
 
 def test_empty_trailing_shards_send_nothing_and_do_not_own_remainders():
     specs = row_specs([(6, 10)], 4)  # rows 2, 2, 2, 0
-    (batch,) = plan_batches(specs, [0])
+    (batch,) = plan_batches(specs, [CFG])
     assert batch.rows == (2, 2, 2, 0)
     assert batch.owners[0] != 3  # the owner holds rows, so fewer bytes move
     assert batch.bytes_sent[3] == 0 and batch.bytes_recv[3] == 0
@@ -67,7 +70,7 @@ def test_different_ns_settings_or_groups_never_share_a_batch():
     g2, g4 = group(2), group(4)
     specs = [MatrixSpec(0, "a", (8, 8), "row_shard", g2, (4, 4)), MatrixSpec(1, "b", (8, 8), "row_shard", g4, (2, 2, 2, 2)),
              MatrixSpec(2, "c", (8, 8), "row_shard", g2, (4, 4))]
-    plan = plan_batches(specs, ["k1", "k1", "k2"])
+    plan = plan_batches(specs, [CFG, CFG, NSConfig(steps=6)])
     assert sorted(b.param_indices for b in plan) == [(0,), (1,), (2,)]
 
 
@@ -75,11 +78,11 @@ def test_replicated_matrices_get_one_owner_each_balanced_by_flops():
     g = group(3)
     shapes = [(64, 64), (64, 64), (32, 32), (32, 32), (128, 64)]
     specs = [MatrixSpec(i, f"m{i}", s, "replicated", g) for i, s in enumerate(shapes)]
-    plan = plan_batches(specs, [0] * len(specs))
+    plan = plan_batches(specs, [CFG] * len(specs))
     assert {b.path for b in plan} == {"owner"}
     owners = {i: o for b in plan for i, o in zip(b.param_indices, b.owners)}
     assert set(owners) == set(range(5))
-    loads = plan.flops_per_rank()
+    loads = flops_per_group_rank(plan)
     assert max(loads) == ns_flops((128, 64))  # LPT: the largest alone on one rank
     # every rank receives what the others computed: (W-1)/W of all update bytes per rank on average
     total = sum(a * b * 2 for a, b in shapes)
@@ -89,7 +92,7 @@ def test_replicated_matrices_get_one_owner_each_balanced_by_flops():
 def test_whole_experts_stay_local_with_their_flops_where_the_data_is():
     g = group(4)
     spec = MatrixSpec(0, "experts", (5, 6, 8), "whole", g, chunk_sizes(5, 4))  # 2, 2, 1, 0 experts
-    (batch,) = plan_batches([spec], [0])
+    (batch,) = plan_batches([spec], [CFG])
     assert batch.path == "local" and batch.total_bytes == 0
     assert batch.flops == tuple(n * ns_flops((6, 8)) for n in (2, 2, 1, 0))
 
@@ -104,7 +107,7 @@ def test_bad_options():
 def test_whole_experts_move_only_to_fix_imbalance():
     g = group(8)
     banks = [MatrixSpec(i, f"bank{i}", (4, 6, 8), "whole", g, chunk_sizes(4, 8)) for i in range(2)]  # 1,1,1,1,0,0,0,0
-    plan = plan_batches(banks, [0, 0])
+    plan = plan_batches(banks, [CFG, CFG])
     assert [b.path for b in plan] == ["rebalance"]
     (batch,) = plan.batches
     assert len(batch.moves) == 4 and all(src < 4 <= owner for _, _, src, owner in batch.moves)
@@ -113,7 +116,7 @@ def test_whole_experts_move_only_to_fix_imbalance():
 
 
 def test_fused_banks_by_how_experts_fall_on_the_shards():
-    from muonlab.comm.layout import fused_row_layout
+    from muonlab.comm.specs import fused_row_layout
 
     assert fused_row_layout(24, 8, 4) == "whole"  # 2 whole experts of 3 rows per rank
     assert fused_row_layout(16, 2, 4) == "subgroup"  # each expert over 2 ranks, 4 rows each
@@ -121,7 +124,7 @@ def test_fused_banks_by_how_experts_fall_on_the_shards():
     g = group(4)
     spec = MatrixSpec(0, "bank", (16, 8), "subgroup", g, chunk_sizes(16, 4), num_fused=2)
     assert spec.matrix_shape == (8, 8) and spec.num_matrices == 2
-    (batch,) = plan_batches([spec], [0])
+    (batch,) = plan_batches([spec], [CFG])
     assert batch.path == "subgroup"
     # each rank sends its 4 x 8 rows to the one other rank of its sub-group, nothing back
     assert batch.bytes_sent == batch.bytes_recv == (4 * 8 * 2,) * 4
@@ -160,23 +163,18 @@ def _loop_agrs_bytes(rows, cols, owners, itemsize):
 
 @pytest.mark.parametrize("size, dim, owners", [(4, 6, [0, 1]), (4, 10, [0, 1, 2, 3]), (3, 7, [2]), (8, 5, [4, 0, 6])])
 def test_closed_form_bytes_match_the_pairwise_reference(size, dim, owners):
-    from muonlab.comm.plan import _agrs_bytes, _all_to_all_bytes
+    from muonlab.comm.paths import agrs, all_to_all
 
     rows = chunk_sizes(dim, size)
-    assert list(map(list, _all_to_all_bytes(rows, 9, owners, 2))) == list(map(list, _loop_all_to_all_bytes(rows, 9, owners, 2)))
-    assert list(map(list, _agrs_bytes(rows, 9, owners, 2))) == list(map(list, _loop_agrs_bytes(rows, 9, owners, 2)))
+    assert list(map(list, all_to_all.bytes_per_rank(rows, 9, owners, 2))) == list(map(list, _loop_all_to_all_bytes(rows, 9, owners, 2)))
+    assert list(map(list, agrs.bytes_per_rank(rows, 9, owners, 2))) == list(map(list, _loop_agrs_bytes(rows, 9, owners, 2)))
 
 
 def test_a_60_layer_model_plans_at_2048_ranks():
-    import sys
-    from pathlib import Path
+    from muonlab.simulate import simulate, summarize
+    from muonlab.viz.planner import dense_shapes
 
-    from muonlab.plan import simulate, summarize
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    from bench_planner import dense_model
-
-    plan = simulate(dense_model(), 2048)
+    plan = simulate(dense_shapes(layers=60), 2048)
     assert sorted(i for b in plan for i in b.param_indices) == list(range(60 * 7))
     s = summarize(plan, 2048)
     assert s["bytes_over_bound"] <= 1.0001 and s["flop_imbalance"] <= 1.1

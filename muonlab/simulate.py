@@ -1,10 +1,10 @@
 """Plans without processes: what Muon would move and compute at any world size.
 
 ``simulate`` builds the same ``MatrixSpec`` records a real run reads off its DTensors, from shapes
-alone, and hands them to the same ``plan_batches`` the optimizer uses (muonlab.comm.plan): one
+alone, and hands them to the same ``plan_batches`` the optimizer uses (muonlab.comm.planner): one
 code path for the real step and for a 2048-rank plan.
 
-    from muonlab.plan import simulate, summarize
+    from muonlab.simulate import simulate, summarize
     plan = simulate(model, 2048, profile="h100_node")          # or a list of (name, shape)
     print(summarize(plan, 2048, "h100_node"))
 """
@@ -16,19 +16,18 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from .comm.cost import get_profile, step_seconds
-from .comm.layout import GroupKey, MatrixSpec, chunk_sizes, fused_row_layout
-from .comm.plan import Plan, plan_batches
-from .comm.reference_plans import REFERENCE_STRATEGIES, reference_plan
-from .kernels.newton_schulz import ns_flops
+from .comm.planner import REFERENCE_STRATEGIES, plan_batches, reference_plan
+from .comm.records import Plan, per_rank
+from .comm.specs import GroupKey, MatrixSpec, chunk_sizes, fused_row_layout
+from .kernels.newton_schulz import NSConfig, ns_flops
+from .optim.routing import muon_param_groups
 
-STRATEGIES = ("muonlab",) + REFERENCE_STRATEGIES
+SIMULATED_STRATEGIES = ("muonlab",) + REFERENCE_STRATEGIES
 LAYOUTS = ("fsdp", "ddp")
 
 
 def muon_shapes(model: torch.nn.Module) -> list[tuple[str, tuple[int, ...]]]:
     """(name, shape) of the parameters muon_param_groups routes to Muon."""
-    from .optim.routing import muon_param_groups
-
     return [(r.name, r.shape) for r in muon_param_groups(model).routes if r.algorithm == "muon"]
 
 
@@ -66,9 +65,9 @@ def mesh_specs(named_shapes: Iterable[tuple[str, tuple[int, ...]]], world: int, 
     fsdp = world // ep
     fused = dict(fused_banks or {})
     ranks = tuple(range(world))
-    dense = GroupKey(ranks, (world,), "dp", world, 0)
+    dense = GroupKey(mesh_ranks=ranks, mesh_shape=(world,), axis_name="dp")
     expert_mesh = ep > 1 if expert_mesh is None else expert_mesh
-    experts = GroupKey(ranks, (fsdp, ep), "fsdp", fsdp, 0) if expert_mesh else dense
+    experts = GroupKey(mesh_ranks=ranks, mesh_shape=(fsdp, ep), axis_name="fsdp") if expert_mesh else dense
     specs = []
     for i, (name, shape) in enumerate(named_shapes):
         if len(shape) >= 3:
@@ -115,8 +114,8 @@ def simulate(
         profile: hardware profile name or HardwareProfile (path choice under "auto").
         fused_banks: {name: E} for 2-D parameters stacking E matrices on dim 0 (as in Muon).
     """
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown strategy {strategy!r}; choose one of {STRATEGIES}")
+    if strategy not in SIMULATED_STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; choose one of {SIMULATED_STRATEGIES}")
     expert_mesh = not isinstance(mesh_shape, int)
     if isinstance(mesh_shape, int):
         world, ep = mesh_shape, 1
@@ -127,12 +126,11 @@ def simulate(
         world = ep * fsdp
     specs = mesh_specs(_named_shapes(params_or_shapes), world, ep=ep, layout=layout, expert_mesh=expert_mesh,
                        fused_banks=fused_banks)
-    keys = [ns_steps] * len(specs)
+    configs = [NSConfig(steps=ns_steps, form=ns_form)] * len(specs)
     itemsize = torch.empty(0, dtype=comm_dtype).element_size()
     if strategy == "muonlab":
-        return plan_batches(specs, keys, comm_itemsize=itemsize, ns_steps=lambda k: k, ns_form=ns_form,
-                            remainder_path=remainder_path, profile=profile)
-    return reference_plan(strategy, specs, keys, comm_itemsize=itemsize, ns_steps=lambda k: k, ns_form=ns_form)
+        return plan_batches(specs, configs, comm_itemsize=itemsize, remainder_path=remainder_path, profile=profile)
+    return reference_plan(strategy, specs, configs, comm_itemsize=itemsize)
 
 
 def lower_bound_bytes(plan: Plan, comm_itemsize: int = 2) -> int:
@@ -158,10 +156,9 @@ def lower_bound_bytes(plan: Plan, comm_itemsize: int = 2) -> int:
 
 def summarize(plan: Plan, world: int, profile="h100_node", comm_itemsize: int = 2) -> dict:
     """Totals a researcher compares across strategies: bytes vs bound, balance, modelled time."""
-    per = plan.per_rank(world)
-    per_matrix = [ns_flops(b.matrix_shape) for b in plan for _ in range(b.num_matrices)]
+    per = per_rank(plan, world)
     total_flops = sum(per["flops"])
-    largest = max((f for f in per_matrix), default=0)
+    largest = max((ns_flops(b.matrix_shape, b.ns_config) for b in plan), default=0)
     target = max(total_flops / world, largest) or 1
     bound = lower_bound_bytes(plan, comm_itemsize)
     total = sum(per["sent"])

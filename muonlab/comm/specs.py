@@ -30,28 +30,47 @@ except ImportError:  # pragma: no cover - torch without distributed
 LAYOUTS = ("whole", "row_shard", "subgroup", "replicated", "gather_all")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class GroupKey:
     """A process group named by its members, never by a Python object's identity.
 
-    ``ranks`` are global ranks in group order; ``mesh_dim`` names the mesh axis when the group is
-    one axis of a DeviceMesh (empty for a plain process group). For a mesh axis, every slice of the
-    axis has the same shape, so the plan is written with group-local ranks 0..size-1.
+    The group is one axis of a mesh: ``mesh_ranks`` (global ranks, row-major) and ``mesh_shape``
+    describe the whole (root) mesh, ``axis_name`` and ``axis_index`` the axis. A plain process
+    group is a 1-D mesh with an empty axis name. Every slice of the axis has the same shape, so
+    the plan is written with group-local ranks 0..size-1.
     """
 
     mesh_ranks: tuple[int, ...]
     mesh_shape: tuple[int, ...]
-    mesh_dim: str
-    size: int
-    axis: int = 0
-    """Index of ``mesh_dim`` in ``mesh_shape``."""
+    axis_name: str
+    """The mesh axis' name (a muonlab.distributed.MeshAxis value; "" for a plain process group)."""
+    axis_index: int = 0
+    """Position of the axis in ``mesh_shape``."""
+
+    @property
+    def size(self) -> int:
+        """Ranks along the axis (the group's size)."""
+        return self.mesh_shape[self.axis_index]
 
     def local_ranks(self) -> dict[int, int]:
         """{global rank: this axis' index of it} for every rank on the mesh."""
         inner = 1
-        for d in self.mesh_shape[self.axis + 1:]:
+        for d in self.mesh_shape[self.axis_index + 1:]:
             inner *= d
-        return {g: (flat // inner) % self.mesh_shape[self.axis] for flat, g in enumerate(self.mesh_ranks)}
+        return {g: (flat // inner) % self.size for flat, g in enumerate(self.mesh_ranks)}
+
+    def axis_slices(self) -> list[list[int]]:
+        """Global ranks of every slice of the axis, each in axis order, slices in mesh order."""
+        slices: dict[tuple, list[tuple[int, int]]] = {}
+        for flat, g in enumerate(self.mesh_ranks):
+            coords, rest = [], flat
+            for d in reversed(self.mesh_shape):
+                coords.append(rest % d)
+                rest //= d
+            coords.reverse()
+            other = tuple(c for a, c in enumerate(coords) if a != self.axis_index)
+            slices.setdefault(other, []).append((coords[self.axis_index], g))
+        return [[g for _, g in sorted(members)] for _, members in sorted(slices.items())]
 
 
 @dataclass(frozen=True)
@@ -114,13 +133,13 @@ def group_key_for_mesh(mesh, mesh_dim: int) -> GroupKey:
     if root is mesh or names[mesh_dim] not in root_names:
         root, root_names = mesh, names
     axis = root_names.index(names[mesh_dim])
-    return GroupKey(tuple(root.mesh.flatten().tolist()), tuple(root.mesh.shape), names[mesh_dim],
-                    root.mesh.shape[axis], axis)
+    return GroupKey(mesh_ranks=tuple(root.mesh.flatten().tolist()), mesh_shape=tuple(root.mesh.shape),
+                    axis_name=names[mesh_dim], axis_index=axis)
 
 
 def group_key_for_pg(group) -> GroupKey:
     ranks = tuple(dist.get_process_group_ranks(group))
-    return GroupKey(ranks, (len(ranks),), "", len(ranks))
+    return GroupKey(mesh_ranks=ranks, mesh_shape=(len(ranks),), axis_name="")
 
 
 def fused_row_layout(num_rows: int, num_fused: int, size: int) -> str:
@@ -190,6 +209,6 @@ def process_group_for(p: torch.Tensor, spec: MatrixSpec, replicate_group) -> tup
     if DTensor is not None and isinstance(p, DTensor):
         mesh = p.device_mesh
         names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
-        dim = names.index(spec.group.mesh_dim)
+        dim = names.index(spec.group.axis_name)
         return mesh.get_group(dim), mesh.get_local_rank(dim)
     return replicate_group, dist.get_group_rank(replicate_group, dist.get_rank())

@@ -1,0 +1,13 @@
+"""The communication paths: one module each, and ``PATHS``, the only registry of them.
+
+The engine runs ``PATHS[name].run``, the cost model reads ``collectives`` and ``out_share``, viz
+reads ``color``; the order here is the order tables and legends use.
+"""
+
+from . import agrs, all_to_all, gather_all, local, owner, padded_all_to_all, rebalance, subgroup
+from .base import CommPath
+
+PATHS: dict[str, CommPath] = {m.PATH.name: m.PATH for m in (
+    local, rebalance, all_to_all, agrs, subgroup, owner, gather_all, padded_all_to_all)}
+
+__all__ = ["PATHS", "CommPath"]

@@ -1,0 +1,45 @@
+"""The ``gather_all`` fallback: any single Shard(dim) layout, by a padded all-gather.
+
+Used only where no other path applies (a matrix sharded on a dim other than 0). Every rank pads its
+shard to the largest chunk, all-gathers, trims, orthogonalizes the WHOLE matrix (redundantly), and
+keeps its own slice. The plan reports it as a fallback so it is never taken silently.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..collectives import all_gather
+from .base import CommPath
+from .owner import gather_bytes
+
+
+def bytes_per_rank(shape: tuple[int, ...], shard_dim: int, size: int, itemsize: int):
+    """(sent, recv) per group rank: every rank contributes its shard padded to the largest."""
+    dim_size = shape[shard_dim]
+    numel = 1
+    for d in shape:
+        numel *= d
+    padded = -(-dim_size // size) * (numel // max(dim_size, 1)) * itemsize
+    return gather_bytes([padded] * size)
+
+
+def run(batch, inputs, ctx):
+    (x,) = inputs
+    me, dim, rows = ctx.group_rank, batch.shard_dim, batch.rows
+    step = max(rows)
+    pad = [0, 0] * (x.ndim - 1 - dim) + [0, step - x.shape[dim]]
+    padded = torch.nn.functional.pad(x.to(ctx.wire_dtype), pad)
+    out = ctx.send(all_gather(padded.reshape(-1), [padded.numel()] * len(rows), group=ctx.group, group_rank=me))
+    yield
+    parts = [seg.view(padded.shape).narrow(dim, 0, r)
+             for seg, r in zip(ctx.wait(out).split(padded.numel()), rows)]
+    whole = torch.cat(parts, dim=dim).reshape(-1, *batch.matrix_shape)
+    ortho = ctx.orthogonalize(whole)
+    yield
+    full = ortho.reshape(batch.param_shapes[0])
+    return [full.narrow(dim, sum(rows[:me]), rows[me])]
+
+
+PATH = CommPath(name="gather_all", collectives=1, out_share=1.0, color="#d62728", run=run,
+                summary="fallback for other placements: padded all-gather, every rank computes")

@@ -1,0 +1,46 @@
+"""The ``owner`` path: replicated parameters (DDP), one owner rank per parameter.
+
+Gradients are already identical on every rank, so nothing moves on the way out: the owner (chosen by
+the plan, balancing Newton-Schulz FLOPs) keeps the momentum and orthogonalizes; the other ranks
+skip both (a ZeRO-1 style saving). Back: the updates are all-gathered, and EVERY rank, the owner
+included, applies the wire-dtype copy, so replicas stay bit-identical.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..collectives import all_gather
+from .base import CommPath
+
+
+def gather_bytes(payload: Sequence[int]):
+    """(sent, recv) per rank of an all-gather where rank q contributes payload[q] bytes."""
+    size, total = len(payload), sum(payload)
+    return [(size - 1) * p for p in payload], [total - p for p in payload]
+
+
+def run(batch, inputs, ctx):
+    yield
+    me = ctx.group_rank
+    mats = [x.reshape(-1, *batch.matrix_shape) for o, x in zip(batch.owners, inputs) if o == me]
+    ortho = ctx.orthogonalize(torch.cat(mats) if mats else None)
+    sizes = [0] * len(batch.bytes_sent)
+    for o, n in zip(batch.owners, batch.param_numels):
+        sizes[o] += n
+    send = torch.empty(0, dtype=ctx.wire_dtype) if ortho is None else ortho.to(ctx.wire_dtype).reshape(-1)
+    back = ctx.send(all_gather(send, sizes, group=ctx.group, group_rank=me))
+    yield
+    segments = list(ctx.wait(back).split(sizes))
+    offsets = [0] * len(segments)
+    out = []
+    for o, n, shape in zip(batch.owners, batch.param_numels, batch.param_shapes):
+        out.append(segments[o][offsets[o]:offsets[o] + n].view(shape))
+        offsets[o] += n
+    return out
+
+
+PATH = CommPath(name="owner", collectives=1, out_share=0.0, color="#2ca02c", run=run,
+                summary="replicated (DDP): one owner per matrix, updates all-gathered")

@@ -1,0 +1,78 @@
+"""The ``rebalance`` path: whole matrices orthogonalized where they lie, except a few moved.
+
+When a layout leaves whole matrices unevenly spread (experts sharded on their expert dim over more
+ranks than experts, or a bank that doesn't divide), the plan moves some matrices from overloaded
+ranks to idle ones (``BatchPlan.moves``). Out: one all_to_all_single carries each moved matrix to
+its owner; every rank orthogonalizes what it kept plus what it received, in one batched chain.
+Back: the results return to the rank that holds the parameter.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..collectives import all_to_all
+from .base import CommPath
+
+
+def bytes_per_rank(moves, size: int, matrix_bytes: int):
+    """(sent, recv) per group rank: each moved matrix goes source -> owner and back."""
+    sent, recv = [0] * size, [0] * size
+    for _, _, src, owner in moves:
+        for a, b in ((src, owner), (owner, src)):
+            sent[a] += matrix_bytes
+            recv[b] += matrix_bytes
+    return sent, recv
+
+
+def _splits(moves, size: int, numel: int, rank_of) -> list[int]:
+    counts = [0] * size
+    for m in moves:
+        counts[rank_of(m)] += numel
+    return counts
+
+
+def run(batch, inputs, ctx):
+    me, size, shape = ctx.group_rank, len(batch.bytes_sent), batch.matrix_shape
+    numel, wire = shape[0] * shape[1], ctx.wire_dtype
+    local = [x.reshape(-1, *shape) for x in inputs]
+    # the matrices of each parameter held here, and each one's slot among them
+    held = [[j for j, s in enumerate(src) if s == me] for src in batch.sources]
+    slot = {(pos, j): k for pos, js in enumerate(held) for k, j in enumerate(js)}
+    # moves in plan order, split by direction; the order is the same on sender and receiver
+    outgoing = sorted((m for m in batch.moves if m[2] == me), key=lambda m: m[3])
+    incoming = sorted((m for m in batch.moves if m[3] == me), key=lambda m: m[2])
+    to_owner, from_source = (lambda m: m[3]), (lambda m: m[2])
+    parts = [local[pos][slot[(pos, j)]].reshape(-1).to(wire) for pos, j, _, _ in outgoing]
+    send = torch.cat(parts) if parts else inputs[0].new_empty(0, dtype=wire)
+    out = ctx.send(all_to_all(send, _splits(outgoing, size, numel, to_owner),
+                              _splits(incoming, size, numel, from_source), group=ctx.group, group_rank=me))
+    yield
+    received = ctx.wait(out).view(-1, *shape)
+    moved_out = {(pos, j) for pos, j, _, _ in outgoing}
+    kept = [local[pos][k] for pos, js in enumerate(held) for k, j in enumerate(js) if (pos, j) not in moved_out]
+    mats = kept + [received[k].to(local[0].dtype) for k in range(received.shape[0])]
+    ortho = ctx.orthogonalize(torch.stack(mats) if mats else None)
+    theirs = ortho[len(kept):] if ortho is not None else None
+    send = theirs.reshape(-1).to(wire) if theirs is not None and theirs.numel() else inputs[0].new_empty(0, dtype=wire)
+    back = ctx.send(all_to_all(send, _splits(incoming, size, numel, from_source),
+                               _splits(outgoing, size, numel, to_owner), group=ctx.group, group_rank=me))
+    yield
+    returned = ctx.wait(back).view(-1, *shape)
+    from_owner = {(pos, j): returned[k] for k, (pos, j, _, _) in enumerate(outgoing)}
+    out, num_kept = [], 0
+    for pos, (x, js) in enumerate(zip(inputs, held)):
+        result = []
+        for j in js:
+            if (pos, j) in from_owner:
+                result.append(from_owner[(pos, j)])
+            else:
+                result.append(ortho[num_kept])
+                num_kept += 1
+        dtype = result[0].dtype if result else x.dtype
+        out.append(torch.stack([r.to(dtype) for r in result]).view(x.shape) if result else x.new_zeros(x.shape))
+    return out
+
+
+PATH = CommPath(name="rebalance", collectives=2, out_share=0.5, color="#17becf", run=run,
+                summary="whole matrices, a few moved off overloaded ranks and back")

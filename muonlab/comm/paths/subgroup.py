@@ -1,0 +1,72 @@
+"""The ``subgroup`` path: a fused expert bank whose experts each span a sub-group of ranks.
+
+A bank (E*M, N) row-sharded over W ranks with W % E == 0 puts expert e's M rows on the k = W/E
+ranks of sub-group e. Each sub-group all-gathers its expert (one collective, no way back), every
+rank of it orthogonalizes the whole expert, and each keeps its own rows: k-fold redundant compute
+traded for one collective instead of two.
+
+The sub-groups are torch process groups, created once, collectively (every rank creates every
+sub-group, in the same order), and cached under a key made of the mesh's ranks, shape and axis:
+never an object's id(), so equal meshes share them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..collectives import all_gather
+from ..specs import GroupKey
+from .base import CommPath
+
+_SUBGROUPS: dict[tuple, dict[int, tuple[object, int]]] = {}
+
+
+def subgroups_for(group: GroupKey, k: int) -> dict[int, tuple[object, int]]:
+    """{global rank: (its sub-group's ProcessGroup, its index there)} for sub-groups of k ranks.
+
+    Collective on first use: call it on every rank at the same point (the optimizer does, when it
+    plans), never mid-step."""
+    key = (group.mesh_ranks, group.mesh_shape, group.axis_index, k)
+    if key not in _SUBGROUPS:
+        mapping = {}
+        for members in group.axis_slices():
+            for start in range(0, len(members), k):
+                ranks = members[start:start + k]
+                pg = dist.new_group(ranks)  # every rank enters every new_group call
+                for i, g in enumerate(ranks):
+                    mapping[g] = (pg, i)
+        _SUBGROUPS[key] = mapping
+    return _SUBGROUPS[key]
+
+
+def ranks_per_expert(batch) -> int:
+    experts = batch.num_matrices // len(batch.param_indices)
+    return batch.group.size // experts
+
+
+def bytes_per_rank(rows: Sequence[int], cols: int, k: int, num_params: int, itemsize: int):
+    """(sent, recv) per group rank: each rank sends its rows to the k - 1 others of its sub-group
+    and receives as much, once per parameter of the batch."""
+    per_rank = [(k - 1) * r * cols * itemsize * num_params for r in rows]
+    return per_rank, list(per_rank)
+
+
+def run(batch, inputs, ctx):
+    k = ranks_per_expert(batch)
+    pg, index = subgroups_for(batch.group, k)[dist.get_rank()]
+    send = torch.cat([x.reshape(-1).to(ctx.wire_dtype) for x in inputs])
+    out = ctx.send(all_gather(send, [send.numel()] * k, group=pg, group_rank=index))
+    yield
+    M, N = batch.matrix_shape
+    flat = ctx.wait(out).view(k, len(inputs), M // k, N)
+    ortho = ctx.orthogonalize(flat.permute(1, 0, 2, 3).reshape(len(inputs), M, N))
+    yield
+    rows = M // k
+    return [ortho[p, index * rows:(index + 1) * rows].reshape(x.shape) for p, x in enumerate(inputs)]
+
+
+PATH = CommPath(name="subgroup", collectives=1, out_share=1.0, color="#aec7e8", run=run,
+                summary="fused banks: each sub-group all-gathers its expert, no way back")

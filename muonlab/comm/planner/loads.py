@@ -1,0 +1,72 @@
+"""Newton-Schulz FLOPs per rank while a plan is being made, and the placement helpers on them."""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+
+from ..specs import GroupKey
+
+
+class RankLoads:
+    """Newton-Schulz FLOPs per GLOBAL rank, seen through any group.
+
+    Two groups may cover the same ranks (a dense "dp" mesh and an expert ("fsdp", "ep") mesh over
+    one world), so balance is kept per global rank, not per group. A group-local rank r stands
+    for every global rank at index r of the group's axis (one per slice of a bigger mesh); its
+    load is the largest of theirs, and work given to r lands on all of them.
+    """
+
+    def __init__(self):
+        self.by_rank: dict[int, int] = {}
+        self._members: dict[GroupKey | None, list[list[int]]] = {}
+
+    def view(self, group: GroupKey | None) -> "GroupLoad":
+        if group not in self._members:
+            if group is None:
+                self._members[group] = [[0]]
+            else:
+                members: list[list[int]] = [[] for _ in range(group.size)]
+                for g, r in group.local_ranks().items():
+                    members[r].append(g)
+                self._members[group] = members
+        return GroupLoad(self, self._members[group])
+
+
+class GroupLoad:
+    """One group's view of the loads: a snapshot taken when the view is made, kept current by
+    its own ``add`` (a rank's members are disjoint from the other ranks' of the same group). Take
+    a fresh view after adding through another group's view."""
+
+    def __init__(self, loads: RankLoads, members: list[list[int]]):
+        self.loads, self.members = loads, members
+        self.values = [max(loads.by_rank.get(g, 0) for g in m) for m in members]
+
+    def __len__(self):
+        return len(self.values)
+
+    def __getitem__(self, r: int) -> int:
+        return self.values[r]
+
+    def __iter__(self):
+        return iter(list(self.values))
+
+    def add(self, r: int, flops: int) -> None:
+        self.values[r] += flops
+        for g in self.members[r]:
+            self.loads.by_rank[g] = self.loads.by_rank.get(g, 0) + flops
+
+
+def least_loaded(load, candidates: Sequence[int], prefer: Sequence[int] | None = None) -> int:
+    # ties go to the rank holding more rows (fewer bytes move), then the lowest rank
+    return min(candidates, key=lambda r: (load[r], -(prefer[r] if prefer else 0), r))
+
+
+def lpt_makespan(loads: list[int], work: list[int]) -> int:
+    """Largest load after placing ``work`` largest first on the least-loaded of ``loads``."""
+    heap = [(x, r) for r, x in enumerate(loads)]
+    heapq.heapify(heap)
+    for f in sorted(work, reverse=True):
+        x, r = heapq.heappop(heap)
+        heapq.heappush(heap, (x + f, r))
+    return max(x for x, _ in heap) if heap else 0

@@ -1,0 +1,291 @@
+"""One plan under one owner rule: which batch each matrix joins, on which path, with which owners.
+
+``RulePlanner`` reads only ``MatrixSpec`` metadata (global shapes, layouts, group sizes) and the
+Newton-Schulz configs, so every rank computes the same plan, and a simulation at thousands of
+ranks runs the very same code. Bytes are the logical bytes that leave and enter each rank, in the
+wire dtype, excluding a rank's copy to itself (each path module holds its byte formula); the
+collectives count the same at the call. The search over rules is in ``search.py``.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import replace
+
+from ...kernels.newton_schulz import NSConfig, ns_flops
+from ..paths import agrs, all_to_all, gather_all, owner, rebalance, subgroup
+from ..records import BatchPlan, Plan
+from ..specs import GroupKey, MatrixSpec
+from .loads import RankLoads, least_loaded, lpt_makespan
+
+ROW_RULES = ("structured", "capped", "lpt")
+"""How row-sharded matrices get owners:
+  "structured": each (shape, settings) bucket in rounds of W, one matrix per rank (balanced batch
+                by batch, fewest collectives); each bucket's leftovers on distinct, least-loaded
+                ranks (one remainder batch per bucket);
+  "capped":     as structured, but no rank goes past the LPT makespan: a bucket whose leftovers
+                don't fit on distinct ranks under it takes a second round;
+  "lpt":        every matrix of the group, largest first, to the least-loaded rank (max-rank FLOPs
+                <= 4/3 of the optimum, but more, smaller batches)."""
+
+
+class RulePlanner:
+    """The state of one plan being made: specs, configs, per-rank loads, the batches so far."""
+
+    def __init__(self, specs: Sequence[MatrixSpec], configs: Sequence[NSConfig], *, comm_itemsize: int,
+                 remainder_path: str, profile, row_assignment: str, rebalance: bool):
+        self.specs, self.configs = list(specs), list(configs)
+        self.itemsize, self.remainder_path, self.profile = comm_itemsize, remainder_path, profile
+        self.row_assignment, self.rebalance = row_assignment, rebalance
+        self.loads = RankLoads()
+        self.batches: list[BatchPlan] = []
+        self._flops: dict[int, int] = {}
+
+    def flops_of(self, i: int) -> int:
+        """Newton-Schulz FLOPs of ONE matrix of parameter i."""
+        if i not in self._flops:
+            self._flops[i] = ns_flops(self.specs[i].matrix_shape, self.configs[i])
+        return self._flops[i]
+
+    def make(self, path: str, idx: Sequence[int], group, ranks, owners=(), sent=(), recv=(), flops=(),
+             notes: str = "", **extra) -> BatchPlan:
+        specs = self.specs
+        first = specs[idx[0]]
+        return BatchPlan(
+            index=len(self.batches), path=path, names=tuple(specs[i].name for i in idx),
+            param_indices=tuple(specs[i].index for i in idx), matrix_shape=first.matrix_shape,
+            num_matrices=sum(specs[i].num_matrices for i in idx), group=group, ns_config=self.configs[idx[0]],
+            ranks=tuple(ranks), owners=tuple(owners), bytes_sent=tuple(sent), bytes_recv=tuple(recv),
+            flops=tuple(flops), rows=first.rows, param_shapes=tuple(specs[i].shape for i in idx),
+            shard_dim=first.shard_dim, notes=notes, **extra)
+
+    def plan(self) -> Plan:
+        row_sharded, whole, replicated = self._by_layout()
+        for group, items in row_sharded.items():
+            self._plan_row_sharded(group, items)
+        for group, buckets in whole.items():
+            self._plan_whole(group, buckets)
+        for group, items in replicated.items():
+            self._plan_replicated(group, items)
+        # Order: batches that move nothing first (they compute while the first transfer travels),
+        # then the heaviest compute first (more time to hide the transfers queued behind it). The
+        # order is a function of the plan alone, so every rank runs the same sequence.
+        ordered = sorted(self.batches, key=lambda b: (b.total_bytes > 0, -max(b.flops, default=0)))
+        return Plan(tuple(replace(b, index=n) for n, b in enumerate(ordered)))
+
+    # ------------------------------------------------------------------ layouts
+
+    def _by_layout(self):
+        """Buckets of same group, layout, matrix shape and config, in first-seen order. Sub-group
+        banks and fallbacks become batches now; the rest is returned by layout, per group."""
+        buckets: dict[tuple, list[int]] = {}
+        for i, (spec, cfg) in enumerate(zip(self.specs, self.configs)):
+            buckets.setdefault((spec.group, spec.layout, spec.matrix_shape, cfg), []).append(i)
+        row_sharded: dict[GroupKey, list[int]] = {}
+        whole: dict[GroupKey | None, list[list[int]]] = {}
+        replicated: dict[GroupKey, list[int]] = {}
+        for (group, layout, _, _), idx in buckets.items():
+            if layout == "whole":
+                load = self.loads.view(group)
+                for i in idx:
+                    for r, count in Counter(self.specs[i].matrix_sources()).items():
+                        load.add(r, count * self.flops_of(idx[0]))
+                whole.setdefault(group, []).append(idx)
+            elif layout == "row_shard":
+                row_sharded.setdefault(group, []).extend(idx)
+            elif layout == "replicated":
+                replicated.setdefault(group, []).extend(idx)
+            elif layout == "subgroup":
+                self._plan_subgroup(group, idx)
+            elif layout == "gather_all":
+                self._plan_gather_all(group, idx)
+            else:  # pragma: no cover - MatrixSpec validates layouts
+                raise AssertionError(layout)
+        return row_sharded, whole, replicated
+
+    def _plan_subgroup(self, group: GroupKey, idx: list[int]) -> None:
+        """Each of the E experts spans k = W / E ranks; every rank all-gathers its expert within its
+        sub-group and orthogonalizes it (the k ranks of a sub-group compute the same one)."""
+        size, first = group.size, self.specs[idx[0]]
+        k = size // first.num_fused
+        sent, recv = subgroup.bytes_per_rank(first.rows, first.matrix_shape[1], k, len(idx), self.itemsize)
+        flops = [self.flops_of(idx[0]) * len(idx)] * size
+        load = self.loads.view(group)
+        for r in range(size):
+            load.add(r, flops[r])
+        self.batches.append(self.make("subgroup", idx, group, range(size), sent=sent, recv=recv, flops=flops,
+                                      notes=f"sub-groups of {k} ranks rebuild one expert each"))
+
+    def _plan_gather_all(self, group: GroupKey, idx: list[int]) -> None:
+        size = group.size
+        for i in idx:
+            spec = self.specs[i]
+            sent, recv = gather_all.bytes_per_rank(spec.shape, spec.shard_dim, size, self.itemsize)
+            self.batches.append(self.make(
+                "gather_all", [i], group, range(size), sent=sent, recv=recv,
+                flops=[self.flops_of(i) * spec.num_matrices] * size,
+                notes=f"fallback for Shard({spec.shard_dim}): padded all-gather, every rank computes it"))
+
+    # ------------------------------------------------------------------ row-sharded (FSDP2)
+
+    def _plan_row_sharded(self, group: GroupKey, items: list[int]) -> None:
+        """One owner per matrix (``row_assignment``), then each (shape, config) bucket packed into
+        batches in which every owner appears once: W matrices make a full all_to_all batch (each
+        rank receives one whole matrix), fewer a remainder batch on ``remainder_path``."""
+        owner_of = self._row_owners(group, items)
+        size = group.size
+        sub_batches: dict[tuple, list[list[int]]] = {}
+        for i in items:
+            batches = sub_batches.setdefault((self.specs[i].matrix_shape, self.configs[i]), [])
+            free = next((b for b in batches if owner_of[i] not in {owner_of[j] for j in b}), None)
+            if free is None:
+                batches.append([i])
+            else:
+                free.append(i)
+        from ..cost import batch_seconds  # the cost model prices path candidates
+
+        for (shape, _), batches in sub_batches.items():
+            for idx in batches:
+                rows = self.specs[idx[0]].rows
+                owners = [owner_of[i] for i in idx]
+                flops = [0] * size
+                for i, o in zip(idx, owners):
+                    flops[o] += self.flops_of(i)
+                if len(idx) == size:
+                    candidates, notes = ["all_to_all"], ""
+                else:
+                    candidates = ["all_to_all", "agrs"] if self.remainder_path == "auto" else [self.remainder_path]
+                    notes = f"remainder: {len(idx)} < {size} matrices"
+                options = []
+                for path in candidates:
+                    module = agrs if path == "agrs" else all_to_all
+                    sent, recv = module.bytes_per_rank(rows, shape[1], owners, self.itemsize)
+                    options.append(self.make(path, idx, group, range(size), owners, sent, recv, flops, notes))
+                self.batches.append(min(options, key=lambda b: batch_seconds(b, self.profile)))
+
+    def _row_owners(self, group: GroupKey, items: list[int]) -> dict[int, int]:
+        size, load = group.size, self.loads.view(group)
+        owner_of: dict[int, int] = {}
+        free = items
+        if self.row_assignment in ("structured", "capped"):
+            free = []
+            by_bucket: dict[tuple, list[int]] = {}
+            for i in items:
+                by_bucket.setdefault((self.specs[i].matrix_shape, self.configs[i]), []).append(i)
+            leftovers = []
+            for idx in by_bucket.values():
+                full = len(idx) - len(idx) % size
+                for pos, i in enumerate(idx[:full]):
+                    owner_of[i] = pos % size
+                    load.add(pos % size, self.flops_of(i))
+                if full < len(idx):
+                    leftovers.append(idx[full:])
+            self._place_leftovers(leftovers, size, load, owner_of)
+        for i in sorted(free, key=lambda i: (-self.flops_of(i), i)):
+            o = least_loaded(load, range(size), self.specs[i].rows)
+            owner_of[i] = o
+            load.add(o, self.flops_of(i))
+        return owner_of
+
+    def _place_leftovers(self, leftovers: list[list[int]], size: int, load, owner_of: dict[int, int]) -> None:
+        """Each bucket's leftovers on distinct ranks (one remainder batch), largest buckets first;
+        "capped" keeps every rank under the LPT makespan, opening another round if needed."""
+        flops_of = self.flops_of
+        cap = lpt_makespan(list(load), [flops_of(i) for idx in leftovers for i in idx])
+        for idx in sorted(leftovers, key=lambda idx: (-flops_of(idx[0]), idx[0])):
+            taken: set[int] = set()
+            for i in idx:
+                f = flops_of(i)
+                candidates = [r for r in range(size) if r not in taken]
+                if self.row_assignment == "capped":
+                    under = [r for r in candidates if load[r] + f <= cap]
+                    if not under:  # this round is full: start the next one
+                        taken.clear()
+                        under = [r for r in range(size) if load[r] + f <= cap] or list(range(size))
+                    candidates = under
+                o = least_loaded(load, candidates, self.specs[i].rows)
+                taken.add(o)
+                owner_of[i] = o
+                load.add(o, f)
+
+    # ------------------------------------------------------------------ whole matrices (experts)
+
+    def _plan_whole(self, group: GroupKey | None, buckets: list[list[int]]) -> None:
+        """Whole matrices stay where they lie unless their rank is overloaded; then the largest ones
+        move to the least-loaded ranks (path "rebalance": out to the owner and back), until no rank
+        exceeds what an LPT placement would reach. Experts of a MoE layer sharded over more ranks
+        than experts would otherwise leave most ranks idle."""
+        size = group.size if group else 1
+        sources = {i: self.specs[i].matrix_sources() for idx in buckets for i in idx}
+        owner = self._whole_owners(group, buckets, sources)
+        for idx in buckets:
+            moves, flops = [], [0] * size
+            for pos, i in enumerate(idx):
+                for j, src in enumerate(sources[i]):
+                    o = owner[(i, j)]
+                    flops[o] += self.flops_of(i)
+                    if o != src:
+                        moves.append((pos, j, src, o))
+            A, B = self.specs[idx[0]].matrix_shape
+            sent, recv = rebalance.bytes_per_rank(moves, size, A * B * self.itemsize)
+            self.batches.append(self.make(
+                "rebalance" if moves else "local", idx, group, [r for r in range(size) if flops[r]] or [0],
+                sent=sent, recv=recv, flops=flops, notes=f"{len(moves)} matrices moved for balance" if moves else "",
+                moves=tuple(moves), sources=tuple(tuple(sources[i]) for i in idx)))
+
+    def _whole_owners(self, group, buckets, sources) -> dict[tuple[int, int], int]:
+        """{(parameter, matrix): rank that orthogonalizes it}: where it lies, or a move for balance."""
+        size = group.size if group else 1
+        load = self.loads.view(group)
+        flops_of = self.flops_of
+        items = [(i, j, src) for idx in buckets for i in idx for j, src in enumerate(sources[i])]
+        # the target: the makespan LPT reaches placing these matrices freely on top of the rest
+        base = list(load)
+        for i, _, src in items:
+            base[src] -= flops_of(i)
+        cap = lpt_makespan(base, [flops_of(i) for i, _, _ in items])
+        owner = {(i, j): src for i, j, src in items}
+        if not self.rebalance:
+            return owner
+        # least-loaded rank by a heap with lazy deletion: an entry is current if it matches the load
+        heap = [(load[r], r) for r in range(size)]
+        heapq.heapify(heap)
+        for i, j, src in sorted(items, key=lambda t: (-flops_of(t[0]), t[0], t[1])):
+            f = flops_of(i)
+            if load[src] <= cap:
+                continue
+            while heap[0][0] != load[heap[0][1]]:
+                heapq.heappop(heap)
+            target = heap[0][1]
+            if load[target] + f <= cap:
+                owner[(i, j)] = target
+                load.add(src, -f)
+                load.add(target, f)
+                heapq.heappush(heap, (load[src], src))
+                heapq.heappush(heap, (load[target], target))
+        return owner
+
+    # ------------------------------------------------------------------ replicated (DDP)
+
+    def _plan_replicated(self, group: GroupKey, items: list[int]) -> None:
+        """Each parameter gets one owner, by LPT over the whole group; updates are all-gathered."""
+        size, load = group.size, self.loads.view(group)
+        cost = {i: self.flops_of(i) * self.specs[i].num_matrices for i in items}
+        owner_of = {}
+        for i in sorted(items, key=lambda i: (-cost[i], i)):
+            o = least_loaded(load, range(size))
+            owner_of[i] = o
+            load.add(o, cost[i])
+        by_bucket: dict[tuple, list[int]] = {}
+        for i in items:
+            by_bucket.setdefault((self.specs[i].matrix_shape, self.configs[i]), []).append(i)
+        for (shape, _), idx in by_bucket.items():
+            payload, flops = [0] * size, [0] * size
+            for i in idx:
+                payload[owner_of[i]] += self.specs[i].num_matrices * shape[0] * shape[1] * self.itemsize
+                flops[owner_of[i]] += cost[i]
+            sent, recv = owner.gather_bytes(payload)
+            self.batches.append(self.make("owner", idx, group, range(size), [owner_of[i] for i in idx],
+                                          sent, recv, flops))

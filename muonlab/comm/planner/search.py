@@ -1,0 +1,82 @@
+"""The planner's entry point: check the options, then search over owner rules for the best plan."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+from ...kernels.newton_schulz import NSConfig, ns_flops
+from ..cost import get_profile, step_seconds
+from ..records import Plan, flops_per_group_rank
+from ..specs import MatrixSpec
+from .rule import ROW_RULES, RulePlanner
+
+REMAINDER_PATHS = ("auto", "all_to_all", "agrs")
+# "muonlab": the planner. "redundant": the baseline every distributed Muon is measured against, in
+# which every rank gathers and orthogonalizes every matrix.
+STRATEGIES = ("muonlab", "redundant")
+ROW_ASSIGNMENTS = ("best",) + ROW_RULES
+
+
+def plan_batches(
+    specs: Sequence[MatrixSpec],
+    configs: Sequence[NSConfig],
+    *,
+    comm_itemsize: int = 2,
+    remainder_path: str = "auto",
+    strategy: str = "muonlab",
+    profile=None,
+    row_assignment: str = "best",
+    rebalance: bool | None = None,
+) -> Plan:
+    """Group matrices into batches and give each a path, owners, bytes and FLOPs.
+
+    Args:
+        specs: one MatrixSpec per Muon parameter, in the optimizer's order (same on every rank).
+        configs: the Newton-Schulz config of each parameter; only equal configs share a batch.
+        comm_itemsize: bytes per element on the wire (2 for bf16, 4 for fp32).
+        remainder_path: path of a row-sharded batch with fewer matrices than ranks; "auto"
+            takes whichever of all_to_all and agrs has the lower modelled time under ``profile``.
+        strategy: "muonlab" or "redundant" (see STRATEGIES).
+        profile: a cost.HardwareProfile or its name (default "cpu_gloo"), for "auto" and "best".
+        row_assignment: "best" or one of ``ROW_RULES`` (see rule.py): how row-sharded matrices
+            get owners. "best" plans every rule and keeps the best-balanced, then fastest, plan.
+        rebalance: move whole matrices off overloaded ranks (None: plan both ways under "best").
+    """
+    if row_assignment not in ROW_ASSIGNMENTS:
+        raise ValueError(f"row_assignment must be one of {ROW_ASSIGNMENTS}, got {row_assignment!r}")
+    if remainder_path not in REMAINDER_PATHS:
+        raise ValueError(f"remainder_path must be one of {REMAINDER_PATHS}, got {remainder_path!r}")
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    if len(configs) != len(specs):
+        raise ValueError(f"plan_batches got {len(specs)} specs but {len(configs)} Newton-Schulz configs")
+    profile = get_profile(profile or "cpu_gloo")
+    planned_specs = [_redundant(s) for s in specs] if strategy == "redundant" else list(specs)
+
+    def plan_with(rule: str, move: bool) -> Plan:
+        return RulePlanner(planned_specs, configs, comm_itemsize=comm_itemsize, remainder_path=remainder_path,
+                           profile=profile, row_assignment=rule, rebalance=move).plan()
+
+    if row_assignment != "best":
+        return plan_with(row_assignment, rebalance is not False)
+    moves = (True, False) if rebalance is None else (rebalance,)
+    options = [plan_with(rule, move) for rule in ROW_RULES for move in moves]
+    largest = max((ns_flops(s.matrix_shape, c) for s, c in zip(specs, configs)), default=0)
+    # balance first (anything within 10% of perfect counts as balanced), then modelled time
+    return min(options, key=lambda p: (max(_imbalance(p, largest), 1.1), step_seconds(p, profile)))
+
+
+def _imbalance(plan: Plan, largest_matrix_flops: int) -> float:
+    """Max-rank FLOPs / max(mean, largest single matrix), per group-local rank."""
+    loads = flops_per_group_rank(plan)
+    target = max(sum(loads) / max(len(loads), 1), largest_matrix_flops) or 1
+    return max(loads, default=0) / target
+
+
+def _redundant(spec: MatrixSpec) -> MatrixSpec:
+    if spec.layout == "row_shard":
+        return replace(spec, layout="gather_all")
+    if spec.layout == "replicated":
+        return replace(spec, layout="whole", group=None, rows=())
+    return spec

@@ -1,0 +1,174 @@
+"""The plan of a Muon step as frozen records, and the one per-rank aggregation of them.
+
+A ``BatchPlan`` is one batch of same-shape matrices moved and orthogonalized together; a ``Plan``
+is the ordered batches of a step. The planner (``muonlab.comm.planner``) makes them, the engine
+runs them, the cost model prices them, and viz, workers and tests read them through ``per_rank``,
+``bytes_for_rank`` and ``table`` below. Per-rank tuples are indexed by GROUP-LOCAL rank (the
+batch's ``GroupKey`` maps global ranks to them); the functions here do that mapping once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from ..kernels.newton_schulz import NSConfig
+from .specs import GroupKey
+
+
+@dataclass(frozen=True, kw_only=True)
+class BatchPlan:
+    """One batch of same-shape matrices moved and orthogonalized together."""
+
+    index: int
+    """Position in the plan's order (every rank runs batches in this order)."""
+    path: str
+    """Name of the communication path (a key of muonlab.comm.paths.PATHS)."""
+    names: tuple[str, ...]
+    param_indices: tuple[int, ...]
+    """Position of each parameter in the optimizer's Muon parameter order."""
+    matrix_shape: tuple[int, int]
+    num_matrices: int
+    group: GroupKey | None
+    ns_config: NSConfig
+    """The Newton-Schulz settings every matrix of the batch shares."""
+    ranks: tuple[int, ...]
+    """Group-local ranks that take part (send, receive or compute)."""
+    owners: tuple[int, ...] = ()
+    """Group-local rank that orthogonalizes each parameter of the batch (empty for local)."""
+    bytes_sent: tuple[int, ...] = ()
+    bytes_recv: tuple[int, ...] = ()
+    flops: tuple[int, ...] = ()
+    """Newton-Schulz FLOPs per group-local rank."""
+    rows: tuple[int, ...] = ()
+    """Sharded-dim entries per group-local rank (same for every parameter of the batch)."""
+    param_shapes: tuple[tuple[int, ...], ...] = ()
+    """Global shape of each parameter of the batch."""
+    sources: tuple[tuple[int, ...], ...] = ()
+    """Whole layouts: the group-local rank holding each matrix of each parameter."""
+    moves: tuple[tuple[int, int, int, int], ...] = ()
+    """Whole matrices moved for balance (rebalance path): (parameter position in the batch,
+    matrix index in that parameter's group-wide matrices, source rank, owner rank)."""
+    shard_dim: int = 0
+    notes: str = ""
+
+    @property
+    def param_numels(self) -> tuple[int, ...]:
+        return tuple(numel(s) for s in self.param_shapes)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bytes_sent)
+
+    def as_row(self) -> dict:
+        return dict(batch=self.index, path=self.path, shape=self.matrix_shape, matrices=self.num_matrices,
+                    names=", ".join(self.names), ranks=len(self.ranks),
+                    max_bytes_sent=max(self.bytes_sent, default=0), total_bytes=self.total_bytes,
+                    max_flops=max(self.flops, default=0), notes=self.notes)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The batches of one step, in the order every rank runs them."""
+
+    batches: tuple[BatchPlan, ...] = ()
+
+    def __iter__(self):
+        return iter(self.batches)
+
+    def __len__(self):
+        return len(self.batches)
+
+    def __getitem__(self, i: int) -> BatchPlan:
+        return self.batches[i]
+
+    def bytes_by_path(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for b in self.batches:
+            out[b.path] = out.get(b.path, 0) + b.total_bytes
+        return out
+
+    def per_rank(self, world: int) -> dict[str, list[int]]:
+        return per_rank(self.batches, world)
+
+    def table(self) -> str:
+        return table(self.batches)
+
+
+def numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def group_rank_maps(batches: Iterable[BatchPlan]) -> dict:
+    """{GroupKey or None: {global rank: group-local rank}}; a plan has few groups, so map once."""
+    maps: dict = {None: {0: 0}}
+    for b in batches:
+        if b.group not in maps:
+            maps[b.group] = b.group.local_ranks()
+    return maps
+
+
+def per_rank(batches: Iterable[BatchPlan], world: int, *, by_path: bool = False) -> dict:
+    """Newton-Schulz FLOPs, bytes sent and received per GLOBAL rank 0..world-1:
+    {"flops", "sent", "recv": list}, or with ``by_path`` {path: that dict}.
+
+    A group-local rank of an axis stands for every global rank at that index of the axis (one
+    per slice of a bigger mesh), so each of them is charged its batch's entry.
+    """
+    batches = list(batches)
+    maps = group_rank_maps(batches)
+    out: dict = {}
+    for b in batches:
+        key = b.path if by_path else None
+        totals = out.setdefault(key, {"flops": [0] * world, "sent": [0] * world, "recv": [0] * world})
+        for g, r in maps[b.group].items():
+            if g >= world or r >= len(b.flops):
+                continue
+            totals["flops"][g] += b.flops[r]
+            totals["sent"][g] += b.bytes_sent[r] if b.bytes_sent else 0
+            totals["recv"][g] += b.bytes_recv[r] if b.bytes_recv else 0
+    if by_path:
+        return out
+    return out.get(None, {"flops": [0] * world, "sent": [0] * world, "recv": [0] * world})
+
+
+def flops_per_group_rank(batches: Iterable[BatchPlan]) -> list[int]:
+    """Newton-Schulz FLOPs per GROUP-LOCAL rank, summed over batches (the planner's balance view)."""
+    batches = list(batches)
+    size = max((b.group.size if b.group else 1) for b in batches) if batches else 1
+    out = [0] * size
+    for b in batches:
+        for r, f in enumerate(b.flops):
+            out[r] += f
+    return out
+
+
+def bytes_for_rank(batches: Iterable[BatchPlan], rank: int) -> tuple[dict[str, int], dict[str, int]]:
+    """What the plan says global ``rank`` sends and receives per path, leaving out paths that
+    move nothing on it (as the collectives' counters do), e.g. to compare with
+    ``Muon.last_step_stats()``."""
+    batches = list(batches)
+    maps = group_rank_maps(batches)
+    sent: dict[str, int] = {}
+    recv: dict[str, int] = {}
+    for b in batches:
+        if not b.bytes_sent:
+            continue
+        r = maps[b.group][rank] if b.group is not None else 0
+        sent[b.path] = sent.get(b.path, 0) + b.bytes_sent[r]
+        recv[b.path] = recv.get(b.path, 0) + b.bytes_recv[r]
+    return {p: n for p, n in sent.items() if n}, {p: n for p, n in recv.items() if n}
+
+
+def table(batches: Iterable[BatchPlan]) -> str:
+    """A fixed-width text table of a plan, one row per batch."""
+    head = f"{'#':>3} {'path':<11}{'shape':<13}{'mats':>5}{'ranks':>6}{'max sent B':>12}{'max NS GFLOP':>13}  names"
+    lines = [head]
+    for b in batches:
+        r = b.as_row()
+        lines.append(f"{r['batch']:>3} {r['path']:<11}{str(r['shape']):<13}{r['matrices']:>5}{r['ranks']:>6}"
+                     f"{r['max_bytes_sent']:>12}{r['max_flops'] / 1e9:>13.4f}  {r['names']}")
+    return "\n".join(lines)
