@@ -17,12 +17,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
-
 from muonlab.distributed import launch  # noqa: E402
 from muonlab.train_distributed_ckpt import bench_save_load  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _machine import cpu_name  # noqa: E402
+from _report import md_table, results_path, write_report  # noqa: E402
 
 
 def main():
@@ -38,27 +36,19 @@ def main():
     for i, row in enumerate(rows):
         row["save_s"] = max(r[i]["save_s"] for r in res.values())
         row["load_s"] = max(r[i]["load_s"] for r in res.values())
-    lines = [
-        "| width | layers | params MB | optimizer MB | tensors MB | disk MB | disk - tensors MB | disk / tensors | save ms | load ms |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    header = ["width", "layers", "params MB", "optimizer MB", "tensors MB", "disk MB", "disk - tensors MB",
+              "disk / tensors", "save ms", "load ms"]
+    body = []
     for r in rows:
         tensors = r["param_bytes"] + r["state_bytes"]
         ratio = r["disk_bytes"] / tensors
         mark = "" if ratio <= 1.05 else " (goal missed)"
-        lines.append(
-            f"| {r['width']} | {r['n_layers']} | {r['param_bytes'] / 1e6:.3f} | {r['state_bytes'] / 1e6:.3f} | "
-            f"{tensors / 1e6:.3f} | {r['disk_bytes'] / 1e6:.3f} | {(r['disk_bytes'] - tensors) / 1e6:.3f} | {ratio:.3f}{mark} | {r['save_s'] * 1e3:.0f} | "
-            f"{r['load_s'] * 1e3:.0f} |"
-        )
-    table = "\n".join(lines)
+        body.append([r["width"], r["n_layers"], f"{r['param_bytes'] / 1e6:.3f}", f"{r['state_bytes'] / 1e6:.3f}",
+                     f"{tensors / 1e6:.3f}", f"{r['disk_bytes'] / 1e6:.3f}", f"{(r['disk_bytes'] - tensors) / 1e6:.3f}",
+                     f"{ratio:.3f}{mark}", f"{r['save_s'] * 1e3:.0f}", f"{r['load_s'] * 1e3:.0f}"])
+    table = md_table(header, body)
     print(table)
-    command = "Command: `.venv/bin/python benchmarks/bench_checkpoint.py " + " ".join(sys.argv[1:]) + "`"
-    machine = (f"Machine: {cpu_name()}, {torch.get_num_threads()} threads available, torch {torch.__version__}, "
-               f"gloo, {args.world} ranks (1 thread each), local disk; shared with other jobs.")
     text = "\n".join([
-        "# Checkpoint size and save/load time (muonlab.checkpoint on torch.distributed.checkpoint)",
-        "", command, machine,
         "Model: 4-layer GPT (vocab 256, context 32, 4 heads), FSDP2 over all ranks, fp32 parameters, Muon "
         "(fp32 momentum for matrices; AdamW exp_avg, exp_avg_sq and a step scalar for the rest) after one step.",
         "", table, "",
@@ -69,11 +59,12 @@ def main():
         "148 KB of overhead for the width-64 model) plus a ~25-40 KB .metadata, so small models miss the ratio "
         "goal and width >= 256 meets it.",
         "Save/load: medians of " + str(args.repeats) + " repeats, barrier to barrier, slowest rank. Save includes "
-        "consolidate_state (no-op under FSDP2: no replicated matrices).", "",
+        "consolidate_state (no-op under FSDP2: no replicated matrices).",
     ])
-    out = Path(__file__).resolve().parent / "results" / "checkpoint.md"
-    out.write_text(text)
-    print(f"wrote {out}")
+    write_report(results_path("checkpoint"),
+                 "Checkpoint size and save/load time (muonlab.checkpoint on torch.distributed.checkpoint)", text,
+                 script=__file__,
+                 machine_note=f"Gloo, {args.world} ranks (1 thread each), local disk; shared with other jobs.")
 
 
 if __name__ == "__main__":

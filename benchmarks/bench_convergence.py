@@ -21,8 +21,6 @@ curve is smoothed with a trailing mean over ``--window`` evaluations before anyt
 from __future__ import annotations
 
 import argparse
-import os
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -32,7 +30,8 @@ import torch
 from muonlab.models import GPT, GPTConfig
 from muonlab.train import History, make_optimizer, train
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _machine import load, machine  # noqa: E402
+from _machine import load  # noqa: E402
+from _report import md_table, results_path, text_table, write_report  # noqa: E402
 
 
 def smooth(values: list[float], window: int) -> list[float]:
@@ -86,7 +85,7 @@ def main(argv=None) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the lr sweep")
     p.add_argument("--confirm-seeds", default="1,2", help="rerun both best lrs with these seeds")
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--out", default=str(Path(__file__).parent / "results" / "convergence.md"))
+    p.add_argument("--out", default=str(results_path("convergence")))
     p.add_argument("--plot", default="", help="also save the validation curves to this PNG")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -164,32 +163,17 @@ def main(argv=None) -> None:
                   fmt(r["adamw_steps"], ".0f"), fmt(r["ratio_crossing"], ".2f"), fmt(r["ratio_budget"], ".2f")]
                  for r in results]
 
-    def md_table(header, body):
-        lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-        return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in body])
-
-    def text_table(header, body):
-        widths = [max(len(x) for x in col) for col in zip(header, *body)]
-        return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in [header] + body)
-
     print()
     print(text_table(head, rows))
     print()
     print(text_table(ratio_head, ratio_txt))
 
-    command = " ".join(shlex.quote(a) for a in [sys.argv[0]] + (argv or sys.argv[1:]))
-    env = f"PYTHONPATH={os.environ['PYTHONPATH']} " if os.environ.get("PYTHONPATH") else ""
     n_tokens = args.eval_batches * args.batch_size * args.context
     headline = results[0]
-    md = f"""# Convergence: Muon vs AdamW, steps to AdamW's final validation loss
-
-Command (repository root): `{env}python {command}`
-
-Machine: {machine()}. Shared with other jobs while this ran (load average {load_start} at the
+    conditions = f"""Shared with other jobs while this ran (load average {load_start} at the
 start, {load_end} at the end, on 2 cores); this benchmark counts steps, not seconds, so the load
-only changes the ms/step column. Total wall time {total_s / 60:.1f} min.
-
-**Result: Muon (lr {best['muon']:g}) reaches AdamW's (lr {best['adamw']:g}) final validation loss in
+only changes the ms/step column. Total wall time {total_s / 60:.1f} min."""
+    md = f"""**Result: Muon (lr {best['muon']:g}) reaches AdamW's (lr {best['adamw']:g}) final validation loss in
 {fmt(headline['ratio_crossing'], '.2f')} of AdamW's steps** ({headline['seed']}; per seed below). Goal in the issue: <= 0.7.
 
 Setup: `GPT(GPTConfig(d_model={args.d_model}, n_layers={args.n_layers}, n_heads=4, context={args.context}))`,
@@ -221,10 +205,9 @@ seeds' curves before smoothing.
 ms/step is the median wall time of a training step (forward, backward, optimizer) on this shared
 machine with {args.threads} torch thread(s); it is not a speed benchmark (see optimizer_step.md).
 """
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(md)
-    print(f"\nwrote {out}")
+    print()
+    write_report(args.out, "Convergence: Muon vs AdamW, steps to AdamW's final validation loss", md,
+                 script=__file__, argv=argv, machine_note=conditions)
 
     if args.plot:
         import matplotlib

@@ -24,7 +24,7 @@ from _dist_workers import bench_worker, gpt_matrix_shapes, single_process  # noq
 
 from muonlab import ns_flops  # noqa: E402
 from muonlab.distributed import launch  # noqa: E402
-from _machine import cpu_name  # noqa: E402
+from _report import md_table, results_path, write_report  # noqa: E402
 
 
 def main():
@@ -51,38 +51,29 @@ def main():
                              bytes=total_sent, bound=bound[layout], max_flops=max(flops),
                              imbalance=max(flops) / flop_target))
     by = {(r["layout"], r["strategy"]): r for r in rows}
-    lines = [
-        "# Distributed Muon: step time, bytes and FLOP balance",
-        "",
-        f"Command: `.venv/bin/python benchmarks/bench_distributed.py --world {W} --steps {args.steps}`",
-        f"Machine: {cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__}, gloo, {W} ranks "
-        f"(1 thread each; {W} ranks share {os.cpu_count()} cores).",
-        "Parameters: the 16 hidden matrices of a 4-layer width-256 GPT; bf16 on the wire, bf16 Newton-Schulz.",
-        "",
-        "| layout | strategy | paths | step ms | vs redundant | vs 1 process | total bytes | bytes / bound | max-rank NS GFLOP | FLOP imbalance |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    header = ["layout", "strategy", "paths", "step ms", "vs redundant", "vs 1 process", "total bytes",
+              "bytes / bound", "max-rank NS GFLOP", "FLOP imbalance"]
+    body = []
     for r in rows:
         red = by[(r["layout"], "redundant")]["seconds"]
-        lines.append(
-            f"| {r['layout']} | {r['strategy']} | {r['paths']} | {1e3 * r['seconds']:.1f} | "
-            f"{red / r['seconds']:.2f}x | {single / r['seconds']:.2f}x | {r['bytes']:,} | "
-            f"{r['bytes'] / r['bound']:.3f} | {r['max_flops'] / 1e9:.3f} | {r['imbalance']:.3f} |"
-        )
-    lines += [
+        body.append([r["layout"], r["strategy"], r["paths"], f"{1e3 * r['seconds']:.1f}",
+                     f"{red / r['seconds']:.2f}x", f"{single / r['seconds']:.2f}x", f"{r['bytes']:,}",
+                     f"{r['bytes'] / r['bound']:.3f}", f"{r['max_flops'] / 1e9:.3f}", f"{r['imbalance']:.3f}"])
+    text = "\n".join([
+        "Parameters: the 16 hidden matrices of a 4-layer width-256 GPT; bf16 on the wire, bf16 Newton-Schulz.",
+        "",
+        md_table(header, body),
         "",
         f"Single process (all 16 matrices, one process, {torch.get_num_threads()} threads): {1e3 * single:.1f} ms.",
         "",
         "'vs redundant' = redundant step time / this step time (higher is better); 'vs 1 process' likewise.",
         "FLOP imbalance = max-rank Newton-Schulz FLOPs / max(mean, largest single matrix); goal <= 1.1.",
         "bytes / bound: goal <= 1.05 for muonlab. The redundant baseline moves padded whole matrices to every rank.",
-    ]
-    text = "\n".join(lines) + "\n"
+    ])
     print(text)
-    out = Path(__file__).resolve().parent / "results" / ("distributed.md" if W == 4 else f"distributed_w{W}.md")
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(text)
-    print(f"wrote {out}")
+    write_report(results_path("distributed" if W == 4 else f"distributed_w{W}"),
+                 "Distributed Muon: step time, bytes and FLOP balance", text, script=__file__,
+                 machine_note=f"Gloo, {W} ranks (1 thread each; {W} ranks share {os.cpu_count()} cores).")
 
 
 if __name__ == "__main__":

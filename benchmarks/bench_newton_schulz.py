@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
-import shlex
 import statistics
 import sys
 import time
@@ -26,7 +24,8 @@ import torch
 
 from muonlab.kernels import PRESETS, newton_schulz, ns_flops
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _machine import MatmulProbe, load, machine  # noqa: E402
+from _machine import MatmulProbe, load  # noqa: E402
+from _report import md_table, results_path, text_table, write_report  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 FORMS = ("plain", "gram")
@@ -60,7 +59,7 @@ def main(argv=None) -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--matmul-n", type=int, default=1024)
-    p.add_argument("--out", default=str(Path(__file__).parent / "results" / "newton_schulz.md"))
+    p.add_argument("--out", default=str(results_path("newton_schulz")))
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     shapes = [parse_shape(s) for s in args.shapes.split(",")]
@@ -147,31 +146,16 @@ def main(argv=None) -> None:
     total_s = time.perf_counter() - t_start
     load_end = load()
 
-    def text_table(header, body):
-        widths = [max(len(x) for x in col) for col in zip(header, *body)]
-        return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in [header] + body)
-
-    def md_table(header, body):
-        lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-        return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in body])
-
     print(f"matmul {args.matmul_n}^3: fp32 {rates['fp32']:.1f} GFLOP/s, bf16 {rates['bf16']:.1f} GFLOP/s")
     print(text_table(head, rows))
     print()
     print(text_table(ratio_head, ratio_rows))
 
-    command = " ".join(shlex.quote(a) for a in [sys.argv[0]] + (argv or sys.argv[1:]))
-    env = f"PYTHONPATH={os.environ['PYTHONPATH']} " if os.environ.get("PYTHONPATH") else ""
-    md = f"""# Newton-Schulz: time and orthogonality per preset, form and dtype
-
-Command (repository root): `{env}python {command}`
-
-Machine: {machine()}. Shared with other jobs while this ran (load average {load_start} at the
+    conditions = f"""Shared with other jobs while this ran (load average {load_start} at the
 start, {load_end} at the end on 2 cores), so absolute times are noisy; every configuration was
 timed once per round, in a rotating order, for {args.repeats} rounds after {args.warmup} warm-up
-rounds, and the table gives medians. Total wall time {total_s:.0f} s.
-
-Measured in the same run: `torch.matmul` {args.matmul_n}x{args.matmul_n}x{args.matmul_n} at
+rounds, and the table gives medians. Total wall time {total_s:.0f} s."""
+    md = f"""Measured in the same run: `torch.matmul` {args.matmul_n}x{args.matmul_n}x{args.matmul_n} at
 **{rates['fp32']:.1f} GFLOP/s in fp32** and **{rates['bf16']:.1f} GFLOP/s in bf16** (timed once per
 round next to the configurations; median). "of matmul" is the achieved Newton-Schulz rate
 (`ns_flops` / median time) as a fraction of that rate in the same dtype.
@@ -208,10 +192,9 @@ input from an SVD, and ||O O^T - I||_F / sqrt(m) (m = the short side; batch: mea
   {dtype_ratio:.2f} ({dtype_verdict}). This CPU's bf16 matmul rate is {rates['bf16'] / rates['fp32']:.2f}x its
   fp32 rate at {args.matmul_n}^3; on GPUs with bf16 tensor cores the balance is the other way.
 """
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(md)
-    print(f"\nwrote {out}")
+    print()
+    write_report(args.out, "Newton-Schulz: time and orthogonality per preset, form and dtype", md,
+                 script=__file__, argv=argv, machine_note=conditions)
 
 
 if __name__ == "__main__":

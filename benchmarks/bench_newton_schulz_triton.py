@@ -38,9 +38,10 @@ from muonlab.kernels.triton_newton_schulz import (  # noqa: E402
     triton_ns_flops_per_iter,
 )
 
-RESULTS = Path(__file__).resolve().parent / "results" / "newton_schulz_triton.md"
-
 from muonlab.kernels.newton_schulz import PRESETS, resolve_coefficients  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _report import md_table, results_path, write_report  # noqa: E402
 
 COEFFICIENTS = {name: resolve_coefficients(name, 5) for name in PRESETS}
 
@@ -65,35 +66,11 @@ QUICK_GPU_SHAPES = [(1, 1024, 1024), (1, 4096, 4096), (1, 1024, 4096), (8, 1024,
 CPU_SHAPES = [(1, 127, 300, False), (3, 127, 300, True), (1, 1, 64, False), (2, 130, 130, True)]
 
 
-def machine() -> str:
-    cpu = platform.processor() or "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    gpu = torch.cuda.get_device_name() if HAS_CUDA else "none"
-    import triton
-
-    return (
-        f"- platform: {platform.platform()}\n- CPU: {cpu} ({os.cpu_count()} logical cores)\n- GPU: {gpu}\n"
-        f"- python {platform.python_version()}, torch {torch.__version__}, triton {triton.__version__}"
-    )
-
-
 def normalised(batch: int, m: int, n: int, dtype: torch.dtype, device: str, transposed: bool = False, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     X = torch.randn(batch, n, m, generator=g).mT if transposed else torch.randn(batch, m, n, generator=g)
     X = X / X.norm(dim=(-2, -1), keepdim=True)
     return X.to(device=device, dtype=dtype)
-
-
-def markdown_table(header, rows) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    return "\n".join(lines)
 
 
 def cpu_sweep():
@@ -186,7 +163,6 @@ def main() -> int:
     if not TRITON_AVAILABLE:
         print("triton is not installed: nothing to benchmark")
         return 1
-    command = "python benchmarks/bench_newton_schulz_triton.py" + (" --quick" if args.quick else "")
     if HAS_CUDA:
         header, rows, note = gpu_bench(args.quick)
         title = "GPU timings, 5 Keller iterations (do_bench medians)"
@@ -198,14 +174,13 @@ def main() -> int:
             "measured on a GPU with the same command. Tolerances: fp32 1e-5, fp16 2e-2 (fp16 intermediates)."
         )
         title = "Interpreter correctness sweep (newton_schulz_triton vs float64 torch loop)"
-    text = (
-        "# Newton-Schulz: Triton symmetric kernels vs torch\n\n"
-        f"Command: `{command}`\n\n## Machine\n\n{machine()}\n\n## {title}\n\n"
-        f"{markdown_table(header, rows)}\n\n{note}\n"
-    )
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(text)
-    print(f"\n{note}\nwrote {RESULTS}")
+    print(f"\n{note}")
+    import triton  # optional dependency: only here, once TRITON_AVAILABLE said it is installed
+
+    gpu = torch.cuda.get_device_name() if HAS_CUDA else "none"
+    write_report(results_path("newton_schulz_triton"), "Newton-Schulz: Triton symmetric kernels vs torch",
+                 f"## {title}\n\n{md_table(header, rows)}\n\n{note}", script=__file__,
+                 machine_note=f"GPU: {gpu}; triton {triton.__version__}; platform {platform.platform()}.")
     failures = [r for r in rows if r[-1].startswith("FAIL")]
     return 1 if failures else 0
 

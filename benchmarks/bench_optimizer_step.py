@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
-import shlex
 import statistics
 import sys
 import time
@@ -34,7 +32,8 @@ from muonlab import muon_param_groups, newton_schulz, ns_flops
 from muonlab.models import GPT, GPTConfig
 from muonlab.optim import functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _machine import MatmulProbe, load, machine  # noqa: E402
+from _machine import MatmulProbe, load  # noqa: E402
+from _report import md_table, results_path, text_table, write_report  # noqa: E402
 
 LR, MOMENTUM, NS_STEPS = 0.02, 0.95, 5
 KELLER = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's default, = muonlab's "keller" preset
@@ -104,7 +103,7 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=15, help="timed rounds (one step per configuration)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--matmul-n", type=int, default=1024)
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "optimizer_step.md"))
+    ap.add_argument("--out", default=str(results_path("optimizer_step")))
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     load_start, t_start = load(), time.perf_counter()
@@ -231,14 +230,6 @@ def main(argv=None) -> None:
                         + [f"[{min(v['sv_min'] for v in a.values()):.3f}, {max(v['sv_max'] for v in a.values()):.3f}]",
                            f"{max(v['polar'] for v in a.values()):.3f}"])
 
-    def text_table(header, body):
-        widths = [max(len(x) for x in col) for col in zip(header, *body)]
-        return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in [header] + body)
-
-    def md_table(header, body):
-        lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-        return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in body])
-
     print()
     print(text_table(head, rows))
     print()
@@ -246,8 +237,6 @@ def main(argv=None) -> None:
     print()
     print(text_table(acc_head, acc_rows))
 
-    command = " ".join(shlex.quote(a) for a in [sys.argv[0]] + (argv or sys.argv[1:]))
-    env = f"PYTHONPATH={os.environ['PYTHONPATH']} " if os.environ.get("PYTHONPATH") else ""
     shape_txt = ", ".join(f"{n} x {s[0]}x{s[1]}" for s, n in shapes.items())
     routing_note = (
         f"`muon_param_groups` on this model routes {len(hidden) - len(not_routed)} of these {len(hidden)} "
@@ -255,17 +244,12 @@ def main(argv=None) -> None:
         "as an \"output head (shaped like the embedding)\", because they happen to have the token "
         "embedding's shape; they are hidden matrices, so they are benchmarked here."
         if not_routed else "`muon_param_groups` routes all of them to Muon.")
-    md = f"""# Optimizer step: muonlab.Muon vs torch.optim.Muon
-
-Command (repository root): `{env}python {command}`
-
-Machine: {machine()}. Shared with other jobs while this ran (load average {load_start} at the start,
+    conditions = f"""Shared with other jobs while this ran (load average {load_start} at the start,
 {load_end} at the end, on 2 cores), so absolute times are noisy; the configurations were timed
 round-robin in one process (one step each per round, rotating order, {args.warmup} warm-up rounds,
 {args.repeats} timed rounds) and the ratios come from medians of the same rounds. Total wall time
-{total_s:.0f} s.
-
-Parameters: the hidden matrices of `GPT(GPTConfig(d_model={args.width}, n_layers={args.layers}))`,
+{total_s:.0f} s."""
+    md = f"""Parameters: the hidden matrices of `GPT(GPTConfig(d_model={args.width}, n_layers={args.layers}))`,
 i.e. every Linear weight inside the blocks: {len(hidden)} matrices ({shape_txt}), fp32, fixed
 random gradients. {routing_note} All configurations: lr {LR}, momentum {MOMENTUM} Nesterov, {NS_STEPS}
 Newton-Schulz steps with Keller's coefficients {KELLER}, lr scaled by sqrt(max(1, rows/cols)),
@@ -310,10 +294,9 @@ Against the fp32 plain reference, bf16 plain differs by at most {worst(labels[1]
 mantissa bits), bf16 Gram by at most {worst(labels[2]):.1e} (rounding in R = X X^T carries through
 the Gram iteration), fp32 Gram by at most {worst(labels[4]):.1e}.
 """
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(md)
-    print(f"\nwrote {out}")
+    print()
+    write_report(args.out, "Optimizer step: muonlab.Muon vs torch.optim.Muon", md,
+                 script=__file__, argv=argv, machine_note=conditions)
 
 
 if __name__ == "__main__":

@@ -17,11 +17,14 @@ FLOP imbalance <= 1.1, and a modelled time no worse than the better reference.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 
 from muonlab.comm.cost import get_profile
 from muonlab.plan import simulate, summarize
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _report import md_table, results_path, write_report  # noqa: E402
 
 WORLDS = (8, 64, 128, 512, 2048)
 
@@ -59,16 +62,10 @@ def main():
                     s = summarize(plan, W, profile)
                     s.update(model=model, W=W, ep=ep, strategy=strategy, plan_s=time.time() - t0)
                     rows.append(s)
-    lines = [
-        "# Planner scenarios",
-        "",
-        f"Command: `.venv/bin/python benchmarks/bench_planner.py --profile {args.profile}`",
-        f"Profile: {profile.source}",
-        f"Whole table planned in {time.time() - t_start:.1f} s on a 2-core CPU (no processes launched).",
-        "",
-        "| model | W | ep | strategy | paths | bytes / bound | max-rank MB | FLOP imbalance | modelled ms | goal |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    planned_s = time.time() - t_start
+    header = ["model", "W", "ep", "strategy", "paths", "bytes / bound", "max-rank MB", "FLOP imbalance",
+              "modelled ms", "goal"]
+    body = []
     for r in rows:
         goal = ""
         if r["strategy"] == "muonlab":
@@ -77,12 +74,14 @@ def main():
             ok = (r["bytes_over_bound"] <= 1.05, r["flop_imbalance"] <= 1.1, r["modelled_s"] <= min(refs) * 1.0001)
             goal = "met" if all(ok) else "MISSED: " + ", ".join(
                 n for n, o in zip(("bytes", "balance", "time"), ok) if not o)
-        lines.append(
-            f"| {r['model']} | {r['W']} | {r['ep']} | {r['strategy']} | {','.join(r['paths'])} | "
-            f"{r['bytes_over_bound']:.3f} | {r['max_rank_bytes'] / 1e6:.1f} | {r['flop_imbalance']:.3f} | "
-            f"{1e3 * r['modelled_s']:.2f} | {goal} |"
-        )
-    lines += [
+        body.append([r["model"], r["W"], r["ep"], r["strategy"], ",".join(r["paths"]),
+                     f"{r['bytes_over_bound']:.3f}", f"{r['max_rank_bytes'] / 1e6:.1f}",
+                     f"{r['flop_imbalance']:.3f}", f"{1e3 * r['modelled_s']:.2f}", goal])
+    lines = [
+        f"Profile: {profile.source}",
+        f"Whole table planned in {planned_s:.1f} s on the machine above (no processes launched).",
+        "",
+        md_table(header, body),
         "",
         "Notes:",
         "- Whole experts (a bank sharded on its expert dim) count in the bound like any sharded matrix, but",
@@ -96,11 +95,9 @@ def main():
         "- Modelled time replays the engine's pipeline (muonlab.comm.cost.step_seconds): batch i+1's",
         "  transfer is in flight while batch i computes.",
     ]
-    text = "\n".join(lines) + "\n"
+    text = "\n".join(lines)
     print(text)
-    out = Path(__file__).resolve().parent / "results" / "planner.md"
-    out.write_text(text)
-    print(f"wrote {out}")
+    write_report(results_path("planner"), "Planner scenarios", text, script=__file__)
 
 
 if __name__ == "__main__":
