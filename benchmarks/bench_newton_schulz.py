@@ -80,7 +80,7 @@ def main(argv=None) -> None:
 
     def call(cfg):
         shape, preset, form, dname = cfg
-        return newton_schulz(inputs[shape], args.steps, preset, dtype=DTYPES[dname], form=form)
+        return newton_schulz(inputs[shape], steps=args.steps, coefficients=preset, dtype=DTYPES[dname], form=form)
 
     probe = MatmulProbe(args.matmul_n)
     times: dict[tuple, list[float]] = {cfg: [] for cfg in configs}
@@ -100,7 +100,7 @@ def main(argv=None) -> None:
     for cfg in configs:
         shape, preset, form, dname = cfg
         med = statistics.median(times[cfg])
-        flops = ns_flops(shape, args.steps, form=form)
+        flops = ns_flops(shape, steps=args.steps, form=form)
         gflops = flops / med / 1e9
         acc = orthogonality(call(cfg), polars[shape])
         summary[cfg] = dict(ms=1e3 * med, flops=flops, acc=acc)
@@ -134,7 +134,7 @@ def main(argv=None) -> None:
             f"{dname} {geomean(summary[(shape, pr, 'gram', dname)]['ms'] / summary[(shape, pr, 'plain', dname)]['ms'] for pr in presets):.2f}"
             for dname in DTYPES)
         gram_parts.append(f"{name}: {per_dtype}")
-        flop_parts.append(f"{name}: {ns_flops(shape, args.steps, form='gram') / ns_flops(shape, args.steps, form='plain'):.2f}")
+        flop_parts.append(f"{name}: {ns_flops(shape, steps=args.steps, form='gram') / ns_flops(shape, steps=args.steps, form='plain'):.2f}")
     gram_txt, flop_txt = "; ".join(gram_parts), "; ".join(flop_parts)
     dtype_ratio = geomean(summary[(shape, pr, "plain", "fp32")]["ms"] / summary[(shape, pr, "plain", "bf16")]["ms"]
                           for shape in shapes for pr in presets)

@@ -30,15 +30,15 @@ HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ["TRITON_INTERPRET"] = "1"  # before the kernel module is imported
 
-from muonlab.kernels.triton_newton_schulz import (  # noqa: E402
-    TRITON_AVAILABLE,
-    newton_schulz_reference,
-    newton_schulz_triton,
-    plain_ns_flops_per_iter,
-    triton_ns_flops_per_iter,
-)
+from muonlab.kernels.triton_newton_schulz import TRITON_AVAILABLE, newton_schulz_triton  # noqa: E402
 
-from muonlab.kernels.newton_schulz import PRESETS, resolve_coefficients  # noqa: E402
+from muonlab.kernels.newton_schulz import (  # noqa: E402
+    PRESETS,
+    plain_flops_per_iter,
+    resolve_coefficients,
+    symmetric_flops_per_iter,
+)
+from muonlab.kernels.reference import plain_iterations  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import md_table, results_path, write_report  # noqa: E402
@@ -82,7 +82,7 @@ def cpu_sweep():
             for name in names:
                 X = normalised(batch, m, n, dtype, "cpu", transposed)
                 Y = newton_schulz_triton(X, COEFFICIENTS[name])
-                err = (Y.double() - newton_schulz_reference(X.double(), COEFFICIENTS[name])).abs().max().item()
+                err = (Y.double() - plain_iterations(X.double(), COEFFICIENTS[name])).abs().max().item()
                 rows.append(
                     [
                         f"({batch}, {m}, {n})",
@@ -111,7 +111,7 @@ def gpu_bench(quick: bool):
     for name in ("recompile_limit", "cache_size_limit"):
         if hasattr(torch._dynamo.config, name):
             setattr(torch._dynamo.config, name, 64)
-    compiled = torch.compile(newton_schulz_reference, dynamic=False)
+    compiled = torch.compile(plain_iterations, dynamic=False)
     header = [
         "shape (B, m, n)",
         "impl",
@@ -122,7 +122,7 @@ def gpu_bench(quick: bool):
     ]
     rows = []
     for batch, m, n in QUICK_GPU_SHAPES if quick else GPU_SHAPES:
-        plain = batch * len(coefficients) * plain_ns_flops_per_iter(m, n)
+        plain = batch * len(coefficients) * plain_flops_per_iter(m, n)
         timings = {}
         for dtype in (torch.bfloat16, torch.float32):
             X = normalised(batch, m, n, dtype, "cuda")
@@ -149,7 +149,7 @@ def gpu_bench(quick: bool):
         f"bf16 matmul rate of this device (torch.matmul 8192^3, median): {peak_tflops:.1f} TFLOP/s.\n"
         "Effective TFLOP/s count the plain iteration's 4 m^2 n + 2 m^3 FLOPs for every implementation; "
         "the Triton backend executes 3 m^2 n + m^3 of them (ratio "
-        f"{triton_ns_flops_per_iter(4096, 4096) / plain_ns_flops_per_iter(4096, 4096):.2f} for square), "
+        f"{symmetric_flops_per_iter(4096, 4096) / plain_flops_per_iter(4096, 4096):.2f} for square), "
         "so it can exceed the matmul rate. fp32 uses torch's float32 matmul precision setting "
         f"({torch.get_float32_matmul_precision()!r}) in both implementations."
     )

@@ -126,7 +126,7 @@ def main(argv=None) -> None:
         params = [nn.Parameter(p.detach().clone()) for _, p in hidden]
         for p, g in zip(params, grads):
             p.grad = g.clone()
-        flops = sum(ns_flops(p.shape, NS_STEPS, form=form) for p in params)
+        flops = sum(ns_flops(p.shape, steps=NS_STEPS, form=form) for p in params)
         runs.append(dict(label=label, opt=factory(params), dtype=dname, form=form, flops=flops, times=[]))
 
     probe = MatmulProbe(args.matmul_n)
@@ -152,7 +152,7 @@ def main(argv=None) -> None:
     for shape, (name, p, g) in first_of_shape.items():
         buf = torch.zeros_like(g)
         (inp,) = F.muon_momentum_([g], [buf], momentum=MOMENTUM, nesterov=True, form="ema")
-        ref = newton_schulz(inp, NS_STEPS, "keller", dtype=torch.float32, form="plain").double()
+        ref = newton_schulz(inp, steps=NS_STEPS, coefficients="keller", dtype=torch.float32, form="plain").double()
         U, _, Vh = torch.linalg.svd(inp.double(), full_matrices=False)
         polar = U @ Vh
         m = min(shape)
@@ -268,7 +268,7 @@ configuration's fastest round, the least disturbed by other jobs, as a check on 
 heavy load from other jobs, torch.optim.Muon's loop over 48 matrices (many short multi-threaded
 matmuls) slowed down much more than the 4 batched chains in earlier runs of this script, which
 inflates the medians' speed-ups; when the two columns disagree a lot, the run was disturbed.
-"NS GFLOP/step" is `sum(ns_flops(shape, {NS_STEPS}, form=...))` over the matrices (torch.optim.Muon's
+"NS GFLOP/step" is `sum(ns_flops(shape, steps={NS_STEPS}, form=...))` over the matrices (torch.optim.Muon's
 iteration is the plain form). "Achieved GFLOP/s" divides it by the whole step's median time
 (momentum and the parameter update included), so it is a lower bound on the Newton-Schulz rate.
 

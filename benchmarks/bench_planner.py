@@ -22,27 +22,13 @@ import time
 from pathlib import Path
 
 from muonlab.comm.cost import get_profile
-from muonlab.plan import simulate, summarize
+from muonlab.simulate import simulate, summarize
+from muonlab.viz.planner import dense_shapes, moe_shapes
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import md_table, results_path, write_report  # noqa: E402
 
 WORLDS = (8, 64, 128, 512, 2048)
-
-
-def dense_model(layers=60, d=4096, kv=1024, ffn=10944):
-    out = []
-    for i in range(layers):
-        out += [(f"l{i}.q", (d, d)), (f"l{i}.k", (kv, d)), (f"l{i}.v", (kv, d)), (f"l{i}.o", (d, d)),
-                (f"l{i}.gate", (ffn, d)), (f"l{i}.up", (ffn, d)), (f"l{i}.down", (d, ffn))]
-    return out
-
-
-def moe_model(layers=24, d=2048, experts=128, hidden=1024):
-    out = []
-    for i in range(layers):
-        out += [(f"l{i}.qkv", (3 * d, d)), (f"l{i}.o", (d, d)), (f"l{i}.router", (experts, d)),
-                (f"l{i}.w_in", (experts, hidden, d)), (f"l{i}.w_out", (experts, d, hidden))]
-    return out
 
 
 def main():
@@ -52,7 +38,7 @@ def main():
     profile = get_profile(args.profile)
     rows = []
     t_start = time.time()
-    for model, shapes in (("dense", dense_model()), ("moe", moe_model())):
+    for model, shapes in (("dense", dense_shapes()), ("moe", moe_shapes())):
         for W in WORLDS:
             for ep in (1, 8):
                 mesh = W if ep == 1 else (W // ep, ep)
