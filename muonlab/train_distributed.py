@@ -20,7 +20,7 @@ from dataclasses import asdict
 import torch
 import torch.distributed as dist
 
-from .comm.plan import Plan
+from .comm.records import bytes_for_rank, table
 from .data import get_batch, load_corpus
 from .models import GPT, GPTConfig
 from .models.gpt import moe_config
@@ -124,22 +124,14 @@ def train_worker(
         mean_losses.append(mean.item() / world)
 
     plan = opt.plan()
-    # A batch's per-rank tuples are indexed by this rank's place in the batch's group: the global
-    # rank on the 1-D meshes of fsdp/ddp, the "fsdp" coordinate for expert banks in "ep" mode.
-    plan_sent, plan_recv = {}, {}
-    for b in plan:
-        r = b.group.local_ranks()[rank] if b.group is not None else 0
-        if not b.bytes_sent:
-            continue
-        plan_sent[b.path] = plan_sent.get(b.path, 0) + b.bytes_sent[r]
-        plan_recv[b.path] = plan_recv.get(b.path, 0) + b.bytes_recv[r]
-    # Paths that move nothing on this rank (e.g. local) are left out, as at the collectives.
-    plan_sent = {path: n for path, n in plan_sent.items() if n}
-    plan_recv = {path: n for path, n in plan_recv.items() if n}
+    # Per-rank entries of a batch are indexed by this rank's place in the batch's group (the global
+    # rank on the 1-D meshes of fsdp/ddp, the "fsdp" coordinate for expert banks in "ep" mode);
+    # bytes_for_rank maps it, and leaves out paths that move nothing here, as the collectives do.
+    plan_sent, plan_recv = bytes_for_rank(plan, rank)
     spans = gather_spans(opt.last_step_spans())
     return dict(
         rank=rank, world_size=world, mode=mode, losses=losses, mean_losses=mean_losses,
-        step_seconds=step_seconds, plan=plan_rows(plan), plan_table=Plan(batches=plan).table(),
+        step_seconds=step_seconds, plan=plan_rows(plan), plan_table=table(plan),
         plan_bytes_sent=plan_sent, plan_bytes_recv=plan_recv, stats=opt.last_step_stats(),
         plan_batches=list(plan), spans=None if spans is None else [asdict(s) for s in spans],
     )

@@ -121,9 +121,9 @@ def test_paths_taken_bytes_counted_and_momentum_on_owner_only(world_results):
 
 @pytest.mark.timeout(600)
 def test_simulated_plan_equals_the_runtime_plan(world_results):
-    """muonlab.plan.simulate, from shapes alone, gives the plan the workers ran (and measured)."""
+    """muonlab.simulate.simulate, from shapes alone, gives the plan the workers ran (and measured)."""
     from muonlab.models import GPT, GPTConfig
-    from muonlab.plan import simulate
+    from muonlab.simulate import simulate
 
     world, results = world_results
     model = GPT(GPTConfig(**W.GPT_CFG))

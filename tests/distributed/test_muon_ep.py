@@ -5,7 +5,7 @@ One launch runs every case (process start-up dominates): E in {3, 4, 6, 8} exper
 wire, plus one case with a bf16 wire and bf16 Newton-Schulz. Checked per case: the parameters after
 training (expert banks gathered back into global banks) against one process on the global batch,
 the plan identical on every rank, the bytes counted at the collectives equal to the plan's bytes
-for this rank, and the plan equal to ``muonlab.plan.simulate`` from shapes alone.
+for this rank, and the plan equal to ``muonlab.simulate.simulate`` from shapes alone.
 """
 
 from __future__ import annotations
@@ -104,8 +104,8 @@ SIM_CASES = CASES
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("case", SIM_CASES, ids=_id)
 def test_simulated_plan_equals_the_runtime_plan(results, case):
-    """muonlab.plan.simulate with mesh (fsdp, ep) gives the plan the workers ran and measured."""
-    from muonlab.plan import simulate
+    """muonlab.simulate.simulate with mesh (fsdp, ep) gives the plan the workers ran and measured."""
+    from muonlab.simulate import simulate
 
     ep, num_experts, precision = case
     sim = simulate(W.build_model(num_experts), (NUM_RANKS // ep, ep), profile="cpu_gloo",

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from ...kernels.newton_schulz import NSConfig, ns_flops
+from ..cost import batch_seconds
 from ..paths import agrs, all_to_all, gather_all, owner, rebalance, subgroup
 from ..records import BatchPlan, Plan
 from ..specs import GroupKey, MatrixSpec
@@ -144,8 +145,6 @@ class RulePlanner:
                 batches.append([i])
             else:
                 free.append(i)
-        from ..cost import batch_seconds  # the cost model prices path candidates
-
         for (shape, _), batches in sub_batches.items():
             for idx in batches:
                 rows = self.specs[idx[0]].rows
