@@ -91,12 +91,12 @@ def _run_case(mesh, ep: int, num_experts: int, precision: str) -> dict:
             plan_recv[b.path] = plan_recv.get(b.path, 0) + b.bytes_recv[r]
     # the same rank index the other way: the expert axis' own coordinate
     fsdp_rank = mesh["fsdp"].get_local_rank()
-    expert_ranks = {b.index: _group_rank(b, rank) for b in plan if b.group is not None and b.group.mesh_dim == "fsdp"}
+    expert_ranks = {b.index: _group_rank(b, rank) for b in plan if b.group is not None and b.group.axis_name == "fsdp"}
     ep_group = mesh.get_group("ep")
     return dict(
         params={n: _full_param(p, ep_group) for n, p in model.named_parameters()},
         plan=[(b.path, b.names, b.owners, b.bytes_sent, b.bytes_recv, b.flops, b.moves) for b in plan],
-        groups=[None if b.group is None else (b.group.mesh_dim, b.group.size) for b in plan],
+        groups=[None if b.group is None else (b.group.axis_name, b.group.size) for b in plan],
         sent=stats["bytes_sent"], recv=stats["bytes_recv"], plan_sent=plan_sent, plan_recv=plan_recv,
         plan_flops=plan_flops, expert_group_ranks_agree=all(r == fsdp_rank for r in expert_ranks.values()),
         spans=sorted({s.name for s in opt.last_step_spans()}),

@@ -5,9 +5,9 @@ reads ``color``; the order here is the order tables and legends use.
 """
 
 from . import agrs, all_to_all, gather_all, local, owner, padded_all_to_all, rebalance, subgroup
-from .base import CommPath
+from .base import CommPath, PathContext
 
 PATHS: dict[str, CommPath] = {m.PATH.name: m.PATH for m in (
     local, rebalance, all_to_all, agrs, subgroup, owner, gather_all, padded_all_to_all)}
 
-__all__ = ["PATHS", "CommPath"]
+__all__ = ["PATHS", "CommPath", "PathContext"]

@@ -40,17 +40,14 @@ def run(batch, inputs, ctx):
     k, mine = len(inputs), my_matrix(batch, me)
     send = torch.cat([x.reshape(-1).to(ctx.wire_dtype) for x in inputs])
     sizes = [k * r * cols for r in rows]
-    out = ctx.send(all_gather(send, sizes, group=ctx.group, group_rank=me))
-    yield
-    flat = ctx.wait(out)
+    flat = yield all_gather(send, sizes, group=ctx.group, group_rank=me)
     mats = None
     if mine is not None:
         blocks = [seg.view(k, r, cols)[mine] for seg, r in zip(flat.split(sizes), rows)]
         mats = torch.cat(blocks).view(1, *batch.matrix_shape)
-    ortho = ctx.orthogonalize(mats)
-    back = send_back(batch, inputs, ortho, ctx)
-    yield
-    return my_rows(batch, inputs, ctx.wait(back), me)
+    ortho = yield mats
+    returned = yield send_back(batch, inputs, ortho, ctx)
+    return my_rows(batch, inputs, returned, me)
 
 
 PATH = CommPath(name="agrs", collectives=2, out_share=0.5, color="#ff7f0e", run=run,

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..collectives import all_to_all
+from ..collectives import Pending, all_to_all
 from .base import CommPath
 
 
@@ -37,7 +37,7 @@ def my_matrix(batch, group_rank: int) -> int | None:
     return batch.owners.index(group_rank) if group_rank in batch.owners else None
 
 
-def send_back(batch, inputs, ortho, ctx):
+def send_back(batch, inputs, ortho, ctx) -> Pending:
     """Owners send each rank its rows of the result (this path's way back, shared by agrs)."""
     rows, cols, me = batch.rows, batch.matrix_shape[1], ctx.group_rank
     size = len(rows)
@@ -49,7 +49,7 @@ def send_back(batch, inputs, ortho, ctx):
         send_splits = [0] * size
     owners = set(batch.owners)
     recv_splits = [rows[me] * cols if q in owners else 0 for q in range(size)]
-    return ctx.send(all_to_all(send, send_splits, recv_splits, group=ctx.group, group_rank=me))
+    return all_to_all(send, send_splits, recv_splits, group=ctx.group, group_rank=me)
 
 
 def my_rows(batch, inputs, flat: torch.Tensor, group_rank: int) -> list[torch.Tensor]:
@@ -67,13 +67,10 @@ def run(batch, inputs, ctx):
     send = torch.cat([by_owner[q].reshape(-1).to(ctx.wire_dtype) for q in range(size) if q in by_owner])
     send_splits = [rows[me] * cols if q in by_owner else 0 for q in range(size)]
     recv_splits = [rows[q] * cols if mine is not None else 0 for q in range(size)]
-    out = ctx.send(all_to_all(send, send_splits, recv_splits, group=ctx.group, group_rank=me))
-    yield
-    flat = ctx.wait(out)
-    ortho = ctx.orthogonalize(flat.view(1, *batch.matrix_shape) if mine is not None else None)
-    back = send_back(batch, inputs, ortho, ctx)
-    yield
-    return my_rows(batch, inputs, ctx.wait(back), me)
+    flat = yield all_to_all(send, send_splits, recv_splits, group=ctx.group, group_rank=me)
+    ortho = yield flat.view(1, *batch.matrix_shape) if mine is not None else None
+    returned = yield send_back(batch, inputs, ortho, ctx)
+    return my_rows(batch, inputs, returned, me)
 
 
 PATH = CommPath(name="all_to_all", collectives=2, out_share=0.5, color="#1f77b4", run=run,

@@ -2,20 +2,20 @@
 
 Each module of this package is one path and owns everything about it: a ``CommPath`` record
 (name, collectives, overlap share, colour, generator), its byte formula, and the generator that
-runs one batch on one rank. The generator follows dion's megabatch-task shape:
+runs one batch on one rank (dion's megabatch-task shape). The generator only ever hands work to
+the engine by yielding it, and gets the result back from the ``yield``:
 
     def run(batch, inputs, ctx):
-        pending = ctx.send(<out collective>)    # start moving inputs to the owners (async)
-        yield                                   # the engine starts the next batch meanwhile
-        mats = <whole matrices from ctx.wait(pending)>, or None if this rank orthogonalizes nothing
-        ortho = ctx.orthogonalize(mats)         # exactly once per batch; None in, None out
-        pending = ctx.send(<back collective>)   # start returning each rank its share
-        yield
+        received = yield <out collective>      # a Pending: the engine counts its bytes, starts the
+                                               # next batch, then waits and sends the tensor in
+        ortho = yield <whole matrices or None> # the engine runs Newton-Schulz (batch.ns_config)
+        returned = yield <back collective>     # a Pending again
         return [this rank's output for each parameter of the batch, in input order]
 
-``inputs`` are this rank's local momentum tensors of the batch's parameters (None for a replicated
-parameter it does not own). ``ctx`` (muonlab.comm.engine.BatchRun) gives the group, the group rank
-and the wire dtype, counts each collective's bytes once at ``send``, and times the phases.
+A path without a way out or a way back skips that yield; every path yields its matrices exactly
+once (None when this rank orthogonalizes nothing). ``inputs`` are this rank's local momentum
+tensors of the batch's parameters (None for a replicated parameter it does not own); ``ctx`` is a
+``PathContext``.
 """
 
 from __future__ import annotations
@@ -23,7 +23,21 @@ from __future__ import annotations
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
 
-PathRunner = Callable[..., Generator[None, None, list]]
+import torch
+
+PathRunner = Callable[..., Generator]
+
+
+@dataclass(frozen=True)
+class PathContext:
+    """Where a batch runs on this rank."""
+
+    group: object
+    """The torch ProcessGroup of the batch's GroupKey (None for a single process)."""
+    group_rank: int
+    """This rank's index in that group."""
+    wire_dtype: torch.dtype
+    """Dtype of matrices on the wire."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -30,13 +30,9 @@ def run(batch, inputs, ctx):
     step = max(rows)
     pad = [0, 0] * (x.ndim - 1 - dim) + [0, step - x.shape[dim]]
     padded = torch.nn.functional.pad(x.to(ctx.wire_dtype), pad)
-    out = ctx.send(all_gather(padded.reshape(-1), [padded.numel()] * len(rows), group=ctx.group, group_rank=me))
-    yield
-    parts = [seg.view(padded.shape).narrow(dim, 0, r)
-             for seg, r in zip(ctx.wait(out).split(padded.numel()), rows)]
-    whole = torch.cat(parts, dim=dim).reshape(-1, *batch.matrix_shape)
-    ortho = ctx.orthogonalize(whole)
-    yield
+    gathered = yield all_gather(padded.reshape(-1), [padded.numel()] * len(rows), group=ctx.group, group_rank=me)
+    parts = [seg.view(padded.shape).narrow(dim, 0, r) for seg, r in zip(gathered.split(padded.numel()), rows)]
+    ortho = yield torch.cat(parts, dim=dim).reshape(-1, *batch.matrix_shape)
     full = ortho.reshape(batch.param_shapes[0])
     return [full.narrow(dim, sum(rows[:me]), rows[me])]
 

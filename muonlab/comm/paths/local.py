@@ -23,12 +23,10 @@ def split_like(ortho: torch.Tensor | None, inputs: list[torch.Tensor], shape: tu
 
 
 def run(batch, inputs, ctx):
-    yield
     shape = batch.matrix_shape
     mats = [x.reshape(-1, *shape) for x in inputs]
     stacked = torch.cat(mats) if mats else None
-    ortho = ctx.orthogonalize(stacked if stacked is not None and stacked.shape[0] else None)
-    yield
+    ortho = yield stacked if stacked is not None and stacked.shape[0] else None
     return split_like(ortho, inputs, shape)
 
 

@@ -23,17 +23,15 @@ def gather_bytes(payload: Sequence[int]):
 
 
 def run(batch, inputs, ctx):
-    yield
     me = ctx.group_rank
     mats = [x.reshape(-1, *batch.matrix_shape) for o, x in zip(batch.owners, inputs) if o == me]
-    ortho = ctx.orthogonalize(torch.cat(mats) if mats else None)
+    ortho = yield torch.cat(mats) if mats else None
     sizes = [0] * len(batch.bytes_sent)
     for o, n in zip(batch.owners, batch.param_numels):
         sizes[o] += n
     send = torch.empty(0, dtype=ctx.wire_dtype) if ortho is None else ortho.to(ctx.wire_dtype).reshape(-1)
-    back = ctx.send(all_gather(send, sizes, group=ctx.group, group_rank=me))
-    yield
-    segments = list(ctx.wait(back).split(sizes))
+    gathered = yield all_gather(send, sizes, group=ctx.group, group_rank=me)
+    segments = list(gathered.split(sizes))
     offsets = [0] * len(segments)
     out = []
     for o, n, shape in zip(batch.owners, batch.param_numels, batch.param_shapes):

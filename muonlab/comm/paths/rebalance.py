@@ -45,20 +45,18 @@ def run(batch, inputs, ctx):
     to_owner, from_source = (lambda m: m[3]), (lambda m: m[2])
     parts = [local[pos][slot[(pos, j)]].reshape(-1).to(wire) for pos, j, _, _ in outgoing]
     send = torch.cat(parts) if parts else inputs[0].new_empty(0, dtype=wire)
-    out = ctx.send(all_to_all(send, _splits(outgoing, size, numel, to_owner),
-                              _splits(incoming, size, numel, from_source), group=ctx.group, group_rank=me))
-    yield
-    received = ctx.wait(out).view(-1, *shape)
+    received = yield all_to_all(send, _splits(outgoing, size, numel, to_owner),
+                                _splits(incoming, size, numel, from_source), group=ctx.group, group_rank=me)
+    received = received.view(-1, *shape)
     moved_out = {(pos, j) for pos, j, _, _ in outgoing}
     kept = [local[pos][k] for pos, js in enumerate(held) for k, j in enumerate(js) if (pos, j) not in moved_out]
     mats = kept + [received[k].to(local[0].dtype) for k in range(received.shape[0])]
-    ortho = ctx.orthogonalize(torch.stack(mats) if mats else None)
+    ortho = yield torch.stack(mats) if mats else None
     theirs = ortho[len(kept):] if ortho is not None else None
     send = theirs.reshape(-1).to(wire) if theirs is not None and theirs.numel() else inputs[0].new_empty(0, dtype=wire)
-    back = ctx.send(all_to_all(send, _splits(incoming, size, numel, from_source),
-                               _splits(outgoing, size, numel, to_owner), group=ctx.group, group_rank=me))
-    yield
-    returned = ctx.wait(back).view(-1, *shape)
+    returned = yield all_to_all(send, _splits(incoming, size, numel, from_source),
+                                _splits(outgoing, size, numel, to_owner), group=ctx.group, group_rank=me)
+    returned = returned.view(-1, *shape)
     from_owner = {(pos, j): returned[k] for k, (pos, j, _, _) in enumerate(outgoing)}
     out, num_kept = [], 0
     for pos, (x, js) in enumerate(zip(inputs, held)):

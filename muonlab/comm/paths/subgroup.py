@@ -58,12 +58,10 @@ def run(batch, inputs, ctx):
     k = ranks_per_expert(batch)
     pg, index = subgroups_for(batch.group, k)[dist.get_rank()]
     send = torch.cat([x.reshape(-1).to(ctx.wire_dtype) for x in inputs])
-    out = ctx.send(all_gather(send, [send.numel()] * k, group=pg, group_rank=index))
-    yield
+    gathered = yield all_gather(send, [send.numel()] * k, group=pg, group_rank=index)
     M, N = batch.matrix_shape
-    flat = ctx.wait(out).view(k, len(inputs), M // k, N)
-    ortho = ctx.orthogonalize(flat.permute(1, 0, 2, 3).reshape(len(inputs), M, N))
-    yield
+    flat = gathered.view(k, len(inputs), M // k, N)
+    ortho = yield flat.permute(1, 0, 2, 3).reshape(len(inputs), M, N)
     rows = M // k
     return [ortho[p, index * rows:(index + 1) * rows].reshape(x.shape) for p, x in enumerate(inputs)]
 
