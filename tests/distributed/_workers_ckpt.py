@@ -16,13 +16,12 @@ import torch
 import torch.distributed as dist
 
 from muonlab import Muon, checkpoint, muon_param_groups
-from muonlab.models import GPT, GPTConfig
-from muonlab.models.gpt import moe_config
 
-GPT_CFG = dict(d_model=24, n_layers=2, n_heads=2, context=16)
-MOE_CFG = dict(num_experts=4, d_model=16, n_layers=1, n_heads=2, context=8)
+from ._common import SMALL_GPT, SMALL_MOE, build_gpt, build_moe_gpt, full, rank_rows, shifted, token_batches, world_rank
+
+GPT_CFG = SMALL_GPT
+MOE_CFG = dict(num_experts=4, **SMALL_MOE)
 HYPER = dict(lr=0.02, weight_decay=0.01, momentum=0.9, adamw_lr=3e-3)
-BATCH_PER_RANK = 2
 TOTAL_STEPS = 8
 SAVE_AT = 4
 FROZEN_UNTIL = 4
@@ -31,20 +30,15 @@ FROZEN = {"gpt": ("blocks.1.attn.proj.weight", "blocks.1.norm2.weight"),
           "moe": ("blocks.0.attn.proj.weight", "blocks.0.norm2.weight")}
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
-
-
 def build(layout: str, precision: str = "fp32"):
     """(model, inner module, optimizer, scheduler, model kind) for this rank."""
     from muonlab.distributed import apply_ddp, apply_ep, apply_fsdp, build_ep_mesh, build_mesh
 
-    torch.manual_seed(0)
     kind = "moe" if layout == "ep" else "gpt"
-    model = GPT(moe_config(**MOE_CFG)) if kind == "moe" else GPT(GPTConfig(**GPT_CFG))
+    model = build_moe_gpt(**MOE_CFG) if kind == "moe" else build_gpt(**GPT_CFG)
     if precision == "bf16":
         model = model.to(torch.bfloat16)
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    world = world_rank()[0]
     if layout == "fsdp" and dist.is_initialized():
         model = apply_fsdp(model, build_mesh())
     elif layout == "ep":
@@ -60,13 +54,10 @@ def build(layout: str, precision: str = "fp32"):
 
 
 def batch(kind: str, step: int):
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    """This rank's (inputs, targets) of step ``step``'s global batch, from a generator seeded 100 + step."""
+    world, rank = world_rank()
     context = (MOE_CFG if kind == "moe" else GPT_CFG)["context"]
-    gen = torch.Generator().manual_seed(100 + step)
-    t = torch.randint(0, 256, (world * BATCH_PER_RANK, context + 1), generator=gen)
-    mine = slice(rank * BATCH_PER_RANK, (rank + 1) * BATCH_PER_RANK)
-    return t[mine, :-1], t[mine, 1:]
+    return shifted(rank_rows(token_batches(100 + step, world, context + 1)[0], rank))
 
 
 def train(model, inner, opt, sched, kind: str, steps: range) -> list[float]:
@@ -94,10 +85,10 @@ def snapshot(inner, opt, sched) -> dict:
     state = {}
     for p, s in opt.state.items():
         for key, value in s.items():
-            state[(names[p], key)] = _full(value) if torch.is_tensor(value) else value
+            state[(names[p], key)] = full(value) if torch.is_tensor(value) else value
     opt.release_unowned_state()
     return dict(
-        params={n: _full(p) for n, p in inner.named_parameters()},
+        params={n: full(p) for n, p in inner.named_parameters()},
         state=state,
         state_dtypes={k: v.dtype for k, v in state.items() if torch.is_tensor(v)},
         sched=sched.state_dict(),

@@ -13,10 +13,11 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from muonlab.models import GPT
-from muonlab.models.gpt import MoE, moe_config
+from muonlab.models.gpt import MoE
 
-MODEL_CFG = dict(d_model=16, n_layers=1, n_heads=2, context=8)
-BATCH_PER_RANK = 2
+from ._common import SMALL_MOE, build_moe_gpt, cloned, full_ep, rank_rows, token_batches
+
+MODEL_CFG = SMALL_MOE
 DEAD_BIAS = -1e4
 
 
@@ -28,8 +29,7 @@ def dead_experts(num_experts: int, ep: int) -> list[int]:
 
 def build_model(num_experts: int, starved: bool, ep: int) -> GPT:
     """The MoE GPT from seed 0; ``starved`` gives the routers a bias that no token survives."""
-    torch.manual_seed(0)
-    model = GPT(moe_config(num_experts=num_experts, **MODEL_CFG))
+    model = build_moe_gpt(num_experts, **MODEL_CFG)
     if starved:
         for moe in (m for m in model.modules() if isinstance(m, MoE)):
             router = nn.Linear(moe.router.in_features, num_experts, bias=True)
@@ -42,8 +42,8 @@ def build_model(num_experts: int, starved: bool, ep: int) -> GPT:
 
 
 def global_batch(world: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(7)
-    return torch.randint(0, 256, (world * BATCH_PER_RANK, MODEL_CFG["context"]), generator=gen)
+    """The global batch (inputs and targets alike) from a generator seeded 7."""
+    return token_batches(7, world, MODEL_CFG["context"])[0]
 
 
 def single_process(world: int, num_experts: int, starved: bool = False, ep: int = 1):
@@ -52,18 +52,7 @@ def single_process(world: int, num_experts: int, starved: bool = False, ep: int 
     x = global_batch(world)
     loss = model(x, x)
     loss.backward()
-    return float(loss.detach()), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-
-
-def _full_grad(p, ep_group) -> torch.Tensor:
-    g = p.grad
-    g = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach()
-    if not hasattr(p, "_ep_rank"):
-        return g.clone()
-    # An expert bank: this EP rank's experts only; EP ranks hold consecutive blocks.
-    out = g.new_empty((p._ep_size * g.shape[0], *g.shape[1:]))
-    dist.all_gather_single(out, g.contiguous(), group=ep_group)
-    return out
+    return float(loss.detach()), cloned((n, p.grad) for n, p in model.named_parameters())
 
 
 def _run_case(mesh, ep: int, num_experts: int, starved: bool):
@@ -71,7 +60,7 @@ def _run_case(mesh, ep: int, num_experts: int, starved: bool):
 
     world, rank = dist.get_world_size(), dist.get_rank()
     model = apply_ep(build_model(num_experts, starved, ep), mesh)
-    x = global_batch(world)[rank * BATCH_PER_RANK : (rank + 1) * BATCH_PER_RANK]
+    x = rank_rows(global_batch(world), rank)
     loss = model(x, x)
     loss.backward()
     total = loss.detach().clone()
@@ -88,7 +77,7 @@ def _run_case(mesh, ep: int, num_experts: int, starved: bool):
             )
     return dict(
         loss=float(total) / world,
-        grads={n: _full_grad(p, ep_group) for n, p in model.named_parameters()},
+        grads={n: full_ep(p.grad, p, ep_group) for n, p in model.named_parameters()},
         banks=banks,
     )
 
@@ -120,7 +109,7 @@ def everything(cases, bad_meshes, bad_experts):
     expert_errors = {}
     for ep, num_experts in bad_experts:
         model = build_model(num_experts, False, ep)
-        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        before = cloned(model.named_parameters())
         msg = _error(apply_ep, model, meshes.get(ep) or build_ep_mesh(ep))
         unchanged = all(
             type(p) is nn.Parameter and torch.equal(p.detach(), before[n])

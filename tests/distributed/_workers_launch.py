@@ -16,6 +16,8 @@ from torch.distributed.tensor import DTensor
 
 from muonlab.distributed import apply_ddp, apply_fsdp, build_mesh, mesh_axis_group
 
+from ._common import build_gpt
+
 
 # ---------------------------------------------------------------------------------- launch
 
@@ -139,23 +141,17 @@ def _ddp_report(group, group_ranks: list[int]) -> dict:
 
 def _gpt_report(mesh, tie_embeddings: bool) -> dict:
     """muonlab's GPT under apply_fsdp: grads match one process on the same per-rank batches."""
-    from muonlab.models import GPT, GPTConfig
-
-    cfg = GPTConfig(
-        vocab_size=32, context=8, d_model=16, n_layers=2, n_heads=2, tie_embeddings=tie_embeddings
-    )
+    cfg = dict(vocab_size=32, context=8, d_model=16, n_layers=2, n_heads=2, tie_embeddings=tie_embeddings)
 
     def batch(seed: int):
         idx = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(seed))
         return idx, idx.roll(-1, dims=1)
 
     ranks = mesh.mesh.flatten().tolist()
-    torch.manual_seed(0)
-    reference = GPT(cfg)
+    reference = build_gpt(**cfg)
     for seed in ranks:
         (reference(*batch(seed)) / len(ranks)).backward()
-    torch.manual_seed(0)
-    model = apply_fsdp(GPT(cfg), mesh)
+    model = apply_fsdp(build_gpt(**cfg), mesh)
     model(*batch(dist.get_rank())).backward()
     expected = {name: p.grad for name, p in reference.named_parameters()}
     return {

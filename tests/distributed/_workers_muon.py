@@ -10,52 +10,33 @@ import torch
 import torch.distributed as dist
 
 from muonlab import Muon, muon_param_groups
-from muonlab.models import GPT, GPTConfig
 
-GPT_CFG = dict(d_model=24, n_layers=2, n_heads=2, context=16)
+from ._common import (DTYPES, SMALL_GPT, build_gpt, cloned, full, group_rank, plan_bytes, rank_rows, single_process,
+                      token_batches, train_steps)
+
+GPT_CFG = SMALL_GPT
 HYPER = dict(lr=0.02, weight_decay=0.01, momentum=0.9)
 STEPS = 5
-BATCH_PER_RANK = 2
-
-
-def _full(t):
-    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
-
-
-def _plan_bytes(opt, group_rank_of):
-    """What the plan says this rank sends/receives, per path."""
-    sent, recv = {}, {}
-    for b in opt.plan():
-        r = group_rank_of(b)
-        sent[b.path] = sent.get(b.path, 0) + b.bytes_sent[r]
-        recv[b.path] = recv.get(b.path, 0) + b.bytes_recv[r]
-    return {k: v for k, v in sent.items() if v or k in recv}, {k: v for k, v in recv.items()}
 
 
 def gpt_batches(world: int, steps: int = STEPS):
-    gen = torch.Generator().manual_seed(5)
-    return [torch.randint(0, 256, (world * BATCH_PER_RANK, GPT_CFG["context"]), generator=gen) for _ in range(steps)]
+    """Global batches of tokens (inputs and targets alike) from a generator seeded 5."""
+    return token_batches(5, world, GPT_CFG["context"], steps)
 
 
 def single_process_gpt(world: int, ns_dtype: torch.dtype, steps: int = STEPS):
     """The reference: one process, the whole global batch."""
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(**GPT_CFG))
+    model = build_gpt(**GPT_CFG)
     opt = Muon(muon_param_groups(model), ns_dtype=ns_dtype, **HYPER)
-    for x in gpt_batches(world, steps):
-        model(x, x).backward()
-        opt.step()
-        opt.zero_grad()
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+    return single_process(model, opt, [(x, x) for x in gpt_batches(world, steps)])
 
 
 def _train_gpt(mode: str, precision: str):
     from muonlab.distributed import apply_ddp, apply_fsdp, build_mesh
 
     world, rank = dist.get_world_size(), dist.get_rank()
-    dtype = torch.float32 if precision == "fp32" else torch.bfloat16
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(**GPT_CFG))
+    dtype = DTYPES[precision]
+    model = build_gpt(**GPT_CFG)
     groups = muon_param_groups(model)
     if mode == "fsdp":
         model = apply_fsdp(model, build_mesh())
@@ -64,15 +45,11 @@ def _train_gpt(mode: str, precision: str):
         model = apply_ddp(model)
         groups = muon_param_groups(model.module)
     opt = Muon(groups, ns_dtype=dtype, comm_dtype=dtype, **HYPER)
-    for x in gpt_batches(world):
-        xs = x[rank * BATCH_PER_RANK:(rank + 1) * BATCH_PER_RANK]
-        model(xs, xs).backward()
-        opt.step()
-        opt.zero_grad()
+    train_steps(model, opt, [(rank_rows(x), rank_rows(x)) for x in gpt_batches(world)])
     inner = model.module if mode == "ddp" else model
-    params = {n: _full(p) for n, p in inner.named_parameters()}
+    params = {n: full(p) for n, p in inner.named_parameters()}
     stats = opt.last_step_stats()
-    plan_sent, plan_recv = _plan_bytes(opt, lambda b: rank)
+    plan_sent, plan_recv = plan_bytes(opt.plan(), lambda b: rank)
     rows = [(b.path, b.names, b.owners, b.bytes_sent, b.flops) for b in opt.plan()]
     return dict(params=params, sent=stats["bytes_sent"], recv=stats["bytes_recv"], plan_sent=plan_sent,
                 plan_recv=plan_recv, plan=rows, spans=len(opt.last_step_spans()))
@@ -118,7 +95,7 @@ def run_paths(world: int, remainder_path: str, precision: str, steps: int = 3):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    dtype = torch.float32 if precision == "fp32" else torch.bfloat16
+    dtype = DTYPES[precision]
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
     mesh2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("rep", "shard")) if world == 4 else None
     placement = {
@@ -127,12 +104,12 @@ def run_paths(world: int, remainder_path: str, precision: str, steps: int = 3):
     }
     params, layouts = [], []
     for seed, (name, shape, kind) in enumerate(path_params(world)):
-        full = init_tensor(shape, seed)
+        whole = init_tensor(shape, seed)
         if kind == "replicate":
-            p = torch.nn.Parameter(full)
+            p = torch.nn.Parameter(whole)
         else:
             m, pl = placement[kind]
-            p = torch.nn.Parameter(distribute_tensor(full, m, pl))
+            p = torch.nn.Parameter(distribute_tensor(whole, m, pl))
         params.append((name, p))
         layouts.append(placement.get(kind))
     opt = Muon(params, ns_dtype=dtype, comm_dtype=dtype, remainder_path=remainder_path, fused_banks=FUSED, **HYPER)
@@ -143,14 +120,10 @@ def run_paths(world: int, remainder_path: str, precision: str, steps: int = 3):
         opt.step()
     stats = opt.last_step_stats()
     rank = dist.get_rank()
-
-    def group_rank(b):
-        return b.group.local_ranks()[rank] if b.group is not None else 0
-
-    plan_sent, plan_recv = _plan_bytes(opt, group_rank)
+    plan_sent, plan_recv = plan_bytes(opt.plan(), lambda b: group_rank(b, rank))
     return dict(
-        params={n: _full(p) for n, p in params},
-        momentum={n: _full(opt.state[p]["momentum_buffer"]) for n, p in params if p in opt.state},
+        params={n: full(p) for n, p in params},
+        momentum={n: full(opt.state[p]["momentum_buffer"]) for n, p in params if p in opt.state},
         sent=stats["bytes_sent"], recv=stats["bytes_recv"], plan_sent=plan_sent, plan_recv=plan_recv,
         plan=[(b.path, b.names, b.owners, b.bytes_sent, b.flops) for b in opt.plan()],
         spans=[(s.name, s.path, s.bytes_sent) for s in opt.last_step_spans()],
@@ -162,7 +135,7 @@ def path_runs(world: int, cases):
 
 
 def single_process_paths(world: int, precision: str, steps: int = 3):
-    dtype = torch.float32 if precision == "fp32" else torch.bfloat16
+    dtype = DTYPES[precision]
     params = [(name, torch.nn.Parameter(init_tensor(shape, seed)))
               for seed, (name, shape, _) in enumerate(path_params(world))]
     opt = Muon(params, ns_dtype=dtype, fused_banks=FUSED, **HYPER)
@@ -170,7 +143,7 @@ def single_process_paths(world: int, precision: str, steps: int = 3):
         for seed, (_, p) in enumerate(params):
             p.grad = grads_for(p.shape, seed, step)
         opt.step()
-    return {n: p.detach().clone() for n, p in params}
+    return cloned(params)
 
 
 def nonfinite_case():
@@ -178,23 +151,22 @@ def nonfinite_case():
     from muonlab.distributed import apply_fsdp, build_mesh
 
     world, rank = dist.get_world_size(), dist.get_rank()
-    torch.manual_seed(0)
-    model = apply_fsdp(GPT(GPTConfig(**GPT_CFG)), build_mesh())
+    model = apply_fsdp(build_gpt(**GPT_CFG), build_mesh())
     out = {}
     for policy in ("skip", "raise"):
         opt = Muon(muon_param_groups(model), nonfinite=policy, **HYPER)
-        x = gpt_batches(world, 1)[0][rank * BATCH_PER_RANK:(rank + 1) * BATCH_PER_RANK]
+        x = rank_rows(gpt_batches(world, 1)[0])
         model(x, x).backward()
         if rank == world - 1:
             model.blocks[0].mlp.fc.weight.grad.to_local().view(-1)[0] = float("inf")
-        before = {n: _full(p) for n, p in model.named_parameters()}
+        before = {n: full(p) for n, p in model.named_parameters()}
         try:
             opt.step()
             out[policy] = opt.last_step_stats()
         except ValueError as e:
             out[policy] = str(e)
         opt.zero_grad()
-        out[policy + "_unchanged"] = all(torch.equal(before[n], _full(p)) for n, p in model.named_parameters())
+        out[policy + "_unchanged"] = all(torch.equal(before[n], full(p)) for n, p in model.named_parameters())
         out[policy + "_state"] = len(opt.state)
     return out
 

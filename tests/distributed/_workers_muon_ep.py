@@ -14,28 +14,22 @@ import torch.distributed as dist
 
 from muonlab import Muon, muon_param_groups
 from muonlab.models import GPT
-from muonlab.models.gpt import moe_config
 
-MODEL_CFG = dict(d_model=16, n_layers=1, n_heads=2, context=8)
+from ._common import (DTYPES, SMALL_MOE, build_moe_gpt, full_ep, group_rank, plan_bytes, rank_rows,
+                      shifted, single_process as _single_process, token_batches, train_steps)
+
+MODEL_CFG = SMALL_MOE
 HYPER = dict(lr=0.02, weight_decay=0.01, momentum=0.9, adamw_lr=3e-3)
 STEPS = 3
-BATCH_PER_RANK = 2
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def build_model(num_experts: int) -> GPT:
-    torch.manual_seed(0)
-    return GPT(moe_config(num_experts=num_experts, **MODEL_CFG))
+    return build_moe_gpt(num_experts, **MODEL_CFG)
 
 
 def global_batches(world: int, steps: int = STEPS):
     """Random byte tokens (no corpus): one (inputs, targets) pair of the global batch per step."""
-    gen = torch.Generator().manual_seed(11)
-    out = []
-    for _ in range(steps):
-        t = torch.randint(0, 256, (world * BATCH_PER_RANK, MODEL_CFG["context"] + 1), generator=gen)
-        out.append((t[:, :-1], t[:, 1:]))
-    return out
+    return [shifted(t) for t in token_batches(11, world, MODEL_CFG["context"] + 1, steps)]
 
 
 def _optimizer(model, precision: str) -> Muon:
@@ -46,27 +40,7 @@ def _optimizer(model, precision: str) -> Muon:
 def single_process(world: int, num_experts: int, precision: str, steps: int = STEPS):
     """The reference: one process, the unsharded model, the whole global batch."""
     model = build_model(num_experts)
-    opt = _optimizer(model, precision)
-    for x, y in global_batches(world, steps):
-        model(x, y).backward()
-        opt.step()
-        opt.zero_grad()
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
-def _full_param(p, ep_group) -> torch.Tensor:
-    t = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
-    if not hasattr(p, "_ep_rank"):
-        return t.clone()
-    # this EP rank's experts only; EP ranks hold consecutive blocks of the global bank
-    out = t.new_empty((p._ep_size * t.shape[0], *t.shape[1:]))
-    dist.all_gather_single(out, t.contiguous(), group=ep_group)
-    return out
-
-
-def _group_rank(b, rank: int) -> int:
-    """This rank's index in a batch's group: GroupKey.local_ranks maps global -> group-local."""
-    return b.group.local_ranks()[rank] if b.group is not None else 0
+    return _single_process(model, _optimizer(model, precision), global_batches(world, steps))
 
 
 def _run_case(mesh, ep: int, num_experts: int, precision: str) -> dict:
@@ -75,26 +49,17 @@ def _run_case(mesh, ep: int, num_experts: int, precision: str) -> dict:
     world, rank = dist.get_world_size(), dist.get_rank()
     model = apply_ep(build_model(num_experts), mesh)
     opt = _optimizer(model, precision)
-    mine = slice(rank * BATCH_PER_RANK, (rank + 1) * BATCH_PER_RANK)
-    for x, y in global_batches(world):
-        model(x[mine], y[mine]).backward()
-        opt.step()
-        opt.zero_grad()
+    train_steps(model, opt, [(rank_rows(x), rank_rows(y)) for x, y in global_batches(world)])
     plan = opt.plan()
     stats = opt.last_step_stats()
-    plan_sent, plan_recv, plan_flops = {}, {}, 0
-    for b in plan:
-        r = _group_rank(b, rank)
-        plan_flops += b.flops[r] if b.flops else 0
-        if b.bytes_sent:
-            plan_sent[b.path] = plan_sent.get(b.path, 0) + b.bytes_sent[r]
-            plan_recv[b.path] = plan_recv.get(b.path, 0) + b.bytes_recv[r]
+    plan_sent, plan_recv = plan_bytes(plan, lambda b: group_rank(b, rank), skip_unlisted=True)
+    plan_flops = sum(b.flops[group_rank(b, rank)] if b.flops else 0 for b in plan)
     # the same rank index the other way: the expert axis' own coordinate
     fsdp_rank = mesh["fsdp"].get_local_rank()
-    expert_ranks = {b.index: _group_rank(b, rank) for b in plan if b.group is not None and b.group.axis_name == "fsdp"}
+    expert_ranks = {b.index: group_rank(b, rank) for b in plan if b.group is not None and b.group.axis_name == "fsdp"}
     ep_group = mesh.get_group("ep")
     return dict(
-        params={n: _full_param(p, ep_group) for n, p in model.named_parameters()},
+        params={n: full_ep(p, p, ep_group) for n, p in model.named_parameters()},
         plan=[(b.path, b.names, b.owners, b.bytes_sent, b.bytes_recv, b.flops, b.moves) for b in plan],
         groups=[None if b.group is None else (b.group.axis_name, b.group.size) for b in plan],
         sent=stats["bytes_sent"], recv=stats["bytes_recv"], plan_sent=plan_sent, plan_recv=plan_recv,

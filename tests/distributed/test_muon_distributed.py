@@ -9,17 +9,11 @@ import torch
 from muonlab.distributed import launch
 
 from . import _workers_muon as W
+from ._common import DTYPES, build_gpt, cloned, rel_displacement
 
 GPT_CASES = [("fsdp", "fp32"), ("fsdp", "bf16"), ("ddp", "fp32"), ("ddp", "bf16")]
 PATH_CASES = [("all_to_all", "fp32"), ("agrs", "fp32"), ("auto", "bf16")]
 TOLERANCE = {"fp32": 1e-5, "bf16": 3e-2}
-
-
-def rel_displacement(got: dict, ref: dict, start: dict) -> float:
-    """||(got - start) - (ref - start)|| / ||ref - start|| over all parameters together."""
-    num = sum(((got[n] - ref[n]).double() ** 2).sum() for n in ref)
-    den = sum(((ref[n] - start[n]).double() ** 2).sum() for n in ref)
-    return float((num / den).sqrt())
 
 
 @pytest.fixture(scope="module", params=[1, 2, 3, 4], ids=lambda w: f"world{w}")
@@ -29,10 +23,7 @@ def world_results(request):
 
 
 def _gpt_start():
-    torch.manual_seed(0)
-    from muonlab.models import GPT, GPTConfig
-
-    return {n: p.detach().clone() for n, p in GPT(GPTConfig(**W.GPT_CFG)).named_parameters()}
+    return cloned(build_gpt(**W.GPT_CFG).named_parameters())
 
 
 @pytest.mark.timeout(600)
@@ -40,7 +31,7 @@ def test_fsdp_and_ddp_match_single_process(world_results):
     world, results = world_results
     start = _gpt_start()
     for mode, precision in GPT_CASES:
-        ref = W.single_process_gpt(world, torch.float32 if precision == "fp32" else torch.bfloat16)
+        ref = W.single_process_gpt(world, DTYPES[precision])
         for rank, res in results.items():
             got = res["gpt"][(mode, precision)]["params"]
             err = rel_displacement(got, ref, start)

@@ -11,23 +11,16 @@ for this rank, and the plan equal to ``muonlab.simulate.simulate`` from shapes a
 from __future__ import annotations
 
 import pytest
-import torch
 
 from muonlab.distributed import launch
 
 from . import _workers_muon_ep as W
+from ._common import cloned, rel_displacement
 
 NUM_RANKS = 4
 INVALID = [(2, 3, "fp32")]
 CASES = [(ep, e, "fp32") for ep in (1, 2) for e in (3, 4, 6, 8) if e % ep == 0] + [(2, 6, "bf16")]
 TOLERANCE = {"fp32": 1e-5, "bf16": 3e-2}
-
-
-def rel_displacement(got: dict, ref: dict, start: dict) -> float:
-    """||(got - start) - (ref - start)|| / ||ref - start|| over all parameters together."""
-    num = sum(((got[n] - ref[n]).double() ** 2).sum() for n in ref)
-    den = sum(((ref[n] - start[n]).double() ** 2).sum() for n in ref)
-    return float((num / den).sqrt())
 
 
 def _id(case) -> str:
@@ -55,7 +48,7 @@ def test_experts_not_divisible_by_ep_are_refused(results, case):
 def test_matches_single_process(results, case):
     ep, num_experts, precision = case
     ref = W.single_process(NUM_RANKS, num_experts, precision)
-    start = {n: p.detach().clone() for n, p in W.build_model(num_experts).named_parameters()}
+    start = cloned(W.build_model(num_experts).named_parameters())
     tol = TOLERANCE[precision]
     for rank, res in results.items():
         got = res[case]["params"]
