@@ -20,8 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from muonlab.distributed import launch  # noqa: E402
-from muonlab.train_distributed_ckpt import bench_save_load  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _dist_workers import bench_save_load  # noqa: E402
 from _machine import cpu_name  # noqa: E402
 
 
