@@ -22,8 +22,8 @@ its whole EP group (the all-to-all's backward brings them home), so FSDP over th
 modules get ``set_gradient_divide_factor(world)`` (checked against one process in
 tests/distributed/test_expert_parallel.py).
 
-After ``apply_ep`` each MoE's ``w_in``/``w_out`` is a DTensor parameter on ``mesh["fsdp"]`` with
-``Shard(0)`` and global shape ``(E/ep, d_out, d_in)``: the *local* experts only. Each carries
+After ``apply_ep`` each MoE's ``w_in``/``w_out`` is a DTensor parameter on ``mesh[MeshAxis.FSDP]``
+with ``Shard(0)`` and global shape ``(E/ep, d_out, d_in)``: the *local* experts only. Each carries
 
 * ``_ep_rank``: this rank's coordinate on the "ep" axis,
 * ``_ep_size``: ``ep``,
@@ -153,9 +153,9 @@ def apply_ep(
 
     ``model`` must be the same full model on every rank (same seed): each rank keeps its EP
     rank's experts, slicing them out of the full banks. Then, per block: the router is sharded
-    over the whole world, the MoE's expert banks over ``mesh["fsdp"]`` (gradient divide factor
-    = world size), the rest of the block over the whole world; finally the root (embeddings,
-    final norm, head) over the whole world. Feed each rank its own slice of the batch.
+    over the whole world, the MoE's expert banks over ``mesh[MeshAxis.FSDP]`` (gradient divide
+    factor = world size), the rest of the block over the whole world; finally the root
+    (embeddings, final norm, head) over the whole world. Feed each rank its own slice of the batch.
 
     Raises:
         ValueError: the mesh lacks the "ep"/"fsdp" axes or does not cover the world, or an MoE's
