@@ -1,14 +1,19 @@
-"""Worker functions for bench_distributed.py (a module of its own so spawned workers import it)."""
+"""Worker functions for bench_distributed.py and bench_checkpoint.py (a module of their own so
+spawned workers import it)."""
 
 from __future__ import annotations
 
+import os
+import shutil
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
 
-from muonlab import Muon
+from muonlab import Muon, checkpoint
+from muonlab.distributed import MeshAxis
+from muonlab.experiments.checkpoint import build, train_steps
 
 D_MODEL, N_LAYERS = 256, 4
 
@@ -24,7 +29,7 @@ def _params(layout: str):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",)) if layout == "fsdp" else None
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=(MeshAxis.DP.value,)) if layout == "fsdp" else None
     out = []
     for seed, (name, shape) in enumerate(gpt_matrix_shapes()):
         full = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
@@ -70,3 +75,48 @@ def single_process(steps: int):
     params, _ = _params("single")
     opt = Muon(params)
     return time_steps(opt, params, None, steps)
+
+
+# ---------------------------------------------------------------------------- checkpoint
+
+
+def _tensor_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()  # global shape for DTensors
+
+
+def bench_save_load(root: str, widths: list[int], n_layers: int = 4, repeats: int = 3) -> list[dict]:
+    """Per width: bytes of parameters + optimizer tensors (global), bytes on disk, save/load seconds
+    (medians of ``repeats``, barrier to barrier)."""
+    torch.set_num_threads(1)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    rows = []
+    for width in widths:
+        model, opt = build(width, n_layers)
+        train_steps(model, opt, range(1))
+        opt.init_state()
+        param_bytes = sum(_tensor_bytes(p) for p in model.parameters())
+        state_bytes = sum(_tensor_bytes(v) for s in opt.state.values() for v in s.values() if torch.is_tensor(v))
+        save_s, load_s = [], []
+        for i in range(repeats):
+            path = os.path.join(root, f"w{width}_{i}")
+            dist.barrier()
+            t0 = time.perf_counter()
+            checkpoint.save(path, model, opt, 1)
+            dist.barrier()
+            save_s.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            checkpoint.load(path, model, opt)
+            dist.barrier()
+            load_s.append(time.perf_counter() - t0)
+        disk = 0
+        path = os.path.join(root, f"w{width}_0")
+        for dirpath, _, files in os.walk(path):
+            disk += sum(os.path.getsize(os.path.join(dirpath, f)) for f in files)
+        dist.barrier()
+        if rank == 0:
+            for i in range(repeats):
+                shutil.rmtree(os.path.join(root, f"w{width}_{i}"), ignore_errors=True)
+        rows.append(dict(width=width, n_layers=n_layers, world=world, param_bytes=param_bytes,
+                         state_bytes=state_bytes, disk_bytes=disk, save_s=sorted(save_s)[repeats // 2],
+                         load_s=sorted(load_s)[repeats // 2]))
+    return rows

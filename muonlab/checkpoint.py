@@ -71,6 +71,8 @@ def _inner(model: torch.nn.Module) -> torch.nn.Module:
 
 def _ep_renames(model: torch.nn.Module) -> dict[str, str]:
     """FQN -> the name it is saved under, for expert banks placed by apply_ep."""
+    # "@ep" is part of the checkpoint format, not the mesh axis name (MeshAxis.EP): renaming the
+    # axis must not change the keys of checkpoints already on disk.
     out = {}
     for name, p in _inner(model).named_parameters():
         if hasattr(p, "_ep_rank") and getattr(p, "_ep_size", 1) > 1:

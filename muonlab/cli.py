@@ -1,45 +1,20 @@
-"""Command line: ``python -m muonlab.cli demo`` (what ``make demo`` runs)."""
+"""Command line: ``python -m muonlab.cli demo`` (what ``make demo`` runs). Argument parsing only; the
+demo itself is muonlab.experiments.demo."""
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
-from pathlib import Path
 
 
 def demo(args) -> None:
     import matplotlib
 
+    # A command line has no display to draw on; set before anything imports pyplot.
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from .experiments.demo import run
 
-    from .models import GPTConfig
-    from .train import compare_optimizers
-    from .viz import plot_loss_curves
-
-    cfg = GPTConfig(d_model=args.width, n_layers=args.layers, n_heads=4, context=64)
-    hist = compare_optimizers(
-        cfg, steps=args.steps, batch_size=16, eval_every=max(1, args.steps // 5),
-        progress=sys.stderr.isatty(),
-        optimizer_kwargs={"muon": {"lr": 0.02, "adamw_lr": 3e-3}, "adamw": {"lr": 3e-3}},
-    )
-    print(f"\nsmall GPT (width {args.width}, {args.layers} layers), {args.steps} steps on CPU")
-    print(f"{'optimizer':<10}{'train loss':>12}{'val loss':>10}{'tokens/s':>11}{'opt step ms':>13}")
-    for name, h in hist.items():
-        s = h.summary()
-        print(f"{name:<10}{s['final_train_loss']:>12.3f}{s['final_val_loss']:>10.3f}"
-              f"{s['tokens_per_s']:>11.0f}{s['opt_step_ms']:>13.2f}")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    plot_loss_curves(hist, title="Muon vs AdamW, small GPT")
-    plt.tight_layout()
-    plt.savefig(out / "loss_curves.png", dpi=120)
-    print(f"wrote {out / 'loss_curves.png'}")
-    if args.nprocs > 1:
-        from .demo_distributed import run as run_distributed
-
-        run_distributed(out, nprocs=args.nprocs)
+    run(args.out, steps=args.steps, width=args.width, layers=args.layers, nprocs=args.nprocs)
 
 
 def main(argv=None) -> None:

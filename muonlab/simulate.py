@@ -19,6 +19,7 @@ from .comm.cost import get_profile, step_seconds
 from .comm.planner import REFERENCE_STRATEGIES, plan_batches, reference_plan
 from .comm.records import Plan, per_rank
 from .comm.specs import GroupKey, MatrixSpec, chunk_sizes, fused_row_layout
+from .distributed.mesh import MeshAxis
 from .kernels.newton_schulz import NSConfig, ns_flops
 from .optim.routing import muon_param_groups
 
@@ -65,9 +66,9 @@ def mesh_specs(named_shapes: Iterable[tuple[str, tuple[int, ...]]], world: int, 
     fsdp = world // ep
     fused = dict(fused_banks or {})
     ranks = tuple(range(world))
-    dense = GroupKey(mesh_ranks=ranks, mesh_shape=(world,), axis_name="dp")
+    dense = GroupKey(mesh_ranks=ranks, mesh_shape=(world,), axis_name=MeshAxis.DP)
     expert_mesh = ep > 1 if expert_mesh is None else expert_mesh
-    experts = GroupKey(mesh_ranks=ranks, mesh_shape=(fsdp, ep), axis_name="fsdp") if expert_mesh else dense
+    experts = GroupKey(mesh_ranks=ranks, mesh_shape=(fsdp, ep), axis_name=MeshAxis.FSDP) if expert_mesh else dense
     specs = []
     for i, (name, shape) in enumerate(named_shapes):
         if len(shape) >= 3:

@@ -1,4 +1,5 @@
-"""Worker launching, named meshes and data parallelism (apply_fsdp, apply_ddp)."""
+"""Worker launching, named meshes (MeshAxis) and parallelism: apply_fsdp, apply_ddp, apply_ep, composed
+by parallelize()."""
 
 import warnings
 
@@ -12,18 +13,21 @@ warnings.filterwarnings(
 
 from .expert_parallel import apply_ep, build_ep_mesh  # noqa: E402
 from .launch import WorkerError, WorkerTimeout, launch, run_worker  # noqa: E402
-from .mesh import build_mesh, mesh_axis_group  # noqa: E402
-from .parallelize import apply_ddp, apply_fsdp  # noqa: E402
+from .mesh import MeshAxis, build_mesh, mesh_axis_group  # noqa: E402
+from .parallelize import Parallelized, apply_ddp, apply_fsdp, parallelize  # noqa: E402
 
 __all__ = [
+    "MeshAxis",
+    "Parallelized",
     "WorkerError",
-    "apply_ep",
-    "build_ep_mesh",
     "WorkerTimeout",
     "apply_ddp",
+    "apply_ep",
     "apply_fsdp",
+    "build_ep_mesh",
     "build_mesh",
     "launch",
     "mesh_axis_group",
+    "parallelize",
     "run_worker",
 ]

@@ -1,7 +1,7 @@
 """Expert parallelism for the MoE GPT: ``build_ep_mesh`` and ``apply_ep``.
 
 Mesh layout. ``build_ep_mesh(ep, fsdp)`` is a 2-D mesh of shape ``(fsdp, ep)`` with the axes
-``("fsdp", "ep")``; rank ``r`` sits at ``(r // ep, r % ep)``:
+``(MeshAxis.FSDP, MeshAxis.EP)`` = ``("fsdp", "ep")``; rank ``r`` sits at ``(r // ep, r % ep)``:
 
 * an **"ep" group** is ``ep`` consecutive ranks. They hold *different* experts (EP rank ``i``
   holds global experts ``[i * E/ep, (i + 1) * E/ep)``) and exchange tokens with an all-to-all in
@@ -22,8 +22,8 @@ its whole EP group (the all-to-all's backward brings them home), so FSDP over th
 modules get ``set_gradient_divide_factor(world)`` (checked against one process in
 tests/distributed/test_expert_parallel.py).
 
-After ``apply_ep`` each MoE's ``w_in``/``w_out`` is a DTensor parameter on ``mesh["fsdp"]`` with
-``Shard(0)`` and global shape ``(E/ep, d_out, d_in)``: the *local* experts only. Each carries
+After ``apply_ep`` each MoE's ``w_in``/``w_out`` is a DTensor parameter on ``mesh[MeshAxis.FSDP]``
+with ``Shard(0)`` and global shape ``(E/ep, d_out, d_in)``: the *local* experts only. Each carries
 
 * ``_ep_rank``: this rank's coordinate on the "ep" axis,
 * ``_ep_size``: ``ep``,
@@ -46,21 +46,13 @@ from torch.distributed.nn.functional import all_to_all_single as _all_to_all_aut
 
 from muonlab.models.gpt import MoE
 
-from .mesh import DP_AXIS, _default_device_type
+from .mesh import MeshAxis, _check_size, _default_device_type
 
-__all__ = ["EP_AXIS", "EP_FSDP_AXIS", "AllToAllDispatcher", "apply_ep", "build_ep_mesh"]
-
-EP_AXIS = "ep"
-EP_FSDP_AXIS = "fsdp"
-
-
-def _check_size(name: str, value: int | None) -> None:
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
+__all__ = ["AllToAllDispatcher", "apply_ep", "build_ep_mesh"]
 
 
 def build_ep_mesh(ep: int, fsdp: int | None = None, *, device_type: str | None = None) -> DeviceMesh:
-    """A 2-D mesh of shape ``(fsdp, ep)``, axes ``("fsdp", "ep")``, over all ranks.
+    """A 2-D mesh of shape ``(fsdp, ep)``, axes ``(MeshAxis.FSDP, MeshAxis.EP)``, over all ranks.
 
     ``fsdp`` defaults to ``world_size // ep``. EP groups are ``ep`` consecutive ranks (see the
     module docstring). Every rank must call this with the same arguments.
@@ -72,7 +64,7 @@ def build_ep_mesh(ep: int, fsdp: int | None = None, *, device_type: str | None =
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("build_ep_mesh needs an initialised default process group (see launch())")
     world_size = dist.get_world_size()
-    _check_size("ep", ep)
+    _check_size("ep", ep)  # the keyword names, for the error message
     _check_size("fsdp", fsdp)
     if fsdp is None:
         if world_size % ep:
@@ -84,7 +76,7 @@ def build_ep_mesh(ep: int, fsdp: int | None = None, *, device_type: str | None =
         )
     if device_type is None:
         device_type = _default_device_type()
-    return init_device_mesh(device_type, (fsdp, ep), mesh_dim_names=(EP_FSDP_AXIS, EP_AXIS))
+    return init_device_mesh(device_type, (fsdp, ep), mesh_dim_names=(MeshAxis.FSDP.value, MeshAxis.EP.value))
 
 
 class AllToAllDispatcher:
@@ -156,28 +148,29 @@ def apply_ep(
     block_attr: str = "blocks",
     reshard_after_forward: bool = True,
 ) -> nn.Module:
-    """Expert-parallel + FSDP2 the MoE GPT ``model`` in place on an ``("fsdp", "ep")`` mesh.
+    """Expert-parallel + FSDP2 the MoE GPT ``model`` in place on an ``(MeshAxis.FSDP, MeshAxis.EP)``
+    mesh (:func:`build_ep_mesh`).
 
     ``model`` must be the same full model on every rank (same seed): each rank keeps its EP
     rank's experts, slicing them out of the full banks. Then, per block: the router is sharded
-    over the whole world, the MoE's expert banks over ``mesh["fsdp"]`` (gradient divide factor
-    = world size), the rest of the block over the whole world; finally the root (embeddings,
-    final norm, head) over the whole world. Feed each rank its own slice of the batch.
+    over the whole world, the MoE's expert banks over ``mesh[MeshAxis.FSDP]`` (gradient divide
+    factor = world size), the rest of the block over the whole world; finally the root
+    (embeddings, final norm, head) over the whole world. Feed each rank its own slice of the batch.
 
     Raises:
         ValueError: the mesh lacks the "ep"/"fsdp" axes or does not cover the world, or an MoE's
             ``num_experts`` is not divisible by ``ep`` (raised before anything changes).
     """
     names = tuple(mesh.mesh_dim_names or ())
-    if mesh.ndim != 2 or set(names) != {EP_AXIS, EP_FSDP_AXIS}:
+    if mesh.ndim != 2 or set(names) != {MeshAxis.EP, MeshAxis.FSDP}:
         raise ValueError(
-            f"apply_ep needs a 2-D mesh with axes ('{EP_FSDP_AXIS}', '{EP_AXIS}') (build_ep_mesh), "
+            f"apply_ep needs a 2-D mesh with axes ('{MeshAxis.FSDP}', '{MeshAxis.EP}') (build_ep_mesh), "
             f"got axes {list(names)} with shape {tuple(mesh.shape)}"
         )
     world_size = dist.get_world_size()
     if mesh.size() != world_size:
         raise ValueError(f"the mesh has {mesh.size()} ranks but the world has {world_size}")
-    ep = mesh.size(names.index(EP_AXIS))
+    ep = mesh.size(names.index(MeshAxis.EP))
     moes = _moe_layers(model, block_attr)
     for i, moe in enumerate(moes):
         if moe.num_experts % ep:
@@ -185,11 +178,11 @@ def apply_ep(
                 f"num_experts={moe.num_experts} (MoE layer {i}) is not divisible by ep={ep}"
             )
 
-    ep_rank = mesh.get_local_rank(EP_AXIS)
-    ep_group = mesh.get_group(EP_AXIS)
-    fsdp_mesh = mesh[EP_FSDP_AXIS]
+    ep_rank = mesh.get_local_rank(MeshAxis.EP)
+    ep_group = mesh.get_group(MeshAxis.EP)
+    fsdp_mesh = mesh[MeshAxis.FSDP]
     # The whole world as a 1-D mesh (the default group) for the dense parameters.
-    world_mesh = init_device_mesh(mesh.device_type, (world_size,), mesh_dim_names=(DP_AXIS,))
+    world_mesh = init_device_mesh(mesh.device_type, (world_size,), mesh_dim_names=(MeshAxis.DP.value,))
 
     for moe in moes:
         num_local = moe.num_experts // ep

@@ -1,22 +1,47 @@
 """Device meshes with named axes over the default process group.
 
-A 1-D mesh has the axis "dp" (plain FSDP or DDP); a 2-D mesh has the axes ("replicate", "shard")
-(HSDP: FSDP within a shard group, replicas across). Code asks for an axis by name through
-:func:`mesh_axis_group`, never by position.
+Every mesh axis name is a member of :class:`MeshAxis`, the one place they are spelled. A 1-D mesh
+has the axis ``MeshAxis.DP`` (plain FSDP or DDP); a 2-D mesh has the axes ``(MeshAxis.REPLICATE,
+MeshAxis.SHARD)`` (HSDP: FSDP within a shard group, replicas across); the expert-parallel mesh
+(:func:`muonlab.distributed.build_ep_mesh`) has ``(MeshAxis.FSDP, MeshAxis.EP)``. Code asks for an
+axis by name through :func:`mesh_axis_group`, never by position.
 """
 
 from __future__ import annotations
+
+from enum import Enum
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["DP_AXIS", "REPLICATE_AXIS", "SHARD_AXIS", "build_mesh", "mesh_axis_group"]
+__all__ = ["MeshAxis", "build_mesh", "mesh_axis_group"]
 
-DP_AXIS = "dp"
-REPLICATE_AXIS = "replicate"
-SHARD_AXIS = "shard"
+
+class MeshAxis(str, Enum):
+    """The names of muonlab's mesh axes.
+
+    A ``str`` subclass, so a member indexes a mesh (``mesh[MeshAxis.EP]``) and compares equal to
+    its value (``MeshAxis.DP == "dp"``). Not ``enum.StrEnum``: that is Python 3.11+, and muonlab
+    supports 3.10; ``__str__``/``__format__`` below give the same printing (the plain value).
+    Meshes are built with the plain values (``.value``), so ``mesh.mesh_dim_names`` and torch's
+    own messages hold ``'dp'``, not ``<MeshAxis.DP: 'dp'>``.
+    """
+
+    DP = "dp"
+    """All ranks of a 1-D mesh: FSDP or DDP over the world."""
+    REPLICATE = "replicate"
+    """The outer axis of an HSDP mesh: ranks holding the same shard."""
+    SHARD = "shard"
+    """The inner axis of an HSDP mesh: ranks sharing one copy of the parameters."""
+    FSDP = "fsdp"
+    """The outer axis of the expert-parallel mesh: ranks holding the same experts, sharded."""
+    EP = "ep"
+    """The inner axis of the expert-parallel mesh: ranks holding different experts."""
+
+    __str__ = str.__str__
+    __format__ = str.__format__
 
 
 def _default_device_type() -> str:
@@ -40,9 +65,9 @@ def build_mesh(
 ) -> DeviceMesh:
     """Build a mesh over all ranks of the default process group.
 
-    ``build_mesh()`` or ``build_mesh(dp=world_size)``: 1-D, axis "dp".
-    ``build_mesh(replicate=R, shard=S)``: 2-D (R x S), axes ("replicate", "shard"); ranks that
-    differ only in their shard coordinate are consecutive. ``shard`` defaults to
+    ``build_mesh()`` or ``build_mesh(dp=world_size)``: 1-D, axis ``MeshAxis.DP``.
+    ``build_mesh(replicate=R, shard=S)``: 2-D (R x S), axes ``(MeshAxis.REPLICATE, MeshAxis.SHARD)``;
+    ranks that differ only in their shard coordinate are consecutive. ``shard`` defaults to
     ``world_size // replicate``.
 
     ``device_type``: default "cuda" when CUDA is available and the default group uses NCCL,
@@ -55,6 +80,7 @@ def build_mesh(
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("build_mesh needs an initialised default process group (see launch())")
     world_size = dist.get_world_size()
+    # the keyword names, for the error message
     for name, value in (("dp", dp), ("replicate", replicate), ("shard", shard)):
         _check_size(name, value)
     if device_type is None:
@@ -64,7 +90,7 @@ def build_mesh(
         num_dp = world_size if dp is None else dp
         if num_dp != world_size:
             raise ValueError(f"dp={num_dp} must equal the world size {world_size}")
-        return init_device_mesh(device_type, (num_dp,), mesh_dim_names=(DP_AXIS,))
+        return init_device_mesh(device_type, (num_dp,), mesh_dim_names=(MeshAxis.DP.value,))
 
     if dp is not None:
         raise ValueError(
@@ -84,16 +110,16 @@ def build_mesh(
             f"size {world_size}"
         )
     return init_device_mesh(
-        device_type, (replicate, shard), mesh_dim_names=(REPLICATE_AXIS, SHARD_AXIS)
+        device_type, (replicate, shard), mesh_dim_names=(MeshAxis.REPLICATE.value, MeshAxis.SHARD.value)
     )
 
 
-def mesh_axis_group(mesh: DeviceMesh, axis_name: str) -> ProcessGroup:
+def mesh_axis_group(mesh: DeviceMesh, axis_name: MeshAxis | str) -> ProcessGroup:
     """The process group of this rank along the mesh axis ``axis_name``."""
     names = tuple(mesh.mesh_dim_names or ())
     if axis_name not in names:
         raise ValueError(
-            f"mesh has no axis named {axis_name!r}; available axes: {list(names)} "
+            f"mesh has no axis named {str(axis_name)!r}; available axes: {list(names)} "
             f"(mesh shape {tuple(mesh.shape)})"
         )
     return mesh.get_group(axis_name)

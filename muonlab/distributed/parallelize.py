@@ -1,13 +1,18 @@
-"""Data parallelism as small apply_* functions, composed by the caller (torchtitan's style).
+"""Parallelism as small apply_* functions, composed in one place: :func:`parallelize`
+(torchtitan's style).
 
 ``apply_fsdp`` shards with FSDP2 (``fully_shard``): parameters become DTensors with ``Shard(0)``
-over the mesh (``(Replicate(), Shard(0))`` on a 2-D "replicate" x "shard" mesh: HSDP). Local
-shards follow ``torch.chunk``: 3 rows on 2 ranks are 2 + 1, 6 rows on 4 ranks 2 + 2 + 2 + 0, so a
-trailing rank may hold an empty shard. ``apply_ddp`` replicates with DistributedDataParallel.
-Both modify and return the model.
+over the mesh (``(Replicate(), Shard(0))`` on a 2-D ``MeshAxis.REPLICATE`` x ``MeshAxis.SHARD``
+mesh: HSDP). Local shards follow ``torch.chunk``: 3 rows on 2 ranks are 2 + 1, 6 rows on 4 ranks
+2 + 2 + 2 + 0, so a trailing rank may hold an empty shard. ``apply_ddp`` replicates with
+DistributedDataParallel. ``apply_ep`` (expert_parallel.py) places experts and shards the rest.
+Each modifies and returns the model; ``parallelize`` picks one by mode, builds the default mesh,
+and says which module's parameters the optimizer should see.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch.nn as nn
 from torch.distributed import ProcessGroup
@@ -15,7 +20,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-__all__ = ["apply_ddp", "apply_fsdp"]
+from .expert_parallel import apply_ep, build_ep_mesh
+from .mesh import build_mesh
+
+__all__ = ["MODES", "Parallelized", "apply_ddp", "apply_fsdp", "parallelize"]
+
+MODES = ("fsdp", "hsdp", "ddp", "ep")
+"""The modes of :func:`parallelize`."""
 
 
 def apply_fsdp(
@@ -30,7 +41,7 @@ def apply_fsdp(
 
     Each block is its own FSDP unit (one all-gather and one reduce-scatter per block); the root
     unit takes the remaining parameters (embeddings, head, norms). A 1-D mesh gives FSDP, a 2-D
-    ("replicate", "shard") mesh HSDP. ``block_attr=None`` shards only the root.
+    (``MeshAxis.REPLICATE``, ``MeshAxis.SHARD``) mesh HSDP. ``block_attr=None`` shards only the root.
     """
     if mesh.ndim not in (1, 2):
         raise ValueError(f"apply_fsdp needs a 1-D or 2-D mesh, got shape {tuple(mesh.shape)}")
@@ -71,3 +82,82 @@ def apply_ddp(
             model, device_ids=[device.index], output_device=device.index, process_group=process_group
         )
     return DistributedDataParallel(model, process_group=process_group)
+
+
+class Parallelized(NamedTuple):
+    """What :func:`parallelize` returns; unpacks as ``model, inner, mesh``."""
+
+    model: nn.Module
+    """The module to call for forward and backward (the DDP wrapper in "ddp" mode)."""
+    inner: nn.Module
+    """The module whose parameters the optimizer gets (``muon_param_groups(inner)``): ``model``
+    itself, or ``model.module`` under DDP, whose parameter names carry no "module." prefix."""
+    mesh: DeviceMesh | None
+    """The mesh the model lives on (None for "ddp" over the default group)."""
+
+
+def parallelize(
+    model: nn.Module,
+    mode: str,
+    mesh: DeviceMesh | None = None,
+    *,
+    ep: int | None = None,
+    block_attr: str = "blocks",
+    reshard_after_forward: bool = True,
+    mp_policy: MixedPrecisionPolicy | None = None,
+) -> Parallelized:
+    """Apply the parallelism ``mode`` to ``model`` in place; the one place the apply_* meet.
+
+    Modes (``MODES``):
+
+    * "fsdp": :func:`apply_fsdp` on a 1-D mesh (default ``build_mesh()``, all ranks);
+    * "hsdp": :func:`apply_fsdp` on a 2-D (``MeshAxis.REPLICATE``, ``MeshAxis.SHARD``) mesh, which
+      must be given (``build_mesh(replicate=R)``): there is no default split of the world;
+    * "ddp": :func:`apply_ddp` over ``mesh`` (1-D) or, by default, the whole default group;
+    * "ep": :func:`apply_ep` on a (``MeshAxis.FSDP``, ``MeshAxis.EP``) mesh, default
+      ``build_ep_mesh(ep)``; ``model`` must be the MoE GPT, built from the same seed on every rank.
+
+    ``ep`` is read in "ep" mode only, to build the default mesh; ``block_attr`` and
+    ``reshard_after_forward`` go to apply_fsdp/apply_ep, ``mp_policy`` to apply_fsdp only. Every
+    rank must call this with the same arguments (it may create process groups).
+
+    Raises:
+        ValueError: an unknown mode, an option the mode does not read, or a mesh of the wrong
+            dimension for the mode (apply_ddp and apply_ep check theirs too), each naming the value.
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if ep is not None and mode != "ep":
+        raise ValueError(f"ep is read in 'ep' mode only, got ep={ep!r} with mode {mode!r}")
+    if mp_policy is not None and mode not in ("fsdp", "hsdp"):
+        raise ValueError(f"mp_policy is read in 'fsdp' and 'hsdp' modes only, got mode {mode!r}")
+
+    if mode in ("fsdp", "hsdp"):
+        if mesh is None:
+            if mode == "hsdp":
+                raise ValueError("mode 'hsdp' needs a 2-D mesh: pass mesh=build_mesh(replicate=R)")
+            mesh = build_mesh()
+        # apply_fsdp takes either; "fsdp" on a 2-D mesh would silently be HSDP, so the mode says
+        # which one the caller meant. Axis names are not checked: a 1-D sub-mesh (mesh["shard"]) is fine.
+        wanted_ndim = 1 if mode == "fsdp" else 2
+        if mesh.ndim != wanted_ndim:
+            raise ValueError(
+                f"mode {mode!r} needs a {wanted_ndim}-D mesh, got axes {list(mesh.mesh_dim_names or ())} "
+                f"with shape {tuple(mesh.shape)}"
+            )
+        model = apply_fsdp(model, mesh, block_attr=block_attr, reshard_after_forward=reshard_after_forward,
+                           mp_policy=mp_policy)
+        return Parallelized(model, model, mesh)
+    if mode == "ddp":
+        wrapped = apply_ddp(model, mesh)
+        return Parallelized(wrapped, wrapped.module, mesh)
+    if mesh is None:
+        if ep is None:
+            raise ValueError("mode 'ep' needs ep (the expert-parallel size) or a mesh from build_ep_mesh")
+        mesh = build_ep_mesh(ep)
+    elif ep is not None:
+        raise ValueError(f"pass either ep or mesh in mode 'ep', not both (got ep={ep!r} and a mesh "
+                         f"of shape {tuple(mesh.shape)})")
+    model = apply_ep(model, mesh, block_attr=block_attr, reshard_after_forward=reshard_after_forward)
+    return Parallelized(model, model, mesh)
+

@@ -2,7 +2,7 @@
 
 Everything here only reads what the workers recorded: spans (``muonlab.trace.Span`` or their
 ``asdict`` rows), ``Muon.last_step_stats()`` dicts and plan rows (``BatchPlan.as_row()``, with the
-per-rank ``bytes_sent`` / ``flops`` lists that ``plan_rows`` of the training worker adds).
+per-rank ``bytes_sent`` / ``flops`` lists that ``muonlab.experiments.train.plan_rows`` adds).
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """Train the small GPT with Muon under FSDP2 or DDP, or its MoE variant under expert parallelism x
-FSDP2 ("ep"), in workers started by muonlab.distributed.launch.
+FSDP2 ("ep"), in workers started by muonlab.distributed.launch (notebooks 02 and 03, the demo).
 
 ``train_worker`` runs on every rank and returns plain data (losses, the plan as rows, the counted
 bytes, and on rank 0 every rank's spans of the last step), so a notebook or the CLI can show what
 the optimizer did without touching the workers' tensors::
 
     from muonlab.distributed import launch
-    from muonlab.train_distributed import train_worker
+    from muonlab.experiments.train import train_worker
     results = launch(train_worker, 4, mode="fsdp", steps=5)
     results = launch(train_worker, 4, mode="ep", ep=2, num_experts=4, steps=5)  # (fsdp=2, ep=2)
 """
@@ -20,15 +20,16 @@ from dataclasses import asdict
 import torch
 import torch.distributed as dist
 
-from .comm.records import bytes_for_rank, table
-from .data import get_batch, load_corpus
-from .models import GPT, GPTConfig
-from .models.gpt import moe_config
-from .optim import Muon, muon_param_groups
-from .trace import gather_spans
+from ..comm.records import bytes_for_rank, table
+from ..data import get_batch, load_corpus
+from ..models import GPT, GPTConfig
+from ..models.gpt import moe_config
+from ..optim import Muon, muon_param_groups
+from ..trace import gather_spans
 
 __all__ = ["COMM_DTYPES", "MODES", "plan_rows", "train_worker"]
 
+# The parallelize() modes that need no mesh from the caller ("hsdp" does).
 MODES = ("fsdp", "ddp", "ep")
 COMM_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -62,10 +63,10 @@ def train_worker(
     Every rank builds the model from the same seed and draws the same global batch of
     ``batch_per_rank * world_size`` windows from one seeded generator, then takes its own slice.
 
-    Modes: "fsdp" (FSDP2 over the world), "ddp", and "ep": the MoE GPT (``num_experts`` experts per
-    block) on ``build_ep_mesh(ep)``, a (world // ep, ep) mesh; ``apply_ep`` keeps this EP rank's
-    experts, FSDP2-sharded over the "fsdp" axis, and shards the dense parts over the world.
-    ``ep`` and ``num_experts`` are read in "ep" mode only.
+    Modes (``muonlab.distributed.parallelize``'s): "fsdp" (FSDP2 over the world), "ddp", and "ep":
+    the MoE GPT (``num_experts`` experts per block) on ``build_ep_mesh(ep)``, a (world // ep, ep)
+    mesh; ``apply_ep`` keeps this EP rank's experts, FSDP2-sharded over the ``MeshAxis.FSDP`` axis,
+    and shards the dense parts over the world. ``ep`` and ``num_experts`` are read in "ep" mode only.
 
     Returns a dict with: rank, world_size, mode, losses (this rank's loss per step), mean_losses
     (mean over ranks per step), step_seconds (optimizer step per step), plan (``plan_rows``),
@@ -73,9 +74,9 @@ def train_worker(
     according to the plan), stats (``last_step_stats()``), plan_batches (the ``BatchPlan`` records,
     for ``muonlab.viz.planner.plot_plan_per_rank``), and spans: every rank's spans of the last step as
     dicts on rank 0, None on the other ranks. Per-rank entries of a plan row are group-local (a
-    batch of expert banks in "ep" mode is planned over the "fsdp" axis only).
+    batch of expert banks in "ep" mode is planned over the ``MeshAxis.FSDP`` axis only).
     """
-    from .distributed import apply_ddp, apply_ep, apply_fsdp, build_ep_mesh, build_mesh
+    from ..distributed import parallelize
 
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -90,18 +91,14 @@ def train_worker(
         warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPMoE\) returned a view",
                                 category=UserWarning)
         # same seed on every rank: apply_ep slices this EP rank's experts out of the full banks
-        model = GPT(moe_config(d_model=d_model, n_layers=n_layers, n_heads=n_heads, context=context,
-                               num_experts=num_experts))
-        model = apply_ep(model, build_ep_mesh(ep))
-        groups = muon_param_groups(model)
-    elif mode == "fsdp":
-        model = GPT(GPTConfig(d_model=d_model, n_layers=n_layers, n_heads=n_heads, context=context))
-        model = apply_fsdp(model, build_mesh())
-        groups = muon_param_groups(model)
+        model, inner, _ = parallelize(
+            GPT(moe_config(d_model=d_model, n_layers=n_layers, n_heads=n_heads, context=context,
+                           num_experts=num_experts)),
+            mode, ep=ep)
     else:
-        model = GPT(GPTConfig(d_model=d_model, n_layers=n_layers, n_heads=n_heads, context=context))
-        model = apply_ddp(model)
-        groups = muon_param_groups(model.module)
+        model, inner, _ = parallelize(
+            GPT(GPTConfig(d_model=d_model, n_layers=n_layers, n_heads=n_heads, context=context)), mode)
+    groups = muon_param_groups(inner)
     extra = {} if remainder_path is None else dict(remainder_path=remainder_path)  # None: Muon's default
     opt = Muon(groups, lr=lr, adamw_lr=adamw_lr, comm_dtype=COMM_DTYPES[comm_dtype_name],
                ns_dtype=COMM_DTYPES[ns_dtype_name], **extra)

@@ -1,0 +1,11 @@
+"""Importable worker entry points for notebooks, the CLI and benchmarks, outside the library's core.
+
+:func:`muonlab.distributed.launch` starts functions by module and name, so a worker cannot live in
+a notebook cell; these modules hold them. Nothing in muonlab's core imports this package.
+
+* ``train``: ``train_worker``, the small GPT (or its MoE variant) with Muon under FSDP2, DDP or
+  expert parallelism (notebooks 02, 03, the demo);
+* ``checkpoint``: save, reshard and resume a run (notebook 05, benchmarks/bench_checkpoint.py);
+* ``faults``: a worker that fails on purpose (notebook 05);
+* ``demo``: both halves of ``make demo`` (single-process Muon vs AdamW, then the distributed run).
+"""
