@@ -47,6 +47,11 @@ class GroupKey:
     axis_index: int = 0
     """Position of the axis in ``mesh_shape``."""
 
+    def __post_init__(self):
+        # a plain str, so keys built from a MeshAxis member and from a mesh's own names hash alike
+        # (a str-mixin Enum hashes by member name on Python 3.10)
+        object.__setattr__(self, "axis_name", str(self.axis_name))
+
     @property
     def size(self) -> int:
         """Ranks along the axis (the group's size)."""

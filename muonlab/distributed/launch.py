@@ -436,14 +436,32 @@ def launch(
     status_dir = os.path.join(work_dir, "status")
     os.makedirs(log_dir)
     os.makedirs(status_dir)
-    port = _free_port()
-    config = LaunchConfig(
+    sys_path = [os.getcwd() if entry == "" else entry for entry in sys.path]
+    try:
+        outcome = _run_agent(_launch_config(nprocs, timeout_s, log_dir),
+                             (payload, backend, float(timeout_s), sys_path, status_dir), timeout_s, status_dir)
+        if "timed_out" in outcome:
+            started, running = outcome["timed_out"]
+            raise WorkerTimeout(_timeout_message(fn, nprocs, timeout_s, running, started), running)
+        error = outcome.get("error")
+        if isinstance(error, ChildFailedError):
+            raise _worker_error(fn, nprocs, _failure_texts(error, log_dir, status_dir)) from None
+        if error is not None:
+            raise RuntimeError(f"launch of {_fn_name(fn)} failed to run its workers: {error}") from error
+        return {rank: pickle.loads(blob) for rank, blob in sorted(outcome["values"].items())}
+    finally:
+        shutil.rmtree(work_dir, ignore_errors=True)
+
+
+def _launch_config(nprocs: int, timeout_s: float, log_dir: str) -> LaunchConfig:
+    """One node, ``nprocs`` spawned workers, a static rendezvous on a free local port."""
+    return LaunchConfig(
         min_nodes=1,
         max_nodes=1,
         nproc_per_node=nprocs,
         run_id=f"muonlab-{uuid.uuid4().hex[:12]}",
         rdzv_backend="static",
-        rdzv_endpoint=f"127.0.0.1:{port}",
+        rdzv_endpoint=f"127.0.0.1:{_free_port()}",
         rdzv_configs={"rank": 0, "timeout": max(60, int(timeout_s))},
         max_restarts=0,
         monitor_interval=0.1,
@@ -451,14 +469,24 @@ def launch(
         local_addr="127.0.0.1",
         logs_specs=DefaultLogsSpecs(log_dir=log_dir),
     )
-    sys_path = [os.getcwd() if entry == "" else entry for entry in sys.path]
+
+
+def _run_agent(config: LaunchConfig, entry_args: tuple, timeout_s: float, status_dir: str) -> dict[str, Any]:
+    """Run elastic's agent on a thread and wait for it at most ``timeout_s``.
+
+    Returns {"values": {rank: pickled result}}, {"error": exception}, or {"timed_out": (ranks that
+    started, ranks still running)} once the workers of a late launch are stopped. A Ctrl-C stops
+    the workers and propagates.
+    """
+    nprocs = config.nproc_per_node
     outcome: dict[str, Any] = {}
+    # Waiting on an Event, not Thread.join: a join interrupted by Ctrl-C (KeyboardInterrupt)
+    # leaves the thread looking finished on Python < 3.13, and the workers would be left behind.
+    agent_done = threading.Event()
 
     def run_agent() -> None:
         try:
-            outcome["values"] = elastic_launch(config, _worker_entry)(
-                payload, backend, float(timeout_s), sys_path, status_dir
-            )
+            outcome["values"] = elastic_launch(config, _worker_entry)(*entry_args)
         except BaseException as e:  # handed to the caller's thread
             outcome["error"] = e
         finally:
@@ -469,9 +497,6 @@ def launch(
     thread_filter = _DropThreadWarning()
     elastic_logger.addFilter(thread_filter)
     saved_signals_env = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE")
-    # Waiting on an Event, not Thread.join: a join interrupted by Ctrl-C (KeyboardInterrupt)
-    # leaves the thread looking finished on Python < 3.13, and the workers would be left behind.
-    agent_done = threading.Event()
     agent = threading.Thread(target=run_agent, name="muonlab-launch-agent", daemon=True)
     deadline = time.monotonic() + timeout_s
     try:
@@ -488,20 +513,14 @@ def launch(
             started = _ranks_in(status_dir, "pid")
             running = sorted(set(range(nprocs)) - _ranks_in(status_dir, "done"))
             _stop_workers(children_before, agent_done)
-            raise WorkerTimeout(_timeout_message(fn, nprocs, timeout_s, running, started), running)
-        error = outcome.get("error")
-        if isinstance(error, ChildFailedError):
-            raise _worker_error(fn, nprocs, _failure_texts(error, log_dir, status_dir)) from None
-        if error is not None:
-            raise RuntimeError(f"launch of {_fn_name(fn)} failed to run its workers: {error}") from error
-        return {rank: pickle.loads(blob) for rank, blob in sorted(outcome["values"].items())}
+            return {"timed_out": (started, running)}
+        return outcome
     finally:
         elastic_logger.removeFilter(thread_filter)
         if saved_signals_env is None:
             os.environ.pop("TORCHELASTIC_SIGNALS_TO_HANDLE", None)
         else:
             os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = saved_signals_env
-        shutil.rmtree(work_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":

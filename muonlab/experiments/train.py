@@ -76,33 +76,55 @@ def train_worker(
     dicts on rank 0, None on the other ranks. Per-rank entries of a plan row are group-local (a
     batch of expert banks in "ep" mode is planned over the ``MeshAxis.FSDP`` axis only).
     """
-    from ..distributed import parallelize
-
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if comm_dtype_name not in COMM_DTYPES or ns_dtype_name not in COMM_DTYPES:
         raise ValueError(f"dtype names must be in {sorted(COMM_DTYPES)}, got {comm_dtype_name!r}, {ns_dtype_name!r}")
     world, rank = dist.get_world_size(), dist.get_rank()
 
-    torch.manual_seed(seed)
-    if mode == "ep":
-        # MoE.forward returns a view and Block adds it out of place, so FSDP2's pre-backward hook
-        # is kept; its warning about views would repeat in every layer and step of every worker.
-        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPMoE\) returned a view",
-                                category=UserWarning)
-        # same seed on every rank: apply_ep slices this EP rank's experts out of the full banks
-        model, inner, _ = parallelize(
-            GPT(moe_config(d_model=d_model, n_layers=n_layers, n_heads=n_heads, context=context,
-                           num_experts=num_experts)),
-            mode, ep=ep)
-    else:
-        model, inner, _ = parallelize(
-            GPT(GPTConfig(d_model=d_model, n_layers=n_layers, n_heads=n_heads, context=context)), mode)
-    groups = muon_param_groups(inner)
+    model, inner = _parallel_gpt(mode, seed=seed, ep=ep, num_experts=num_experts, d_model=d_model,
+                                 n_layers=n_layers, n_heads=n_heads, context=context)
     extra = {} if remainder_path is None else dict(remainder_path=remainder_path)  # None: Muon's default
-    opt = Muon(groups, lr=lr, adamw_lr=adamw_lr, comm_dtype=COMM_DTYPES[comm_dtype_name],
+    opt = Muon(muon_param_groups(inner), lr=lr, adamw_lr=adamw_lr, comm_dtype=COMM_DTYPES[comm_dtype_name],
                ns_dtype=COMM_DTYPES[ns_dtype_name], **extra)
+    losses, mean_losses, step_seconds = _train(model, opt, steps, batch_per_rank, context, seed)
 
+    plan = opt.plan()
+    # Per-rank entries of a batch are indexed by this rank's place in the batch's group (the global
+    # rank on the 1-D meshes of fsdp/ddp, the "fsdp" coordinate for expert banks in "ep" mode);
+    # bytes_for_rank maps it, and leaves out paths that move nothing here, as the collectives do.
+    plan_sent, plan_recv = bytes_for_rank(plan, rank)
+    spans = gather_spans(opt.last_step_spans())
+    return dict(
+        rank=rank, world_size=world, mode=mode, losses=losses, mean_losses=mean_losses,
+        step_seconds=step_seconds, plan=plan_rows(plan), plan_table=table(plan),
+        plan_bytes_sent=plan_sent, plan_bytes_recv=plan_recv, stats=opt.last_step_stats(),
+        plan_batches=list(plan), spans=None if spans is None else [asdict(s) for s in spans],
+    )
+
+
+def _parallel_gpt(mode: str, *, seed: int, ep: int, num_experts: int, **arch) -> tuple:
+    """(model, the module whose parameters go to Muon): the GPT (the MoE GPT in "ep" mode), built
+    from ``seed`` on every rank, then parallelized by ``mode``."""
+    from ..distributed import parallelize
+
+    torch.manual_seed(seed)
+    if mode != "ep":
+        model, inner, _ = parallelize(GPT(GPTConfig(**arch)), mode)
+        return model, inner
+    # MoE.forward returns a view and Block adds it out of place, so FSDP2's pre-backward hook is
+    # kept; its warning about views would repeat in every layer and step of every worker.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPMoE\) returned a view",
+                            category=UserWarning)
+    # same seed on every rank: apply_ep slices this EP rank's experts out of the full banks
+    model, inner, _ = parallelize(GPT(moe_config(num_experts=num_experts, **arch)), mode, ep=ep)
+    return model, inner
+
+
+def _train(model, opt, steps: int, batch_per_rank: int, context: int, seed: int) -> tuple[list, list, list]:
+    """(this rank's losses, mean losses over ranks, optimizer step seconds), one per step, each rank
+    on its slice of the same global batch."""
+    world, rank = dist.get_world_size(), dist.get_rank()
     data = load_corpus("train")
     gen = torch.Generator().manual_seed(seed)
     mine = slice(rank * batch_per_rank, (rank + 1) * batch_per_rank)
@@ -119,16 +141,4 @@ def train_worker(
         dist.all_reduce(mean)
         losses.append(loss.item())
         mean_losses.append(mean.item() / world)
-
-    plan = opt.plan()
-    # Per-rank entries of a batch are indexed by this rank's place in the batch's group (the global
-    # rank on the 1-D meshes of fsdp/ddp, the "fsdp" coordinate for expert banks in "ep" mode);
-    # bytes_for_rank maps it, and leaves out paths that move nothing here, as the collectives do.
-    plan_sent, plan_recv = bytes_for_rank(plan, rank)
-    spans = gather_spans(opt.last_step_spans())
-    return dict(
-        rank=rank, world_size=world, mode=mode, losses=losses, mean_losses=mean_losses,
-        step_seconds=step_seconds, plan=plan_rows(plan), plan_table=table(plan),
-        plan_bytes_sent=plan_sent, plan_bytes_recv=plan_recv, stats=opt.last_step_stats(),
-        plan_batches=list(plan), spans=None if spans is None else [asdict(s) for s in spans],
-    )
+    return losses, mean_losses, step_seconds

@@ -126,15 +126,6 @@ def single_process(model, opt, batches: Iterable) -> dict[str, torch.Tensor]:
     return cloned(model.named_parameters())
 
 
-def plan_bytes(plan, rank_of, skip_unlisted: bool = False) -> tuple[dict, dict]:
-    """({path: bytes sent}, {path: bytes received}) that ``plan`` gives this rank, whose index in
-    batch ``b`` is ``rank_of(b)``. ``skip_unlisted`` passes over batches that list no bytes
-    (otherwise every batch must list them)."""
-    sent, recv = {}, {}
-    for b in plan:
-        if skip_unlisted and not b.bytes_sent:
-            continue
-        r = rank_of(b)
-        sent[b.path] = sent.get(b.path, 0) + b.bytes_sent[r]
-        recv[b.path] = recv.get(b.path, 0) + b.bytes_recv[r]
-    return sent, recv
+def nonzero(by_path: dict) -> dict:
+    """{path: bytes} without the paths that moved nothing (a collective counted with 0 bytes)."""
+    return {path: n for path, n in by_path.items() if n}

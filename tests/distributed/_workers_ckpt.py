@@ -32,22 +32,17 @@ FROZEN = {"gpt": ("blocks.1.attn.proj.weight", "blocks.1.norm2.weight"),
 
 def build(layout: str, precision: str = "fp32"):
     """(model, inner module, optimizer, scheduler, model kind) for this rank."""
-    from muonlab.distributed import apply_ddp, apply_ep, apply_fsdp, build_ep_mesh, build_mesh
+    from muonlab.distributed import parallelize
 
     kind = "moe" if layout == "ep" else "gpt"
     model = build_moe_gpt(**MOE_CFG) if kind == "moe" else build_gpt(**GPT_CFG)
     if precision == "bf16":
         model = model.to(torch.bfloat16)
-    world = world_rank()[0]
-    if layout == "fsdp" and dist.is_initialized():
-        model = apply_fsdp(model, build_mesh())
-    elif layout == "ep":
-        model = apply_ep(model, build_ep_mesh(2))
-    elif layout == "ddp":
-        model = apply_ddp(model)
-    elif layout != "plain" and not (layout == "fsdp" and world == 1):
+    if layout not in ("plain", "fsdp", "ep", "ddp"):
         raise ValueError(layout)
-    inner = model.module if layout == "ddp" else model
+    inner = model
+    if layout in ("ep", "ddp") or (layout == "fsdp" and dist.is_initialized()):  # one process: plain
+        model, inner, _ = parallelize(model, layout, ep=2 if layout == "ep" else None)
     opt = Muon(muon_param_groups(inner), **HYPER)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
     return model, inner, opt, sched, kind

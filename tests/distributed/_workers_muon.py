@@ -10,9 +10,10 @@ import torch
 import torch.distributed as dist
 
 from muonlab import Muon, muon_param_groups
+from muonlab.comm.records import bytes_for_rank
 
-from ._common import (DTYPES, SMALL_GPT, build_gpt, cloned, full, group_rank, plan_bytes, rank_rows, single_process,
-                      token_batches, train_steps)
+from ._common import (DTYPES, SMALL_GPT, build_gpt, cloned, full, rank_rows, single_process, token_batches,
+                      train_steps)
 
 GPT_CFG = SMALL_GPT
 HYPER = dict(lr=0.02, weight_decay=0.01, momentum=0.9)
@@ -32,24 +33,16 @@ def single_process_gpt(world: int, ns_dtype: torch.dtype, steps: int = STEPS):
 
 
 def _train_gpt(mode: str, precision: str):
-    from muonlab.distributed import apply_ddp, apply_fsdp, build_mesh
+    from muonlab.distributed import parallelize
 
     world, rank = dist.get_world_size(), dist.get_rank()
     dtype = DTYPES[precision]
-    model = build_gpt(**GPT_CFG)
-    groups = muon_param_groups(model)
-    if mode == "fsdp":
-        model = apply_fsdp(model, build_mesh())
-        groups = muon_param_groups(model)
-    else:
-        model = apply_ddp(model)
-        groups = muon_param_groups(model.module)
-    opt = Muon(groups, ns_dtype=dtype, comm_dtype=dtype, **HYPER)
+    model, inner, _ = parallelize(build_gpt(**GPT_CFG), mode)
+    opt = Muon(muon_param_groups(inner), ns_dtype=dtype, comm_dtype=dtype, **HYPER)
     train_steps(model, opt, [(rank_rows(x), rank_rows(x)) for x in gpt_batches(world)])
-    inner = model.module if mode == "ddp" else model
     params = {n: full(p) for n, p in inner.named_parameters()}
     stats = opt.last_step_stats()
-    plan_sent, plan_recv = plan_bytes(opt.plan(), lambda b: rank)
+    plan_sent, plan_recv = bytes_for_rank(opt.plan(), rank)
     rows = [(b.path, b.names, b.owners, b.bytes_sent, b.flops) for b in opt.plan()]
     return dict(params=params, sent=stats["bytes_sent"], recv=stats["bytes_recv"], plan_sent=plan_sent,
                 plan_recv=plan_recv, plan=rows, spans=len(opt.last_step_spans()))
@@ -120,7 +113,7 @@ def run_paths(world: int, remainder_path: str, precision: str, steps: int = 3):
         opt.step()
     stats = opt.last_step_stats()
     rank = dist.get_rank()
-    plan_sent, plan_recv = plan_bytes(opt.plan(), lambda b: group_rank(b, rank))
+    plan_sent, plan_recv = bytes_for_rank(opt.plan(), rank)
     return dict(
         params={n: full(p) for n, p in params},
         momentum={n: full(opt.state[p]["momentum_buffer"]) for n, p in params if p in opt.state},

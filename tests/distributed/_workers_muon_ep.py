@@ -13,9 +13,10 @@ import torch
 import torch.distributed as dist
 
 from muonlab import Muon, muon_param_groups
+from muonlab.comm.records import bytes_for_rank
 from muonlab.models import GPT
 
-from ._common import (DTYPES, SMALL_MOE, build_moe_gpt, full_ep, group_rank, plan_bytes, rank_rows,
+from ._common import (DTYPES, SMALL_MOE, build_moe_gpt, full_ep, group_rank, rank_rows,
                       shifted, single_process as _single_process, token_batches, train_steps)
 
 MODEL_CFG = SMALL_MOE
@@ -52,7 +53,7 @@ def _run_case(mesh, ep: int, num_experts: int, precision: str) -> dict:
     train_steps(model, opt, [(rank_rows(x), rank_rows(y)) for x, y in global_batches(world)])
     plan = opt.plan()
     stats = opt.last_step_stats()
-    plan_sent, plan_recv = plan_bytes(plan, lambda b: group_rank(b, rank), skip_unlisted=True)
+    plan_sent, plan_recv = bytes_for_rank(plan, rank)
     plan_flops = sum(b.flops[group_rank(b, rank)] if b.flops else 0 for b in plan)
     # the same rank index the other way: the expert axis' own coordinate
     fsdp_rank = mesh["fsdp"].get_local_rank()
