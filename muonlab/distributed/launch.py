@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import glob
 import importlib
 import json
@@ -124,6 +125,10 @@ def _call_in_process_group(
             on_error()
         raise
     finally:
+        # Objects of fn's that hold a process group (a DDP Reducer, in a reference cycle) must die
+        # while the group lives: collected after destroy_process_group, gloo's destructor joins a
+        # thread that never returns (seen as a worker hanging while pickling its result).
+        gc.collect()
         dist.destroy_process_group()
 
 
