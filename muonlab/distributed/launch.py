@@ -262,11 +262,22 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-class _DropThreadWarning(logging.Filter):
-    # elastic warns that it cannot install signal handlers off the main thread; launch() runs
-    # the agent on a thread on purpose (so the caller's handlers stay) and kills workers itself.
+class _QuietElastic(logging.Filter):
+    """Drops elastic's own reports of what launch() reports better.
+
+    elastic warns that it cannot install signal handlers off the main thread (launch() runs the
+    agent on a thread on purpose, so the caller's handlers stay, and kills workers itself), and logs
+    each failed worker's traceback and each process it terminates: launch() raises those as one
+    WorkerError naming the rank, so in a notebook they would be dozens of red lines with pids and
+    timestamps before the real message.
+    """
+
+    LOGGERS = ("torch.distributed.elastic.multiprocessing.api", "torch.multiprocessing.spawn")
+    DROPPED = ("running on a child thread", "failed (exitcode", "Terminating process")
+
     def filter(self, record: logging.LogRecord) -> bool:
-        return "running on a child thread" not in record.getMessage()
+        message = record.getMessage()
+        return not any(text in message for text in self.DROPPED)
 
 
 def _read_error_files(log_dir: str) -> dict[int, str]:
@@ -498,9 +509,9 @@ def _run_agent(config: LaunchConfig, entry_args: tuple, timeout_s: float, status
             agent_done.set()
 
     children_before = set(multiprocessing.active_children())
-    elastic_logger = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
-    thread_filter = _DropThreadWarning()
-    elastic_logger.addFilter(thread_filter)
+    quiet = _QuietElastic()
+    for name in quiet.LOGGERS:
+        logging.getLogger(name).addFilter(quiet)
     saved_signals_env = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE")
     agent = threading.Thread(target=run_agent, name="muonlab-launch-agent", daemon=True)
     deadline = time.monotonic() + timeout_s
@@ -521,7 +532,8 @@ def _run_agent(config: LaunchConfig, entry_args: tuple, timeout_s: float, status
             return {"timed_out": (started, running)}
         return outcome
     finally:
-        elastic_logger.removeFilter(thread_filter)
+        for name in quiet.LOGGERS:
+            logging.getLogger(name).removeFilter(quiet)
         if saved_signals_env is None:
             os.environ.pop("TORCHELASTIC_SIGNALS_TO_HANDLE", None)
         else:
