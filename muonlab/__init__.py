@@ -1,8 +1,23 @@
 """muonlab: a JupyterLab-first research toolkit for the Muon optimizer at scale."""
 
+import importlib
+
 from .kernels import PRESETS, NSConfig, newton_schulz, ns_flops
 from .optim import Muon, muon_param_groups
 from .train import History, compare_optimizers, make_optimizer, train
+
+# Reachable as muonlab.<name> after a plain `import muonlab` (as the README writes them), but
+# imported on first use: torch.distributed.checkpoint and the launcher are slow to import.
+_LAZY_MODULES = ("checkpoint", "distributed", "simulate", "viz", "experiments")
+
+
+def __getattr__(name):
+    if name in _LAZY_MODULES:
+        return importlib.import_module(f"{__name__}.{name}")
+    if name == "launch":  # muonlab.launch(fn, nprocs, ...) is muonlab.distributed.launch
+        return importlib.import_module(f"{__name__}.distributed").launch
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "PRESETS",
@@ -10,9 +25,11 @@ __all__ = [
     "NSConfig",
     "Muon",
     "compare_optimizers",
+    "launch",
     "make_optimizer",
     "muon_param_groups",
     "newton_schulz",
     "ns_flops",
     "train",
+    *_LAZY_MODULES,
 ]

@@ -109,7 +109,7 @@ def simulate(
 
     Args:
         params_or_shapes: a model (its Muon-routed parameters), or (name, shape) pairs / shapes.
-        mesh_shape: world size W, or (fsdp, ep) for expert parallel (build_ep_mesh's shape).
+        mesh_shape: world size W (or (W,)), or (fsdp, ep) for expert parallel (build_ep_mesh's shape).
         layout: "fsdp" (sharded) or "ddp" (replicated) for the dense matrices.
         strategy: "muonlab", or a reference strategy: "padded_all_to_all", "xtuner".
         profile: hardware profile name or HardwareProfile (path choice under "auto").
@@ -117,12 +117,14 @@ def simulate(
     """
     if strategy not in SIMULATED_STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; choose one of {SIMULATED_STRATEGIES}")
+    if not isinstance(mesh_shape, int) and len(mesh_shape) == 1:  # (W,), as init_device_mesh takes it
+        (mesh_shape,) = mesh_shape
     expert_mesh = not isinstance(mesh_shape, int)
     if isinstance(mesh_shape, int):
         world, ep = mesh_shape, 1
     else:
         if len(mesh_shape) != 2:
-            raise ValueError(f"mesh_shape must be W or (fsdp, ep) like build_ep_mesh, got {tuple(mesh_shape)}")
+            raise ValueError(f"mesh_shape must be W, (W,) or (fsdp, ep) like build_ep_mesh, got {tuple(mesh_shape)}")
         fsdp, ep = (int(d) for d in mesh_shape)
         world = ep * fsdp
     specs = mesh_specs(_named_shapes(params_or_shapes), world, ep=ep, layout=layout, expert_mesh=expert_mesh,

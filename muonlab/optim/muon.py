@@ -64,6 +64,13 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def _checksum(p: torch.Tensor) -> tuple[float, float]:
+    """Sum and sum of squares in fp64: equal on replicas (bit-identical tensors), cheap, and
+    different for another tensor of the same shape (another init, another layer)."""
+    t = _local(p).detach().double()
+    return float(t.sum()), float(t.square().sum())
+
+
 def _fmt(shape) -> str:
     return "(" + ", ".join(str(int(d)) for d in shape) + ")"
 
@@ -442,7 +449,8 @@ class Muon(Optimizer):
                 specs.append(spec)
                 if spec.group not in groups:
                     groups[spec.group] = process_group_for(p, spec, replicate)
-            self._check_ranks_agree(specs, configs)  # before planning: disagreeing ranks can't plan alike
+            # before planning: disagreeing ranks can't plan alike
+            self._check_ranks_agree(specs, configs, [entries[i][1] for i in indices])
             plan = plan_batches(
                 specs, configs, comm_itemsize=torch.empty(0, dtype=self.comm_dtype).element_size(),
                 remainder_path=self.remainder_path, strategy=self.strategy, profile=self.hardware_profile,
@@ -458,27 +466,39 @@ class Muon(Optimizer):
             self._plans[cache_key] = _Planned(plan, {s.index: s for s in specs}, groups, owners)
         return self._plans[cache_key]
 
-    def _check_ranks_agree(self, specs: list[MatrixSpec], configs: tuple) -> None:
+    def _check_ranks_agree(self, specs: list[MatrixSpec], configs: tuple, params: list[torch.Tensor]) -> None:
         """Every rank must plan the same matrices, or collectives would pair up wrongly and hang.
 
-        One all_gather_object of (name, global shape, layout) per parameter, once per new plan;
-        a mismatch is a ValueError naming the ranks and the first parameter that differs.
+        One all_gather_object, once per new plan, of (name, global shape, layout, settings) per
+        parameter, and a checksum of each replicated (plain-tensor) one: a plain tensor under a
+        multi-rank group is taken as a replica (DDP), updated from one owner's result, so replicas
+        that differ (independent models per rank, parameters listed in another order) would
+        silently train wrong. A mismatch is a ValueError naming the ranks and the parameter.
         """
         if not _dist_on() or dist.get_world_size() == 1:
             return
         mine = [(s.name, s.shape, s.layout, s.num_fused, c) for s, c in zip(specs, configs)]
+        sums = [_checksum(p) if s.layout == "replicated" else None for s, p in zip(specs, params)]
         everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine)
-        for rank, theirs in enumerate(everyone):
-            if theirs == everyone[0]:
-                continue
-            for a, b in zip(everyone[0], theirs):
+        dist.all_gather_object(everyone, (mine, sums))
+        first, first_sums = everyone[0]
+        for rank, (theirs, their_sums) in enumerate(everyone):
+            if theirs != first:
+                for a, b in zip(first, theirs):
+                    if a != b:
+                        raise ValueError(
+                            f"ranks disagree on the Muon parameters: rank 0 has {a[0]!r} of shape {a[1]} "
+                            f"({a[2]}), rank {rank} has {b[0]!r} of shape {b[1]} ({b[2]})")
+                raise ValueError(f"ranks disagree on the Muon parameters: rank 0 has {len(first)} "
+                                 f"with gradients, rank {rank} has {len(theirs)}")
+            for spec, a, b in zip(specs, first_sums, their_sums):
                 if a != b:
                     raise ValueError(
-                        f"ranks disagree on the Muon parameters: rank 0 has {a[0]!r} of shape {a[1]} "
-                        f"({a[2]}), rank {rank} has {b[0]!r} of shape {b[1]} ({b[2]})")
-            raise ValueError(f"ranks disagree on the Muon parameters: rank 0 has {len(everyone[0])} "
-                             f"with gradients, rank {rank} has {len(theirs)}")
+                        f"replicated parameter {spec.name!r} of shape {spec.shape} differs between rank 0 "
+                        f"and rank {rank} (checksums {a} vs {b}): a plain tensor under a process group of "
+                        "several ranks is taken as a replica (DDP). Wrap the model in DDP or FSDP2 "
+                        "(muonlab.distributed.parallelize) so replicas start equal, or give a model of "
+                        "its own to each rank with process_group=dist.new_group([rank])")
 
     def plan(self) -> list[BatchPlan]:
         """One record per batch (names, shape, path, ranks, bytes, FLOPs), from global metadata only."""

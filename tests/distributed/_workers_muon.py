@@ -179,8 +179,34 @@ def disagree_case():
     return dict(message=message, untouched=bool((w == 1).all() and (b == 1).all()), state=len(opt.state))
 
 
+def diverged_case():
+    """Plain tensors that are not replicas: each rank's own model, and the same two matrices listed
+    in another order on the last rank. Both must be refused, naming the parameter, before any change."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    out = {}
+    for kind in ("own_model", "reordered"):
+        if kind == "own_model":
+            params = [("w", torch.nn.Parameter(torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))))]
+        else:
+            a, b = (torch.nn.Parameter(torch.full((4, 8), float(v))) for v in (1, 2))
+            params = [a, b] if rank < world - 1 else [b, a]  # unnamed, another order on one rank
+        tensors = [p for _, p in params] if kind == "own_model" else params
+        before = [p.detach().clone() for p in tensors]
+        opt = Muon(params)
+        for p in tensors:
+            p.grad = torch.ones_like(p)
+        try:
+            opt.step()
+            out[kind] = None
+        except ValueError as e:
+            out[kind] = str(e)
+        out[kind + "_untouched"] = all(torch.equal(p, q) for p, q in zip(tensors, before)) and not opt.state
+    return out
+
+
 def everything(world: int, gpt_cases, path_cases):
     """All checks of one world size in one launch."""
     return dict(gpt=gpt_runs(gpt_cases), paths=path_runs(world, path_cases),
                 nonfinite=nonfinite_case() if world > 1 else None,
-                disagree=disagree_case() if world > 1 else None)
+                disagree=disagree_case() if world > 1 else None,
+                diverged=diverged_case() if world > 1 else None)

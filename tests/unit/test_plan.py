@@ -178,3 +178,51 @@ def test_a_60_layer_model_plans_at_2048_ranks():
     assert sorted(i for b in plan for i in b.param_indices) == list(range(60 * 7))
     s = summarize(plan, 2048)
     assert s["bytes_over_bound"] <= 1.0001 and s["flop_imbalance"] <= 1.1
+
+
+def test_simulate_takes_a_one_dimensional_mesh_shape_as_init_device_mesh_does():
+    from muonlab.simulate import simulate
+
+    shapes = [(64, 32), (32, 64)] * 3
+    assert simulate(shapes, (4,)) == simulate(shapes, 4)
+    with pytest.raises(ValueError, match=r"mesh_shape must be W, \(W,\) or \(fsdp, ep\)"):
+        simulate(shapes, (2, 2, 1))
+
+
+def test_the_readme_names_resolve_after_a_plain_import():
+    import subprocess
+    import sys
+
+    code = ("import muonlab; from muonlab.distributed import launch; "
+            "assert muonlab.launch is launch; "
+            "print(muonlab.checkpoint.save.__module__, muonlab.simulate.simulate.__module__, "
+            "muonlab.distributed.parallelize.__module__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["muonlab.checkpoint", "muonlab.simulate", "muonlab.distributed.parallelize"]
+
+
+def test_changing_a_setting_the_plan_depends_on_replans():
+    """The plan cache key holds every setting the plan depends on: change one, get a new plan."""
+    import torch
+
+    from muonlab import Muon
+    from muonlab.comm.cost import get_profile
+
+    params = [torch.nn.Parameter(torch.randn(16, 8)) for _ in range(3)]
+    opt = Muon(params, ns_dtype=torch.float32)
+
+    def plan_after_step():
+        for p in params:
+            p.grad = torch.ones_like(p)
+        opt.step()
+        return opt.plan()
+
+    plan_after_step()
+    for attr, value in [("comm_dtype", torch.float32), ("strategy", "redundant"), ("remainder_path", "agrs"),
+                        ("hardware_profile", get_profile("h100_node")), ("ns_form", "gram")]:
+        cached = len(opt._plans)
+        setattr(opt, attr, value)
+        plan = plan_after_step()
+        assert len(opt._plans) == cached + 1, f"changing {attr} kept the cached plan"
+    assert plan[0].ns_config.form == "gram"
