@@ -100,7 +100,8 @@ def coefficient_table(coefficients: str | Sequence) -> str | tuple[tuple[float, 
         raise TypeError(f"ns_coefficients must be a preset name, one (a, b, c) or a list of (a, b, c), "
                         f"got {type(coefficients).__name__} {coefficients!r}")
     if not coefficients:
-        raise ValueError(f"ns_coefficients must be a preset name or a non-empty list of (a, b, c), got {coefficients!r}")
+        raise ValueError(f"ns_coefficients must be a preset name or a non-empty list of (a, b, c), "
+                         f"got {coefficients!r}")
     if any(_is_real(v) for v in coefficients):  # numbers at the top level: one bare triple
         return (_triple(coefficients, coefficients),)
     return tuple(_triple(abc, coefficients) for abc in coefficients)
@@ -179,9 +180,9 @@ class NSConfig:
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
-            raise ValueError(f"unknown Newton-Schulz backend {self.backend!r}; choose one of {BACKENDS}")
+            raise ValueError(f"unknown Newton-Schulz backend {self.backend!r} (Muon's ns_backend); choose one of {BACKENDS}")
         if self.form not in FORMS:
-            raise ValueError(f"unknown Newton-Schulz form {self.form!r}; choose one of {FORMS}")
+            raise ValueError(f"unknown Newton-Schulz form {self.form!r} (Muon's ns_form); choose one of {FORMS}")
         if self.dtype is not None and not isinstance(self.dtype, torch.dtype):
             raise TypeError(f"Newton-Schulz dtype must be a torch.dtype or None (Muon's ns_dtype), got {self.dtype!r}")
         if self.dtype is not None and self.dtype not in NS_DTYPES:

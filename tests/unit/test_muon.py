@@ -292,6 +292,8 @@ def _pg():
 @pytest.mark.parametrize("make, kwargs, exc, match", [
     (_one, dict(ns_dtype=torch.int32), ValueError, "ns_dtype.*torch.int32"),
     (_one, dict(ns_dtype=torch.bool), ValueError, "ns_dtype.*torch.bool"),
+    (_one, dict(ns_form="fast"), ValueError, "ns_form"),
+    (_one, dict(ns_backend=None), ValueError, "ns_backend"),
     (lambda: _one((0, 8), "w"), {}, ValueError, r"'w' of shape \(0, 8\) is empty"),
     (lambda: _one((2, 0, 8), "bank"), {}, ValueError, r"'bank' of shape \(2, 0, 8\) is empty"),
     (_one, dict(lr="0.02"), TypeError, "lr must be a number.*'0.02'"),
