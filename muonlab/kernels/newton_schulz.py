@@ -180,7 +180,8 @@ class NSConfig:
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
-            raise ValueError(f"unknown Newton-Schulz backend {self.backend!r} (Muon's ns_backend); choose one of {BACKENDS}")
+            raise ValueError(f"unknown Newton-Schulz backend {self.backend!r} (Muon's ns_backend); "
+                             f"choose one of {BACKENDS}")
         if self.form not in FORMS:
             raise ValueError(f"unknown Newton-Schulz form {self.form!r} (Muon's ns_form); choose one of {FORMS}")
         if self.dtype is not None and not isinstance(self.dtype, torch.dtype):
