@@ -21,8 +21,10 @@ Frobenius norm, never across the batch.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
+from numbers import Real
 
 import torch
 
@@ -57,23 +59,62 @@ BACKENDS = ("auto", "torch", "triton")
 FORMS = ("plain", "gram")
 
 
-def resolve_coefficients(coefficients: str | Sequence, steps: int) -> Coefficients:
-    """Return exactly ``steps`` (a, b, c) tuples for a preset name or an explicit list."""
-    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
-        raise ValueError(f"ns_steps must be a positive integer, got {steps!r}")
+NS_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+"""Compute dtypes Newton-Schulz accepts (None keeps the input's): integer or boolean matmuls turn
+the normalised matrix into zeros or NaN, and float8 has no matmul here."""
+
+
+def _is_real(value) -> bool:
+    # bool is an int to Python, but True as a coefficient or an eps is a mistake, not a number
+    return isinstance(value, Real) and not isinstance(value, bool)
+
+
+def _triple(abc, coefficients) -> tuple[float, float, float]:
+    if isinstance(abc, (str, bytes)) or not isinstance(abc, Sequence):
+        raise TypeError(f"ns_coefficients entries must be (a, b, c) sequences of numbers, got {abc!r} "
+                        f"in {coefficients!r}")
+    if not all(_is_real(v) for v in abc):
+        raise TypeError(f"ns_coefficients entries must hold numbers, got {abc!r} in {coefficients!r}")
+    if len(abc) != 3:
+        raise ValueError(f"ns_coefficients must be a preset name, one (a, b, c) or a non-empty list of (a, b, c), "
+                         f"got an entry of length {len(abc)}: {coefficients!r}")
+    if not all(math.isfinite(v) for v in abc):
+        raise ValueError(f"ns_coefficients must be finite, got {abc!r}")
+    return tuple(float(v) for v in abc)
+
+
+def coefficient_table(coefficients: str | Sequence) -> str | tuple[tuple[float, float, float], ...]:
+    """A preset name as is, or explicit coefficients as a tuple of float (a, b, c) triples.
+
+    One bare triple ``(a, b, c)`` (torch.optim.Muon's format) is a table of one entry, which
+    ``resolve_coefficients`` repeats for every step, as torch does.
+    """
     if isinstance(coefficients, str):
         if coefficients not in PRESETS:
             raise ValueError(
                 f"unknown Newton-Schulz preset {coefficients!r}; choose one of {sorted(PRESETS)} "
-                "or pass a list of (a, b, c) tuples"
+                "or pass ns_coefficients as (a, b, c) or a list of (a, b, c) tuples"
             )
-        table = PRESETS[coefficients]
-    else:
-        table = [tuple(float(v) for v in abc) for abc in coefficients]
-        if not table or any(len(abc) != 3 for abc in table):
-            raise ValueError(
-                f"ns_coefficients must be a preset name or a non-empty list of (a, b, c), got {coefficients!r}"
-            )
+        return coefficients
+    if isinstance(coefficients, bytes) or not isinstance(coefficients, Sequence):
+        raise TypeError(f"ns_coefficients must be a preset name, one (a, b, c) or a list of (a, b, c), "
+                        f"got {type(coefficients).__name__} {coefficients!r}")
+    if not coefficients:
+        raise ValueError(f"ns_coefficients must be a preset name or a non-empty list of (a, b, c), "
+                         f"got {coefficients!r}")
+    if any(_is_real(v) for v in coefficients):  # numbers at the top level: one bare triple
+        return (_triple(coefficients, coefficients),)
+    return tuple(_triple(abc, coefficients) for abc in coefficients)
+
+
+def resolve_coefficients(coefficients: str | Sequence, steps: int) -> Coefficients:
+    """Return exactly ``steps`` (a, b, c) tuples for a preset name, one (a, b, c) or a list of them;
+    a table shorter than ``steps`` repeats its last entry."""
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+        raise ValueError(f"ns_steps must be a positive integer, got {steps!r}")
+    table = coefficient_table(coefficients)
+    if isinstance(table, str):
+        table = PRESETS[table]
     return [table[min(i, len(table) - 1)] for i in range(steps)]
 
 
@@ -124,7 +165,8 @@ class NSConfig:
     steps: int = 5
     """Number of iterations."""
     coefficients: str | tuple[tuple[float, float, float], ...] = "keller"
-    """A preset name ("keller", "xtuner", "polar_express") or per-iteration (a, b, c) tuples."""
+    """A preset name ("keller", "xtuner", "polar_express"), per-iteration (a, b, c) tuples, or one
+    (a, b, c) used at every step (torch.optim.Muon's format); stored as a tuple of triples."""
     eps: float = 1e-7
     """Floor on each matrix's norm, so an all-zero matrix maps to zero instead of NaN."""
     dtype: torch.dtype | None = torch.bfloat16
@@ -139,14 +181,23 @@ class NSConfig:
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
-            raise ValueError(f"unknown Newton-Schulz backend {self.backend!r}; choose one of {BACKENDS}")
+            raise ValueError(f"unknown Newton-Schulz backend {self.backend!r} (Muon's ns_backend); "
+                             f"choose one of {BACKENDS}")
         if self.form not in FORMS:
-            raise ValueError(f"unknown Newton-Schulz form {self.form!r}; choose one of {FORMS}")
+            raise ValueError(f"unknown Newton-Schulz form {self.form!r} (Muon's ns_form); choose one of {FORMS}")
         if self.dtype is not None and not isinstance(self.dtype, torch.dtype):
-            raise TypeError(f"Newton-Schulz dtype must be a torch.dtype or None, got {self.dtype!r}")
+            raise TypeError(f"Newton-Schulz dtype must be a torch.dtype or None (Muon's ns_dtype), got {self.dtype!r}")
+        if self.dtype is not None and self.dtype not in NS_DTYPES:
+            raise ValueError(f"Newton-Schulz dtype (Muon's ns_dtype) must be one of {list(NS_DTYPES)} or None, "
+                             f"got {self.dtype}")
+        if not _is_real(self.eps):
+            raise TypeError(f"Newton-Schulz eps must be a number, got {self.eps!r}")
+        if not self.eps > 0:  # a zero floor divides an all-zero matrix by zero
+            raise ValueError(f"Newton-Schulz eps must be > 0, got {self.eps!r}")
         resolve_coefficients(self.coefficients, self.steps)  # raises on bad steps or coefficients
-        if not isinstance(self.coefficients, str):  # lists become tuples: the config stays hashable
-            object.__setattr__(self, "coefficients", tuple(tuple(float(v) for v in abc) for abc in self.coefficients))
+        # explicit coefficients become a tuple of triples: the config stays hashable, and one bare
+        # triple equals the same triple in a list (one batch key)
+        object.__setattr__(self, "coefficients", coefficient_table(self.coefficients))
         object.__setattr__(self, "gram_restarts", tuple(int(k) for k in self.gram_restarts))
 
     def resolved_coefficients(self) -> Coefficients:

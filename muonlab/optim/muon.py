@@ -6,8 +6,10 @@ orthogonalizing them lives in ``muonlab.comm`` (plan + paths). This file only wi
 
 from __future__ import annotations
 
+import copy
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from numbers import Real
 from typing import Any, NamedTuple
 
 import torch
@@ -15,7 +17,7 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from ..comm.collectives import CommCounter
-from ..comm.cost import get_profile
+from ..comm.cost import HardwareProfile, get_profile
 from ..comm.engine import execute_plan
 from ..comm.paths.subgroup import ranks_per_expert, subgroups_for
 from ..comm.planner import REMAINDER_PATHS, STRATEGIES, plan_batches
@@ -75,6 +77,51 @@ def _fmt(shape) -> str:
     return "(" + ", ".join(str(int(d)) for d in shape) + ")"
 
 
+def _is_number(value) -> bool:
+    # bool is an int to Python, but lr=True is a mistake, not a learning rate
+    return isinstance(value, Real) and not isinstance(value, bool)
+
+
+def _state_mismatch(p: torch.Tensor, state: dict) -> str | None:
+    """The first state tensor whose shape differs from ``p``'s, described, or None.
+
+    DTensor parameters hold DTensor state: both shapes are global, so this compares like with like.
+    """
+    for key, value in state.items():
+        if key != "step" and torch.is_tensor(value) and value.shape != p.shape:
+            return f"{key} of shape {_fmt(value.shape)}"
+    return None
+
+
+def _checked_fused_banks(fused_banks) -> dict[str, int]:
+    if fused_banks is None:
+        return {}
+    if not isinstance(fused_banks, Mapping):
+        raise TypeError(f"fused_banks must be a dict {{parameter name: number of matrices}}, got "
+                        f"{type(fused_banks).__name__}")
+    for name, num in fused_banks.items():
+        if not isinstance(name, str):
+            raise TypeError(f"fused_banks keys must be parameter names (str), got {name!r}")
+        # bool is an int to Python, and True would silently mean "one matrix"
+        if not isinstance(num, int) or isinstance(num, bool):
+            raise TypeError(f"fused_banks[{name!r}] must be an int >= 1 (matrices stacked on dim 0), "
+                            f"got {num!r} ({type(num).__name__})")
+        if num < 1:
+            raise ValueError(f"fused_banks[{name!r}] must be >= 1 (matrices stacked on dim 0), got {num}")
+    return dict(fused_banks)
+
+
+def _check_betas(betas, prefix: str, where: str) -> None:
+    if isinstance(betas, (str, bytes)) or not isinstance(betas, (tuple, list)):
+        raise TypeError(f"{prefix}betas must be a pair (beta1, beta2), got {betas!r}{where}")
+    if len(betas) != 2:
+        raise ValueError(f"{prefix}betas must be a pair (beta1, beta2), got {betas!r}{where}")
+    if not all(_is_number(b) for b in betas):
+        raise TypeError(f"{prefix}betas must hold numbers, got {betas!r}{where}")
+    if not all(0 <= b < 1 for b in betas):
+        raise ValueError(f"{prefix}betas must be in [0, 1), got {betas!r}{where}")
+
+
 class Muon(Optimizer):
     """Muon for matrices, AdamW for everything else, in one optimizer.
 
@@ -87,7 +134,19 @@ class Muon(Optimizer):
 
     ``params`` may be tensors, ``(name, tensor)`` pairs (e.g. ``model.named_parameters()``) or
     groups of either. Names are kept on the optimizer (``param_name(p)``), never in
-    ``param_groups`` or the state dict.
+    ``param_groups`` or the state dict. ``ns_coefficients`` is a preset name, a list of per-step
+    ``(a, b, c)``, or one ``(a, b, c)`` used at every step (torch.optim.Muon's format).
+
+    ``defaults`` holds the Muon group defaults (with ``"algorithm": "muon"``); torch's schedulers
+    read it. Momentum cycling (``OneCycleLR``/``CyclicLR`` with ``cycle_momentum=True``) finds
+    ``"momentum"`` there and writes ``group["momentum"]`` into every group: a Muon group's momentum
+    cycles, and in an AdamW group that key replaces beta1 (``betas[0]``), as those schedulers cycle
+    beta1 for torch's Adam; beta2 stays. Without a scheduler AdamW groups have no "momentum" key
+    (giving one is refused as an option of the other algorithm).
+
+    Copies: ``copy.deepcopy`` and pickling keep every setting, the parameter names and the state,
+    and the copy steps exactly like the original; hooks are not copied (as in torch). A
+    ``process_group`` is shared by a deepcopy, and refuses pickling.
 
     Args beyond the hyperparameters:
         ns_dtype: Newton-Schulz compute dtype (bf16 like torch.optim.Muon; fp32 for tight parity).
@@ -148,36 +207,28 @@ class Muon(Optimizer):
             ns_steps=ns_steps, ns_coefficients=ns_coefficients, eps=eps, adjust_lr=adjust_lr,
             momentum_form=momentum_form,
         )
-        self._adamw_defaults = dict(
-            lr=adamw_lr, betas=tuple(adamw_betas), eps=adamw_eps, weight_decay=adamw_weight_decay
-        )
+        self._adamw_defaults = dict(lr=adamw_lr, betas=adamw_betas, eps=adamw_eps, weight_decay=adamw_weight_decay)
+        # the arguments themselves, not only the groups that use them: a bad adamw_lr must not
+        # wait for the first AdamW group added later
+        self._check_hyperparameters(self._muon_defaults, "muon", "", "")
+        self._check_hyperparameters(self._adamw_defaults, "adamw", "adamw_", "")
+        self._adamw_defaults["betas"] = tuple(adamw_betas)
         self.ns_dtype = ns_dtype
         self.ns_form = ns_form
         self.ns_backend = ns_backend
-        if remainder_path not in REMAINDER_PATHS:
-            raise ValueError(f"unknown remainder_path {remainder_path!r}; choose one of {REMAINDER_PATHS}")
-        if comm_dtype not in (torch.bfloat16, torch.float16, torch.float32):
-            raise ValueError(f"comm_dtype must be bfloat16, float16 or float32, got {comm_dtype}")
-        self.process_group = process_group
-        self.comm_dtype = comm_dtype
-        self.remainder_path = remainder_path
-        if strategy not in STRATEGIES:
-            raise ValueError(f"unknown strategy {strategy!r}; choose one of {STRATEGIES}")
-        self.strategy = strategy
-        if nonfinite not in NONFINITE_POLICIES:
-            raise ValueError(f"unknown nonfinite policy {nonfinite!r}; choose one of {NONFINITE_POLICIES}")
-        self.nonfinite = nonfinite
-        self.fused_banks = dict(fused_banks or {})
+        self._set_options(process_group, comm_dtype, remainder_path, strategy, nonfinite, hardware_profile,
+                          fused_banks)
         self.skipped_steps = 0
-        self.hardware_profile = get_profile(
-            hardware_profile or ("h100_node" if torch.cuda.is_available() else "cpu_gloo"))
         self._names: dict[torch.Tensor, str] = {}
         self._plans: dict[tuple, tuple] = {}
         self._tracer = Tracer(rank=dist.get_rank() if _dist_on() else 0)
         self._stats: dict = {}
         # Validate every group before torch's constructor stores any of them.
         groups = self._normalise_params(params)
-        super().__init__(groups, {})
+        # torch's schedulers read `defaults`: "momentum" here (and no "betas") makes OneCycleLR and
+        # CyclicLR cycle group["momentum"] in every group (see the class docstring). A copy, since
+        # torch's __setstate__ adds keys to it.
+        super().__init__(groups, dict(algorithm="muon", **self._muon_defaults))
         unknown = sorted(set(self.fused_banks) - set(self._names.values()))
         if unknown:
             raise ValueError(f"fused_banks names {unknown} are not parameters of this optimizer "
@@ -185,6 +236,34 @@ class Muon(Optimizer):
         for p, name in self._names.items():
             if name in self.fused_banks:
                 matrix_spec(-1, name, p, None, self.fused_banks[name])  # validates the shape
+
+    def _set_options(self, process_group, comm_dtype, remainder_path, strategy, nonfinite, hardware_profile,
+                     fused_banks) -> None:
+        """Check and store the optimizer-wide options (each error names its option)."""
+        if process_group is not None and not (dist.is_available() and isinstance(process_group, dist.ProcessGroup)):
+            raise TypeError(f"process_group must be a torch.distributed ProcessGroup or None, got "
+                            f"{type(process_group).__name__} (for a DeviceMesh axis pass mesh.get_group(axis))")
+        if not isinstance(comm_dtype, torch.dtype):
+            raise TypeError(f"comm_dtype must be a torch.dtype, got {comm_dtype!r}")
+        if comm_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise ValueError(f"comm_dtype must be bfloat16, float16 or float32, got {comm_dtype}")
+        choices_of = (("remainder_path", remainder_path, REMAINDER_PATHS), ("strategy", strategy, STRATEGIES),
+                      ("nonfinite policy", nonfinite, NONFINITE_POLICIES))
+        for option, value, choices in choices_of:
+            if not isinstance(value, str) or value not in choices:
+                raise ValueError(f"unknown {option} {value!r}; choose one of {choices}")
+        if hardware_profile is None:
+            hardware_profile = "h100_node" if torch.cuda.is_available() else "cpu_gloo"
+        if not isinstance(hardware_profile, (str, HardwareProfile)):
+            raise TypeError(f"hardware_profile must be a profile name or a HardwareProfile, got {hardware_profile!r}")
+        profile = get_profile(hardware_profile)
+        self.fused_banks = _checked_fused_banks(fused_banks)
+        self.hardware_profile = profile
+        self.process_group = process_group
+        self.comm_dtype = comm_dtype
+        self.remainder_path = remainder_path
+        self.strategy = strategy
+        self.nonfinite = nonfinite
 
     # ------------------------------------------------------------------ construction
 
@@ -201,17 +280,21 @@ class Muon(Optimizer):
             raise TypeError("params mixes parameter-group dicts with tensors; pass one kind")
         else:
             groups = [{"params": items}]
-        seen: dict[torch.Tensor, str] = {}
+        group_of: dict[torch.Tensor, int] = {}
         for gi, group in enumerate(groups):
             self._split_names(group, gi)
-            for p in group["params"]:
-                label = self._label(p)
-                if p in seen:
-                    raise ValueError(
-                        f"parameter {label} appears in more than one parameter group ({seen[p]} and group {gi})"
-                    )
-                seen[p] = f"group {gi}"
+            self._check_unique(group["params"], gi, group_of)
         return groups
+
+    def _check_unique(self, params: list[torch.Tensor], gi: int, group_of: dict[torch.Tensor, int]) -> None:
+        """Refuse a parameter met before (``group_of``: parameter -> its group index, filled here)."""
+        for p in params:
+            if p in group_of:
+                if group_of[p] == gi:
+                    raise ValueError(f"parameter {self._label(p)} is listed twice in group {gi}")
+                raise ValueError(f"parameter {self._label(p)} appears in more than one parameter group "
+                                 f"(group {group_of[p]} and group {gi})")
+            group_of[p] = gi
 
     def _split_names(self, group: dict, gi: int) -> None:
         if "params" not in group:
@@ -246,9 +329,17 @@ class Muon(Optimizer):
         """Validate, fill per-algorithm defaults, then register (names stay outside the group)."""
         if not isinstance(param_group, dict):
             raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
-        group = dict(param_group)
+        names_before = dict(self._names)
+        try:
+            group = self._checked_group(dict(param_group), len(self.param_groups))
+        except (ValueError, TypeError):
+            self._names = names_before  # a refused group leaves no names behind
+            raise
+        self.param_groups.append(group)
+
+    def _checked_group(self, group: dict, gi: int) -> dict:
         if not isinstance(group.get("params"), list) or any(isinstance(p, tuple) for p in group["params"]):
-            self._split_names(group, len(self.param_groups))
+            self._split_names(group, gi)
         algorithm = group.setdefault("algorithm", "muon")
         if algorithm not in ALGORITHMS:
             raise ValueError(f"unknown algorithm {algorithm!r} in a parameter group; choose one of {ALGORITHMS}")
@@ -260,64 +351,133 @@ class Muon(Optimizer):
         unknown = sorted(set(group) - allowed)
         if unknown:
             raise ValueError(f"unknown option(s) {unknown} for a {algorithm} parameter group")
-        self._validate_group(group)
-        existing = {p for g in self.param_groups for p in g["params"]}
+        self._check_hyperparameters(group, algorithm, "", f" in parameter group {gi}")
         for p in group["params"]:
-            if p in existing:
-                raise ValueError(f"parameter {self._label(p)} appears in more than one parameter group")
-        self.param_groups.append(group)
+            self._check_param(p, algorithm)
+        self._check_unique(group["params"], gi, {p: i for i, g in enumerate(self.param_groups) for p in g["params"]})
+        return group
 
-    def _validate_group(self, group: dict) -> None:
-        lr = group["lr"]
-        if isinstance(lr, torch.Tensor) and lr.numel() != 1:
-            raise ValueError("a tensor lr must have exactly one element")
-        if not float(lr) >= 0:
-            raise ValueError(f"lr must be >= 0, got {float(lr)}")
-        if not group["weight_decay"] >= 0:
-            raise ValueError(f"weight_decay must be >= 0, got {group['weight_decay']}")
-        if group["algorithm"] == "adamw":
-            b1, b2 = group["betas"]
-            if not (0 <= b1 < 1 and 0 <= b2 < 1):
-                raise ValueError(f"adamw betas must be in [0, 1), got {group['betas']}")
-            if not group["eps"] >= 0:
-                raise ValueError(f"adamw eps must be >= 0, got {group['eps']}")
-        else:
-            if not 0 <= group["momentum"] < 1:
-                raise ValueError(f"momentum must be in [0, 1), got {group['momentum']}")
-            resolve_coefficients(group["ns_coefficients"], group["ns_steps"])
-            if group["adjust_lr"] not in F.ADJUST_LR_MODES:
-                raise ValueError(f"unknown adjust_lr {group['adjust_lr']!r}; choose one of {F.ADJUST_LR_MODES}")
-            if group["momentum_form"] not in F.MOMENTUM_FORMS:
-                raise ValueError(
-                    f"unknown momentum_form {group['momentum_form']!r}; choose one of {F.MOMENTUM_FORMS}"
-                )
-            if not group["eps"] > 0:
-                raise ValueError(f"eps must be > 0, got {group['eps']}")
-        for p in group["params"]:
-            check_not_flat(p, self._names.get(p, "?"))
-            if not (p.is_leaf or p.retains_grad):
-                raise ValueError(f"can't optimize a non-leaf tensor {self._label(p)}")
-            if torch.is_complex(p):
-                raise ValueError(f"parameter {self._label(p)} is complex; Muon supports real tensors only")
-            if group["algorithm"] == "muon" and p.ndim < 2:
-                raise ValueError(
-                    f"Muon needs parameters with at least 2 dims, got {self._label(p)}; "
-                    "route it to AdamW with {'algorithm': 'adamw'} (see muon_param_groups)"
-                )
+    @staticmethod
+    def _check_hyperparameters(values: dict, algorithm: str, prefix: str, where: str) -> None:
+        """Types and ranges of a group's (or the constructor's) hyperparameters.
+
+        ``prefix`` + key names the option (``adamw_lr``), ``where`` says which group it came from.
+        """
+        def number(key: str, low: float, high: float = math.inf, *, low_open=False, high_open=False) -> None:
+            value = values[key]
+            if isinstance(value, torch.Tensor) and key == "lr":  # torch takes a one-element tensor lr
+                if value.numel() != 1:
+                    raise ValueError(f"a tensor {prefix}lr must have exactly one element{where}, "
+                                     f"got shape {_fmt(value.shape)}")
+                value = value.item()
+            elif not _is_number(value):
+                raise TypeError(f"{prefix}{key} must be a number, got {value!r} ({type(value).__name__}){where}")
+            if not math.isfinite(value):
+                raise ValueError(f"{prefix}{key} must be finite, got {value}{where}")
+            if value < low or (low_open and value == low) or value > high or (high_open and value == high):
+                rule = (f"in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}" if high < math.inf
+                        else f"{'>' if low_open else '>='} {low}")
+                raise ValueError(f"{prefix}{key} must be {rule}, got {value}{where}")
+
+        number("lr", 0)
+        number("weight_decay", 0)
+        if algorithm == "adamw":
+            number("eps", 0)
+            _check_betas(values["betas"], prefix, where)
+            return
+        number("eps", 0, low_open=True)
+        number("momentum", 0, 1, high_open=True)
+        if not isinstance(values["nesterov"], bool):
+            raise TypeError(f"nesterov must be a bool, got {values['nesterov']!r}{where}")
+        resolve_coefficients(values["ns_coefficients"], values["ns_steps"])
+        if values["adjust_lr"] not in F.ADJUST_LR_MODES:
+            raise ValueError(f"unknown adjust_lr {values['adjust_lr']!r}{where}; choose one of {F.ADJUST_LR_MODES}")
+        if values["momentum_form"] not in F.MOMENTUM_FORMS:
+            raise ValueError(
+                f"unknown momentum_form {values['momentum_form']!r}{where}; choose one of {F.MOMENTUM_FORMS}")
+
+    def _check_param(self, p: torch.Tensor, algorithm: str) -> None:
+        check_not_flat(p, self._names.get(p, "?"))
+        if not (p.is_leaf or p.retains_grad):
+            raise ValueError(f"can't optimize a non-leaf tensor {self._label(p)}")
+        if torch.is_complex(p):
+            raise ValueError(f"parameter {self._label(p)} is complex; Muon supports real tensors only")
+        if not p.is_floating_point():
+            raise TypeError(f"parameter {self._label(p)} has dtype {p.dtype}; Muon and AdamW update "
+                            "floating-point tensors only")
+        if algorithm == "muon" and p.ndim < 2:
+            raise ValueError(
+                f"Muon needs parameters with at least 2 dims, got {self._label(p)}; "
+                "route it to AdamW with {'algorithm': 'adamw'} (see muon_param_groups)"
+            )
+        if algorithm == "muon" and p.numel() == 0:
+            raise ValueError(f"parameter {self._label(p)} is empty: Muon has no matrix to orthogonalize; "
+                             "leave it out or route it to AdamW")
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """torch's loader, then state tensors restored in their saved dtype.
+        """torch's loader, checked first, then state tensors restored in their saved dtype.
 
-        State is kept in fp32 whatever the parameter's dtype; torch's loader casts floating state
-        to the parameter's dtype, which would break exact resume for bf16 parameters.
+        Every saved state tensor must have its parameter's shape (a checkpoint of another model
+        would otherwise load and fail at the next step, after AdamW's step counters moved), and a
+        step count may be a Python number (torch accepts it; it becomes a tensor). State is kept
+        in fp32 whatever the parameter's dtype; torch's loader casts floating state to the
+        parameter's dtype, which would break exact resume for bf16 parameters.
         """
+        pairs = self._saved_pairs(state_dict)  # raises before anything changes
         super().load_state_dict(state_dict)
-        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
-        params = [p for g in self.param_groups for p in g["params"]]
-        for pid, p in zip(saved_ids, params):
-            for key, value in state_dict["state"].get(pid, {}).items():
-                if torch.is_tensor(value) and key != "step" and value.dtype != self.state[p][key].dtype:
+        for saved, p in pairs:
+            for key, value in saved.items():
+                if key == "step" and not torch.is_tensor(value):
+                    self.state[p][key] = torch.tensor(float(value))
+                elif torch.is_tensor(value) and key != "step" and value.dtype != self.state[p][key].dtype:
                     self.state[p][key] = value.to(device=p.device, copy=True)
+
+    def _saved_pairs(self, state_dict: dict) -> list[tuple[dict, torch.Tensor]]:
+        """(saved state, parameter) in torch's order, each checked against its parameter."""
+        if not isinstance(state_dict, dict) or not isinstance(state_dict.get("param_groups"), list):
+            raise TypeError("state_dict must be a dict with 'state' and 'param_groups', as state_dict() returns")
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups) or any(
+                len(a.get("params", ())) != len(b["params"]) for a, b in zip(saved_groups, self.param_groups)):
+            return []  # torch's loader raises its own error for groups that don't line up
+        saved_ids = [i for g in saved_groups for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        pairs = [(state_dict.get("state", {}).get(pid, {}), p) for pid, p in zip(saved_ids, params)]
+        for saved, p in pairs:
+            mismatch = _state_mismatch(p, saved)
+            if mismatch:
+                raise ValueError(f"parameter {self._label(p)} does not match the saved state: {mismatch} "
+                                 "(the state dict comes from a model of another shape)")
+            step = saved.get("step", 0)
+            if not (_is_number(step) or torch.is_tensor(step) and step.numel() == 1):
+                raise TypeError(f"parameter {self._label(p)} has a saved AdamW step of {step!r}; "
+                                "expected a number or a one-element tensor")
+        return pairs
+
+    # ------------------------------------------------------------------ copies
+
+    def _copied_state(self) -> dict:
+        # torch's copies drop hooks too; the plan cache holds live process groups and is rebuilt
+        return {k: v for k, v in vars(self).items() if k != "_plans" and not k.startswith("_optimizer_")}
+
+    def __getstate__(self) -> dict:
+        """Everything but hooks and the plan cache, so a pickled Muon keeps its settings and names."""
+        if self.process_group is not None:
+            raise TypeError("a Muon with a process_group can't be pickled (a process group is a live "
+                            "communicator): save state_dict() instead, or copy.deepcopy, which shares the group")
+        return self._copied_state()
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)  # also what torch's load_state_dict calls, with state and groups only
+        self.__dict__.setdefault("_plans", {})
+
+    def __deepcopy__(self, memo: dict) -> "Muon":
+        if self.process_group is not None:
+            memo[id(self.process_group)] = self.process_group  # shared, like a device: not state
+        twin = type(self).__new__(type(self))
+        memo[id(self)] = twin
+        twin.__setstate__(copy.deepcopy(self._copied_state(), memo))
+        return twin
 
     # ------------------------------------------------------------------ the step
 
@@ -375,7 +535,8 @@ class Muon(Optimizer):
         return ranks, bad_names
 
     def _collect(self) -> dict[str, list]:
-        """Parameters with grads, per group; every grad is checked before anything is modified."""
+        """Parameters with grads, per group; every grad, and the shape of each one's state, is
+        checked before anything is modified."""
         work: dict[str, list] = {"muon": [], "adamw": []}
         for group in self.param_groups:
             params = []
@@ -391,6 +552,12 @@ class Muon(Optimizer):
                     raise ValueError(
                         f"parameter {self._label(p)} has a gradient of shape {_fmt(g.shape)}"
                     )
+                mismatch = _state_mismatch(p, self.state[p]) if p in self.state else None
+                if mismatch:
+                    raise ValueError(
+                        f"parameter {self._label(p)} has state {mismatch}: it changed shape after its state "
+                        "was made (e.g. resize_token_embeddings); drop its state (del opt.state[p]) or "
+                        "rebuild the optimizer")
                 params.append(p)
             if params:
                 work[group["algorithm"]].append((group, params))
@@ -410,6 +577,8 @@ class Muon(Optimizer):
 
     def _adamw_group(self, group: dict, params: list[torch.Tensor]) -> None:
         states = [self._state_for(p, "adamw") for p in params]
+        beta1, beta2 = group["betas"]
+        beta1 = group.get("momentum", beta1)  # a scheduler cycling momentum: see the class docstring
         F.adamw_(
             [_local(p) for p in params],
             [_local(p.grad) for p in params],
@@ -417,7 +586,7 @@ class Muon(Optimizer):
             [_local(s["exp_avg_sq"]) for s in states],
             [s["step"] for s in states],
             lr=float(group["lr"]),
-            betas=group["betas"],
+            betas=(beta1, beta2),
             eps=group["eps"],
             weight_decay=group["weight_decay"],
         )

@@ -278,3 +278,220 @@ def test_nonfinite_grad_can_raise_naming_the_parameter():
         opt.step()
     with pytest.raises(ValueError, match="unknown nonfinite policy"):
         Muon([p], nonfinite="maybe")
+
+
+# ---------------------------------------------------------------- issue 12: options, state, copies
+
+
+def _pg():
+    import torch.distributed as dist
+
+    return dist.ProcessGroup(dist.HashStore(), 0, 1)  # a real group object, no init_process_group
+
+
+@pytest.mark.parametrize("make, kwargs, exc, match", [
+    (_one, dict(ns_dtype=torch.int32), ValueError, "ns_dtype.*torch.int32"),
+    (_one, dict(ns_dtype=torch.bool), ValueError, "ns_dtype.*torch.bool"),
+    (_one, dict(ns_form="fast"), ValueError, "ns_form"),
+    (_one, dict(ns_backend=None), ValueError, "ns_backend"),
+    (lambda: _one((0, 8), "w"), {}, ValueError, r"'w' of shape \(0, 8\) is empty"),
+    (lambda: _one((2, 0, 8), "bank"), {}, ValueError, r"'bank' of shape \(2, 0, 8\) is empty"),
+    (_one, dict(lr="0.02"), TypeError, "lr must be a number.*'0.02'"),
+    (_one, dict(lr=float("inf")), ValueError, "lr must be finite"),
+    (_one, dict(lr=True), TypeError, "lr must be a number"),
+    (_one, dict(momentum="0.9"), TypeError, "momentum must be a number"),
+    (_one, dict(weight_decay=None), TypeError, "weight_decay must be a number"),
+    (_one, dict(eps="1e-7"), TypeError, "eps must be a number"),
+    (_one, dict(nesterov="yes"), TypeError, "nesterov must be a bool"),
+    (_one, dict(ns_coefficients=(3.4, "b", 2.0)), TypeError, "ns_coefficients"),
+    (_one, dict(adamw_betas=(0.9,)), ValueError, r"betas must be a pair"),
+    (_one, dict(adamw_betas=0.9), TypeError, r"betas must be a pair"),
+    (_one, dict(adamw_betas=("0.9", 0.95)), TypeError, r"betas must hold numbers"),
+    (_one, dict(adamw_lr="3e-4"), TypeError, "lr must be a number"),
+    (_one, dict(adamw_eps=None), TypeError, "eps must be a number"),
+    (lambda: [{"params": _one(), "lr": "0.1"}], {}, TypeError, "lr must be a number, got '0.1' .*group 0"),
+    (lambda: [{"params": _one((8,)), "algorithm": "adamw", "betas": [0.9]}], {}, ValueError, "group 0"),
+    (lambda: [torch.zeros(4, 8, dtype=torch.int64)], {}, TypeError, r"of shape \(4, 8\) has dtype torch.int64"),
+    (lambda: [("mask", torch.zeros(4, dtype=torch.bool))], {}, TypeError, "'mask' of shape \\(4\\) has dtype"),
+    (_one, dict(comm_dtype="bf16"), TypeError, "comm_dtype must be a torch.dtype"),
+    (_one, dict(comm_dtype=torch.int8), ValueError, "comm_dtype must be"),
+    (_one, dict(strategy=None), ValueError, "unknown strategy"),
+    (_one, dict(remainder_path=["agrs"]), ValueError, "unknown remainder_path"),
+    (_one, dict(nonfinite=None), ValueError, "unknown nonfinite"),
+    (_one, dict(hardware_profile=3), TypeError, "hardware_profile must be"),
+    (_one, dict(hardware_profile=""), ValueError, "unknown hardware profile ''"),
+    (_one, dict(process_group="world"), TypeError, "process_group must be a torch.distributed ProcessGroup"),
+    (_one, dict(fused_banks=[("w", 2)]), TypeError, "fused_banks must be a dict"),
+])
+def test_bad_options_name_themselves(make, kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        Muon(make(), **kwargs)
+
+
+def test_options_accept_their_ordinary_forms():
+    Muon(_one(), lr=torch.tensor(0.01), momentum=0, weight_decay=0, eps=1, adamw_betas=[0.9, 0.99],
+         comm_dtype=torch.float32, hardware_profile="cpu_gloo", process_group=_pg())
+
+
+def test_duplicate_inside_one_group_says_so():
+    (name, p), = _one(name="w")
+    with pytest.raises(ValueError, match=r"'w' of shape \(4, 8\) is listed twice in group 0"):
+        Muon([(name, p), (name, p)])
+    opt = Muon(_one())
+    q = torch.nn.Parameter(torch.randn(4, 8))
+    with pytest.raises(ValueError, match=r"is listed twice in group 1"):
+        opt.add_param_group({"params": [q, q]})
+    assert len(opt.param_groups) == 1
+
+
+def test_a_refused_group_leaves_no_trace():
+    opt = Muon(_one())
+    q = torch.nn.Parameter(torch.randn(4, 8))
+    with pytest.raises(TypeError, match="lr must be a number"):
+        opt.add_param_group({"params": [("q", q)], "lr": "0.1"})
+    assert len(opt.param_groups) == 1 and opt.param_name(q) is None
+
+
+@pytest.mark.parametrize("value, exc", [(True, TypeError), (0, ValueError), ("4", TypeError), (-1, ValueError),
+                                        (2.0, TypeError), (None, TypeError)])
+def test_fused_banks_values_are_ints_from_one(value, exc):
+    w = torch.nn.Parameter(torch.randn(8, 8))
+    with pytest.raises(exc, match=r"fused_banks\['w'\]"):
+        Muon([("w", w)], fused_banks={"w": value})
+    Muon([("w", w)], fused_banks={"w": 1})
+
+
+def _named_pair(width, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.nn.Parameter(torch.randn(4, width, generator=gen))
+    b = torch.nn.Parameter(torch.randn(4, generator=gen))
+    opt = Muon([{"params": [("w", w)]}, {"params": [("b", b)], "algorithm": "adamw"}])
+    return w, b, opt
+
+
+def _step(opt, *params):
+    for p in params:
+        p.grad = torch.randn(p.shape)
+    opt.step()
+
+
+def test_load_state_dict_from_another_width_names_the_parameter_and_changes_nothing():
+    w8, b8, narrow = _named_pair(8)
+    _step(narrow, w8, b8)
+    w16, b16, wide = _named_pair(16, seed=1)
+    _step(wide, w16, b16)
+    before = copy.deepcopy(wide.state_dict())
+    with pytest.raises(ValueError, match=r"'w' of shape \(4, 16\).*momentum_buffer of shape \(4, 8\)"):
+        wide.load_state_dict(narrow.state_dict())
+    after = wide.state_dict()
+    assert after["param_groups"] == before["param_groups"]
+    for pid, state in before["state"].items():
+        for key, value in state.items():
+            assert torch.equal(after["state"][pid][key], value), (pid, key)
+
+
+def test_parameter_resized_after_its_state_was_made_is_named_before_anything_moves():
+    w, b, opt = _named_pair(8)
+    _step(opt, w, b)
+    w.data = torch.randn(6, 8)  # what resize_token_embeddings does to an embedding's weight
+    b_before, step_before = b.detach().clone(), opt.state[b]["step"].clone()
+    w.grad, b.grad = torch.randn(6, 8), torch.randn(4)
+    with pytest.raises(ValueError, match=r"'w' of shape \(6, 8\) has state momentum_buffer of shape \(4, 8\)"):
+        opt.step()
+    assert torch.equal(b.detach(), b_before) and torch.equal(opt.state[b]["step"], step_before)
+
+
+def test_python_number_adamw_step_loads_like_torch():
+    (w, b, opt), (w2, b2, opt2) = _named_pair(8), _named_pair(8)
+    _step(opt, w, b)
+    sd = copy.deepcopy(opt.state_dict())  # state_dict() shares opt's state dicts
+    sd["state"][1]["step"] = int(sd["state"][1]["step"].item())  # as older or hand-made checkpoints hold it
+    opt2.load_state_dict(sd)
+    w2.data.copy_(w.detach()), b2.data.copy_(b.detach())
+    for p, q in ((w, w2), (b, b2)):
+        p.grad = torch.randn(p.shape)
+        q.grad = p.grad.clone()
+    opt.step()
+    opt2.step()
+    assert torch.equal(b.detach(), b2.detach()) and torch.equal(w.detach(), w2.detach())
+    assert torch.equal(opt2.state[b2]["step"], torch.tensor(2.0))
+    sd["state"][1]["step"] = "1"
+    with pytest.raises(TypeError, match="'b' of shape \\(4\\).*step"):
+        opt2.load_state_dict(sd)
+
+
+def _pickle_copy(opt):
+    import pickle
+
+    return pickle.loads(pickle.dumps(opt))
+
+
+@pytest.mark.parametrize("copier", [copy.deepcopy, _pickle_copy])
+def test_copies_step_exactly_like_the_original(copier):
+    model, opt = _gpt_and_opt()
+    _train(model, opt, 2, seed=0)
+    twin = copier(opt)
+    ours = [p for g in opt.param_groups for p in g["params"]]
+    theirs = [p for g in twin.param_groups for p in g["params"]]
+    assert [opt.param_name(p) for p in ours] == [twin.param_name(q) for q in theirs]
+    assert twin.fused_banks == opt.fused_banks and twin.ns_dtype == opt.ns_dtype
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(2):
+        for p, q in zip(ours, theirs):
+            p.grad = torch.randn(p.shape, generator=gen)
+            q.grad = p.grad.clone()
+        opt.step()
+        twin.step()
+    for p, q in zip(ours, theirs):
+        assert torch.equal(p.detach(), q.detach()), opt.param_name(p)
+    assert twin.last_step_stats()["skipped"] is False
+
+
+def test_process_group_is_shared_by_deepcopy_and_refused_by_pickle():
+    import pickle
+
+    pg = _pg()
+    opt = Muon(_one(), process_group=pg)
+    assert copy.deepcopy(opt).process_group is pg  # a communicator is a handle, not state
+    with pytest.raises(TypeError, match="process_group"):
+        pickle.dumps(opt)
+
+
+@pytest.mark.parametrize("scheduler", ["OneCycleLR", "CyclicLR"])
+def test_schedulers_cycle_muon_momentum_and_adamw_beta1(monkeypatch, scheduler):
+    # torch.optim.Muon and torch.optim.AdamW under the same scheduler are the references
+    monkeypatch.setattr(torch_muon, "_zeropower_via_newtonschulz", _fp32_torch_ns)
+    (w, b), (w_ref, b_ref) = _params([(24, 64), (64,)]), _params([(24, 64), (64,)])
+    opt = Muon([{"params": [w]}, {"params": [b], "algorithm": "adamw"}], lr=0.02, ns_dtype=torch.float32,
+               adamw_lr=1e-2)
+    refs = [torch.optim.Muon([w_ref], lr=0.02, weight_decay=0.0, adjust_lr_fn="original"),
+            torch.optim.AdamW([b_ref], lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)]
+    make = dict(OneCycleLR=lambda o, lrs: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=lrs, total_steps=8),
+                CyclicLR=lambda o, lrs: torch.optim.lr_scheduler.CyclicLR(
+                    o, [lr / 10 for lr in lrs], lrs, step_size_up=3))[scheduler]
+    scheds = [make(opt, [0.02, 1e-2])] + [make(r, [lr]) for r, lr in zip(refs, (0.02, 1e-2))]
+    momenta = set()
+    w0 = w.detach().clone()
+    for gw, gb in _grads([(24, 64), (64,)], 6):
+        w.grad, w_ref.grad, b.grad, b_ref.grad = gw, gw.clone(), gb, gb.clone()
+        for o in [opt] + refs:
+            o.step()
+        for s in scheds:
+            s.step()
+        momenta.add(opt.param_groups[0]["momentum"])
+        assert opt.param_groups[1]["momentum"] == refs[1].param_groups[0]["betas"][0]
+    assert len(momenta) >= 4  # it did cycle
+    assert _rel_displacement([w], [w_ref], [w0]) <= 1e-5
+    torch.testing.assert_close(b, b_ref, rtol=1e-6, atol=1e-7)
+    assert opt.defaults["momentum"] == 0.95 and "betas" not in opt.defaults
+
+
+def test_torch_coefficient_triple_steps_like_the_preset():
+    a, b = _params(SHAPES), _params(SHAPES)
+    opts = [Muon(a, ns_coefficients="keller"), Muon(b, ns_coefficients=(3.4445, -4.7750, 2.0315))]
+    for grads in _grads(SHAPES, 2):
+        for ps, o in zip((a, b), opts):
+            for p, g in zip(ps, grads):
+                p.grad = g.clone()
+            o.step()
+    assert all(torch.equal(p, q) for p, q in zip(a, b))

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from muonlab import PRESETS, newton_schulz, ns_flops
+from muonlab import PRESETS, NSConfig, newton_schulz, ns_flops
 from muonlab.kernels.newton_schulz import resolve_coefficients
 from muonlab.kernels.reference import reference_newton_schulz
 
@@ -130,3 +130,49 @@ def test_ns_config_is_the_batch_key_and_keywords_override_it():
     with pytest.raises(TypeError, match="dtype must be a torch.dtype"):
         NSConfig(dtype="bf16")
 
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.bool, torch.complex64, torch.float8_e4m3fn])
+def test_only_floating_compute_dtypes(dtype):
+    # an integer dtype used to turn every Muon update (and so every parameter) into NaN, silently
+    with pytest.raises(ValueError, match=f"ns_dtype.*got {dtype}"):
+        NSConfig(dtype=dtype)
+    with pytest.raises(ValueError, match="ns_dtype"):
+        newton_schulz(torch.randn(4, 8), dtype=dtype)
+    for ok in (torch.float16, torch.bfloat16, torch.float32, torch.float64, None):
+        NSConfig(dtype=ok)
+
+
+def test_one_triple_like_torch_muon_is_repeated_every_step():
+    keller = PRESETS["keller"][0]
+    assert resolve_coefficients(keller, 4) == [keller] * 4
+    assert resolve_coefficients([1, 2.5, -3], 2) == [(1.0, 2.5, -3.0)] * 2
+    assert NSConfig(coefficients=keller) == NSConfig(coefficients=(keller,))  # one batch key
+    G = torch.randn(16, 40, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(newton_schulz(G, coefficients=keller), newton_schulz(G, coefficients="keller"))
+    assert torch.equal(reference_newton_schulz(G, 5, keller, 1e-7), reference_newton_schulz(G, 5, "keller", 1e-7))
+
+
+@pytest.mark.parametrize("coefficients, exc", [
+    (5, TypeError),
+    (None, TypeError),
+    ([(1.0, "x", 2.0)], TypeError),
+    ((1.0, 2.0, None), TypeError),
+    ([(1.0, 2.0, 3.0), 4.0], TypeError),
+    ((True, 2.0, 3.0), TypeError),
+    ([(1.0, float("nan"), 3.0)], ValueError),
+    ([], ValueError),
+    ((1.0, 2.0), ValueError),
+])
+def test_bad_coefficients_name_the_option(coefficients, exc):
+    with pytest.raises(exc, match="ns_coefficients"):
+        resolve_coefficients(coefficients, 5)
+    with pytest.raises(exc, match="ns_coefficients"):
+        NSConfig(coefficients=coefficients)
+
+
+@pytest.mark.parametrize("eps, exc", [(0.0, ValueError), (-1e-7, ValueError), (float("nan"), ValueError),
+                                      ("1e-7", TypeError), (None, TypeError)])
+def test_bad_eps_is_refused(eps, exc):
+    with pytest.raises(exc, match="eps"):
+        NSConfig(eps=eps)
