@@ -27,9 +27,11 @@ SIMULATED_STRATEGIES = ("muonlab",) + REFERENCE_STRATEGIES
 LAYOUTS = ("fsdp", "ddp")
 
 
-def muon_shapes(model: torch.nn.Module) -> list[tuple[str, tuple[int, ...], str]]:
-    """(name, shape, matrix view) of the parameters muon_param_groups routes to Muon."""
-    return [(r.name, r.shape, r.view) for r in muon_param_groups(model).routes if r.algorithm == "muon"]
+def muon_shapes(model: torch.nn.Module, **routing) -> list[tuple[str, tuple[int, ...], str]]:
+    """(name, shape, matrix view) of the parameters ``muon_param_groups(model, **routing)``
+    routes to Muon (``routing``: its exclude, include and conv options)."""
+    groups = muon_param_groups(model, **routing)
+    return [(r.name, r.shape, r.view) for r in groups.routes if r.algorithm == "muon"]
 
 
 def _named_shapes(params_or_shapes, matrix_views: dict[str, str] | None = None
