@@ -43,6 +43,8 @@ def _named_shapes(params_or_shapes, matrix_views: dict[str, str] | None = None
         items = list(params_or_shapes.items())
     else:
         items = list(params_or_shapes)
+    if not isinstance(matrix_views or {}, dict):
+        raise TypeError(f"matrix_views must be a dict {{name: view}}, got {type(matrix_views).__name__}")
     views = dict(matrix_views or {})
     out = []
     for i, item in enumerate(items):
@@ -141,8 +143,8 @@ def simulate(
             raise ValueError(f"mesh_shape must be W or (fsdp, ep) like build_ep_mesh, got {tuple(mesh_shape)}")
         fsdp, ep = (int(d) for d in mesh_shape)
         world = ep * fsdp
-    specs = mesh_specs(_named_shapes(params_or_shapes, matrix_views), world, ep=ep, layout=layout, expert_mesh=expert_mesh,
-                       fused_banks=fused_banks)
+    specs = mesh_specs(_named_shapes(params_or_shapes, matrix_views), world, ep=ep, layout=layout,
+                       expert_mesh=expert_mesh, fused_banks=fused_banks)
     configs = [NSConfig(steps=ns_steps, form=ns_form)] * len(specs)
     itemsize = torch.empty(0, dtype=comm_dtype).element_size()
     if strategy == "muonlab":

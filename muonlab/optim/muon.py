@@ -187,8 +187,7 @@ class Muon(Optimizer):
         for p, name in self._names.items():
             if name in self.fused_banks:
                 matrix_spec(-1, name, p, None, self.fused_banks[name])  # validates the shape
-        self._views.update(matrix_views or {})
-        self._check_views(set(matrix_views or ()))
+        self._check_views(matrix_views or {})
 
     # ------------------------------------------------------------------ construction
 
@@ -238,11 +237,15 @@ class Muon(Optimizer):
         group["params"] = tensors
         group.pop("param_names", None)
 
-    def _check_views(self, declared: set[str]) -> None:
-        """Every declared view names a Muon parameter and can read its shape (ValueError if not)."""
+    def _check_views(self, declared: dict[str, str]) -> None:
+        """Declared views override the groups' ones; each must name a Muon parameter and be able to
+        read its shape, or construction fails here, before any step."""
+        if not isinstance(declared, dict):
+            raise TypeError(f"matrix_views must be a dict {{parameter name: view}}, got {type(declared).__name__}")
+        self._views.update(declared)
         muon = {self._names.get(p): p for g in self.param_groups if g["algorithm"] == "muon" for p in g["params"]}
         adamw = {self._names.get(p) for g in self.param_groups if g["algorithm"] == "adamw" for p in g["params"]}
-        for name in sorted(declared):
+        for name in declared:
             if name in adamw:
                 raise ValueError(f"matrix_views names '{name}', which is in an AdamW group: views are for Muon")
             if name not in muon:

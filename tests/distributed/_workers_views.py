@@ -29,11 +29,11 @@ class Conv1D(nn.Module):
 
 
 def build_model() -> nn.Module:
-    """Conv kernels of 6 and 5 filters (rows 3,3 and 3,2 on 2 ranks), a Conv1D, a hidden Linear
-    and the head; seeded so every process builds the same one."""
+    """Conv kernels of 6, 5 and 1 filters (rows 3,3; 3,2; 1,0 on 2 ranks), a Conv1D, a hidden
+    Linear and the head; seeded so every process builds the same one (only shapes matter)."""
     torch.manual_seed(0)
     return nn.Sequential(nn.Conv2d(4, 6, 3, bias=False), nn.Conv2d(6, 5, 3, bias=False), Conv1D(12, 5),
-                         nn.Linear(12, 7, bias=False), nn.Linear(7, 3, bias=False))
+                         nn.Linear(12, 7, bias=False), nn.Linear(7, 3, bias=False), nn.Conv2d(5, 1, 1, bias=False))
 
 
 def grad_for(shape, index: int, step: int) -> torch.Tensor:

@@ -27,6 +27,7 @@ def test_flattened_conv_kernels_and_conv1d_on_fsdp2_match_one_process():
     shapes = results[0]["shapes"]
     assert shapes[("0.weight",)] == ((6, 36), 1) and shapes[("1.weight",)] == ((5, 54), 1)
     assert shapes[("2.weight",)] == ((5, 12), 1)  # stored (in, out): moved and orthogonalized as stored
+    assert shapes[("5.weight",)] == ((1, 5), 1)  # one filter: rank 1's shard is empty
     # the kernels are row-sharded matrices (a path moves their rows), not whole local experts
     paths = {row[1]: row[0] for row in results[0]["plan"]}
     assert paths[("0.weight",)] not in ("local", "rebalance")

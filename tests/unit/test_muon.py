@@ -384,10 +384,11 @@ def test_views_match_the_readable_reference():
 
 @pytest.mark.parametrize("named, kwargs, match", [
     ([("w", (6, 24))], dict(matrix_views={"w": "rows"}), r"'w' of shape \(6, 24\) has unknown matrix view 'rows'"),
-    ([("w", (6, 24))], dict(matrix_views={"w": "flatten"}), r"'w' of shape \(6, 24\) can't take matrix view 'flatten'"),
-    ([("k", (4, 2, 3, 3))], dict(matrix_views={"k": "transpose"}), r"'k' of shape \(4, 2, 3, 3\) can't take .*'transpose'"),
+    ([("w", (6, 24))], dict(matrix_views={"w": "flatten"}), r"'w' of shape \(6, 24\) can't take .*'flatten'"),
+    ([("k", (4, 2, 3, 3))], dict(matrix_views={"k": "transpose"}), r"'k' of shape \(4, 2, 3, 3\) can't take"),
     ([("w", (6, 24))], dict(matrix_views={"v": "matrix"}), r"matrix_views names 'v', which is not a parameter"),
-    ([("w", (8, 24))], dict(matrix_views={"w": "transpose"}, fused_banks={"w": 2}), r"fused bank 'w' .*view 'transpose'"),
+    ([("w", (8, 24))], dict(matrix_views={"w": "transpose"}, fused_banks={"w": 2}),
+     r"fused bank 'w' .*view 'transpose'"),
 ])
 def test_bad_matrix_views_raise_at_construction(named, kwargs, match):
     params = [(n, _params([s])[0]) for n, s in named]
@@ -395,7 +396,9 @@ def test_bad_matrix_views_raise_at_construction(named, kwargs, match):
         Muon(params, **kwargs)
 
 
-def test_matrix_view_for_an_adamw_parameter_is_refused():
+def test_matrix_views_for_adamw_or_not_a_dict_are_refused():
     w, b = _params([(6, 24), (24,)])
     with pytest.raises(ValueError, match="matrix_views names 'b', which is in an AdamW group"):
         Muon([{"params": [("w", w)]}, {"params": [("b", b)], "algorithm": "adamw"}], matrix_views={"b": "matrix"})
+    with pytest.raises(TypeError, match="matrix_views must be a dict"):
+        Muon([("w", w)], matrix_views=["w"])
