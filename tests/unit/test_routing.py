@@ -185,6 +185,17 @@ def test_raw_router_goes_to_adamw_raw_bank_to_muon_and_include_forces_muon():
     assert "included by pattern '*.moe.router'" in _reasons(groups)["layers.1.moe.router"]
 
 
+def test_multihead_attention_input_projection_is_a_hidden_matrix():
+    # torch's attention keeps q, k, v stacked in a raw (3D, D) parameter, a hidden matrix all the same
+    model = nn.Module()
+    model.layers = nn.ModuleList(nn.MultiheadAttention(16, 2, add_bias_kv=True) for _ in range(2))
+    model.head = nn.Linear(16, 4)
+    groups, routes = _routes(model)
+    assert routes["layers.0.in_proj_weight"] == routes["layers.1.out_proj.weight"] == "muon"
+    assert routes["layers.0.in_proj_bias"] == routes["layers.0.bias_k"] == routes["head.weight"] == "adamw"
+    assert groups.views["layers.0.in_proj_weight"] == "matrix"
+
+
 def test_conv1d_routes_to_muon_with_the_transpose_view():
     groups, routes = _routes(TinyGPT2())
     assert routes["h.0.c_fc.weight"] == "muon" and routes["h.1.c_proj.weight"] == "muon"
