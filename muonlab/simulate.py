@@ -18,7 +18,7 @@ import torch
 from .comm.cost import get_profile, step_seconds
 from .comm.planner import REFERENCE_STRATEGIES, plan_batches, reference_plan
 from .comm.records import Plan, per_rank
-from .comm.specs import GroupKey, MatrixSpec, chunk_sizes, fused_row_layout
+from .comm.specs import GroupKey, MatrixSpec, check_view, chunk_sizes, default_view, fused_row_layout
 from .distributed.mesh import MeshAxis
 from .kernels.newton_schulz import NSConfig, ns_flops
 from .optim.routing import muon_param_groups
@@ -27,37 +27,50 @@ SIMULATED_STRATEGIES = ("muonlab",) + REFERENCE_STRATEGIES
 LAYOUTS = ("fsdp", "ddp")
 
 
-def muon_shapes(model: torch.nn.Module) -> list[tuple[str, tuple[int, ...]]]:
-    """(name, shape) of the parameters muon_param_groups routes to Muon."""
-    return [(r.name, r.shape) for r in muon_param_groups(model).routes if r.algorithm == "muon"]
+def muon_shapes(model: torch.nn.Module, **routing) -> list[tuple[str, tuple[int, ...], str]]:
+    """(name, shape, matrix view) of the parameters ``muon_param_groups(model, **routing)``
+    routes to Muon (``routing``: its exclude, include and conv options)."""
+    groups = muon_param_groups(model, **routing)
+    return [(r.name, r.shape, r.view) for r in groups.routes if r.algorithm == "muon"]
 
 
-def _named_shapes(params_or_shapes) -> list[tuple[str, tuple[int, ...]]]:
+def _named_shapes(params_or_shapes, matrix_views: dict[str, str] | None = None
+                  ) -> list[tuple[str, tuple[int, ...], str]]:
+    """(name, shape, view) triples from a model, or from shapes, (name, shape) or (name, shape, view)."""
     if isinstance(params_or_shapes, torch.nn.Module):
-        return muon_shapes(params_or_shapes)
-    if isinstance(params_or_shapes, dict):
+        items = muon_shapes(params_or_shapes)
+    elif isinstance(params_or_shapes, dict):
         items = list(params_or_shapes.items())
     else:
         items = list(params_or_shapes)
+    if not isinstance(matrix_views or {}, dict):
+        raise TypeError(f"matrix_views must be a dict {{name: view}}, got {type(matrix_views).__name__}")
+    views = dict(matrix_views or {})
     out = []
     for i, item in enumerate(items):
-        name, shape = item if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str) else (f"param{i}", item)
+        named = isinstance(item, tuple) and len(item) in (2, 3) and isinstance(item[0], str)
+        name, shape, view = (item + ("",))[:3] if named else (f"param{i}", item, "")
         shape = tuple(int(d) for d in shape)
         if len(shape) < 2:
             raise ValueError(f"Muon parameters need at least 2 dims; '{name}' has shape {shape}")
-        out.append((name, shape))
+        view = views.pop(name, view) or default_view(shape)
+        check_view(name, shape, view)
+        out.append((name, shape, view))
+    if views:
+        raise ValueError(f"matrix_views names {sorted(views)}, which are not among the Muon parameters")
     return out
 
 
-def mesh_specs(named_shapes: Iterable[tuple[str, tuple[int, ...]]], world: int, *, ep: int = 1,
+def mesh_specs(named_shapes: Iterable[tuple], world: int, *, ep: int = 1,
                layout: str = "fsdp", expert_mesh: bool | None = None,
                fused_banks: dict[str, int] | None = None) -> list[MatrixSpec]:
-    """The MatrixSpecs of a run: 2-D matrices sharded (fsdp) or replicated (ddp) over the world;
-    3-D+ banks (experts) split over ``ep`` ranks and sharded on the expert dim over the fsdp axis.
+    """The MatrixSpecs of a run: matrices sharded on dim 0 (fsdp) or replicated (ddp) over the
+    world; banks (experts) split over ``ep`` ranks and sharded on the expert dim over the fsdp axis.
 
-    Axis names and order follow muonlab.distributed (build_mesh, build_ep_mesh): the dense mesh
-    is 1-D "dp"; the expert mesh is ("fsdp", "ep") with ep innermost. ``expert_mesh`` (default:
-    ep > 1) puts the banks on that expert mesh even for ep=1, as apply_ep does.
+    ``named_shapes``: (name, shape) or (name, shape, view) (default view: ``default_view``). Axis
+    names and order follow muonlab.distributed (build_mesh, build_ep_mesh): the dense mesh is 1-D
+    "dp"; the expert mesh is ("fsdp", "ep") with ep innermost. ``expert_mesh`` (default: ep > 1)
+    puts the banks on that expert mesh even for ep=1, as apply_ep does.
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
@@ -70,25 +83,28 @@ def mesh_specs(named_shapes: Iterable[tuple[str, tuple[int, ...]]], world: int, 
     expert_mesh = ep > 1 if expert_mesh is None else expert_mesh
     experts = GroupKey(mesh_ranks=ranks, mesh_shape=(fsdp, ep), axis_name=MeshAxis.FSDP) if expert_mesh else dense
     specs = []
-    for i, (name, shape) in enumerate(named_shapes):
-        if len(shape) >= 3:
+    for i, item in enumerate(named_shapes):
+        name, shape = item[0], tuple(item[1])
+        view = (item[2] if len(item) > 2 else "") or default_view(shape)
+        if view == "bank":
             if shape[0] % ep:
                 raise ValueError(f"'{name}' has {shape[0]} experts, not divisible by ep={ep}")
             local = (shape[0] // ep,) + shape[1:]
             group = experts if layout == "fsdp" or ep > 1 else dense
             if layout == "ddp" and ep == 1:
-                specs.append(MatrixSpec(i, name, local, "replicated", dense))
+                specs.append(MatrixSpec(i, name, local, "replicated", dense, view=view))
             else:
-                specs.append(MatrixSpec(i, name, local, "whole", group, chunk_sizes(local[0], group.size)))
-        elif world == 1:
-            specs.append(MatrixSpec(i, name, shape, "whole", None, num_fused=fused.get(name, 1)))
+                specs.append(MatrixSpec(i, name, local, "whole", group, chunk_sizes(local[0], group.size), view=view))
+            continue
+        num_fused = fused.get(name, 1)
+        if world == 1:
+            specs.append(MatrixSpec(i, name, shape, "whole", None, num_fused=num_fused, view=view))
         elif layout == "ddp":
-            specs.append(MatrixSpec(i, name, shape, "replicated", dense, num_fused=fused.get(name, 1)))
-        elif name in fused:
-            specs.append(MatrixSpec(i, name, shape, fused_row_layout(shape[0], fused[name], world), dense,
-                                    chunk_sizes(shape[0], world), num_fused=fused[name]))
+            specs.append(MatrixSpec(i, name, shape, "replicated", dense, num_fused=num_fused, view=view))
         else:
-            specs.append(MatrixSpec(i, name, shape, "row_shard", dense, chunk_sizes(shape[0], world)))
+            row_layout = fused_row_layout(shape[0], num_fused, world) if num_fused > 1 else "row_shard"
+            specs.append(MatrixSpec(i, name, shape, row_layout, dense, chunk_sizes(shape[0], world),
+                                    num_fused=num_fused, view=view))
     return specs
 
 
@@ -104,6 +120,7 @@ def simulate(
     ns_form: str = "plain",
     remainder_path: str = "auto",
     fused_banks: dict[str, int] | None = None,
+    matrix_views: dict[str, str] | None = None,
 ) -> Plan:
     """The plan (records as ``Muon.plan()``) for these Muon matrices on a mesh.
 
@@ -114,6 +131,7 @@ def simulate(
         strategy: "muonlab", or a reference strategy: "padded_all_to_all", "xtuner".
         profile: hardware profile name or HardwareProfile (path choice under "auto").
         fused_banks: {name: E} for 2-D parameters stacking E matrices on dim 0 (as in Muon).
+        matrix_views: {name: view} overriding a parameter's matrix view (as in Muon).
     """
     if strategy not in SIMULATED_STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; choose one of {SIMULATED_STRATEGIES}")
@@ -127,8 +145,8 @@ def simulate(
             raise ValueError(f"mesh_shape must be W, (W,) or (fsdp, ep) like build_ep_mesh, got {tuple(mesh_shape)}")
         fsdp, ep = (int(d) for d in mesh_shape)
         world = ep * fsdp
-    specs = mesh_specs(_named_shapes(params_or_shapes), world, ep=ep, layout=layout, expert_mesh=expert_mesh,
-                       fused_banks=fused_banks)
+    specs = mesh_specs(_named_shapes(params_or_shapes, matrix_views), world, ep=ep, layout=layout,
+                       expert_mesh=expert_mesh, fused_banks=fused_banks)
     configs = [NSConfig(steps=ns_steps, form=ns_form)] * len(specs)
     itemsize = torch.empty(0, dtype=comm_dtype).element_size()
     if strategy == "muonlab":

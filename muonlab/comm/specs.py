@@ -12,6 +12,16 @@ between ranks: the global shape, how it is laid out over which group of ranks, a
 * ``subgroup``: a fused expert bank (E*M, N) row-sharded so that each expert spans W/E ranks:
   each sub-group of W/E ranks all-gathers its expert.
 * ``gather_all``: any other DTensor placement; handled by a padded full gather (the fallback).
+
+A parameter's MATRIX VIEW says how its tensor is read as matrices (``VIEWS``); the data is always
+moved and orthogonalized as stored, so only the lr ratio needs the (out, in) orientation:
+
+* ``matrix``: a 2-D (out, in) weight (nn.Linear).
+* ``transpose``: a 2-D weight stored (in, out) (transformers' Conv1D): orth(G^T) = orth(G)^T, so
+  it is orthogonalized as stored, but its lr ratio reads the transposed shape.
+* ``flatten``: a kernel (out, in, *k) read as ONE (out, in * prod(k)) matrix (Keller Jordan's Muon
+  on CIFAR flattens conv filters this way); sharded on dim 0 it is a row-sharded matrix.
+* ``bank``: a 3-D+ tensor whose leading dims index independent (out, in) matrices (experts).
 """
 
 from __future__ import annotations
@@ -28,6 +38,27 @@ except ImportError:  # pragma: no cover - torch without distributed
     DTensor = Replicate = Shard = None  # type: ignore[assignment,misc]
 
 LAYOUTS = ("whole", "row_shard", "subgroup", "replicated", "gather_all")
+VIEWS = ("matrix", "transpose", "flatten", "bank")
+
+
+def default_view(shape: tuple[int, ...]) -> str:
+    """The view of a parameter nobody declared one for: 2-D "matrix", 3-D "bank", 4-D+ "flatten"
+    (a 4-D parameter is far more often a conv kernel than a bank of banks)."""
+    return "matrix" if len(shape) == 2 else "bank" if len(shape) == 3 else "flatten"
+
+
+def check_view(name: str, shape: tuple[int, ...], view: str, num_fused: int = 1) -> None:
+    """ValueError naming the parameter unless ``view`` can read a tensor of ``shape``."""
+    if view not in VIEWS:
+        raise ValueError(f"parameter '{name}' of shape {shape} has unknown matrix view {view!r}; "
+                         f"choose one of {VIEWS}")
+    two_d = view in ("matrix", "transpose")
+    if (len(shape) != 2) if two_d else (len(shape) < 3):
+        raise ValueError(f"parameter '{name}' of shape {shape} can't take matrix view {view!r}, which "
+                         f"needs {'exactly 2' if two_d else 'at least 3'} dims")
+    if num_fused > 1 and (view != "matrix" or shape[0] % num_fused):
+        raise ValueError(f"fused bank '{name}' of shape {shape} must be 2-D with view 'matrix' and rows "
+                         f"divisible by {num_fused}, got view {view!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,17 +125,32 @@ class MatrixSpec:
     """The tensor dim the group shards (gather_all may shard any dim)."""
     num_fused: int = 1
     """Matrices stacked along dim 0 of a 2-D parameter (a fused expert bank (E*M, N)), else 1."""
+    view: str = ""
+    """How the tensor reads as matrices (one of ``VIEWS``; empty: ``default_view(shape)``)."""
+
+    def __post_init__(self):
+        if not self.view:
+            object.__setattr__(self, "view", default_view(self.shape))
+        check_view(self.name, self.shape, self.view, self.num_fused)
 
     @property
     def matrix_shape(self) -> tuple[int, int]:
+        """One matrix as stored, the shape the paths move and orthogonalize."""
+        if self.view == "flatten":
+            return self.shape[0], _prod(self.shape[1:])
         return self.shape[-2] // self.num_fused, self.shape[-1]
 
     @property
+    def lr_shape(self) -> tuple[int, int]:
+        """One matrix as (out, in), the shape the lr ratio reads."""
+        rows, cols = self.matrix_shape
+        return (cols, rows) if self.view == "transpose" else (rows, cols)
+
+    @property
     def num_matrices(self) -> int:
-        n = self.num_fused
-        for d in self.shape[:-2]:
-            n *= d
-        return n
+        if self.view == "flatten":
+            return 1
+        return self.num_fused * _prod(self.shape[:-2])
 
     def matrix_sources(self) -> list[int]:
         """Group-local rank holding each matrix, for layouts whose shards are whole matrices."""
@@ -117,6 +163,13 @@ class MatrixSpec:
             entry = m * self.shape[0] // self.num_matrices  # the dim-0 entry where matrix m starts
             out.append(holders[bisect.bisect_right(starts, entry) - 1])
         return out
+
+
+def _prod(dims) -> int:
+    n = 1
+    for d in dims:
+        n *= int(d)
+    return n
 
 
 def chunk_sizes(dim_size: int, parts: int) -> tuple[int, ...]:
@@ -168,43 +221,51 @@ def fused_row_layout(num_rows: int, num_fused: int, size: int) -> str:
     return "gather_all"
 
 
-def matrix_spec(index: int, name: str, p: torch.Tensor, replicate_group=None, num_fused: int = 1) -> MatrixSpec:
+def matrix_spec(index: int, name: str, p: torch.Tensor, replicate_group=None, num_fused: int = 1,
+                view: str = "") -> MatrixSpec:
     """The layout of parameter ``p`` from its own metadata.
 
     ``replicate_group``: the process group a plain tensor is replicated over (None: not
     distributed, or a single rank). ``num_fused``: matrices stacked on dim 0 of a 2-D bank.
+    ``view``: how ``p`` reads as matrices (default: ``default_view`` of its shape).
     """
     shape = tuple(p.shape)
-    if num_fused > 1 and (len(shape) != 2 or shape[0] % num_fused):
-        raise ValueError(f"fused bank '{name}' of shape {shape} must be 2-D with rows divisible by {num_fused}")
+    view = view or default_view(shape)
+    check_view(name, shape, view, num_fused)
+    layout, group, rows, shard_dim = _layout(name, p, shape, replicate_group, num_fused, view)
+    return MatrixSpec(index, name, shape, layout, group, rows, shard_dim, num_fused, view)
+
+
+def _layout(name: str, p: torch.Tensor, shape: tuple[int, ...], replicate_group, num_fused: int,
+            view: str) -> tuple[str, GroupKey | None, tuple[int, ...], int]:
+    """(layout, group, rows, shard dim) of ``p``: see the module docstring."""
     if DTensor is not None and isinstance(p, DTensor):
         mesh, placements = p.device_mesh, p.placements
         sharded = [(i, pl) for i, pl in enumerate(placements) if not isinstance(pl, Replicate)]
         if not sharded and mesh.ndim == 1:
             # replicated like DDP: each matrix gets one owner instead of redundant NS everywhere
-            return MatrixSpec(index, name, shape, "replicated", group_key_for_mesh(mesh, 0))
+            return "replicated", group_key_for_mesh(mesh, 0), (), 0
         if len(sharded) == 1 and isinstance(sharded[0][1], Shard):
             mesh_dim, dim = sharded[0][0], sharded[0][1].dim
             key = group_key_for_mesh(mesh, mesh_dim)
             if key.size == 1:  # a one-rank axis holds everything: nothing to move
-                return MatrixSpec(index, name, shape, "whole", None, num_fused=num_fused)
+                return "whole", None, (), 0
             rows = chunk_sizes(shape[dim], key.size)
             if dim == 0 and num_fused > 1:
-                layout = fused_row_layout(shape[0], num_fused, key.size)
-                return MatrixSpec(index, name, shape, layout, key, rows, num_fused=num_fused)
+                return fused_row_layout(shape[0], num_fused, key.size), key, rows, 0
             if dim == 0:
-                # 2-D: every rank holds rows of the matrix; 3-D+: whole matrices (experts)
-                layout = "row_shard" if len(shape) == 2 else "whole"
-                return MatrixSpec(index, name, shape, layout, key, rows)
-            return MatrixSpec(index, name, shape, "gather_all", key, rows, shard_dim=dim)
+                # a bank's dim 0 indexes whole matrices (experts); any other view's dim 0 is rows
+                # of its one matrix, a flattened conv kernel's included
+                return ("whole" if view == "bank" else "row_shard"), key, rows, 0
+            return "gather_all", key, rows, dim
         raise ValueError(
             f"Muon parameter '{name}' of shape {shape} has placements {tuple(placements)} on mesh "
             f"{tuple(mesh.mesh.shape)}; supported: one Shard(dim) on one mesh axis (others Replicate), "
             "or Replicate on a 1-D mesh"
         )
     if replicate_group is not None and dist.get_world_size(replicate_group) > 1:
-        return MatrixSpec(index, name, shape, "replicated", group_key_for_pg(replicate_group), num_fused=num_fused)
-    return MatrixSpec(index, name, shape, "whole", None, num_fused=num_fused)
+        return "replicated", group_key_for_pg(replicate_group), (), 0
+    return "whole", None, (), 0
 
 
 def process_group_for(p: torch.Tensor, spec: MatrixSpec, replicate_group) -> tuple[object, int]:

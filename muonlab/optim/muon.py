@@ -22,7 +22,7 @@ from ..comm.engine import execute_plan
 from ..comm.paths.subgroup import ranks_per_expert, subgroups_for
 from ..comm.planner import REMAINDER_PATHS, STRATEGIES, plan_batches
 from ..comm.records import BatchPlan, Plan
-from ..comm.specs import MatrixSpec, matrix_spec, process_group_for
+from ..comm.specs import MatrixSpec, check_view, matrix_spec, process_group_for
 from ..kernels.newton_schulz import NSConfig, resolve_coefficients
 from ..trace import Span, Tracer
 from . import functional as F
@@ -128,8 +128,11 @@ class Muon(Optimizer):
     Each parameter group carries ``"algorithm": "muon" | "adamw"`` (default "muon"). Muon groups
     take ``lr, momentum, nesterov, weight_decay, ns_steps, ns_coefficients, eps, adjust_lr,
     momentum_form``; AdamW groups take ``lr, betas, eps, weight_decay`` and fall back to the
-    ``adamw_*`` arguments. Muon parameters must be at least 2-D: the last two dims are one matrix,
-    leading dims are independent matrices (experts). Same-shape matrices are orthogonalized
+    ``adamw_*`` arguments. Muon parameters must be at least 2-D; each has a matrix view (see
+    muonlab.comm.specs), from ``muon_param_groups`` or ``matrix_views``, else by its shape: 2-D
+    "matrix" (out, in); 3-D "bank" (leading dims index independent matrices, e.g. experts); 4-D+
+    "flatten" (a conv kernel (out, in, *k) is one (out, in * prod(k)) matrix: a 4-D parameter is
+    far more often a conv kernel than a bank of banks). Same-shape matrices are orthogonalized
     together in one batched Newton-Schulz chain.
 
     ``params`` may be tensors, ``(name, tensor)`` pairs (e.g. ``model.named_parameters()``) or
@@ -162,6 +165,10 @@ class Muon(Optimizer):
             "h100_node" with CUDA, else "cpu_gloo").
         fused_banks: {parameter name: E} for 2-D parameters that stack E matrices on dim 0 (a
             fused expert bank (E*M, N)); each is orthogonalized as E separate matrices.
+        matrix_views: {parameter name: "matrix" | "transpose" | "flatten" | "bank"} for Muon
+            parameters whose view differs from their shape's default, e.g. "transpose" for a 2-D
+            weight stored (in, out): orthogonalized as stored, its lr ratio reads (out, in).
+            Overrides the views ``muon_param_groups`` declared.
         nonfinite: an inf or NaN in any gradient on any rank makes every rank "skip" the step
             (decided together by one all-reduce; parameters and state untouched, counted in
             ``skipped_steps`` and ``last_step_stats()``), "raise" a ValueError naming the
@@ -200,6 +207,7 @@ class Muon(Optimizer):
         hardware_profile=None,
         nonfinite: str = "skip",
         fused_banks: dict[str, int] | None = None,
+        matrix_views: dict[str, str] | None = None,
     ):
         NSConfig(dtype=ns_dtype, form=ns_form, backend=ns_backend)  # raises on a bad ns_* setting
         self._muon_defaults = dict(
@@ -220,6 +228,7 @@ class Muon(Optimizer):
                           fused_banks)
         self.skipped_steps = 0
         self._names: dict[torch.Tensor, str] = {}
+        self._views: dict[str, str] = {}
         self._plans: dict[tuple, tuple] = {}
         self._tracer = Tracer(rank=dist.get_rank() if _dist_on() else 0)
         self._stats: dict = {}
@@ -236,6 +245,7 @@ class Muon(Optimizer):
         for p, name in self._names.items():
             if name in self.fused_banks:
                 matrix_spec(-1, name, p, None, self.fused_banks[name])  # validates the shape
+        self._check_views(matrix_views or {})
 
     def _set_options(self, process_group, comm_dtype, remainder_path, strategy, nonfinite, hardware_profile,
                      fused_banks) -> None:
@@ -271,6 +281,7 @@ class Muon(Optimizer):
         if isinstance(params, torch.Tensor):
             raise TypeError("params must be an iterable of tensors, (name, tensor) pairs or dicts, not a Tensor")
         self._names.update(getattr(params, "names", {}))  # from muon_param_groups
+        self._views.update(getattr(params, "views", {}))
         items = list(params)
         if not items:
             raise ValueError("Muon got an empty parameter list")
@@ -315,6 +326,28 @@ class Muon(Optimizer):
             tensors.append(p)
         group["params"] = tensors
         group.pop("param_names", None)
+
+    def _check_views(self, declared: dict[str, str]) -> None:
+        """Declared views override the groups' ones; each must name a Muon parameter and be able to
+        read its shape, or construction fails here, before any step."""
+        if not isinstance(declared, dict):
+            raise TypeError(f"matrix_views must be a dict {{parameter name: view}}, got {type(declared).__name__}")
+        self._views.update(declared)
+        muon = {self._names.get(p): p for g in self.param_groups if g["algorithm"] == "muon" for p in g["params"]}
+        adamw = {self._names.get(p) for g in self.param_groups if g["algorithm"] == "adamw" for p in g["params"]}
+        for name in declared:
+            if name in adamw:
+                raise ValueError(f"matrix_views names '{name}', which is in an AdamW group: views are for Muon")
+            if name not in muon:
+                raise ValueError(f"matrix_views names '{name}', which is not a parameter of this optimizer "
+                                 "(pass named parameters or muon_param_groups(model))")
+        for name, p in muon.items():
+            if name in self._views:
+                check_view(name, tuple(p.shape), self._views[name], self.fused_banks.get(name, 1))
+
+    def _view_of(self, p: torch.Tensor) -> str:
+        """The declared matrix view of ``p``, or "" for its shape's default."""
+        return self._views.get(self._names.get(p), "")
 
     def param_name(self, p: torch.Tensor) -> str | None:
         """The name given at construction (from named_parameters), or None."""
@@ -614,7 +647,7 @@ class Muon(Optimizer):
             for i in indices:
                 group, p = entries[i]
                 name = self._names.get(p, f"param{i}")
-                spec = matrix_spec(i, name, p, replicate, self.fused_banks.get(name, 1))
+                spec = matrix_spec(i, name, p, replicate, self.fused_banks.get(name, 1), self._view_of(p))
                 specs.append(spec)
                 if spec.group not in groups:
                     groups[spec.group] = process_group_for(p, spec, replicate)
@@ -646,7 +679,7 @@ class Muon(Optimizer):
         """
         if not _dist_on() or dist.get_world_size() == 1:
             return
-        mine = [(s.name, s.shape, s.layout, s.num_fused, c) for s, c in zip(specs, configs)]
+        mine = [(s.name, s.shape, s.layout, s.num_fused, c, s.view) for s, c in zip(specs, configs)]
         sums = [_checksum(p) if s.layout == "replicated" else None for s, p in zip(specs, params)]
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, (mine, sums))
@@ -746,7 +779,7 @@ class Muon(Optimizer):
                 group, p = entries[i]
                 F.muon_apply_(
                     [_local(p)], [outputs[i]], lr=float(group["lr"]), weight_decay=group["weight_decay"],
-                    ratios=[F.adjust_lr_ratio(specs[i].matrix_shape, group["adjust_lr"])],
+                    ratios=[F.adjust_lr_ratio(specs[i].lr_shape, group["adjust_lr"])],
                 )
         phases["update"] = span.duration
 

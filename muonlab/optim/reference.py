@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from ..comm.specs import MatrixSpec
 from ..kernels.reference import reference_newton_schulz
 from .functional import adjust_lr_ratio
 
@@ -28,9 +29,13 @@ def reference_muon_step(
     adjust_lr: str | None,
     momentum_form: str,
     ns_dtype: torch.dtype = torch.float32,
+    views: list[str] | None = None,
 ) -> None:
-    """One Muon step on full (unsharded) tensors; 3-D tensors are lists of matrices."""
-    for p, g, buf in zip(params, grads, bufs):
+    """One Muon step on full (unsharded) tensors, each read as matrices by its view (one of
+    muonlab.comm.specs.VIEWS; default by shape, as in Muon): a bank is a list of matrices."""
+    views = views or [""] * len(params)
+    for p, g, buf, view in zip(params, grads, bufs, views):
+        spec = MatrixSpec(0, "reference", tuple(p.shape), "whole", None, view=view)
         g = g.float()
         if momentum_form == "ema":
             buf.copy_(buf + (1 - momentum) * (g - buf))
@@ -38,10 +43,10 @@ def reference_muon_step(
         else:
             buf.copy_(momentum * buf + g)
             u = g + momentum * buf if nesterov else buf.clone()
-        matrices = u.reshape(-1, *u.shape[-2:])
+        matrices = u.reshape(-1, *spec.matrix_shape)
         ortho = torch.stack([
             reference_newton_schulz(m, ns_steps, ns_coefficients, eps, ns_dtype).float() for m in matrices
         ]).reshape(u.shape)
-        ratio = adjust_lr_ratio(p.shape[-2:], adjust_lr)
+        ratio = adjust_lr_ratio(spec.lr_shape, adjust_lr)
         p.mul_(1 - lr * weight_decay)
         p.add_(ortho.to(p.dtype), alpha=-lr * ratio)

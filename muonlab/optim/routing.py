@@ -1,8 +1,26 @@
-"""Which parameters Muon orthogonalizes and which go to AdamW.
+"""Which parameters Muon orthogonalizes, which go to AdamW, and how Muon reads each as matrices.
 
-Muon is for hidden matrices: Linear weights and 3-D expert banks. Embeddings, the output head (a
-lookup table read backwards), norms and biases go to AdamW (Keller Jordan's Muon post; Moonlight).
-The decision is made by module type and shape, plus user name patterns, never by fixed names.
+Muon is for hidden matrices. Embeddings, the output head (a lookup table read backwards), norms and
+biases go to AdamW (Keller Jordan's Muon post; Moonlight). The decision is made by module type,
+plus one rule for raw parameters and user name patterns, never by fixed names. The first rule
+that applies decides, and ``ParamGroups.table()`` shows each decision with its reason:
+
+1. ``exclude`` patterns -> AdamW; ``include`` patterns -> Muon (any parameter of 2+ dims); 1-D
+   tensors (norm scales, biases) -> AdamW; nn.Embedding tables, and anything tied to one -> AdamW.
+2. The output head -> AdamW: the LAST nn.Linear or transformers Conv1D of the model, in module
+   registration order, that is not inside an nn.ModuleList (the repeated blocks): lm_head,
+   classifier, score, a CNN's final fc; and the last Linear shaped like an embedding. A bare
+   backbone whose Linears all live in a ModuleList has no head.
+3. nn.Linear (and nn.MultiheadAttention's input projections) -> Muon, view "matrix";
+   transformers' Conv1D, which stores its weight (in, out) -> Muon, view "transpose".
+4. Convolution kernels -> AdamW by default; ``conv="muon"`` sends them to Muon, view "flatten"
+   (one (out, in * prod(kernel)) matrix per kernel).
+5. Raw parameters (owned by any other module, e.g. an nn.Parameter attribute): a tensor with a
+   dim of size 1 -> AdamW (class tokens, position tables); 2-D -> AdamW (routers, position tables,
+   learned queries: hidden matrices live in Linear layers); 3-D+ -> Muon, view "bank" (expert
+   banks, one matrix per leading index).
+
+The views (see muonlab.comm.specs) travel to ``Muon`` through ``ParamGroups.views``.
 """
 
 from __future__ import annotations
@@ -13,6 +31,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+
+CONV_ROUTES = ("adamw", "muon")
 
 
 def flat_shard_origin(p: torch.Tensor) -> str | None:
@@ -43,18 +63,26 @@ class Route:
     shape: tuple[int, ...]
     algorithm: str
     reason: str
+    view: str = ""
+    """How Muon reads the tensor as matrices (muonlab.comm.specs.VIEWS); empty for AdamW."""
 
 
 class ParamGroups(list):
     """A list of parameter-group dicts (no names inside) that also knows where each name went.
 
-    ``Muon`` reads ``names`` for its error messages and diagnostics; ``table()`` is for notebooks.
+    ``Muon`` reads ``names`` for its error messages and diagnostics and ``views`` for how each
+    Muon parameter reads as matrices; ``table()`` is for notebooks.
     """
 
     def __init__(self, groups: list[dict], routes: list[Route], names: dict[torch.Tensor, str]):
         super().__init__(groups)
         self.routes = routes
         self.names = names
+
+    @property
+    def views(self) -> dict[str, str]:
+        """{name: matrix view} of every Muon parameter."""
+        return {r.name: r.view for r in self.routes if r.algorithm == "muon"}
 
     def table(self) -> str:
         width = max((len(r.name) for r in self.routes), default=4)
@@ -70,50 +98,131 @@ class ParamGroups(list):
         return out
 
 
-def _route(module: nn.Module, p: torch.Tensor, embeddings: list[torch.Tensor], head: nn.Module | None,
-           full_name: str, exclude: Sequence[str]) -> tuple[str, str]:
-    for pattern in exclude:
+def is_transformers_conv1d(module: nn.Module) -> bool:
+    """transformers.pytorch_utils.Conv1D (GPT-2's layers): a Linear whose weight is stored (in, out).
+
+    Recognised by class name and its (nx, nf) layout, so transformers need not be installed.
+    """
+    if not any(cls.__name__ == "Conv1D" for cls in type(module).__mro__):
+        return False
+    weight = getattr(module, "weight", None)
+    nx, nf = getattr(module, "nx", None), getattr(module, "nf", None)
+    return isinstance(weight, torch.Tensor) and tuple(weight.shape) == (nx, nf)
+
+
+def _is_matrix_layer(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) or is_transformers_conv1d(module)
+
+
+def _heads(model: nn.Module) -> dict[nn.Module, str]:
+    """The output head(s) (rule 2), each with its reason."""
+    embeddings = [m.weight.shape for m in model.modules() if isinstance(m, nn.Embedding)]
+    repeated = [name + "." for name, m in model.named_modules() if isinstance(m, nn.ModuleList)]
+    outside = [m for name, m in model.named_modules()
+               if _is_matrix_layer(m) and not any(name.startswith(prefix) for prefix in repeated)]
+    # Earlier Linears can match an embedding's shape by accident in small models (an MLP of
+    # width == vocab), so only the last one counts.
+    shaped = [m for m in model.modules() if isinstance(m, nn.Linear) and m.weight.shape in embeddings]
+    heads = {}
+    if outside:
+        heads[outside[-1]] = "output head (last Linear/Conv1D outside repeated blocks)"
+    if shaped:
+        heads[shaped[-1]] = "output head (last Linear shaped like an embedding)"
+    return heads
+
+
+def _view(module: nn.Module, p: torch.Tensor) -> str:
+    """How the module's own layout reads ``p`` as matrices (rule 3, 4 and 5's views)."""
+    if is_transformers_conv1d(module) and p is module.weight:
+        return "transpose"
+    if isinstance(module, nn.modules.conv._ConvNd):
+        return "flatten"
+    return "matrix" if p.ndim == 2 else "bank"
+
+
+def _describe(view: str, shape: tuple[int, ...]) -> str:
+    if view == "transpose":
+        return "hidden matrix stored (in, out): lr ratio from (out, in)"
+    if view == "flatten":
+        inner = 1
+        for d in shape[1:]:
+            inner *= d
+        return f"read as one ({shape[0]}, {inner}) matrix"
+    if view == "bank":
+        banks = 1
+        for d in shape[:-2]:
+            banks *= d
+        return f"bank of {banks} matrices"
+    return "hidden matrix"
+
+
+def _by_module(module: nn.Module, p: torch.Tensor, conv: str) -> tuple[str, str]:
+    """Rules 3 to 5: the module's type decides, or for raw parameters the tensor's shape."""
+    view, shape = _view(module, p), tuple(p.shape)
+    if isinstance(module, nn.Linear) or is_transformers_conv1d(module) or (
+            isinstance(module, nn.MultiheadAttention) and p.ndim == 2):
+        return "muon", _describe(view, shape)
+    if isinstance(module, nn.modules.conv._ConvNd):
+        if conv == "muon":
+            return "muon", f"convolution kernel {_describe(view, shape)}"
+        return "adamw", "convolution kernel (conv='muon' sends it to Muon)"
+    if 1 in shape:
+        return "adamw", "raw parameter with a dim of size 1 (a token or position table)"
+    if p.ndim == 2:
+        return "adamw", "raw 2-D parameter (router, position table or learned queries; include= sends it to Muon)"
+    return "muon", _describe(view, shape)
+
+
+def _route(module: nn.Module, p: torch.Tensor, full_name: str, ctx: dict) -> tuple[str, str]:
+    """(algorithm, reason) for one parameter: the rules of the module docstring, in order."""
+    for pattern in ctx["exclude"]:
         if fnmatch.fnmatchcase(full_name, pattern):
             return "adamw", f"excluded by pattern {pattern!r}"
-    if isinstance(module, nn.Embedding):
-        return "adamw", "embedding table"
+    for pattern in ctx["include"]:
+        if fnmatch.fnmatchcase(full_name, pattern):
+            if p.ndim < 2:
+                raise ValueError(f"include pattern {pattern!r} matches '{full_name}' of shape {tuple(p.shape)}, "
+                                 "which has fewer than 2 dims: Muon needs matrices")
+            return "muon", f"included by pattern {pattern!r}, {_describe(_view(module, p), tuple(p.shape))}"
     if p.ndim < 2:
         return "adamw", "1-D (norm scale or bias)"
-    if isinstance(module, nn.modules.conv._ConvNd):
-        return "adamw", "convolution kernel"
-    if any(p is e for e in embeddings):
+    if isinstance(module, nn.Embedding):
+        return "adamw", "embedding table"
+    if any(p is e for e in ctx["embeddings"]):
         return "adamw", "tied to an embedding"
-    if module is head:
-        return "adamw", "output head (last Linear shaped like an embedding)"
-    if p.ndim >= 3:
-        return "muon", f"bank of {p[..., 0, 0].numel()} matrices"
-    return "muon", "hidden matrix"
+    if module in ctx["heads"]:
+        return "adamw", ctx["heads"][module]
+    return _by_module(module, p, ctx["conv"])
 
 
-def muon_param_groups(
-    model: nn.Module,
-    *,
-    adamw_lr: float | None = None,
-    exclude: Sequence[str] = (),
-) -> ParamGroups:
-    """Split ``model``'s trainable parameters into a Muon group and an AdamW group.
+def _patterns(option: str, patterns) -> tuple[str, ...]:
+    if isinstance(patterns, str):
+        patterns = (patterns,)
+    patterns = tuple(patterns)
+    for pattern in patterns:
+        if not isinstance(pattern, str):
+            raise TypeError(f"{option} patterns must be strings, got {type(pattern).__name__} {pattern!r}")
+    return patterns
 
-    Args:
-        model: any nn.Module.
-        adamw_lr: lr of the AdamW group (default: Muon's ``adamw_lr``).
-        exclude: fnmatch patterns on parameter names forced to AdamW (e.g. ``"*.router.*"``).
-    """
-    if isinstance(exclude, str):
-        exclude = (exclude,)
-    embeddings = [m.weight for m in model.modules() if isinstance(m, nn.Embedding)]
-    # The output head reads the vocabulary back out: the LAST Linear shaped like an embedding
-    # (earlier ones can match by accident in small models, e.g. an MLP of width == vocab).
-    heads = [m for m in model.modules()
-             if isinstance(m, nn.Linear) and any(m.weight.shape == e.shape for e in embeddings)]
-    head = heads[-1] if heads else None
-    routes, names = [], {}
-    buckets: dict[str, list[torch.Tensor]] = {"muon": [], "adamw": []}
-    seen: set[int] = set()
+
+def _check_patterns(exclude: tuple[str, ...], include: tuple[str, ...], names: list[str]) -> None:
+    """Every pattern must match a parameter, and none both ways: a typo must not pass silently."""
+    for option, patterns in (("exclude", exclude), ("include", include)):
+        for pattern in patterns:
+            if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
+                raise ValueError(f"{option} pattern {pattern!r} matches no trainable parameter "
+                                 f"(names look like {names[:3]})")
+    for name in names:
+        ex = [p for p in exclude if fnmatch.fnmatchcase(name, p)]
+        inc = [p for p in include if fnmatch.fnmatchcase(name, p)]
+        if ex and inc:
+            raise ValueError(f"parameter '{name}' matches both exclude pattern {ex[0]!r} and include "
+                             f"pattern {inc[0]!r}")
+
+
+def _owned_parameters(model: nn.Module) -> list[tuple[str, nn.Module, torch.Tensor]]:
+    """(full name, owning module, parameter) of each trainable parameter, tied ones once."""
+    out, seen = [], set()
     for mod_name, module in model.named_modules():
         for pname, p in module.named_parameters(recurse=False):
             if id(p) in seen or not p.requires_grad:
@@ -121,10 +230,44 @@ def muon_param_groups(
             seen.add(id(p))
             full = f"{mod_name}.{pname}" if mod_name else pname
             check_not_flat(p, full)
-            algorithm, reason = _route(module, p, embeddings, head, full, exclude)
-            buckets[algorithm].append(p)
-            names[p] = full
-            routes.append(Route(full, tuple(p.shape), algorithm, reason))
+            out.append((full, module, p))
+    return out
+
+
+def muon_param_groups(
+    model: nn.Module,
+    *,
+    adamw_lr: float | None = None,
+    exclude: Sequence[str] = (),
+    include: Sequence[str] = (),
+    conv: str = "adamw",
+) -> ParamGroups:
+    """Split ``model``'s trainable parameters into a Muon group and an AdamW group (the rules
+    are in this module's docstring; ``.table()`` shows each decision and why).
+
+    Args:
+        model: any nn.Module.
+        adamw_lr: lr of the AdamW group (default: Muon's ``adamw_lr``).
+        exclude: fnmatch patterns on parameter names forced to AdamW (e.g. ``"*.router.*"``).
+        include: fnmatch patterns on parameter names (2+ dims) forced to Muon (e.g. a raw router).
+        conv: "adamw" (default) or "muon": where convolution kernels go; in Muon each kernel
+            (out, in, *k) is orthogonalized as one (out, in * prod(k)) matrix.
+    """
+    if conv not in CONV_ROUTES:
+        raise ValueError(f"conv must be one of {CONV_ROUTES}, got {conv!r}")
+    exclude, include = _patterns("exclude", exclude), _patterns("include", include)
+    params = _owned_parameters(model)
+    _check_patterns(exclude, include, [name for name, _, _ in params])
+    ctx = dict(exclude=exclude, include=include, conv=conv, heads=_heads(model),
+               embeddings=[m.weight for m in model.modules() if isinstance(m, nn.Embedding)])
+    routes, names = [], {}
+    buckets: dict[str, list[torch.Tensor]] = {"muon": [], "adamw": []}
+    for full, module, p in params:
+        algorithm, reason = _route(module, p, full, ctx)
+        buckets[algorithm].append(p)
+        names[p] = full
+        view = _view(module, p) if algorithm == "muon" else ""
+        routes.append(Route(full, tuple(p.shape), algorithm, reason, view))
     groups = []
     if buckets["muon"]:
         groups.append({"params": buckets["muon"], "algorithm": "muon"})

@@ -495,3 +495,127 @@ def test_torch_coefficient_triple_steps_like_the_preset():
                 p.grad = g.clone()
             o.step()
     assert all(torch.equal(p, q) for p, q in zip(a, b))
+
+
+# ---------------------------------------------------------------- matrix views
+
+VIEW_HYPER = dict(lr=0.1, momentum=0.0, nesterov=False, weight_decay=0.0, ns_dtype=torch.float32)
+
+
+def _one_step(named, seed=0, **kw):
+    """One momentum-free Muon step on (name, param) pairs with random grads; the optimizer and
+    {name: (param before, grad)}."""
+    gen = torch.Generator().manual_seed(seed)
+    opt = Muon(named, **VIEW_HYPER, **kw)
+    before = {}
+    for n, p in named:
+        p.grad = torch.randn(p.shape, generator=gen)
+        before[n] = (p.detach().clone(), p.grad.clone())
+    opt.step()
+    return opt, before
+
+
+def _ortho(m):
+    return reference_newton_schulz(m, 5, "keller", 1e-7, torch.float32)
+
+
+def test_conv_kernel_in_a_muon_group_is_one_flattened_matrix():
+    kernel = _params([(16, 3, 3, 3)])[0]  # 16 filters over 3 x 3 x 3 inputs: one (16, 27) matrix
+    opt, before = _one_step([("conv.weight", kernel)])
+    start, grad = before["conv.weight"]
+    want = start - 0.1 * _ortho(grad.reshape(16, 27)).reshape(grad.shape)  # (16, 27): ratio 1
+    torch.testing.assert_close(kernel.detach(), want, rtol=1e-5, atol=1e-6)
+    (batch,) = opt.plan()
+    assert (batch.matrix_shape, batch.num_matrices) == ((16, 27), 1)
+
+
+def test_conv_kernels_routed_with_conv_muon_flatten_in_the_plan():
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.Conv2d(8, 8, 3), torch.nn.Linear(4, 5),
+                                torch.nn.Linear(5, 2))
+    opt = Muon(muon_param_groups(model, conv="muon"))
+    shapes = sorted((b.matrix_shape, b.num_matrices) for b in opt.plan())
+    assert shapes == [((5, 4), 1), ((8, 27), 1), ((8, 72), 1)]
+
+
+@pytest.mark.parametrize("adjust_lr", ["original", "match_rms_adamw", "spectral", None])
+def test_transposed_view_orthogonalizes_as_stored_with_the_out_in_ratio(adjust_lr):
+    # a (in, out) = (6, 24) weight under "transpose" must move exactly like its (24, 6) transpose
+    stored, plain = _params([(6, 24)])[0], _params([(24, 6)])[0]
+    with torch.no_grad():
+        plain.copy_(stored.T)
+    _one_step([("stored", stored)], matrix_views={"stored": "transpose"}, adjust_lr=adjust_lr)
+    _, before = _one_step([("plain", plain)], adjust_lr=adjust_lr)
+    # the same gradient, transposed: rebuild it from the stored run's seed
+    gen = torch.Generator().manual_seed(0)
+    grad = torch.randn((6, 24), generator=gen)
+    start = before["plain"][0]
+    ratio = {"original": 2.0, "match_rms_adamw": 0.2 * 24 ** 0.5, "spectral": 2.0, None: 1.0}[adjust_lr]
+    want = start.T - 0.1 * ratio * _ortho(grad)
+    torch.testing.assert_close(stored.detach(), want, rtol=1e-5, atol=1e-6)
+
+
+def _tiny_gpt2():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_embd=16, n_layer=1, n_head=2, vocab_size=32, n_positions=8))
+
+
+@pytest.mark.parametrize("adjust_lr, c_fc, c_proj", [("original", 2.0, 1.0), ("spectral", 2.0, 0.5)])
+def test_transformers_conv1d_gets_the_ratio_of_its_out_in_shape(adjust_lr, c_fc, c_proj):
+    model = _tiny_gpt2()
+    opt = Muon(muon_param_groups(model), **VIEW_HYPER, adjust_lr=adjust_lr)
+    mlp = model.transformer.h[0].mlp  # c_fc: 16 -> 64, stored (16, 64); c_proj: 64 -> 16
+    gen = torch.Generator().manual_seed(0)
+    layers = {"c_fc": mlp.c_fc.weight, "c_proj": mlp.c_proj.weight}
+    grads = {n: torch.randn(p.shape, generator=gen) for n, p in layers.items()}
+    starts = {n: p.detach().clone() for n, p in layers.items()}
+    for n, p in layers.items():
+        p.grad = grads[n].clone()
+    opt.step()
+    for n, want in (("c_fc", c_fc), ("c_proj", c_proj)):
+        moved = (starts[n] - layers[n].detach()) / 0.1
+        torch.testing.assert_close(moved, want * _ortho(grads[n]), rtol=1e-4, atol=1e-5)
+
+
+def test_views_match_the_readable_reference():
+    shapes = [(8, 3, 3, 3), (6, 24), (3, 16, 32), (2, 2, 5, 4)]
+    views = ["flatten", "transpose", "bank", "bank"]
+    ours, ref = _params(shapes), _params(shapes)
+    hyper = dict(lr=0.01, momentum=0.9, nesterov=True, weight_decay=0.1, ns_steps=5, ns_coefficients="keller",
+                 eps=1e-7, adjust_lr="spectral", momentum_form="ema")
+    names = [f"p{i}" for i in range(len(shapes))]
+    opt = Muon(list(zip(names, ours)), ns_dtype=torch.float32, matrix_views={"p1": "transpose", "p3": "bank"},
+               **hyper)
+    assert {b.names: (b.matrix_shape, b.num_matrices) for b in opt.plan()} == {
+        ("p0",): ((8, 27), 1), ("p1",): ((6, 24), 1), ("p2",): ((16, 32), 3), ("p3",): ((5, 4), 4)}
+    bufs = [torch.zeros_like(p) for p in ref]
+    for grads in _grads(shapes, 3):
+        for p, g in zip(ours, grads):
+            p.grad = g.clone()
+        opt.step()
+        reference_muon_step(ref, grads, bufs, ns_dtype=torch.float32, views=views, **hyper)
+    for p, q in zip(ours, ref):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("named, kwargs, match", [
+    ([("w", (6, 24))], dict(matrix_views={"w": "rows"}), r"'w' of shape \(6, 24\) has unknown matrix view 'rows'"),
+    ([("w", (6, 24))], dict(matrix_views={"w": "flatten"}), r"'w' of shape \(6, 24\) can't take .*'flatten'"),
+    ([("k", (4, 2, 3, 3))], dict(matrix_views={"k": "transpose"}), r"'k' of shape \(4, 2, 3, 3\) can't take"),
+    ([("w", (6, 24))], dict(matrix_views={"v": "matrix"}), r"matrix_views names 'v', which is not a parameter"),
+    ([("w", (8, 24))], dict(matrix_views={"w": "transpose"}, fused_banks={"w": 2}),
+     r"fused bank 'w' .*view 'transpose'"),
+])
+def test_bad_matrix_views_raise_at_construction(named, kwargs, match):
+    params = [(n, _params([s])[0]) for n, s in named]
+    with pytest.raises(ValueError, match=match):
+        Muon(params, **kwargs)
+
+
+def test_matrix_views_for_adamw_or_not_a_dict_are_refused():
+    w, b = _params([(6, 24), (24,)])
+    with pytest.raises(ValueError, match="matrix_views names 'b', which is in an AdamW group"):
+        Muon([{"params": [("w", w)]}, {"params": [("b", b)], "algorithm": "adamw"}], matrix_views={"b": "matrix"})
+    with pytest.raises(TypeError, match="matrix_views must be a dict"):
+        Muon([("w", w)], matrix_views=["w"])
