@@ -142,6 +142,14 @@ def _check_against(path: str, state: dict, renames: dict[str, str]) -> None:
             f"checkpoint {path!r} does not match the model: parameter {unexpected[0][6:]!r} is in the "
             f"checkpoint but not in the model ({len(unexpected)} such)"
         )
+    # e.g. an untied checkpoint (state for lm_head.weight) into a tied model (state for tok_emb only)
+    extra_state = sorted(k for k in saved if k.startswith("optim.state.") and k not in flat and "@ep" not in k)
+    if extra_state:
+        raise ValueError(
+            f"checkpoint {path!r} does not match the optimizer: it holds optimizer state "
+            f"{extra_state[0][len('optim.state.'):]!r} for a parameter the optimizer does not have "
+            f"({len(extra_state)} such; were parameters tied or untied, or added to the optimizer?)"
+        )
     for key, t in flat.items():
         meta = saved[key]
         shape = _shape(t)
@@ -187,6 +195,7 @@ def save(
                 scheduler=None if scheduler is None else scheduler.state_dict(),
                 extra=extra,
                 world_size=dist.get_world_size() if _dist_on() else 1,
+                tied=_tied_groups(model),
                 torch_version=torch.__version__,
             )
             tmp = os.path.join(path, META_FILE + ".tmp")
@@ -224,30 +233,100 @@ def load(
 
     Collective when torch.distributed is initialised. The world size and sharding may differ from
     the save's (DCP reshards). Raises FileNotFoundError for a missing or incomplete checkpoint and
-    ValueError naming the first parameter whose name or shape does not match the model, before
-    anything is changed.
+    ValueError for any mismatch the checkpoint's metadata shows (a parameter's or state tensor's
+    name or shape, tied against untied parameters, the optimizer's state keys or parameter
+    groups, the expert-parallel size, a scheduler without saved state), all checked before
+    anything is written: after such an error the model, optimizer and scheduler are as before.
     """
     path = os.fspath(path)
     meta = read_meta(path)
     if scheduler is not None and meta["scheduler"] is None:
         raise ValueError(f"checkpoint {path!r} holds no lr scheduler state, but a scheduler was given")
-    has_muon_state = hasattr(opt, "init_state")
-    if has_muon_state:
-        opt.init_state()
+    _check_tied(path, meta, model)
+    # Building the state to load creates the optimizer's missing state (zeros): an error before
+    # anything is read puts the optimizer's state back as it was.
+    state_before = {p: dict(s) for p, s in opt.state.items()}
     try:
-        msd, osd = get_state_dict(model, opt)
-        osd = _strip_param_names(osd)
-        renames = _ep_renames(model)
-        msd, osd = _rename(msd, osd, renames)
-        state = {"model": msd, "optim": osd}
+        state, renames = _state_to_load(model, opt)
         _check_against(path, state, renames)
+        _check_param_groups(path, state["optim"], renames)
+    except BaseException:
+        opt.state.clear()
+        opt.state.update(state_before)
+        raise
+    try:
         with _quiet_single_process():
             dcp.load(state, checkpoint_id=path)
         msd, osd = _unrename(state["model"], state["optim"], renames)
         set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
     finally:
-        if has_muon_state:
+        if hasattr(opt, "release_unowned_state"):
             opt.release_unowned_state()
     if scheduler is not None:
         scheduler.load_state_dict(meta["scheduler"])
     return int(meta["step"])
+
+
+def _state_to_load(model: torch.nn.Module, opt: torch.optim.Optimizer) -> tuple[dict, dict[str, str]]:
+    """{"model", "optim"} state dicts under their checkpoint names (DCP loads into them in place),
+    and the expert-bank renames used."""
+    if hasattr(opt, "init_state"):
+        opt.init_state()
+    msd, osd = get_state_dict(model, opt)
+    osd = _strip_param_names(osd)
+    renames = _ep_renames(model)
+    msd, osd = _rename(msd, osd, renames)
+    return {"model": msd, "optim": osd}, renames
+
+
+def _tied_groups(model: torch.nn.Module) -> list[list[str]]:
+    """Names that share one parameter (tied embeddings), each group sorted."""
+    names: dict[int, list[str]] = {}
+    for name, p in _inner(model).named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return sorted(sorted(group) for group in names.values() if len(group) > 1)
+
+
+def _check_tied(path: str, meta: dict, model: torch.nn.Module) -> None:
+    # Checkpoints from before "tied" was recorded are still checked through their optimizer
+    # state keys (a tied parameter has one state entry, untied ones two).
+    if "tied" not in meta:
+        return
+    saved, here = [list(g) for g in meta["tied"]], _tied_groups(model)
+    if saved != here:
+        def say(groups):
+            return " and ".join(" = ".join(map(repr, g)) for g in groups) or "no parameters"
+
+        raise ValueError(
+            f"checkpoint {path!r} does not match the model's tied parameters: the checkpoint ties "
+            f"{say(saved)}, the model ties {say(here)} (e.g. GPTConfig.tie_embeddings differs)"
+        )
+
+
+def _base_name(key: str) -> str:
+    return key.split("@ep", 1)[0]
+
+
+def _check_param_groups(path: str, osd: dict, renames: dict[str, str]) -> None:
+    """The optimizer's parameter groups hold the same parameters, in the same order, as saved."""
+    saved_keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    num_saved = len({k.split(".")[2] for k in saved_keys if k.startswith("optim.param_groups.")})
+    here = [[_base_name(n) for n in g["params"]] for g in osd.get("param_groups", [])]
+    if num_saved != len(here):
+        raise ValueError(
+            f"checkpoint {path!r} does not match the optimizer: it has {num_saved} parameter groups, "
+            f"the optimizer {len(here)}"
+        )
+    # Only the groups' parameter lists are read (small objects); nothing is written anywhere.
+    groups: dict = {"optim": {"param_groups": [{"params": []} for _ in range(num_saved)]}}
+    with _quiet_single_process():
+        dcp.load(groups, checkpoint_id=path)
+    for i, (group, names) in enumerate(zip(groups["optim"]["param_groups"], here)):
+        saved = [_base_name(n) for n in group["params"]]
+        if saved != names:
+            diff = sorted(set(saved) ^ set(names)) or ["the same names in another order"]
+            raise ValueError(
+                f"checkpoint {path!r} does not match the optimizer: parameter group {i} holds "
+                f"{len(saved)} parameters in the checkpoint and {len(names)} in the optimizer "
+                f"(differing: {diff[:4]})"
+            )

@@ -12,11 +12,13 @@ One machine, from a notebook or a script::
 initialises the default process group in each (NCCL when CUDA has a GPU per process, else gloo),
 calls ``fn(*args, **kwargs)`` and hands back each rank's return value. A worker that raises gives a
 :class:`WorkerError` carrying the worker's traceback (a notebook never shows the children's stderr);
-a launch that runs past ``timeout_s`` seconds is stopped, its processes killed, and gives a
-:class:`WorkerTimeout`. The worker function must live in a module the children can import: a
-function defined in a notebook cell (module ``__main__``), a lambda or a nested function is refused
-before anything starts. The children get the caller's ``sys.path``, so a ``.py`` file next to the
-notebook is found.
+a launch whose workers are not all up (process group initialised) within ``startup_timeout_s``, or
+that runs past ``timeout_s`` seconds after that, is stopped, its processes killed, and gives a
+:class:`WorkerTimeout` naming the phase. The worker function must live in a module the children can
+import: a function defined in a notebook cell (module ``__main__``), a lambda or a nested function
+is refused before anything starts. The children get the caller's ``sys.path``, so a ``.py`` file
+next to the notebook is found. Spawned children re-run the caller's main script before they start:
+in a script, call ``launch`` under ``if __name__ == "__main__":`` (launch says so if it is not).
 
 Several nodes (GPUs), with the same worker functions, under torchrun::
 
@@ -82,10 +84,15 @@ class WorkerError(RuntimeError):
 
 
 class WorkerTimeout(WorkerError):
-    """:func:`launch` ran past its ``timeout_s``; ``ranks`` are the ranks still running then."""
+    """:func:`launch` ran out of time; ``ranks`` are the ranks still running then.
 
-    def __init__(self, message: str, ranks: list[int]):
+    ``phase`` says which limit expired: ``"startup"`` (``startup_timeout_s``: not every rank had
+    initialised its process group) or ``"run"`` (``timeout_s``, counted from when every rank had).
+    """
+
+    def __init__(self, message: str, ranks: list[int], phase: str = "run"):
         super().__init__(message, {rank: "still running at the timeout" for rank in ranks})
+        self.phase = phase
 
 
 # --------------------------------------------------------------------------------------------
@@ -98,15 +105,45 @@ def _default_backend(num_procs: int) -> str:
     return "gloo"
 
 
-def _init_process_group(backend: str, timeout_s: float) -> None:
+def _init_process_group(backend: str, timeout_s: float, startup_timeout_s: float | None = None) -> None:
+    # Connecting waits for the slowest rank's start-up (importing torch under load can take
+    # minutes), so it gets the start-up limit; collectives get timeout_s from then on.
     timeout = timedelta(seconds=timeout_s)
+    connect_timeout = timedelta(seconds=max(timeout_s, startup_timeout_s or 0))
     if "nccl" in backend:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
-        dist.init_process_group(backend, timeout=timeout, device_id=device)
+        dist.init_process_group(backend, timeout=connect_timeout, device_id=device)
     else:
         torch.set_num_threads(1)
-        dist.init_process_group(backend, timeout=timeout)
+        dist.init_process_group(backend, timeout=connect_timeout)
+    if connect_timeout != timeout:
+        dist.distributed_c10d._set_pg_timeout(timeout)
+
+
+def _call(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    # sys.exit(0) or sys.exit() ends a script successfully; in a worker it counts as returning
+    # None, so the rank still takes part in the teardown below instead of vanishing from it.
+    try:
+        return fn(*args, **kwargs)
+    except SystemExit as e:
+        if e.code in (0, None):
+            return None
+        raise
+
+
+def _teardown(wait_for_peers: bool) -> None:
+    # Objects of fn's that hold a process group (a DDP Reducer, in a reference cycle) must die
+    # while the group lives: collected after destroy_process_group, gloo's destructor joins a
+    # thread that never returns (seen as a worker hanging while pickling its result).
+    gc.collect()
+    try:
+        if wait_for_peers:
+            # A rank that returns early must not close its connections while slower ranks are
+            # still connecting to it (gloo's connectFullMesh then fails on them).
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
 
 
 def _call_in_process_group(
@@ -116,35 +153,42 @@ def _call_in_process_group(
     args: tuple,
     kwargs: dict,
     on_error: Callable[[], None] | None = None,
+    on_ready: Callable[[], None] | None = None,
+    startup_timeout_s: float | None = None,
 ) -> Any:
-    _init_process_group(backend, timeout_s)
+    _init_process_group(backend, timeout_s, startup_timeout_s)
+    if on_ready is not None:
+        on_ready()
     try:
-        return fn(*args, **kwargs)
+        result = _call(fn, args, kwargs)
     except BaseException:
         if on_error is not None:
             on_error()
+        _teardown(wait_for_peers=False)
         raise
-    finally:
-        # Objects of fn's that hold a process group (a DDP Reducer, in a reference cycle) must die
-        # while the group lives: collected after destroy_process_group, gloo's destructor joins a
-        # thread that never returns (seen as a worker hanging while pickling its result).
-        gc.collect()
-        dist.destroy_process_group()
+    _teardown(wait_for_peers=True)
+    return result
 
 
-def _die_with_parent() -> None:
-    # If the launching process is killed outright (a notebook kernel restart), its workers
-    # would otherwise live on; Linux can kill them with it.
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        import ctypes
+def _die_with_parent(launcher_pid: int | None = None) -> None:
+    """Linux: SIGKILL this process when its launcher dies; exit now if it died already.
 
-        libc = ctypes.CDLL(None, use_errno=True)
-        pr_set_pdeathsig = 1
-        libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
-    except Exception:
-        pass
+    If the launching process is killed outright (a notebook kernel restart), its workers would
+    otherwise live on. The death signal only covers deaths after it is set, and a worker gets
+    here only after spawn's bootstrapping (which imports torch, seconds or minutes under load),
+    so a launcher that died meanwhile is caught by comparing the parent's pid.
+    """
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            pr_set_pdeathsig = 1
+            libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+        except Exception:
+            pass
+    if launcher_pid is not None and os.getppid() != launcher_pid:
+        os._exit(1)
 
 
 def _write_status(status_dir: str, rank: int, kind: str, text: str) -> None:
@@ -154,10 +198,20 @@ def _write_status(status_dir: str, rank: int, kind: str, text: str) -> None:
 
 @record
 def _worker_entry(
-    payload: bytes, backend: str, timeout_s: float, sys_path: list[str], status_dir: str
+    payload: bytes,
+    backend: str,
+    timeouts: tuple[float, float],
+    sys_path: list[str],
+    status_dir: str,
+    launcher_pid: int,
 ) -> bytes:
-    """What each process of :func:`launch` runs: pickled in, pickled out, errors recorded."""
-    _die_with_parent()
+    """What each process of :func:`launch` runs: pickled in, pickled out, errors recorded.
+
+    ``timeouts`` is (collective timeout, start-up limit). Status files in ``status_dir`` tell the
+    launcher this rank's pid, when its process group is up ("ready"), a sys.exit ("exit"), the
+    time of a failure ("failed") and that it is finished ("done").
+    """
+    _die_with_parent(launcher_pid)
     rank = int(os.environ["RANK"])
     _write_status(status_dir, rank, "pid", str(os.getpid()))
 
@@ -175,9 +229,17 @@ def _worker_entry(
                 sys.path.insert(0, entry)
         fn, args, kwargs = pickle.loads(payload)
         result = _call_in_process_group(
-            fn, backend, timeout_s, args, kwargs, on_error=mark_failed
+            fn, backend, timeouts[0], args, kwargs, on_error=mark_failed,
+            on_ready=lambda: _write_status(status_dir, rank, "ready", ""), startup_timeout_s=timeouts[1],
         )
         return pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
+    except SystemExit as e:
+        mark_failed()
+        # elastic records no traceback for SystemExit: say what happened in words
+        code = e.code if isinstance(e.code, int) else 1
+        _write_status(status_dir, rank, "exit", f"rank {rank} exited with code {code} (sys.exit({e.code!r}) "
+                                                f"in the worker, before returning)")
+        raise
     except BaseException:
         mark_failed()
         raise
@@ -316,6 +378,14 @@ def _failure_times(status_dir: str) -> dict[int, float]:
     return times
 
 
+def _status_text(status_dir: str, rank: int, kind: str) -> str:
+    try:
+        with open(os.path.join(status_dir, f"rank{rank}.{kind}")) as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
 def _failure_texts(err: ChildFailedError, log_dir: str, status_dir: str) -> dict[int, str]:
     """Rank -> error text, the first failure first (elastic's root cause where times tie)."""
     recorded = _read_error_files(log_dir)
@@ -325,6 +395,7 @@ def _failure_texts(err: ChildFailedError, log_dir: str, status_dir: str) -> dict
         text = recorded.get(rank) or _error_text(failure.error_file_data)[0]
         if text == "<NONE>":  # elastic's placeholder when the process left no error file
             text = ""
+        text = text or _status_text(status_dir, rank, "exit")
         if not text:
             if failure.exitcode < 0:
                 text = f"killed by signal {failure.signal_name()} (no Python traceback)"
@@ -337,6 +408,9 @@ def _failure_texts(err: ChildFailedError, log_dir: str, status_dir: str) -> dict
         texts[rank] = text
     for rank, text in recorded.items():
         texts.setdefault(rank, text)
+    # elastic may report only the first process it saw fail; a sys.exit elsewhere is named too
+    for rank in sorted(_ranks_in(status_dir, "exit")):
+        texts.setdefault(rank, _status_text(status_dir, rank, "exit"))
     times = _failure_times(status_dir)
     first_seen = {rank: i for i, rank in enumerate(texts)}
     # A rank killed by a signal leaves no timestamp, but it is the likeliest root cause: the others
@@ -362,23 +436,21 @@ def _worker_error(fn: Callable[..., Any], num_procs: int, texts: dict[int, str])
     return WorkerError(head + "\n" + "\n".join(sections), texts)
 
 
-def _timeout_message(
-    fn: Callable[..., Any], num_procs: int, timeout_s: float, running: list[int], started: set[int]
-) -> str:
+def _timeout_message(fn: Callable[..., Any], num_procs: int, limits: tuple[float, float], timed_out: dict) -> str:
     def ranks(group: list[int]) -> str:
         return ("rank " if len(group) == 1 else "ranks ") + ", ".join(map(str, group))
 
-    in_fn = [rank for rank in running if rank in started]
-    starting = [rank for rank in running if rank not in started]
-    parts = []
-    if in_fn:
-        parts.append(f"{ranks(in_fn)} still running")
-    if starting:
-        parts.append(f"{ranks(starting)} still starting up (before calling the function)")
-    return (
-        f"launch of {_fn_name(fn)} on {num_procs} processes timed out after {timeout_s:g} s; "
-        f"{'; '.join(parts) or 'no rank still running'}; all worker processes have been killed"
-    )
+    running, ready = timed_out["running"], timed_out["ready"]
+    head = f"launch of {_fn_name(fn)} on {num_procs} processes"
+    if timed_out["phase"] == "startup":
+        waiting = [rank for rank in range(num_procs) if rank not in ready]
+        what = (f"did not start within startup_timeout_s={limits[1]:g} s: {ranks(waiting)} had not "
+                f"initialised the process group (still importing, or stuck connecting)")
+    else:
+        still = f"{ranks(running)} still running" if running else "no rank still running"
+        what = (f"timed out after {limits[0]:g} s (timeout_s, counted from when every rank had "
+                f"initialised its process group); {still}")
+    return f"{head} {what}; all worker processes have been killed"
 
 
 def _ranks_in(status_dir: str, kind: str) -> set[int]:
@@ -418,6 +490,7 @@ def launch(
     *args: Any,
     backend: str | None = None,
     timeout_s: float = 300,
+    startup_timeout_s: float = 600,
     **kwargs: Any,
 ) -> dict[int, Any]:
     """Run ``fn(*args, **kwargs)`` in ``nprocs`` new local processes; return ``{rank: result}``.
@@ -425,21 +498,33 @@ def launch(
     Each process has the default process group initialised (``backend=None``: NCCL when CUDA has
     at least ``nprocs`` devices, else gloo; the collective timeout is ``timeout_s``), CPU workers
     use one intra-op thread, and nothing is seeded. ``fn``, the arguments and the return values
-    are pickled. The whole launch (start-up included) is stopped after ``timeout_s`` seconds.
+    are pickled. A worker that calls ``sys.exit(0)`` (or ``sys.exit()``) counts as returning None;
+    ``sys.exit(n)`` with ``n != 0`` is a failure ("rank R exited with code n"). Before returning,
+    the ranks wait for each other (a barrier), so a fast rank never closes connections a slow
+    one still needs.
+
+    Two clocks: the workers have ``startup_timeout_s`` seconds from being started until every rank
+    has initialised its process group (start-up imports torch, which can take minutes on a loaded
+    machine), and ``timeout_s`` seconds from then on to finish.
 
     Raises:
         ValueError: ``fn`` is not importable by the children (defined in ``__main__``, e.g. a
-            notebook cell, a lambda, or a nested function), or ``nprocs < 1``; nothing started.
-        WorkerError: a worker raised or died; the message names the rank(s) and holds the
-            traceback(s).
-        WorkerTimeout: the launch ran past ``timeout_s``; the message names the ranks still
-            running. All worker processes have been ended when either error is raised.
+            notebook cell, a lambda, or a nested function), ``nprocs < 1``, or a timeout is not a
+            positive number; nothing started.
+        RuntimeError: called while a spawned worker re-runs a script that calls ``launch`` outside
+            ``if __name__ == "__main__":`` (the parent then raises WorkerError saying so).
+        WorkerError: a worker raised, died or exited with a nonzero code; the message names the
+            rank(s) and holds the traceback(s).
+        WorkerTimeout: a clock ran out; ``phase`` and the message say which ("startup" or "run")
+            and name the ranks. All worker processes have been ended when either error is raised.
     """
+    _refuse_in_spawn_bootstrap()
     _check_importable(fn)
-    if not isinstance(nprocs, int) or nprocs < 1:
+    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
         raise ValueError(f"nprocs must be a positive int, got {nprocs!r}")
-    if timeout_s <= 0:
-        raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
+    for name, value in (("timeout_s", timeout_s), ("startup_timeout_s", startup_timeout_s)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+            raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
     if backend is None:
         backend = _default_backend(nprocs)
     try:
@@ -453,23 +538,62 @@ def launch(
     os.makedirs(log_dir)
     os.makedirs(status_dir)
     sys_path = [os.getcwd() if entry == "" else entry for entry in sys.path]
+    limits = (float(timeout_s), float(startup_timeout_s))
     try:
-        outcome = _run_agent(_launch_config(nprocs, timeout_s, log_dir),
-                             (payload, backend, float(timeout_s), sys_path, status_dir), timeout_s, status_dir)
-        if "timed_out" in outcome:
-            started, running = outcome["timed_out"]
-            raise WorkerTimeout(_timeout_message(fn, nprocs, timeout_s, running, started), running)
-        error = outcome.get("error")
-        if isinstance(error, ChildFailedError):
-            raise _worker_error(fn, nprocs, _failure_texts(error, log_dir, status_dir)) from None
-        if error is not None:
-            raise RuntimeError(f"launch of {_fn_name(fn)} failed to run its workers: {error}") from error
-        return {rank: pickle.loads(blob) for rank, blob in sorted(outcome["values"].items())}
+        entry_args = (payload, backend, limits, sys_path, status_dir, os.getpid())
+        outcome = _run_agent(_launch_config(nprocs, startup_timeout_s, log_dir), entry_args, limits, status_dir)
+        return _results(fn, nprocs, limits, outcome, (log_dir, status_dir))
     finally:
         shutil.rmtree(work_dir, ignore_errors=True)
 
 
-def _launch_config(nprocs: int, timeout_s: float, log_dir: str) -> LaunchConfig:
+def _results(fn: Callable[..., Any], nprocs: int, limits: tuple[float, float], outcome: dict,
+             dirs: tuple[str, str]) -> dict[int, Any]:
+    """The ranks' return values, or the error that says why there are none."""
+    log_dir, status_dir = dirs
+    unguarded = glob.glob(os.path.join(status_dir, _UNGUARDED_MAIN + "*"))
+    if unguarded:
+        with open(unguarded[0]) as f:
+            text = f.read()
+        raise WorkerError(text, {rank: text for rank in range(nprocs)})
+    if "timed_out" in outcome:
+        timed_out = outcome["timed_out"]
+        raise WorkerTimeout(_timeout_message(fn, nprocs, limits, timed_out), timed_out["running"], timed_out["phase"])
+    error = outcome.get("error")
+    if isinstance(error, ChildFailedError):
+        raise _worker_error(fn, nprocs, _failure_texts(error, log_dir, status_dir)) from None
+    if error is not None:
+        raise RuntimeError(f"launch of {_fn_name(fn)} failed to run its workers: {error}") from error
+    # elastic hands back None for a worker that ended with sys.exit(0) before calling fn
+    exited = {rank: _status_text(status_dir, rank, "exit") for rank, blob in outcome["values"].items() if blob is None}
+    if exited:
+        raise _worker_error(fn, nprocs, exited)
+    return {rank: pickle.loads(blob) for rank, blob in sorted(outcome["values"].items())}
+
+
+_UNGUARDED_MAIN = "unguarded_main"
+_STATUS_DIR_ENV = "MUONLAB_LAUNCH_STATUS_DIR"
+
+
+def _refuse_in_spawn_bootstrap() -> None:
+    """A spawned worker first re-runs the caller's main script: if that script calls launch()
+    outside ``if __name__ == "__main__":``, say so instead of spawning workers recursively."""
+    if not getattr(multiprocessing.current_process(), "_inheriting", False):
+        return
+    script = getattr(sys.modules.get("__mp_main__"), "__file__", None) or "the main script"
+    message = (
+        f"launch() was called while a worker process was starting: spawned workers re-run the main "
+        f"script ({script}), and it calls launch() at its top level. Put the script's top-level code "
+        f"under `if __name__ == \"__main__\":` (see the README's Distributed section)."
+    )
+    status_dir = os.environ.get(_STATUS_DIR_ENV)
+    if status_dir and os.path.isdir(status_dir):
+        with open(os.path.join(status_dir, f"{_UNGUARDED_MAIN}.{os.getpid()}"), "w") as f:
+            f.write(message)
+    raise RuntimeError(message)
+
+
+def _launch_config(nprocs: int, startup_timeout_s: float, log_dir: str) -> LaunchConfig:
     """One node, ``nprocs`` spawned workers, a static rendezvous on a free local port."""
     return LaunchConfig(
         min_nodes=1,
@@ -478,7 +602,7 @@ def _launch_config(nprocs: int, timeout_s: float, log_dir: str) -> LaunchConfig:
         run_id=f"muonlab-{uuid.uuid4().hex[:12]}",
         rdzv_backend="static",
         rdzv_endpoint=f"127.0.0.1:{_free_port()}",
-        rdzv_configs={"rank": 0, "timeout": max(60, int(timeout_s))},
+        rdzv_configs={"rank": 0, "timeout": max(60, int(startup_timeout_s))},
         max_restarts=0,
         monitor_interval=0.1,
         start_method="spawn",
@@ -487,14 +611,28 @@ def _launch_config(nprocs: int, timeout_s: float, log_dir: str) -> LaunchConfig:
     )
 
 
-def _run_agent(config: LaunchConfig, entry_args: tuple, timeout_s: float, status_dir: str) -> dict[str, Any]:
-    """Run elastic's agent on a thread and wait for it at most ``timeout_s``.
+def _wait_for_agent(agent_done: threading.Event, nprocs: int, limits: tuple[float, float],
+                    status_dir: str) -> dict[str, Any] | None:
+    """None once the agent is done, or what timed out: {"phase", "ready", "running"}."""
+    timeout_s, startup_timeout_s = limits
+    phase, deadline = "startup", time.monotonic() + startup_timeout_s
+    # Short waits, so a Ctrl-C is seen promptly however it arrives.
+    while not agent_done.wait(min(0.25, max(0.0, deadline - time.monotonic()))):
+        if phase == "startup" and len(_ranks_in(status_dir, "ready")) == nprocs:
+            phase, deadline = "run", time.monotonic() + timeout_s
+        if time.monotonic() >= deadline:
+            ready = _ranks_in(status_dir, "ready")
+            running = sorted(set(range(nprocs)) - _ranks_in(status_dir, "done"))
+            return {"phase": phase, "ready": ready, "running": running}
+    return None
 
-    Returns {"values": {rank: pickled result}}, {"error": exception}, or {"timed_out": (ranks that
-    started, ranks still running)} once the workers of a late launch are stopped. A Ctrl-C stops
-    the workers and propagates.
+
+def _run_agent(config: LaunchConfig, entry_args: tuple, limits: tuple[float, float], status_dir: str) -> dict[str, Any]:
+    """Run elastic's agent on a thread and wait for it (see :func:`_wait_for_agent`).
+
+    Returns {"values": {rank: pickled result}}, {"error": exception}, or {"timed_out": ...} once
+    the workers of a late launch are stopped. A Ctrl-C stops the workers and propagates.
     """
-    nprocs = config.nproc_per_node
     outcome: dict[str, Any] = {}
     # Waiting on an Event, not Thread.join: a join interrupted by Ctrl-C (KeyboardInterrupt)
     # leaves the thread looking finished on Python < 3.13, and the workers would be left behind.
@@ -512,32 +650,29 @@ def _run_agent(config: LaunchConfig, entry_args: tuple, timeout_s: float, status
     quiet = _QuietElastic()
     for name in quiet.LOGGERS:
         logging.getLogger(name).addFilter(quiet)
-    saved_signals_env = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE")
+    saved_env = {key: os.environ.get(key) for key in ("TORCHELASTIC_SIGNALS_TO_HANDLE", _STATUS_DIR_ENV)}
+    # spawned children inherit it while they bootstrap, before elastic hands them anything
+    os.environ[_STATUS_DIR_ENV] = status_dir
     agent = threading.Thread(target=run_agent, name="muonlab-launch-agent", daemon=True)
-    deadline = time.monotonic() + timeout_s
     try:
         agent.start()
         try:
-            # Short waits, so a Ctrl-C is seen promptly however it arrives.
-            while not agent_done.wait(min(0.25, max(0.0, deadline - time.monotonic()))):
-                if time.monotonic() >= deadline:
-                    break
+            timed_out = _wait_for_agent(agent_done, config.nproc_per_node, limits, status_dir)
         except BaseException:  # KeyboardInterrupt in a notebook: take the workers down with us
             _stop_workers(children_before, agent_done)
             raise
-        if not agent_done.is_set():
-            started = _ranks_in(status_dir, "pid")
-            running = sorted(set(range(nprocs)) - _ranks_in(status_dir, "done"))
+        if timed_out is not None:
             _stop_workers(children_before, agent_done)
-            return {"timed_out": (started, running)}
+            return {"timed_out": timed_out}
         return outcome
     finally:
         for name in quiet.LOGGERS:
             logging.getLogger(name).removeFilter(quiet)
-        if saved_signals_env is None:
-            os.environ.pop("TORCHELASTIC_SIGNALS_TO_HANDLE", None)
-        else:
-            os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = saved_signals_env
+        for key, value in saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 if __name__ == "__main__":

@@ -18,6 +18,12 @@ from muonlab.distributed import apply_ddp, apply_fsdp, build_mesh, mesh_axis_gro
 
 from ._common import build_gpt
 
+# test_launch's start-up clock test makes the workers' import of this module (part of their
+# start-up: it happens when they unpickle the function) take this long
+_SLOW_IMPORT_S = float(os.environ.get("MUONLAB_TEST_SLOW_IMPORT_S", "0"))
+if _SLOW_IMPORT_S and "LOCAL_RANK" in os.environ:
+    time.sleep(_SLOW_IMPORT_S)
+
 
 # ---------------------------------------------------------------------------------- launch
 
@@ -53,6 +59,29 @@ def hang_on_rank0(pid_dir: str) -> int:
         while True:
             time.sleep(1)
     return dist.get_rank()
+
+
+def exit_on_rank(exiting_rank: int, code, out_dir: str | None = None, linger_s: float = 0.0) -> int:
+    """``sys.exit(code)`` on one rank after ``linger_s`` seconds; the others return their rank at
+    once, without a collective. With ``out_dir``, each rank writes the wall time at which its
+    process ends ("rank<r>.end", from atexit) and the exiting rank the time it exits ("exit_call")."""
+    import atexit
+    import sys
+
+    rank = dist.get_rank()
+    if out_dir is not None:
+        atexit.register(_write_time, os.path.join(out_dir, f"rank{rank}.end"))
+    if rank == exiting_rank:
+        time.sleep(linger_s)
+        if out_dir is not None:
+            _write_time(os.path.join(out_dir, "exit_call"))
+        sys.exit(code)
+    return rank
+
+
+def _write_time(path: str) -> None:
+    with open(path, "w") as f:
+        f.write(repr(time.time()))
 
 
 # ---------------------------------------------------------------------------------- meshes

@@ -120,14 +120,13 @@ def test_saved_param_groups_hold_no_names_and_bad_inputs_are_named(runs, tmp_pat
     with pytest.raises(FileNotFoundError, match="not a complete"):
         checkpoint.load(str(tmp_path / "empty"), model, opt)
     wide = GPT(GPTConfig(**{**W.GPT_CFG, "d_model": 32}))
-    with pytest.raises(ValueError, match=r"'tok_emb.weight' has shape \(256, 24\) in the checkpoint and \(256, 32\)"):
-        checkpoint.load(path, wide, Muon(muon_param_groups(wide)))
+    _load_fails(path, wide, Muon(muon_param_groups(wide)),
+                r"'tok_emb.weight' has shape \(256, 24\) in the checkpoint and \(256, 32\)")
     deep = GPT(GPTConfig(**{**W.GPT_CFG, "n_layers": 3}))
-    with pytest.raises(ValueError, match=r"no parameter 'blocks.2"):
-        checkpoint.load(path, deep, Muon(muon_param_groups(deep)))
+    _load_fails(path, deep, Muon(muon_param_groups(deep)), r"no parameter 'blocks.2")
     shallow = GPT(GPTConfig(**{**W.GPT_CFG, "n_layers": 1}))
-    with pytest.raises(ValueError, match=r"parameter 'blocks.1.* in the checkpoint but not in the model"):
-        checkpoint.load(path, shallow, Muon(muon_param_groups(shallow)))
+    _load_fails(path, shallow, Muon(muon_param_groups(shallow)),
+                r"parameter 'blocks.1.* in the checkpoint but not in the model")
     with pytest.raises(ValueError, match="no lr scheduler"):
         m2, _, o2, s2, _ = W.build("plain")
         checkpoint.save(tmp_path / "nosched", m2, o2, 0)
@@ -142,6 +141,92 @@ def test_expert_checkpoint_needs_the_same_ep_size(runs):
 
     path = runs["a"][0]["save"][("ep", "fp32")]["path"]
     model = GPT(moe_config(**W.MOE_CFG))  # no expert parallelism: one unsplit bank
-    with pytest.raises(ValueError, match=r"expert parallelism: expert bank 'blocks.0.mlp.w_in' is saved as "
-                                         r"\['ep0of2', 'ep1of2'\]"):
-        checkpoint.load(path, model, Muon(muon_param_groups(model), **W.HYPER))
+    _load_fails(path, model, Muon(muon_param_groups(model), **W.HYPER),
+                r"expert parallelism: expert bank 'blocks.0.mlp.w_in' is saved as \['ep0of2', 'ep1of2'\]")
+
+
+def _everything(model, opt) -> dict:
+    """Every bit a load could change: parameters (by storage, so tied ones once), optimizer state
+    (which parameters have it, its keys and values), param_groups' hyper-parameters."""
+    names = {p: n for n, p in model.named_parameters()}
+    return dict(
+        params={n: p.detach().clone() for n, p in model.named_parameters()},
+        state={names[p]: {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
+               for p, s in opt.state.items()},
+        groups=[{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
+    )
+
+
+def _load_fails(path, model, opt, match):
+    before = _everything(model, opt)
+    with pytest.raises(ValueError, match=match):
+        checkpoint.load(path, model, opt)
+    _assert_unchanged(before, _everything(model, opt), f"failed load of {path}")
+
+
+def _assert_unchanged(before, after, what):
+    _equal(before["params"], after["params"], what + " params")
+    assert before["state"].keys() == after["state"].keys(), what
+    for name in before["state"]:
+        _equal(before["state"][name], after["state"][name], f"{what} state of {name}")
+    assert before["groups"] == after["groups"], what
+
+
+def _small_gpt(tie: bool, seed: int, steps: int, split_adamw: int | None = None):
+    """A stepped GPT and its Muon; ``split_adamw``: the AdamW group split in two at that index."""
+    from muonlab import Muon, muon_param_groups
+    from muonlab.models import GPT, GPTConfig
+
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(vocab_size=32, context=8, d_model=16, n_layers=1, n_heads=2, tie_embeddings=tie))
+    groups = muon_param_groups(model)
+    if split_adamw is not None:
+        adamw = groups[1]
+        groups[1] = {**adamw, "params": adamw["params"][:split_adamw]}
+        groups.append({**adamw, "params": adamw["params"][split_adamw:], "weight_decay": 0.0})
+    opt = Muon(groups, **W.HYPER)
+    for step in range(steps):
+        idx = torch.randint(0, 32, (2, 9), generator=torch.Generator().manual_seed(step))
+        model(idx[:, :-1], idx[:, 1:]).backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+@pytest.mark.timeout(120)
+def test_a_failing_load_changes_nothing(tmp_path):
+    untied, opt = _small_gpt(tie=False, seed=0, steps=2)
+    checkpoint.save(tmp_path / "untied", untied, opt, 2)
+    tied, opt = _small_gpt(tie=True, seed=0, steps=2)
+    checkpoint.save(tmp_path / "tied", tied, opt, 2)
+    # a checkpoint from before save() recorded tied parameters: caught by its optimizer state keys
+    (tmp_path / "untied_old").mkdir()
+    for f in (tmp_path / "untied").iterdir():
+        (tmp_path / "untied_old" / f.name).write_bytes(f.read_bytes())
+    meta = torch.load(tmp_path / "untied_old" / checkpoint.META_FILE, weights_only=False)
+    meta.pop("tied", None)
+    torch.save(meta, tmp_path / "untied_old" / checkpoint.META_FILE)
+
+    cases = [  # (checkpoint, tie the model, steps taken before the load, error)
+        ("untied", True, 1, r"tied parameters: the checkpoint ties no parameters, the model ties "
+                            r"'lm_head.weight' = 'tok_emb.weight'"),
+        ("untied", True, 0, "tied parameters"),  # a fresh optimizer: its state must stay empty
+        ("untied_old", True, 1, r"optimizer state 'lm_head.weight\..*' for a parameter the optimizer does not have"),
+        ("untied_old", True, 0, "optimizer state 'lm_head.weight"),
+        ("tied", False, 1, r"the checkpoint ties 'lm_head.weight' = 'tok_emb.weight', the model ties no parameters"),
+    ]
+    for name, tie, steps, error in cases:
+        model, opt = _small_gpt(tie=tie, seed=5, steps=steps)
+        _load_fails(tmp_path / name, model, opt, error)
+
+    # parameter groups that hold other parameters than at the save
+    untied, opt = _small_gpt(tie=False, seed=0, steps=1, split_adamw=2)
+    checkpoint.save(tmp_path / "split2", untied, opt, 1)
+    for split, steps, error in [
+        (None, 1, "it has 3 parameter groups, the optimizer 2"),
+        (3, 0, "parameter group 1 holds 2 parameters in the checkpoint and 3 in the optimizer"),
+    ]:
+        model, opt = _small_gpt(tie=False, seed=5, steps=steps, split_adamw=split)
+        _load_fails(tmp_path / "split2", model, opt, error)
+    model, opt = _small_gpt(tie=False, seed=5, steps=1, split_adamw=2)
+    assert checkpoint.load(tmp_path / "split2", model, opt) == 1  # the same groups load

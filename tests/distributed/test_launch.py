@@ -140,9 +140,13 @@ class _ChildPidSampler:
 
 
 def _child_pids() -> set[int]:
-    """Spawned children (not multiprocessing's long-lived resource tracker)."""
+    return _spawned_children(os.getpid())
+
+
+def _spawned_children(parent: int) -> set[int]:
+    """Spawned children of ``parent`` (not multiprocessing's long-lived resource tracker)."""
     pids = set()
-    for path in glob.glob(f"/proc/{os.getpid()}/task/*/children"):
+    for path in glob.glob(f"/proc/{parent}/task/*/children"):
         try:
             with open(path) as f:
                 children = [int(pid) for pid in f.read().split()]
@@ -163,7 +167,9 @@ def test_hanging_worker_times_out_leaves_nothing_then_launch_again(tmp_path):
     with _ChildPidSampler() as sampler, pytest.raises(WorkerTimeout) as info:
         launch(workers.hang_on_rank0, 2, str(tmp_path), timeout_s=15)
     elapsed = time.monotonic() - start
-    assert 15 <= elapsed < 30, elapsed
+    # the clock starts once every rank is up, i.e. after the workers wrote their pids
+    up_for = time.time() - max(p.stat().st_mtime for p in tmp_path.glob("rank*.pid"))
+    assert 15 <= elapsed and up_for < 30, (elapsed, up_for)
     err = info.value
     assert isinstance(err, WorkerError)
     assert "timed out after 15 s" in str(err)
@@ -210,3 +216,128 @@ def test_worker_main_runs_module_function_in_a_process_group_from_env(monkeypatc
     assert not dist.is_initialized()
     with pytest.raises(ValueError, match="MODULE:FUNCTION"):
         worker_main(["no_colon_here"])
+
+
+@pytest.mark.timeout(180)
+def test_sys_exit_nonzero_is_named_with_its_code():
+    with pytest.raises(WorkerError) as info:
+        launch(workers.exit_on_rank, 2, 1, 3, timeout_s=150)
+    err = info.value
+    assert err.ranks[0] == 1, str(err)
+    assert "rank 1 exited with code 3 (sys.exit(3)" in err.failures[1], str(err)
+    assert str(err).startswith("rank 1 of 2 failed in tests.distributed._workers_launch.exit_on_rank")
+
+
+@pytest.mark.timeout(180)
+def test_sys_exit_zero_returns_none_and_fast_ranks_wait_for_slow_ones(tmp_path):
+    # rank 0 returns at once, without a collective; rank 1 calls sys.exit(0) 3 s later
+    results = launch(workers.exit_on_rank, 2, 1, 0, str(tmp_path), 3.0, timeout_s=150)
+    assert results == {0: 0, 1: None}
+    exit_call = float((tmp_path / "exit_call").read_text())
+    # rank 0's process ended only after rank 1 reached its exit: the teardown waited for it
+    assert float((tmp_path / "rank0.end").read_text()) >= exit_call
+
+
+_LAUNCHER_SCRIPT = """
+import sys
+sys.path[:0] = {path!r}
+from muonlab.distributed import launch
+from tests.distributed import _workers_launch as workers
+{body}
+"""
+
+
+def _run_script(tmp_path, body: str, **popen) -> "subprocess.Popen":
+    import subprocess
+
+    script = tmp_path / "launcher.py"
+    script.write_text(_LAUNCHER_SCRIPT.format(path=[os.getcwd()], body=textwrap.dedent(body)))
+    return subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, **popen)
+
+
+@pytest.mark.timeout(240)
+def test_script_without_main_guard_gets_an_error_naming_the_fix(tmp_path):
+    import subprocess
+
+    # no `if __name__ == "__main__":`: every spawned worker re-runs this script
+    proc = _run_script(tmp_path, """
+        import os
+        launcher_pid = os.environ.setdefault("TEST_LAUNCHER_PID", str(os.getpid()))  # workers inherit it
+        try:
+            launch(workers.rank_info, 2, timeout_s=60, startup_timeout_s=120)
+        except Exception as e:
+            where = "launcher" if str(os.getpid()) == launcher_pid else "worker"
+            print("CAUGHT", where, type(e).__name__, e)
+    """, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    out, _ = proc.communicate(timeout=220)
+    caught = [line for line in out.splitlines() if line.startswith("CAUGHT launcher")]
+    assert len(caught) == 1, out
+    assert caught[0].startswith("CAUGHT launcher WorkerError"), out
+    assert 'under `if __name__ == "__main__":`' in caught[0] and "launcher.py" in caught[0], out
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_killing_the_launcher_while_workers_start_leaves_no_worker(tmp_path):
+    import signal
+    import subprocess
+
+    proc = _run_script(tmp_path, """
+        if __name__ == "__main__":
+            launch(workers.rank_info, 2, timeout_s=300, startup_timeout_s=300)
+    """, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    workers_seen: set[int] = set()
+    try:
+        deadline = time.monotonic() + 120
+        while len(workers_seen) < 2 and time.monotonic() < deadline:
+            workers_seen |= _spawned_children(proc.pid)
+            time.sleep(0.02)
+        assert len(workers_seen) == 2, "the launcher started no workers"
+        proc.kill()  # while the workers are still bootstrapping (importing torch)
+        proc.wait()
+        deadline = time.monotonic() + 90
+        while any(map(_pid_alive, workers_seen)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        survivors = [pid for pid in workers_seen if _pid_alive(pid)]
+        assert not survivors, f"workers {survivors} outlived their launcher"
+    finally:
+        proc.kill()
+        for pid in workers_seen:
+            if _pid_alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.timeout(240)
+def test_timeout_counts_from_when_the_workers_are_up(monkeypatch):
+    # each worker spends 8 s importing the function's module, longer than timeout_s: start-up
+    # is on its own, generous clock
+    monkeypatch.setenv("MUONLAB_TEST_SLOW_IMPORT_S", "8")
+    results = launch(workers.rank_info, 2, timeout_s=5, startup_timeout_s=200)
+    _check_rank_info(results, 2)
+    with pytest.raises(WorkerTimeout) as info:
+        launch(workers.rank_info, 2, timeout_s=60, startup_timeout_s=4)
+    assert info.value.phase == "startup"
+    assert "did not start within startup_timeout_s=4 s" in str(info.value), str(info.value)
+    assert "initialised the process group" in str(info.value)
+
+
+@pytest.mark.timeout(30)
+def test_bad_timeouts_are_refused_before_starting(monkeypatch):
+    launch_module = sys.modules["muonlab.distributed.launch"]
+    started = []
+    monkeypatch.setattr(launch_module, "elastic_launch", lambda *a, **k: started.append(a))
+    for name, value in [("timeout_s", 0), ("timeout_s", -1), ("startup_timeout_s", 0),
+                        ("startup_timeout_s", float("nan")), ("timeout_s", "60"), ("startup_timeout_s", True)]:
+        with pytest.raises(ValueError, match=name):
+            launch(workers.rank_info, 1, **{name: value})
+    with pytest.raises(ValueError, match="nprocs"):
+        launch(workers.rank_info, True)
+    assert started == []
