@@ -7,9 +7,7 @@ orthogonalizing them lives in ``muonlab.comm`` (plan + paths). This file only wi
 from __future__ import annotations
 
 import copy
-import math
-from collections.abc import Iterable, Mapping
-from numbers import Real
+from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 import torch
@@ -23,10 +21,11 @@ from ..comm.paths.subgroup import ranks_per_expert, subgroups_for
 from ..comm.planner import REMAINDER_PATHS, STRATEGIES, plan_batches
 from ..comm.records import BatchPlan, Plan
 from ..comm.specs import MatrixSpec, check_view, matrix_spec, process_group_for
-from ..kernels.newton_schulz import NSConfig, resolve_coefficients
+from ..kernels.newton_schulz import NSConfig
 from ..trace import Span, Tracer
 from . import functional as F
 from .routing import check_not_flat
+from .validation import check_hyperparameters, checked_fused_banks, fmt_shape, is_number, state_mismatch
 
 ALGORITHMS = ("muon", "adamw")
 NONFINITE_POLICIES = ("skip", "raise", "ignore")
@@ -71,55 +70,6 @@ def _checksum(p: torch.Tensor) -> tuple[float, float]:
     different for another tensor of the same shape (another init, another layer)."""
     t = _local(p).detach().double()
     return float(t.sum()), float(t.square().sum())
-
-
-def _fmt(shape) -> str:
-    return "(" + ", ".join(str(int(d)) for d in shape) + ")"
-
-
-def _is_number(value) -> bool:
-    # bool is an int to Python, but lr=True is a mistake, not a learning rate
-    return isinstance(value, Real) and not isinstance(value, bool)
-
-
-def _state_mismatch(p: torch.Tensor, state: dict) -> str | None:
-    """The first state tensor whose shape differs from ``p``'s, described, or None.
-
-    DTensor parameters hold DTensor state: both shapes are global, so this compares like with like.
-    """
-    for key, value in state.items():
-        if key != "step" and torch.is_tensor(value) and value.shape != p.shape:
-            return f"{key} of shape {_fmt(value.shape)}"
-    return None
-
-
-def _checked_fused_banks(fused_banks) -> dict[str, int]:
-    if fused_banks is None:
-        return {}
-    if not isinstance(fused_banks, Mapping):
-        raise TypeError(f"fused_banks must be a dict {{parameter name: number of matrices}}, got "
-                        f"{type(fused_banks).__name__}")
-    for name, num in fused_banks.items():
-        if not isinstance(name, str):
-            raise TypeError(f"fused_banks keys must be parameter names (str), got {name!r}")
-        # bool is an int to Python, and True would silently mean "one matrix"
-        if not isinstance(num, int) or isinstance(num, bool):
-            raise TypeError(f"fused_banks[{name!r}] must be an int >= 1 (matrices stacked on dim 0), "
-                            f"got {num!r} ({type(num).__name__})")
-        if num < 1:
-            raise ValueError(f"fused_banks[{name!r}] must be >= 1 (matrices stacked on dim 0), got {num}")
-    return dict(fused_banks)
-
-
-def _check_betas(betas, prefix: str, where: str) -> None:
-    if isinstance(betas, (str, bytes)) or not isinstance(betas, (tuple, list)):
-        raise TypeError(f"{prefix}betas must be a pair (beta1, beta2), got {betas!r}{where}")
-    if len(betas) != 2:
-        raise ValueError(f"{prefix}betas must be a pair (beta1, beta2), got {betas!r}{where}")
-    if not all(_is_number(b) for b in betas):
-        raise TypeError(f"{prefix}betas must hold numbers, got {betas!r}{where}")
-    if not all(0 <= b < 1 for b in betas):
-        raise ValueError(f"{prefix}betas must be in [0, 1), got {betas!r}{where}")
 
 
 class Muon(Optimizer):
@@ -218,8 +168,8 @@ class Muon(Optimizer):
         self._adamw_defaults = dict(lr=adamw_lr, betas=adamw_betas, eps=adamw_eps, weight_decay=adamw_weight_decay)
         # the arguments themselves, not only the groups that use them: a bad adamw_lr must not
         # wait for the first AdamW group added later
-        self._check_hyperparameters(self._muon_defaults, "muon", "", "")
-        self._check_hyperparameters(self._adamw_defaults, "adamw", "adamw_", "")
+        check_hyperparameters(self._muon_defaults, "muon", "", "")
+        check_hyperparameters(self._adamw_defaults, "adamw", "adamw_", "")
         self._adamw_defaults["betas"] = tuple(adamw_betas)
         self.ns_dtype = ns_dtype
         self.ns_form = ns_form
@@ -267,7 +217,7 @@ class Muon(Optimizer):
         if not isinstance(hardware_profile, (str, HardwareProfile)):
             raise TypeError(f"hardware_profile must be a profile name or a HardwareProfile, got {hardware_profile!r}")
         profile = get_profile(hardware_profile)
-        self.fused_banks = _checked_fused_banks(fused_banks)
+        self.fused_banks = checked_fused_banks(fused_banks)
         self.hardware_profile = profile
         self.process_group = process_group
         self.comm_dtype = comm_dtype
@@ -355,7 +305,7 @@ class Muon(Optimizer):
 
     def _label(self, p: torch.Tensor) -> str:
         name = self._names.get(p)
-        shape = _fmt(p.shape)
+        shape = fmt_shape(p.shape)
         return f"'{name}' of shape {shape}" if name else f"of shape {shape}"
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -384,50 +334,11 @@ class Muon(Optimizer):
         unknown = sorted(set(group) - allowed)
         if unknown:
             raise ValueError(f"unknown option(s) {unknown} for a {algorithm} parameter group")
-        self._check_hyperparameters(group, algorithm, "", f" in parameter group {gi}")
+        check_hyperparameters(group, algorithm, "", f" in parameter group {gi}")
         for p in group["params"]:
             self._check_param(p, algorithm)
         self._check_unique(group["params"], gi, {p: i for i, g in enumerate(self.param_groups) for p in g["params"]})
         return group
-
-    @staticmethod
-    def _check_hyperparameters(values: dict, algorithm: str, prefix: str, where: str) -> None:
-        """Types and ranges of a group's (or the constructor's) hyperparameters.
-
-        ``prefix`` + key names the option (``adamw_lr``), ``where`` says which group it came from.
-        """
-        def number(key: str, low: float, high: float = math.inf, *, low_open=False, high_open=False) -> None:
-            value = values[key]
-            if isinstance(value, torch.Tensor) and key == "lr":  # torch takes a one-element tensor lr
-                if value.numel() != 1:
-                    raise ValueError(f"a tensor {prefix}lr must have exactly one element{where}, "
-                                     f"got shape {_fmt(value.shape)}")
-                value = value.item()
-            elif not _is_number(value):
-                raise TypeError(f"{prefix}{key} must be a number, got {value!r} ({type(value).__name__}){where}")
-            if not math.isfinite(value):
-                raise ValueError(f"{prefix}{key} must be finite, got {value}{where}")
-            if value < low or (low_open and value == low) or value > high or (high_open and value == high):
-                rule = (f"in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}" if high < math.inf
-                        else f"{'>' if low_open else '>='} {low}")
-                raise ValueError(f"{prefix}{key} must be {rule}, got {value}{where}")
-
-        number("lr", 0)
-        number("weight_decay", 0)
-        if algorithm == "adamw":
-            number("eps", 0)
-            _check_betas(values["betas"], prefix, where)
-            return
-        number("eps", 0, low_open=True)
-        number("momentum", 0, 1, high_open=True)
-        if not isinstance(values["nesterov"], bool):
-            raise TypeError(f"nesterov must be a bool, got {values['nesterov']!r}{where}")
-        resolve_coefficients(values["ns_coefficients"], values["ns_steps"])
-        if values["adjust_lr"] not in F.ADJUST_LR_MODES:
-            raise ValueError(f"unknown adjust_lr {values['adjust_lr']!r}{where}; choose one of {F.ADJUST_LR_MODES}")
-        if values["momentum_form"] not in F.MOMENTUM_FORMS:
-            raise ValueError(
-                f"unknown momentum_form {values['momentum_form']!r}{where}; choose one of {F.MOMENTUM_FORMS}")
 
     def _check_param(self, p: torch.Tensor, algorithm: str) -> None:
         check_not_flat(p, self._names.get(p, "?"))
@@ -477,12 +388,12 @@ class Muon(Optimizer):
         params = [p for g in self.param_groups for p in g["params"]]
         pairs = [(state_dict.get("state", {}).get(pid, {}), p) for pid, p in zip(saved_ids, params)]
         for saved, p in pairs:
-            mismatch = _state_mismatch(p, saved)
+            mismatch = state_mismatch(p, saved)
             if mismatch:
                 raise ValueError(f"parameter {self._label(p)} does not match the saved state: {mismatch} "
                                  "(the state dict comes from a model of another shape)")
             step = saved.get("step", 0)
-            if not (_is_number(step) or torch.is_tensor(step) and step.numel() == 1):
+            if not (is_number(step) or torch.is_tensor(step) and step.numel() == 1):
                 raise TypeError(f"parameter {self._label(p)} has a saved AdamW step of {step!r}; "
                                 "expected a number or a one-element tensor")
         return pairs
@@ -553,7 +464,7 @@ class Muon(Optimizer):
     def _nonfinite_check(self, work) -> tuple[list[int], list[str]]:
         """Ranks whose gradients hold an inf or NaN (all ranks agree), and this rank's culprits."""
         bad_names = [
-            self._names.get(p, f"of shape {_fmt(p.shape)}")
+            self._names.get(p, f"of shape {fmt_shape(p.shape)}")
             for kind in ("muon", "adamw") for _, params in work[kind] for p in params
             if not torch.isfinite(_local(p.grad)).all()
         ]
@@ -583,9 +494,9 @@ class Muon(Optimizer):
                     raise ValueError(f"parameter {self._label(p)} has a complex gradient")
                 if g.shape != p.shape:
                     raise ValueError(
-                        f"parameter {self._label(p)} has a gradient of shape {_fmt(g.shape)}"
+                        f"parameter {self._label(p)} has a gradient of shape {fmt_shape(g.shape)}"
                     )
-                mismatch = _state_mismatch(p, self.state[p]) if p in self.state else None
+                mismatch = state_mismatch(p, self.state[p]) if p in self.state else None
                 if mismatch:
                     raise ValueError(
                         f"parameter {self._label(p)} has state {mismatch}: it changed shape after its state "

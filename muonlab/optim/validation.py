@@ -1,0 +1,104 @@
+"""Checks of Muon's options, hyperparameters and state, each error naming what is at fault.
+
+Kept apart from the optimizer class so the class reads as the step's stages; every check runs
+before anything is stored or changed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from numbers import Real
+
+import torch
+
+from ..kernels.newton_schulz import resolve_coefficients
+from . import functional as F
+
+
+def fmt_shape(shape) -> str:
+    return "(" + ", ".join(str(int(d)) for d in shape) + ")"
+
+
+def is_number(value) -> bool:
+    # bool is an int to Python, but lr=True is a mistake, not a learning rate
+    return isinstance(value, Real) and not isinstance(value, bool)
+
+
+def state_mismatch(p: torch.Tensor, state: dict) -> str | None:
+    """The first state tensor whose shape differs from ``p``'s, described, or None.
+
+    DTensor parameters hold DTensor state: both shapes are global, so this compares like with like.
+    """
+    for key, value in state.items():
+        if key != "step" and torch.is_tensor(value) and value.shape != p.shape:
+            return f"{key} of shape {fmt_shape(value.shape)}"
+    return None
+
+
+def checked_fused_banks(fused_banks) -> dict[str, int]:
+    if fused_banks is None:
+        return {}
+    if not isinstance(fused_banks, Mapping):
+        raise TypeError(f"fused_banks must be a dict {{parameter name: number of matrices}}, got "
+                        f"{type(fused_banks).__name__}")
+    for name, num in fused_banks.items():
+        if not isinstance(name, str):
+            raise TypeError(f"fused_banks keys must be parameter names (str), got {name!r}")
+        # bool is an int to Python, and True would silently mean "one matrix"
+        if not isinstance(num, int) or isinstance(num, bool):
+            raise TypeError(f"fused_banks[{name!r}] must be an int >= 1 (matrices stacked on dim 0), "
+                            f"got {num!r} ({type(num).__name__})")
+        if num < 1:
+            raise ValueError(f"fused_banks[{name!r}] must be >= 1 (matrices stacked on dim 0), got {num}")
+    return dict(fused_banks)
+
+
+def check_betas(betas, prefix: str, where: str) -> None:
+    if isinstance(betas, (str, bytes)) or not isinstance(betas, (tuple, list)):
+        raise TypeError(f"{prefix}betas must be a pair (beta1, beta2), got {betas!r}{where}")
+    if len(betas) != 2:
+        raise ValueError(f"{prefix}betas must be a pair (beta1, beta2), got {betas!r}{where}")
+    if not all(is_number(b) for b in betas):
+        raise TypeError(f"{prefix}betas must hold numbers, got {betas!r}{where}")
+    if not all(0 <= b < 1 for b in betas):
+        raise ValueError(f"{prefix}betas must be in [0, 1), got {betas!r}{where}")
+
+
+def check_hyperparameters(values: dict, algorithm: str, prefix: str, where: str) -> None:
+    """Types and ranges of a group's (or the constructor's) hyperparameters.
+
+    ``prefix`` + key names the option (``adamw_lr``), ``where`` says which group it came from.
+    """
+    def number(key: str, low: float, high: float = math.inf, *, low_open=False, high_open=False) -> None:
+        value = values[key]
+        if isinstance(value, torch.Tensor) and key == "lr":  # torch takes a one-element tensor lr
+            if value.numel() != 1:
+                raise ValueError(f"a tensor {prefix}lr must have exactly one element{where}, "
+                                 f"got shape {fmt_shape(value.shape)}")
+            value = value.item()
+        elif not is_number(value):
+            raise TypeError(f"{prefix}{key} must be a number, got {value!r} ({type(value).__name__}){where}")
+        if not math.isfinite(value):
+            raise ValueError(f"{prefix}{key} must be finite, got {value}{where}")
+        if value < low or (low_open and value == low) or value > high or (high_open and value == high):
+            rule = (f"in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}" if high < math.inf
+                    else f"{'>' if low_open else '>='} {low}")
+            raise ValueError(f"{prefix}{key} must be {rule}, got {value}{where}")
+
+    number("lr", 0)
+    number("weight_decay", 0)
+    if algorithm == "adamw":
+        number("eps", 0)
+        check_betas(values["betas"], prefix, where)
+        return
+    number("eps", 0, low_open=True)
+    number("momentum", 0, 1, high_open=True)
+    if not isinstance(values["nesterov"], bool):
+        raise TypeError(f"nesterov must be a bool, got {values['nesterov']!r}{where}")
+    resolve_coefficients(values["ns_coefficients"], values["ns_steps"])
+    if values["adjust_lr"] not in F.ADJUST_LR_MODES:
+        raise ValueError(f"unknown adjust_lr {values['adjust_lr']!r}{where}; choose one of {F.ADJUST_LR_MODES}")
+    if values["momentum_form"] not in F.MOMENTUM_FORMS:
+        raise ValueError(
+            f"unknown momentum_form {values['momentum_form']!r}{where}; choose one of {F.MOMENTUM_FORMS}")
