@@ -83,7 +83,10 @@ class Muon(Optimizer):
     "matrix" (out, in); 3-D "bank" (leading dims index independent matrices, e.g. experts); 4-D+
     "flatten" (a conv kernel (out, in, *k) is one (out, in * prod(k)) matrix: a 4-D parameter is
     far more often a conv kernel than a bank of banks). Same-shape matrices are orthogonalized
-    together in one batched Newton-Schulz chain.
+    together in one batched Newton-Schulz chain. Momentum, like every hyperparameter, may differ
+    per group: it is kept and applied per parameter before batching, and matrices of different
+    groups share a batch only when their Newton-Schulz settings are equal (DeepSpeed's ZeRO Muon,
+    with one fused momentum buffer, needs a single coefficient).
 
     ``params`` may be tensors, ``(name, tensor)`` pairs (e.g. ``model.named_parameters()``) or
     groups of either. Names are kept on the optimizer (``param_name(p)``), never in
