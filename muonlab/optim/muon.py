@@ -687,14 +687,16 @@ class Muon(Optimizer):
 
     def state_residency(self) -> dict[str, int]:
         """Bytes of momentum and AdamW moments on the parameters' device between steps
-        ("device_bytes") and offloaded ("offloaded_bytes"), and the most the fetch window held on
-        the device during a step so far ("peak_window_bytes")."""
+        ("device_bytes") and offloaded ("offloaded_bytes": held where their store keeps them, the
+        state file's mapping for "disk"), and the most the fetch window held on the device during a
+        step so far ("peak_window_bytes")."""
         out = dict(device_bytes=0, offloaded_bytes=0, peak_window_bytes=self._offload.peak_window_bytes())
         for state in self.state.values():
             for key, value in state.items():
                 if key in self._offload.by_key and torch.is_tensor(value):
-                    where = "device_bytes" if self._offload.by_key[key].place is None else "offloaded_bytes"
-                    out[where] += _local(value).numel() * _local(value).element_size()
+                    local = _local(value)
+                    where = "offloaded_bytes" if self._offload.by_key[key].holds(local) else "device_bytes"
+                    out[where] += local.numel() * local.element_size()
         return out
 
     def last_step_spans(self) -> list[Span]:

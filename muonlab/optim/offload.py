@@ -62,8 +62,9 @@ class ResidentStore:
     def adopt(self, p: torch.Tensor, key: str, value: torch.Tensor) -> torch.Tensor:
         return value
 
-    def forget(self, p: torch.Tensor) -> None:
-        pass
+    def holds(self, local: torch.Tensor) -> bool:
+        """Whether ``local`` lives in this store's place away from the device (counted as offloaded)."""
+        return False
 
     def check(self) -> None:
         pass
@@ -148,6 +149,9 @@ class HostStore(_OffloadedStore):
     """State in host memory (pinned when CUDA is available, for asynchronous copies)."""
 
     place = "cpu"
+
+    def holds(self, local):
+        return local.device.type == "cpu"
 
     def _stored(self, p, key):
         pin = torch.cuda.is_available()
@@ -272,6 +276,10 @@ class DiskStore(_OffloadedStore):
         if st.st_ino != self._inode or head != MAGIC + self._token:
             raise OffloadError(errno.EIO, f"optimizer state file {self.path!r} was replaced or its header "
                                           "changed since the last step")
+
+    def holds(self, local):
+        start = self._map.data_ptr()
+        return start <= local.data_ptr() < start + self.size
 
     def _stored(self, p, key):
         offset, shape = self._slots[(id(p), key)]
