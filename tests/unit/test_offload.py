@@ -203,3 +203,42 @@ def test_a_changed_state_file_header_is_caught_before_the_step(tmp_path):
         opt.step()
     assert str(path) in str(err.value)
     assert_same(before, snapshot(model, opt))
+
+
+def test_one_file_per_rank_with_a_manifest_holds_the_state(tmp_path):
+    import json
+
+    from muonlab.optim.offload import MAGIC
+
+    model, opt = build(**places(tmp_path)["disk"])
+    train(model, opt, 2)
+    assert sorted(os.listdir(tmp_path / "disk")) == ["muonlab_state_rank0.bin", "muonlab_state_rank0.lock"]
+    raw = (tmp_path / "disk" / "muonlab_state_rank0.bin").read_bytes()
+    assert raw.startswith(MAGIC)
+    start = len(MAGIC) + 16
+    length = int.from_bytes(raw[start:start + 8], "little")
+    manifest = json.loads(raw[start + 8:start + 8 + length])
+    assert manifest["size"] == len(raw)
+    names = {n: p for n, p in model.named_parameters()}
+    assert {(s["name"], s["key"]) for s in manifest["slots"]} == {
+        (n, k) for n, p in names.items() for k in opt.state[p] if k != "step"}
+    for slot in manifest["slots"]:
+        value = opt.state[names[slot["name"]]][slot["key"]]
+        stored = torch.frombuffer(bytearray(raw[slot["offset"]:slot["offset"] + value.numel() * 4]),
+                                  dtype=torch.float32).view(value.shape)
+        assert torch.equal(stored, value), slot["name"]
+
+
+def test_the_next_parameters_state_is_fetched_while_one_computes(tmp_path):
+    model, opt = build(**places(tmp_path)["disk"])
+    train(model, opt, 1)
+    store = opt._offload.by_key["exp_avg"]
+    params = [p for g in opt.param_groups if g["algorithm"] == "adamw" for p in g["params"]][:3]
+    index = {id(p): i for i, p in enumerate(params)}
+    fetched, seen = [], []
+    real = store._fetch
+    store._fetch = lambda p, stored: (fetched.append(index[id(p)]), real(p, stored))[1]
+    for i, (m, v) in store.each([(i, p, opt.state[p]) for i, p in enumerate(params)], ("exp_avg", "exp_avg_sq")):
+        seen.append(list(fetched))
+        assert m.data_ptr() != opt.state[params[i]]["exp_avg"].data_ptr()  # a working copy, not the file
+    assert seen == [[0, 1], [0, 1, 2], [0, 1, 2]]
