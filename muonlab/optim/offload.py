@@ -123,7 +123,14 @@ class _OffloadedStore(ResidentStore):
                 out = [t.to(device, non_blocking=True) for t in stored]
                 done = torch.cuda.Event()
                 done.record()
-            return lambda: (torch.cuda.current_stream(device).wait_event(done), out)[1]
+
+            def ready():
+                current = torch.cuda.current_stream(device)
+                current.wait_event(done)
+                for t in out:  # made on the side stream, used and freed on this one
+                    t.record_stream(current)
+                return out
+            return ready
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="muonlab-offload")
         job = self._pool.submit(lambda: [torch.empty_like(t, device=device).copy_(t) for t in stored])
