@@ -236,8 +236,10 @@ class DiskStore(_OffloadedStore):
             except FileExistsError:
                 owner = _lock_owner(self.lock_path)
                 if owner is not None and _alive(owner):
+                    # in a notebook the other one is often an earlier optimizer of this very process
+                    mine = " (this process: drop the earlier optimizer first)" if owner == os.getpid() else ""
                     raise OffloadError(errno.EBUSY, f"offload_dir {self.dir!r} is in use by another live run "
-                                                    f"(pid {owner}, lock {self.lock_path!r})") from None
+                                                    f"(pid {owner}{mine}, lock {self.lock_path!r})") from None
                 os.unlink(self.lock_path)  # stale: its owner is gone
                 continue
             except OSError as e:

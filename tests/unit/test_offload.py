@@ -242,3 +242,15 @@ def test_the_next_parameters_state_is_fetched_while_one_computes(tmp_path):
         seen.append(list(fetched))
         assert m.data_ptr() != opt.state[params[i]]["exp_avg"].data_ptr()  # a working copy, not the file
     assert seen == [[0, 1], [0, 1, 2], [0, 1, 2]]
+
+
+def test_dropping_an_optimizer_releases_its_directory(tmp_path):
+    import gc
+
+    model, opt = build(**places(tmp_path)["disk"])
+    with pytest.raises(OffloadError, match="this process"):
+        build(**places(tmp_path)["disk"])
+    del opt
+    gc.collect()
+    assert not (tmp_path / "disk" / "muonlab_state_rank0.lock").exists()
+    build(**places(tmp_path)["disk"])  # the directory is free again
