@@ -24,6 +24,7 @@ from ..comm.specs import MatrixSpec, check_view, matrix_spec, process_group_for
 from ..kernels.newton_schulz import NSConfig
 from ..trace import Span, Tracer
 from . import functional as F
+from .offload import StateStores
 from .routing import check_not_flat
 from .validation import check_hyperparameters, checked_fused_banks, fmt_shape, is_number, state_mismatch
 
@@ -128,6 +129,14 @@ class Muon(Optimizer):
             parameter and rank, or is "ignore"d.
         strategy: "muonlab" (the planner) or "redundant" (every rank gathers and orthogonalizes
             every matrix: the baseline, for benchmarks and parity).
+        state_offload: None (state on the parameters' device), "cpu" (momentum and AdamW moments
+            of this rank's shards in host memory, pinned with CUDA) or "disk" (in one
+            memory-mapped file per rank under ``offload_dir``). The step fetches one parameter's
+            state at a time onto the device, the next one's meanwhile, and writes it back after
+            its update: results are bit-identical to state_offload=None (see muonlab.optim.offload).
+            With "disk" the optimizer can't be copied or pickled, nor take new parameter groups.
+        offload_dir: the directory of the "disk" state file (required for "disk"; locked per rank).
+        keep_muon_momentum_in_memory: offload only the AdamW moments; Muon momentum stays resident.
 
     Distributed: ``plan()`` says which path each batch takes and what it moves and computes;
     ``last_step_stats()`` and ``last_step_spans()`` say what the last step measured.
@@ -161,6 +170,9 @@ class Muon(Optimizer):
         nonfinite: str = "skip",
         fused_banks: dict[str, int] | None = None,
         matrix_views: dict[str, str] | None = None,
+        state_offload: str | None = None,
+        offload_dir=None,
+        keep_muon_momentum_in_memory: bool = False,
     ):
         NSConfig(dtype=ns_dtype, form=ns_form, backend=ns_backend)  # raises on a bad ns_* setting
         self._muon_defaults = dict(
@@ -199,6 +211,11 @@ class Muon(Optimizer):
             if name in self.fused_banks:
                 matrix_spec(-1, name, p, None, self.fused_banks[name])  # validates the shape
         self._check_views(matrix_views or {})
+        # last: every other check has passed, so a refused option leaves no lock or file behind
+        self._offload = StateStores(
+            state_offload, offload_dir, keep_muon_momentum_in_memory,
+            [(p, g["algorithm"]) for g in self.param_groups for p in g["params"]], self._names,
+            dist.get_rank() if _dist_on() else 0)
 
     def _set_options(self, process_group, comm_dtype, remainder_path, strategy, nonfinite, hardware_profile,
                      fused_banks) -> None:
@@ -315,6 +332,10 @@ class Muon(Optimizer):
         """Validate, fill per-algorithm defaults, then register (names stay outside the group)."""
         if not isinstance(param_group, dict):
             raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
+        if getattr(self, "_offload", None) is not None and self._offload.place == "disk":
+            # the state file's slots are laid out at construction, for the parameters known then
+            raise ValueError('add_param_group is not supported with state_offload="disk": build the optimizer '
+                             "with every parameter group")
         names_before = dict(self._names)
         try:
             group = self._checked_group(dict(param_group), len(self.param_groups))
@@ -371,10 +392,17 @@ class Muon(Optimizer):
         parameter's dtype, which would break exact resume for bf16 parameters.
         """
         pairs = self._saved_pairs(state_dict)  # raises before anything changes
+        offloaded = {k for k, store in self._offload.by_key.items() if store.place is not None}
+        if offloaded and isinstance(state_dict.get("state"), dict):
+            # offloaded tensors go straight to their store, never through the parameter's device
+            state_dict = dict(state_dict, state={
+                pid: {k: v for k, v in s.items() if k not in offloaded} for pid, s in state_dict["state"].items()})
         super().load_state_dict(state_dict)
         for saved, p in pairs:
             for key, value in saved.items():
-                if key == "step" and not torch.is_tensor(value):
+                if key in offloaded and torch.is_tensor(value):
+                    self.state[p][key] = self._offload.adopt(p, key, value)
+                elif key == "step" and not torch.is_tensor(value):
                     self.state[p][key] = torch.tensor(float(value))
                 elif torch.is_tensor(value) and key != "step" and value.dtype != self.state[p][key].dtype:
                     self.state[p][key] = value.to(device=p.device, copy=True)
@@ -417,6 +445,8 @@ class Muon(Optimizer):
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)  # also what torch's load_state_dict calls, with state and groups only
         self.__dict__.setdefault("_plans", {})
+        if "_offload" not in self.__dict__:  # pickled before state offload existed
+            self._offload = StateStores(None, None, False, [], {}, 0)
 
     def __deepcopy__(self, memo: dict) -> "Muon":
         if self.process_group is not None:
@@ -435,6 +465,7 @@ class Muon(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         work = self._collect()  # raises before any state changes
+        self._offload.check()  # an offload file truncated or replaced: raise before any read
         self._tracer.reset()
         counter = CommCounter()
         phases = {"momentum": 0.0, "communication": 0.0, "newton_schulz": 0.0, "update": 0.0, "adamw": 0.0}
@@ -513,30 +544,29 @@ class Muon(Optimizer):
     def _state_for(self, p: torch.Tensor, algorithm: str) -> dict:
         state = self.state[p]
         if not state:
-            like = dict(dtype=torch.float32, memory_format=torch.preserve_format)
+            # zeros made where they are kept (device, host or the state file), never all on the device
             if algorithm == "muon":
-                state["momentum_buffer"] = torch.zeros_like(p, **like)
+                state["momentum_buffer"] = self._offload.new(p, "momentum_buffer")
             else:
                 state["step"] = torch.tensor(0.0)
-                state["exp_avg"] = torch.zeros_like(p, **like)
-                state["exp_avg_sq"] = torch.zeros_like(p, **like)
+                state["exp_avg"] = self._offload.new(p, "exp_avg")
+                state["exp_avg_sq"] = self._offload.new(p, "exp_avg_sq")
         return state
 
     def _adamw_group(self, group: dict, params: list[torch.Tensor]) -> None:
-        states = [self._state_for(p, "adamw") for p in params]
+        items = [(p, p, self._state_for(p, "adamw")) for p in params]
         beta1, beta2 = group["betas"]
         beta1 = group.get("momentum", beta1)  # a scheduler cycling momentum: see the class docstring
-        F.adamw_(
-            [_local(p) for p in params],
-            [_local(p.grad) for p in params],
-            [_local(s["exp_avg"]) for s in states],
-            [_local(s["exp_avg_sq"]) for s in states],
-            [s["step"] for s in states],
-            lr=float(group["lr"]),
-            betas=(beta1, beta2),
-            eps=group["eps"],
-            weight_decay=group["weight_decay"],
-        )
+        # one parameter at a time (adamw_ is a loop over its lists, so this is the same arithmetic):
+        # only the state being updated is on the device
+        for p, (exp_avg, exp_avg_sq) in self._offload.each(items, ("exp_avg", "exp_avg_sq")):
+            F.adamw_(
+                [_local(p)], [_local(p.grad)], [exp_avg], [exp_avg_sq], [self.state[p]["step"]],
+                lr=float(group["lr"]),
+                betas=(beta1, beta2),
+                eps=group["eps"],
+                weight_decay=group["weight_decay"],
+            )
 
     # ------------------------------------------------------------------ Muon: plan, then paths
 
@@ -644,8 +674,12 @@ class Muon(Optimizer):
         """Collective (call on every rank): owners broadcast the momentum of replicated matrices
         so that every rank holds every state tensor, e.g. before saving a checkpoint."""
         self.init_state()
-        for p, pg, owner, _ in self._owned():
-            dist.broadcast(self.state[p]["momentum_buffer"], src=owner, group=pg)
+        owned = self._owned()
+        items = [(k, p, self.state[p]) for k, (p, _, _, _) in enumerate(owned)]
+        # through the store: a collective backend may need the buffer on the parameter's device
+        for k, (buf,) in self._offload.each(items, ("momentum_buffer",)):
+            _, pg, owner, _ = owned[k]
+            dist.broadcast(buf, src=owner, group=pg)
 
     def release_unowned_state(self) -> None:
         """Drop the momentum of replicated matrices this rank does not own (after a save or a
@@ -653,6 +687,20 @@ class Muon(Optimizer):
         for p, _, _, mine in self._owned():
             if not mine:
                 self.state.pop(p, None)
+
+    def state_residency(self) -> dict[str, int]:
+        """Bytes of momentum and AdamW moments on the parameters' device between steps
+        ("device_bytes") and offloaded ("offloaded_bytes": held where their store keeps them, the
+        state file's mapping for "disk"), and the most the fetch window held on the device during a
+        step so far ("peak_window_bytes")."""
+        out = dict(device_bytes=0, offloaded_bytes=0, peak_window_bytes=self._offload.peak_window_bytes())
+        for state in self.state.values():
+            for key, value in state.items():
+                if key in self._offload.by_key and torch.is_tensor(value):
+                    local = _local(value)
+                    where = "offloaded_bytes" if self._offload.by_key[key].holds(local) else "device_bytes"
+                    out[where] += local.numel() * local.element_size()
+        return out
 
     def last_step_spans(self) -> list[Span]:
         """This rank's spans of the last step (gather them with muonlab.trace.gather_spans)."""
@@ -667,14 +715,13 @@ class Muon(Optimizer):
         plan, specs, groups, owners = planned
 
         # 1. momentum on the local shard (replicated matrices: on their owner only)
-        inputs: dict[int, torch.Tensor | None] = {}
+        inputs: dict[int, torch.Tensor | None] = {i: None for i in indices}
         with self._tracer.span("momentum") as span:
-            for i in indices:
+            mine = [i for i in indices if not (i in owners and not owners[i][2])]
+            items = [(i, entries[i][1], self._state_for(entries[i][1], "muon")) for i in mine]
+            # the store hands out each momentum on the device (fetching the next meanwhile)
+            for i, (buf,) in self._offload.each(items, ("momentum_buffer",)):
                 group, p = entries[i]
-                if i in owners and not owners[i][2]:
-                    inputs[i] = None
-                    continue
-                buf = _local(self._state_for(p, "muon")["momentum_buffer"])
                 (inputs[i],) = F.muon_momentum_(
                     [_local(p.grad)], [buf], momentum=group["momentum"], nesterov=group["nesterov"],
                     form=group["momentum_form"],

@@ -1,0 +1,375 @@
+"""Where optimizer state lives between steps: on the parameter's device, in host memory, or in one
+file per rank. Muon's step reaches its state only through a store.
+
+A store creates state (``new``), takes in loaded state (``adopt``) and walks a list of parameters
+with ``each``: it yields each one's state as tensors on the parameter's device, fetches the next
+one's meanwhile (a background thread; a side CUDA stream for host memory on GPU) and writes each
+back after the caller's body. The state dict (``opt.state``) always holds the stored tensors
+themselves (host tensors, or views of the memory-mapped file, wrapped as DTensors for DTensor
+parameters), so ``state_dict()`` and DCP read them where they are, without a copy to the device.
+
+Only the fetched tensors are on the device: at most two parameters' state (the one being updated
+and the one being fetched), counted in ``peak_window_bytes``.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+OFFLOAD_PLACES = (None, "cpu", "disk")
+MAGIC = b"MUONLAB-OFFLOAD\x01"
+HEADER_BYTES = 4096
+ALIGN = 64  # slots start on cache-line boundaries
+STATE_DTYPE = torch.float32  # Muon's momentum and AdamW moments are fp32 whatever the parameter's dtype
+
+
+class OffloadError(OSError):
+    """The offload file or directory can't be used (named in the message)."""
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _like_param(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``local`` as ``p`` holds it: a DTensor with p's mesh and placements when p is one, so state
+    keys, global shapes and DCP's resharding stay what they are without offload."""
+    if not hasattr(p, "to_local"):
+        return local
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+
+
+class ResidentStore:
+    """State on the parameter's device, as without offload: fetch hands out the buffers themselves."""
+
+    place = None
+
+    def __init__(self):
+        self.peak_window_bytes = 0
+
+    def new(self, p: torch.Tensor, key: str) -> torch.Tensor:
+        return torch.zeros_like(p, dtype=STATE_DTYPE, memory_format=torch.preserve_format)
+
+    def adopt(self, p: torch.Tensor, key: str, value: torch.Tensor) -> torch.Tensor:
+        return value
+
+    def holds(self, local: torch.Tensor) -> bool:
+        """Whether ``local`` lives in this store's place away from the device (counted as offloaded)."""
+        return False
+
+    def check(self) -> None:
+        pass
+
+    def each(self, items, keys):
+        """Yield (tag, [local state tensor per key]) for each (tag, param, state) in ``items``."""
+        for tag, _, state in items:
+            yield tag, [_local(state[k]) for k in keys]
+
+    def close(self) -> None:
+        pass
+
+
+class _OffloadedStore(ResidentStore):
+    """Fetch into fresh tensors on the parameter's device, one parameter ahead, and write back."""
+
+    def __init__(self):
+        super().__init__()
+        self._pool: ThreadPoolExecutor | None = None
+        self._stream = None
+        self._window_bytes = 0
+
+    def __getstate__(self):
+        # a thread pool or CUDA stream is not state: a copy makes its own when it first steps
+        return {k: v for k, v in vars(self).items() if k not in ("_pool", "_stream")}
+
+    def __setstate__(self, d):
+        self.__dict__.update(d, _pool=None, _stream=None)
+
+    def _stored(self, p: torch.Tensor, key: str) -> torch.Tensor:
+        """The local tensor of p's local shape in this store's place that holds ``key`` (subclasses)."""
+        raise NotImplementedError
+
+    def new(self, p, key):
+        return _like_param(p, self._stored(p, key).zero_())  # a disk slot may hold a released state
+
+    def adopt(self, p, key, value):
+        local = _local(value)
+        mine = self._stored(p, key)
+        if local.dtype != mine.dtype or local.shape != mine.shape:
+            raise ValueError(f"loaded state {key!r} of shape {tuple(local.shape)} and dtype {local.dtype} can't be "
+                             f"offloaded into a slot of shape {tuple(mine.shape)} and dtype {mine.dtype}")
+        if local.data_ptr() != mine.data_ptr():  # DCP may have loaded straight into the stored tensor
+            mine.copy_(local)
+        return _like_param(p, mine)
+
+    def _fetch(self, p: torch.Tensor, stored: list[torch.Tensor]):
+        """Start copying ``stored`` to p's device; return a function that waits and hands them out."""
+        device = _local(p).device
+        self._window_bytes += sum(t.numel() * t.element_size() for t in stored)
+        self.peak_window_bytes = max(self.peak_window_bytes, self._window_bytes)
+        if device.type == "cuda":  # guarded: CPU runs never create a stream
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(device)
+            with torch.cuda.stream(self._stream):
+                out = [t.to(device, non_blocking=True) for t in stored]
+                done = torch.cuda.Event()
+                done.record()
+
+            def ready():
+                current = torch.cuda.current_stream(device)
+                current.wait_event(done)
+                for t in out:  # made on the side stream, used and freed on this one
+                    t.record_stream(current)
+                return out
+            return ready
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="muonlab-offload")
+        job = self._pool.submit(lambda: [torch.empty_like(t, device=device).copy_(t) for t in stored])
+        return job.result
+
+    def each(self, items, keys):
+        items = list(items)
+        self.check()
+        pending = None
+        for k, (tag, p, state) in enumerate(items):
+            stored = [_local(state[key]) for key in keys]
+            working = (pending or self._fetch(p, stored))()
+            # the next parameter's state is read while the caller computes on this one
+            pending = self._fetch(items[k + 1][1], [_local(items[k + 1][2][key]) for key in keys]) \
+                if k + 1 < len(items) else None
+            yield tag, working
+            for dst, src in zip(stored, working):
+                dst.copy_(src)  # blocking: the device copy is freed right after
+            self._window_bytes -= sum(t.numel() * t.element_size() for t in working)
+
+
+class HostStore(_OffloadedStore):
+    """State in host memory (pinned when CUDA is available, for asynchronous copies)."""
+
+    place = "cpu"
+
+    def holds(self, local):
+        return local.device.type == "cpu"
+
+    def _stored(self, p, key):
+        pin = torch.cuda.is_available()
+        return torch.empty(_local(p).shape, dtype=STATE_DTYPE, pin_memory=pin)
+
+    def adopt(self, p, key, value):
+        local = _local(value)
+        if local.device.type == "cpu" and local.dtype == STATE_DTYPE and local.is_contiguous() \
+                and (local.is_pinned() or not torch.cuda.is_available()):
+            return value  # already where this store keeps state (e.g. DCP loaded into it)
+        return super().adopt(p, key, value)
+
+
+class DiskStore(_OffloadedStore):
+    """State in ONE memory-mapped file per rank, ``<dir>/muonlab_state_rank<r>.bin``.
+
+    The file starts with a header (magic, a token of this run, a JSON manifest of the slots) and
+    is checked (size, inode, header) before each step reads it: a file truncated or replaced
+    between steps raises OffloadError instead of a SIGBUS or silently wrong state. A lock file
+    with the owner's pid keeps two live runs out of one directory.
+    """
+
+    place = "disk"
+
+    def __init__(self, offload_dir, rank: int, slots: list[tuple[torch.Tensor, str]], names: dict):
+        super().__init__()
+        if offload_dir is None:
+            raise ValueError('state_offload="disk" needs offload_dir (a directory for one state file per rank)')
+        self.dir = os.path.abspath(os.fspath(offload_dir))
+        self.path = os.path.join(self.dir, f"muonlab_state_rank{rank}.bin")
+        self.lock_path = os.path.join(self.dir, f"muonlab_state_rank{rank}.lock")
+        self._names = names
+        self._slots: dict[tuple[int, str], tuple[int, tuple[int, ...]]] = {}
+        self._layout(slots)
+        self._prepare_dir()
+        self._token = os.urandom(16)
+        self._take_lock()
+        try:
+            self._create()
+        except BaseException:
+            self._release_lock()
+            raise
+        self._finalizer = weakref.finalize(self, DiskStore._cleanup, self.lock_path, self.path)
+
+    # ------------------------------------------------------------ the layout and the file
+
+    def _layout(self, slots) -> None:
+        offset = HEADER_BYTES
+        self._manifest = []
+        for p, key in slots:
+            shape = tuple(_local(p).shape)
+            nbytes = _local(p).numel() * STATE_DTYPE.itemsize
+            self._slots[(id(p), key)] = (offset, shape)
+            self._manifest.append(dict(name=self._names.get(p, "?"), key=key, offset=offset, shape=list(shape)))
+            offset += -(-nbytes // ALIGN) * ALIGN
+        self.size = offset
+
+    def _prepare_dir(self) -> None:
+        try:
+            os.makedirs(self.dir, exist_ok=True)
+        except OSError as e:
+            raise OffloadError(e.errno, f"offload_dir {self.dir!r} can't be created: {e.strerror}") from None
+        if not os.access(self.dir, os.W_OK | os.X_OK):
+            raise OffloadError(errno.EACCES, f"offload_dir {self.dir!r} is not writable")
+        free = shutil.disk_usage(self.dir).free
+        have = os.path.getsize(self.path) if os.path.exists(self.path) else 0
+        if free + have < self.size:
+            raise OffloadError(errno.ENOSPC, f"offload_dir {self.dir!r} has {free} bytes free, the optimizer "
+                                             f"state file {self.path!r} needs {self.size}")
+
+    def _take_lock(self) -> None:
+        for _ in range(2):
+            try:
+                fd = os.open(self.lock_path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                owner = _lock_owner(self.lock_path)
+                if owner is not None and _alive(owner):
+                    # in a notebook the other one is often an earlier optimizer of this very process
+                    mine = " (this process: drop the earlier optimizer first)" if owner == os.getpid() else ""
+                    raise OffloadError(errno.EBUSY, f"offload_dir {self.dir!r} is in use by another live run "
+                                                    f"(pid {owner}{mine}, lock {self.lock_path!r})") from None
+                os.unlink(self.lock_path)  # stale: its owner is gone
+                continue
+            except OSError as e:
+                raise OffloadError(e.errno, f"offload_dir {self.dir!r} is not writable ({e.strerror})") from None
+            with os.fdopen(fd, "w") as f:
+                f.write(str(os.getpid()))
+            return
+        raise OffloadError(errno.EBUSY, f"could not take the lock {self.lock_path!r}")
+
+    def _release_lock(self) -> None:
+        DiskStore._cleanup(self.lock_path, None)
+
+    @staticmethod
+    def _cleanup(lock_path: str, path: str | None) -> None:
+        if _lock_owner(lock_path) == os.getpid():
+            os.unlink(lock_path)
+
+    def _header(self) -> bytes:
+        manifest = json.dumps(dict(size=self.size, dtype=str(STATE_DTYPE), slots=self._manifest)).encode()
+        head = MAGIC + self._token + len(manifest).to_bytes(8, "little")
+        # the manifest is for people and tools reading the file; the check compares the fixed part
+        return (head + manifest)[:HEADER_BYTES].ljust(HEADER_BYTES, b"\0")
+
+    def _create(self) -> None:
+        with open(self.path, "wb") as f:
+            f.truncate(self.size)  # zeros: every slot starts as fresh state
+            f.seek(0)
+            f.write(self._header())
+        self._inode = os.stat(self.path).st_ino
+        self._map = torch.from_file(self.path, shared=True, size=self.size, dtype=torch.uint8)
+
+    def check(self) -> None:
+        """OffloadError unless the file is the one this run wrote, whole (before any read)."""
+        try:
+            st = os.stat(self.path)
+            with open(self.path, "rb") as f:
+                head = f.read(len(MAGIC) + len(self._token))
+        except OSError as e:
+            raise OffloadError(e.errno, f"optimizer state file {self.path!r} can't be read: {e.strerror}") from None
+        if st.st_size != self.size:
+            raise OffloadError(errno.EIO, f"optimizer state file {self.path!r} has {st.st_size} bytes, expected "
+                                          f"{self.size}: it was truncated or changed since the last step")
+        if st.st_ino != self._inode or head != MAGIC + self._token:
+            raise OffloadError(errno.EIO, f"optimizer state file {self.path!r} was replaced or its header "
+                                          "changed since the last step")
+
+    def holds(self, local):
+        start = self._map.data_ptr()
+        return start <= local.data_ptr() < start + self.size
+
+    def _stored(self, p, key):
+        offset, shape = self._slots[(id(p), key)]
+        nbytes = STATE_DTYPE.itemsize * int(torch.Size(shape).numel())
+        return self._map[offset:offset + nbytes].view(STATE_DTYPE).view(shape)
+
+    def __getstate__(self):
+        raise TypeError(f'a Muon with state_offload="disk" can\'t be copied or pickled: its state lives in '
+                        f"{self.path!r}, locked by this run; save a checkpoint (muonlab.checkpoint) instead")
+
+    def close(self) -> None:
+        """Release the lock (the file stays until the directory is removed)."""
+        self._finalizer()
+
+
+def _lock_owner(lock_path: str) -> int | None:
+    try:
+        with open(lock_path) as f:
+            return int(f.read().strip() or -1)
+    except (OSError, ValueError):
+        return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return pid > 0
+
+
+class StateStores:
+    """Which store holds which state key: everything in one place, or (with
+    ``keep_muon_momentum_in_memory``) Muon momentum resident and AdamW moments offloaded."""
+
+    def __init__(self, place, offload_dir, keep_muon_momentum_in_memory: bool, params, names: dict, rank: int):
+        if place not in OFFLOAD_PLACES:
+            raise ValueError(f"unknown state_offload {place!r}; choose one of {OFFLOAD_PLACES}")
+        if not isinstance(keep_muon_momentum_in_memory, bool):
+            raise TypeError(f"keep_muon_momentum_in_memory must be a bool, got {keep_muon_momentum_in_memory!r}")
+        if place != "disk" and offload_dir is not None:
+            raise ValueError(f'offload_dir is only used with state_offload="disk", got state_offload={place!r}')
+        self.place = place
+        resident = ResidentStore()
+        momentum_away = place is not None and not keep_muon_momentum_in_memory
+        if place == "disk":
+            keys = [(p, k) for p, algorithm in params for k in _keys(algorithm)
+                    if momentum_away or algorithm == "adamw"]
+            offloaded = DiskStore(offload_dir, rank, keys, names)
+        else:
+            offloaded = HostStore() if place == "cpu" else resident
+        self.by_key = {"momentum_buffer": offloaded if momentum_away else resident,
+                       "exp_avg": offloaded, "exp_avg_sq": offloaded}
+
+    def stores(self) -> list:
+        return list({id(s): s for s in self.by_key.values()}.values())
+
+    def new(self, p, key):
+        return self.by_key[key].new(p, key)
+
+    def adopt(self, p, key, value):
+        return self.by_key[key].adopt(p, key, value) if key in self.by_key else value
+
+    def check(self) -> None:
+        for s in self.stores():
+            s.check()
+
+    def each(self, items, keys):
+        store = self.by_key[keys[0]]
+        assert all(self.by_key[k] is store for k in keys), "one walk reads one store"
+        return store.each(items, keys)
+
+    def peak_window_bytes(self) -> int:
+        return sum(s.peak_window_bytes for s in self.stores() if s.place is not None)
+
+    def close(self) -> None:
+        for s in self.stores():
+            s.close()
+
+
+def _keys(algorithm: str) -> tuple[str, ...]:
+    return ("momentum_buffer",) if algorithm == "muon" else ("exp_avg", "exp_avg_sq")
