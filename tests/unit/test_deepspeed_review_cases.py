@@ -345,21 +345,26 @@ def test_groups_with_different_momentum_each_match_torch(nesterov, second_ns_ste
                              adjust_lr_fn="original"),
             torch.optim.Muon(ref_second, lr=MUON_LR, weight_decay=0.01, momentum=MOMENTA[1], nesterov=nesterov,
                              ns_steps=second_ns_steps, adjust_lr_fn="original")]
-    start = [p.detach().clone() for p in first + second]
-    gen = torch.Generator().manual_seed(5)
-    for _ in range(6):
-        for p, q in zip(first + second, ref_first + ref_second):
-            p.grad = torch.randn(p.shape, generator=gen)
-            q.grad = p.grad.clone()
-        opt.step()
-        for r in refs:
-            r.step()
-    _assert_matches(first + second, ref_first + ref_second, start)
+    _step_side_by_side(opt, refs, first + second, ref_first + ref_second, steps=6, seed=5)
     for r, ours in zip(refs, (first, second)):
         for p, q in zip(ours, r.param_groups[0]["params"]):
             torch.testing.assert_close(opt.state[p]["momentum_buffer"], r.state[q]["momentum_buffer"])
     # the groups really differ: a single shared coefficient would have given other buffers
     assert not torch.allclose(opt.state[first[0]]["momentum_buffer"], opt.state[second[0]]["momentum_buffer"])
+
+
+def _step_side_by_side(opt, refs, ours, theirs, *, steps: int, seed: int) -> None:
+    """The same random gradients into muonlab and the torch references, step by step; then compare."""
+    start = [p.detach().clone() for p in ours]
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        for p, q in zip(ours, theirs):
+            p.grad = torch.randn(p.shape, generator=gen)
+            q.grad = p.grad.clone()
+        opt.step()
+        for r in refs:
+            r.step()
+    _assert_matches(ours, theirs, start)
 
 
 def test_momentum_written_per_group_after_construction_is_used():
@@ -370,13 +375,4 @@ def test_momentum_written_per_group_after_construction_is_used():
     ref_first, ref_second = _clones(first), _clones(second)
     refs = [torch.optim.Muon(ref_first, lr=MUON_LR, weight_decay=0.0, momentum=0.95, adjust_lr_fn="original"),
             torch.optim.Muon(ref_second, lr=MUON_LR, weight_decay=0.0, momentum=0.5, adjust_lr_fn="original")]
-    start = [p.detach().clone() for p in first + second]
-    gen = torch.Generator().manual_seed(6)
-    for _ in range(4):
-        for p, q in zip(first + second, ref_first + ref_second):
-            p.grad = torch.randn(p.shape, generator=gen)
-            q.grad = p.grad.clone()
-        opt.step()
-        for r in refs:
-            r.step()
-    _assert_matches(first + second, ref_first + ref_second, start)
+    _step_side_by_side(opt, refs, first + second, ref_first + ref_second, steps=4, seed=6)
