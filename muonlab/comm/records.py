@@ -9,6 +9,7 @@ batch's ``GroupKey`` maps global ranks to them); the functions here do that mapp
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -54,7 +55,7 @@ class BatchPlan:
 
     @property
     def param_numels(self) -> tuple[int, ...]:
-        return tuple(numel(s) for s in self.param_shapes)
+        return tuple(math.prod(s) for s in self.param_shapes)
 
     @property
     def total_bytes(self) -> int:
@@ -93,13 +94,6 @@ class Plan:
 
     def table(self) -> str:
         return table(self.batches)
-
-
-def numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def group_rank_maps(batches: Iterable[BatchPlan]) -> dict:

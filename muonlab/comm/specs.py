@@ -27,6 +27,7 @@ moved and orthogonalized as stored, so only the lr ratio needs the (out, in) ori
 from __future__ import annotations
 
 import bisect
+import math
 from dataclasses import dataclass
 
 import torch
@@ -137,7 +138,7 @@ class MatrixSpec:
     def matrix_shape(self) -> tuple[int, int]:
         """One matrix as stored, the shape the paths move and orthogonalize."""
         if self.view == "flatten":
-            return self.shape[0], _prod(self.shape[1:])
+            return self.shape[0], math.prod(self.shape[1:])
         return self.shape[-2] // self.num_fused, self.shape[-1]
 
     @property
@@ -150,7 +151,7 @@ class MatrixSpec:
     def num_matrices(self) -> int:
         if self.view == "flatten":
             return 1
-        return self.num_fused * _prod(self.shape[:-2])
+        return self.num_fused * math.prod(self.shape[:-2])
 
     def matrix_sources(self) -> list[int]:
         """Group-local rank holding each matrix, for layouts whose shards are whole matrices."""
@@ -163,13 +164,6 @@ class MatrixSpec:
             entry = m * self.shape[0] // self.num_matrices  # the dim-0 entry where matrix m starts
             out.append(holders[bisect.bisect_right(starts, entry) - 1])
         return out
-
-
-def _prod(dims) -> int:
-    n = 1
-    for d in dims:
-        n *= int(d)
-    return n
 
 
 def chunk_sizes(dim_size: int, parts: int) -> tuple[int, ...]:

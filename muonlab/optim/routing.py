@@ -26,6 +26,7 @@ The views (see muonlab.comm.specs) travel to ``Muon`` through ``ParamGroups.view
 from __future__ import annotations
 
 import fnmatch
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -144,15 +145,9 @@ def _describe(view: str, shape: tuple[int, ...]) -> str:
     if view == "transpose":
         return "hidden matrix stored (in, out): lr ratio from (out, in)"
     if view == "flatten":
-        inner = 1
-        for d in shape[1:]:
-            inner *= d
-        return f"read as one ({shape[0]}, {inner}) matrix"
+        return f"read as one ({shape[0]}, {math.prod(shape[1:])}) matrix"
     if view == "bank":
-        banks = 1
-        for d in shape[:-2]:
-            banks *= d
-        return f"bank of {banks} matrices"
+        return f"bank of {math.prod(shape[:-2])} matrices"
     return "hidden matrix"
 
 

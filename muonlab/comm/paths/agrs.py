@@ -50,5 +50,4 @@ def run(batch, inputs, ctx):
     return my_rows(batch, inputs, returned, me)
 
 
-PATH = CommPath(name="agrs", collectives=2, out_share=0.5, color="#ff7f0e", run=run,
-                summary="remainder batches: all-gather out, owners scatter back")
+PATH = CommPath(name="agrs", collectives=2, out_share=0.5, color="#ff7f0e", run=run)

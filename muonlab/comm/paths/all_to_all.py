@@ -73,5 +73,4 @@ def run(batch, inputs, ctx):
     return my_rows(batch, inputs, returned, me)
 
 
-PATH = CommPath(name="all_to_all", collectives=2, out_share=0.5, color="#1f77b4", run=run,
-                summary="row shards to one owner per matrix and back, uneven splits, no padding")
+PATH = CommPath(name="all_to_all", collectives=2, out_share=0.5, color="#1f77b4", run=run)

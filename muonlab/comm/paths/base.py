@@ -54,4 +54,3 @@ class CommPath:
     """Its colour in timelines and plan charts."""
     run: PathRunner | None
     """The per-batch generator; None for a path that exists only in simulated reference plans."""
-    summary: str

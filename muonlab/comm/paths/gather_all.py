@@ -7,6 +7,8 @@ keeps its own slice. The plan reports it as a fallback so it is never taken sile
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..collectives import all_gather
@@ -17,10 +19,7 @@ from .owner import gather_bytes
 def bytes_per_rank(shape: tuple[int, ...], shard_dim: int, size: int, itemsize: int):
     """(sent, recv) per group rank: every rank contributes its shard padded to the largest."""
     dim_size = shape[shard_dim]
-    numel = 1
-    for d in shape:
-        numel *= d
-    padded = -(-dim_size // size) * (numel // max(dim_size, 1)) * itemsize
+    padded = -(-dim_size // size) * (math.prod(shape) // max(dim_size, 1)) * itemsize
     return gather_bytes([padded] * size)
 
 
@@ -37,5 +36,4 @@ def run(batch, inputs, ctx):
     return [full.narrow(dim, sum(rows[:me]), rows[me])]
 
 
-PATH = CommPath(name="gather_all", collectives=1, out_share=1.0, color="#d62728", run=run,
-                summary="fallback for other placements: padded all-gather, every rank computes")
+PATH = CommPath(name="gather_all", collectives=1, out_share=1.0, color="#d62728", run=run)

@@ -40,5 +40,4 @@ def run(batch, inputs, ctx):
     return out
 
 
-PATH = CommPath(name="owner", collectives=1, out_share=0.0, color="#2ca02c", run=run,
-                summary="replicated (DDP): one owner per matrix, updates all-gathered")
+PATH = CommPath(name="owner", collectives=1, out_share=0.0, color="#2ca02c", run=run)

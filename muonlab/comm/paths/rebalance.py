@@ -72,5 +72,4 @@ def run(batch, inputs, ctx):
     return out
 
 
-PATH = CommPath(name="rebalance", collectives=2, out_share=0.5, color="#17becf", run=run,
-                summary="whole matrices, a few moved off overloaded ranks and back")
+PATH = CommPath(name="rebalance", collectives=2, out_share=0.5, color="#17becf", run=run)

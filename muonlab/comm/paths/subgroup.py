@@ -66,5 +66,4 @@ def run(batch, inputs, ctx):
     return [ortho[p, index * rows:(index + 1) * rows].reshape(x.shape) for p, x in enumerate(inputs)]
 
 
-PATH = CommPath(name="subgroup", collectives=1, out_share=1.0, color="#aec7e8", run=run,
-                summary="fused banks: each sub-group all-gathers its expert, no way back")
+PATH = CommPath(name="subgroup", collectives=1, out_share=1.0, color="#aec7e8", run=run)
