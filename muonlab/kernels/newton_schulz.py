@@ -64,8 +64,9 @@ NS_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 the normalised matrix into zeros or NaN, and float8 has no matmul here."""
 
 
-def _is_real(value) -> bool:
-    # bool is an int to Python, but True as a coefficient or an eps is a mistake, not a number
+def is_number(value) -> bool:
+    """A real number, not a bool: bool is an int to Python, but True as a coefficient, an eps or
+    a learning rate is a mistake, not a number."""
     return isinstance(value, Real) and not isinstance(value, bool)
 
 
@@ -73,7 +74,7 @@ def _triple(abc, coefficients) -> tuple[float, float, float]:
     if isinstance(abc, (str, bytes)) or not isinstance(abc, Sequence):
         raise TypeError(f"ns_coefficients entries must be (a, b, c) sequences of numbers, got {abc!r} "
                         f"in {coefficients!r}")
-    if not all(_is_real(v) for v in abc):
+    if not all(is_number(v) for v in abc):
         raise TypeError(f"ns_coefficients entries must hold numbers, got {abc!r} in {coefficients!r}")
     if len(abc) != 3:
         raise ValueError(f"ns_coefficients must be a preset name, one (a, b, c) or a non-empty list of (a, b, c), "
@@ -102,7 +103,7 @@ def coefficient_table(coefficients: str | Sequence) -> str | tuple[tuple[float, 
     if not coefficients:
         raise ValueError(f"ns_coefficients must be a preset name or a non-empty list of (a, b, c), "
                          f"got {coefficients!r}")
-    if any(_is_real(v) for v in coefficients):  # numbers at the top level: one bare triple
+    if any(is_number(v) for v in coefficients):  # numbers at the top level: one bare triple
         return (_triple(coefficients, coefficients),)
     return tuple(_triple(abc, coefficients) for abc in coefficients)
 
@@ -190,7 +191,7 @@ class NSConfig:
         if self.dtype is not None and self.dtype not in NS_DTYPES:
             raise ValueError(f"Newton-Schulz dtype (Muon's ns_dtype) must be one of {list(NS_DTYPES)} or None, "
                              f"got {self.dtype}")
-        if not _is_real(self.eps):
+        if not is_number(self.eps):
             raise TypeError(f"Newton-Schulz eps must be a number, got {self.eps!r}")
         if not self.eps > 0:  # a zero floor divides an all-zero matrix by zero
             raise ValueError(f"Newton-Schulz eps must be > 0, got {self.eps!r}")

@@ -8,21 +8,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from numbers import Real
 
 import torch
 
-from ..kernels.newton_schulz import resolve_coefficients
+from ..kernels.newton_schulz import is_number, resolve_coefficients
 from . import functional as F
 
 
 def fmt_shape(shape) -> str:
     return "(" + ", ".join(str(int(d)) for d in shape) + ")"
-
-
-def is_number(value) -> bool:
-    # bool is an int to Python, but lr=True is a mistake, not a learning rate
-    return isinstance(value, Real) and not isinstance(value, bool)
 
 
 def state_mismatch(p: torch.Tensor, state: dict) -> str | None:
