@@ -583,7 +583,9 @@ class Muon(Optimizer):
         """The plan for these Muon parameters. Cached: it depends only on metadata and on the
         settings below (part of the key, so changing one re-plans)."""
         entries = self._muon_entries()
-        configs = tuple(self._ns_config(entries[i][0]) for i in indices)
+        # one config per group (settings may change between steps, so made anew each step)
+        by_group = {id(g): self._ns_config(g) for g in self.param_groups if g["algorithm"] == "muon"}
+        configs = tuple(by_group[id(entries[i][0])] for i in indices)
         cache_key = (indices, configs, self.comm_dtype, self.strategy, self.remainder_path, self.hardware_profile)
         if cache_key not in self._plans:
             replicate = self._replicate_group()
