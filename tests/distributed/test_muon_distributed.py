@@ -22,6 +22,16 @@ def world_results(request):
     return world, launch(W.everything, world, world, GPT_CASES, PATH_CASES, timeout_s=400)
 
 
+@pytest.fixture
+def several_ranks(world_results):
+    """(world, results) of a launch on 2+ ranks: the cross-rank cases (non-finite on one rank,
+    disagreeing shapes, diverged replicas) have no other rank to compare with on one."""
+    world, results = world_results
+    if world == 1:
+        pytest.skip("one rank: no other rank to compare with")
+    return world, results
+
+
 def _gpt_start():
     return cloned(build_gpt(**W.GPT_CFG).named_parameters())
 
@@ -126,10 +136,8 @@ def test_simulated_plan_equals_the_runtime_plan(world_results):
 
 
 @pytest.mark.timeout(600)
-def test_nonfinite_on_one_rank_skips_or_raises_on_every_rank(world_results):
-    world, results = world_results
-    if world == 1:
-        pytest.skip("one rank: no other rank to skip or raise with")
+def test_nonfinite_on_one_rank_skips_or_raises_on_every_rank(several_ranks):
+    world, results = several_ranks
     last = world - 1
     for rank, res in results.items():
         r = res["nonfinite"]
@@ -141,10 +149,8 @@ def test_nonfinite_on_one_rank_skips_or_raises_on_every_rank(world_results):
 
 
 @pytest.mark.timeout(600)
-def test_ranks_that_disagree_on_a_shape_get_a_clear_error_and_nothing_changes(world_results):
-    world, results = world_results
-    if world == 1:
-        pytest.skip("one rank: no other rank to disagree with")
+def test_ranks_that_disagree_on_a_shape_get_a_clear_error_and_nothing_changes(several_ranks):
+    world, results = several_ranks
     for rank, res in results.items():
         r = res["disagree"]
         assert r["message"] == (f"ranks disagree on the Muon parameters: rank 0 has 'w' of shape (4, 8) "
@@ -153,10 +159,8 @@ def test_ranks_that_disagree_on_a_shape_get_a_clear_error_and_nothing_changes(wo
 
 
 @pytest.mark.timeout(600)
-def test_plain_tensors_that_are_not_replicas_are_refused_by_name(world_results):
-    world, results = world_results
-    if world == 1:
-        pytest.skip("one rank: nothing to compare with")
+def test_plain_tensors_that_are_not_replicas_are_refused_by_name(several_ranks):
+    world, results = several_ranks
     for rank, res in results.items():
         r = res["diverged"]
         assert r["own_model"] and r["own_model"].startswith(
