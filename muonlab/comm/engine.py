@@ -1,19 +1,25 @@
-"""Run a plan: move, orthogonalize, move back, with the next batch's communication in flight.
+"""Run a plan batch by batch: momentum in, move, orthogonalize, move back, update, with the
+next batch's communication in flight.
 
 Each batch is one generator of its path (muonlab.comm.paths), which yields its work: the way
 out (a collective in flight), its whole matrices, the way back. The engine counts each
-collective's bytes once, waits on it, runs Newton-Schulz, and records the spans. The order on
-every rank (the plan is identical everywhere, so collectives line up) is
+collective's bytes once, waits on it, runs Newton-Schulz (the optimizer's ``orthogonalize``), and
+records the spans. The optimizer hands in two callbacks, ``prepare(batch)`` (this rank's momentum
+inputs of the batch) and ``apply(batch, outputs)`` (its update), so a batch's inputs, matrices and
+outputs exist only while the batch is in flight: a step's transient memory is a few batches, not
+the whole model. The order on every rank (the plan is identical everywhere, so collectives line up) is
 
-    out(0), out(1), [wait out(0), NS(0), back(0)], out(2), [wait out(1), NS(1), back(1)], ...
-    then every batch's wait back, in order,
+    out(0), out(1), [wait out(0), NS(0), back(0)], out(2), [wait out(1), NS(1), back(1)],
+    [wait back(0), apply(0)], out(3), [wait out(2), NS(2), back(2)], [wait back(1), apply(1)], ...
 
-so batch i+1's transfer travels while batch i's Newton-Schulz runs (async collectives).
+so batch i+1's transfer travels while batch i's Newton-Schulz runs, and batch i's way back travels
+while batch i+1's runs (async collectives). A batch without a way back is applied at once.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -28,12 +34,14 @@ from .specs import GroupKey
 class BatchRun:
     """One batch on one rank: its path's generator, what it yielded last, and its timing."""
 
-    def __init__(self, index: int, batch: BatchPlan, inputs: list, ctx: PathContext, *, tracer: Tracer,
-                 counter: CommCounter):
+    def __init__(self, index: int, batch: BatchPlan, ctx: PathContext, *, prepare, apply, orthogonalize,
+                 tracer: Tracer, counter: CommCounter):
         self.index, self.batch, self.path = index, batch, batch.path
+        self._ctx, self._prepare, self._apply, self._orthogonalize = ctx, prepare, apply, orthogonalize
         self._tracer, self._counter = tracer, counter
-        self._gen = PATHS[batch.path].run(batch, inputs, ctx)
         self._bytes = {"out": (0, 0), "back": (0, 0)}
+        self._item = None
+        self.done = False
         self.comm_seconds = 0.0
         self.ns_seconds = 0.0
 
@@ -46,15 +54,18 @@ class BatchRun:
         return item
 
     def start(self) -> None:
-        """Issue the way out (a path with none yields its matrices at once)."""
+        """Take the batch's inputs and issue the way out (a path with none yields its matrices at once)."""
+        inputs = self._prepare(self.batch)
+        self._gen = PATHS[self.path].run(self.batch, inputs, self._ctx)
+        del inputs  # the path holds what it still needs
         self._start = time.time()
         self._item = self._advance(None, "out")
         self.comm_seconds += time.time() - self._start
 
     def compute(self) -> None:
-        """Wait for the way out, orthogonalize, issue the way back."""
+        """Wait for the way out, orthogonalize, issue the way back (or apply, without one)."""
         t0 = time.time()
-        mats = self._item
+        mats, self._item = self._item, None
         if isinstance(mats, Pending):
             mats = self._advance(mats.wait(), "out")
         t1 = time.time()
@@ -63,7 +74,8 @@ class BatchRun:
                          bytes_recv=recv)
         ortho = None
         if mats is not None:
-            ortho = newton_schulz(mats, self.batch.ns_config)
+            ortho = self._orthogonalize(mats, self.batch.ns_config)
+            del mats
             t2 = time.time()
             self._tracer.add("newton_schulz", t1, t2, path=self.path, batch=self.index)
             self.ns_seconds += t2 - t1
@@ -71,55 +83,68 @@ class BatchRun:
         try:
             self._item = self._advance(ortho, "back")
         except StopIteration as done:  # no way back: the outputs are ready
-            self._item, self._outputs = None, done.value
+            self.comm_seconds += (t1 - t0) + (time.time() - self._back_start)
+            self._apply(self.batch, done.value)
+            self.done = True
+            return
         self.comm_seconds += (t1 - t0) + (time.time() - self._back_start)
 
-    def finish(self) -> list[torch.Tensor]:
-        """Wait for the way back; this rank's output per parameter of the batch."""
+    def finish(self) -> None:
+        """Wait for the way back, then apply this rank's output per parameter of the batch."""
+        if self.done:
+            return
         t0 = time.time()
-        if isinstance(self._item, Pending):
-            try:
-                self._gen.send(self._item.wait())
-            except StopIteration as done:
-                self._outputs = done.value
-            else:  # pragma: no cover - a path that yields after its way back
-                raise AssertionError(f"path {self.path!r} yielded after its way back")
+        if not isinstance(self._item, Pending):  # pragma: no cover - the path broke the protocol
+            raise AssertionError(f"path {self.path!r} yielded {type(self._item).__name__} as its way back")
+        try:
+            self._gen.send(self._item.wait())
+        except StopIteration as done:
+            outputs = done.value
+        else:  # pragma: no cover - a path that yields after its way back
+            raise AssertionError(f"path {self.path!r} yielded after its way back")
+        self._item = None
         t1 = time.time()
         self.comm_seconds += t1 - t0
-        if PATHS[self.path].collectives:  # a path that moves nothing has no way back to show
-            sent, recv = self._bytes["back"]
-            self._tracer.add("comm_back", self._back_start, t1, path=self.path, batch=self.index,
-                             bytes_sent=sent, bytes_recv=recv)
-        return self._outputs
+        sent, recv = self._bytes["back"]
+        self._tracer.add("comm_back", self._back_start, t1, path=self.path, batch=self.index,
+                         bytes_sent=sent, bytes_recv=recv)
+        self._apply(self.batch, outputs)
+        self.done = True
 
 
 def execute_plan(
     plan: Plan,
-    inputs: dict[int, torch.Tensor | None],
     groups: dict[GroupKey | None, tuple[object, int]],
     *,
+    prepare: Callable[[BatchPlan], list],
+    apply: Callable[[BatchPlan, list], None],
+    orthogonalize: Callable[[torch.Tensor, object], torch.Tensor] = newton_schulz,
     wire_dtype: torch.dtype,
     tracer: Tracer,
     counter: CommCounter,
-) -> tuple[dict[int, torch.Tensor], dict[str, float]]:
-    """Returns ({param index: this rank's orthogonalized local tensor}, phase seconds).
+) -> dict[str, float]:
+    """Run every batch of ``plan`` on this rank; returns the phase seconds of communication and
+    Newton-Schulz (the callbacks time themselves).
 
     ``groups``: {GroupKey: (torch ProcessGroup, this rank's index in it)} for every batch's group.
+    ``prepare(batch)``: this rank's input per parameter of the batch (None where it has none).
+    ``apply(batch, outputs)``: consume this rank's orthogonalized output per parameter.
+    ``orthogonalize(mats, ns_config)``: Newton-Schulz on a stack of whole matrices.
     """
     runs = []
     for i, batch in enumerate(plan):
         pg, group_rank = groups[batch.group]
-        runs.append(BatchRun(i, batch, [inputs[j] for j in batch.param_indices],
-                             PathContext(pg, group_rank, wire_dtype), tracer=tracer, counter=counter))
+        runs.append(BatchRun(i, batch, PathContext(pg, group_rank, wire_dtype), prepare=prepare, apply=apply,
+                             orthogonalize=orthogonalize, tracer=tracer, counter=counter))
     if runs:
         runs[0].start()
     for i, run in enumerate(runs):
         if i + 1 < len(runs):
             runs[i + 1].start()
         run.compute()
-    outputs: dict[int, torch.Tensor] = {}
-    for run in runs:
-        outputs.update(zip(run.batch.param_indices, run.finish()))
-    phases = {"communication": sum(r.comm_seconds for r in runs),
-              "newton_schulz": sum(r.ns_seconds for r in runs)}
-    return outputs, phases
+        if i >= 1:
+            runs[i - 1].finish()  # its way back travelled behind this batch's Newton-Schulz
+    if runs:
+        runs[-1].finish()
+    return {"communication": sum(r.comm_seconds for r in runs),
+            "newton_schulz": sum(r.ns_seconds for r in runs)}

@@ -21,6 +21,7 @@ Frobenius norm, never across the batch.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
@@ -123,17 +124,27 @@ def norm_scale(coefficients: str | Sequence) -> float:
     return NORM_SCALE.get(coefficients, 1.0) if isinstance(coefficients, str) else 1.0
 
 
-def _normalise(X: torch.Tensor, eps: float, scale: float) -> torch.Tensor:
-    # Per-matrix Frobenius norm (an upper bound on the spectral norm), in fp32 for accuracy.
-    norms = torch.linalg.matrix_norm(X.float(), ord="fro", keepdim=True)
-    return X / (norms * scale).clamp(min=eps).to(X.dtype)
+def _normalise_into(out: torch.Tensor, X: torch.Tensor, eps: float, scale: float) -> torch.Tensor:
+    """``out = X / ||X||_F`` per matrix; ``out`` may be ``X`` itself (in place).
+
+    The norm is accumulated in fp32 for accuracy (``dtype=`` upcasts inside the reduction, without
+    an fp32 copy of the batch), then rounded to X's dtype before the division, as torch.optim.Muon
+    divides a bf16 matrix by its bf16 norm.
+    """
+    norms = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=torch.float32)
+    return torch.div(X, (norms * scale).clamp_(min=eps).to(X.dtype), out=out)
 
 
-def _plain_iterations(X: torch.Tensor, coeffs: Coefficients) -> torch.Tensor:
+def _plain_iterations(X: torch.Tensor, coeffs: Coefficients, gram: torch.Tensor, poly: torch.Tensor,
+                      spare: torch.Tensor) -> torch.Tensor:
+    """The plain iteration on a batch X (B, m, n), written into preallocated buffers: ``gram`` and
+    ``poly`` (B, m, m), ``spare`` (B, m, n). X and ``spare`` take turns holding the iterate, so X
+    is overwritten; the result is whichever of the two holds the last iterate."""
     for a, b, c in coeffs:
-        A = X @ X.mT
-        B = torch.baddbmm(A, A, A, beta=b, alpha=c) if A.ndim == 3 else b * A + c * (A @ A)
-        X = torch.baddbmm(X, B, X, beta=a) if X.ndim == 3 else a * X + B @ X
+        torch.bmm(X, X.mT, out=gram)                                  # A = X X^T
+        torch.baddbmm(gram, gram, gram, beta=b, alpha=c, out=poly)    # B = b A + c A A
+        torch.baddbmm(X, poly, X, beta=a, out=spare)                  # X' = a X + B X
+        X, spare = spare, X
     return X
 
 
@@ -170,13 +181,15 @@ class NSConfig:
     (a, b, c) used at every step (torch.optim.Muon's format); stored as a tuple of triples."""
     eps: float = 1e-7
     """Floor on each matrix's norm, so an all-zero matrix maps to zero instead of NaN."""
-    dtype: torch.dtype | None = torch.bfloat16
-    """Compute dtype (bf16 like torch.optim.Muon); None keeps the input's dtype."""
+    dtype: torch.dtype | str | None = "auto"
+    """Compute dtype: "auto" (bf16 on CUDA, like torch.optim.Muon; on a CPU bf16 only where it has
+    native bf16 matmul, else fp32, see ``resolve_dtype``), a torch dtype, or None (the input's)."""
     form: str = "plain"
     """"plain" or "gram" (fewer FLOPs on rectangular matrices; see the module doc). Square matrices
     always take the plain form: there gram saves nothing and costs about 20% more."""
     backend: str = "auto"
-    """"torch", "triton" (CUDA + triton required) or "auto" (triton when usable on CUDA)."""
+    """"torch", "triton" (CUDA + triton required) or "auto": per shape, whichever of the two was
+    measured faster on this device (muonlab.kernels.backend_choice); torch off CUDA."""
     gram_restarts: tuple[int, ...] = (2,)
     """Iterations after which the gram form recomputes R from X."""
 
@@ -186,9 +199,10 @@ class NSConfig:
                              f"choose one of {BACKENDS}")
         if self.form not in FORMS:
             raise ValueError(f"unknown Newton-Schulz form {self.form!r} (Muon's ns_form); choose one of {FORMS}")
-        if self.dtype is not None and not isinstance(self.dtype, torch.dtype):
-            raise TypeError(f"Newton-Schulz dtype must be a torch.dtype or None (Muon's ns_dtype), got {self.dtype!r}")
-        if self.dtype is not None and self.dtype not in NS_DTYPES:
+        if self.dtype is not None and self.dtype != "auto" and not isinstance(self.dtype, torch.dtype):
+            raise TypeError(f'Newton-Schulz dtype must be a torch.dtype, "auto" or None (Muon\'s ns_dtype), '
+                            f"got {self.dtype!r}")
+        if isinstance(self.dtype, torch.dtype) and self.dtype not in NS_DTYPES:
             raise ValueError(f"Newton-Schulz dtype (Muon's ns_dtype) must be one of {list(NS_DTYPES)} or None, "
                              f"got {self.dtype}")
         if not is_number(self.eps):
@@ -217,46 +231,65 @@ def _config(config: NSConfig | None, settings: dict) -> NSConfig:
     return replace(config, **settings) if settings else config
 
 
-def newton_schulz(G: torch.Tensor, config: NSConfig | None = None, **settings) -> torch.Tensor:
+def newton_schulz(G: torch.Tensor, config: NSConfig | None = None, *, workspace=None, out: torch.Tensor | None = None,
+                  **settings) -> torch.Tensor:
     """Approximately orthogonalize the last two dims of ``G`` (batched over leading dims).
 
     Args:
         G: tensor with at least 2 dims; leading dims are a batch of independent matrices.
         config: the settings (``NSConfig``); keyword ``settings`` (its field names: steps,
             coefficients, eps, dtype, form, backend, gram_restarts) override or replace it.
+        workspace: a ``muonlab.kernels.workspace.Workspace`` whose buffers hold the iterates, so
+            repeated calls reuse memory instead of allocating; None allocates per call.
+        out: where to write the result (G's shape, the compute dtype); None: a new tensor.
 
     Returns:
-        A tensor of G's shape in the config's dtype (or G's dtype when dtype is None).
+        ``out``, or a new contiguous tensor of G's shape in the config's dtype (G's dtype when
+        dtype is None); G itself is never modified.
     """
     if G.ndim < 2:
         raise ValueError(f"newton_schulz needs a tensor with at least 2 dims, got shape {tuple(G.shape)}")
     cfg = _config(config, settings)
-    coeffs = cfg.resolved_coefficients()
+    dtype = resolve_dtype(cfg.dtype, G.device) or G.dtype
     shape = G.shape
-    X = G.to(cfg.dtype) if cfg.dtype is not None else G
-    if X.numel() == 0:
-        return X.clone()
-    X = X.reshape(-1, shape[-2], shape[-1])
+    if out is None:
+        out = torch.empty(shape, dtype=dtype, device=G.device)
+    elif out.shape != shape or out.dtype != dtype or out.device != G.device:
+        raise ValueError(f"out must have shape {tuple(shape)}, dtype {dtype} and device {G.device}, got "
+                         f"{tuple(out.shape)}, {out.dtype}, {out.device}")
+    if G.numel() == 0:
+        return out
+    m, n = sorted(shape[-2:])
     tall = shape[-2] > shape[-1]
-    if tall:
-        X = X.mT
-    X = _normalise(X, cfg.eps, norm_scale(cfg.coefficients))
+    Gb = G.reshape(-1, shape[-2], shape[-1])
+    Gb = Gb.mT if tall else Gb  # a view: the transpose happens in the copy below
+    num = Gb.shape[0]
+    form = _form(cfg, m, n)
+    use = _pick_backend(cfg.backend, G, (num, m, n), dtype, cfg)
+    if use == "triton" and form != "plain":
+        raise ValueError("the triton backend implements form='plain' only")
+    if workspace is None:
+        from .workspace import Workspace
 
-    use = _pick_backend(cfg.backend, X)
+        workspace = Workspace()
+    plain_torch = use == "torch" and form == "plain"
+    buffers = workspace.take(G.device, [((num, m, n), dtype)] + (
+        [((num, m, m), dtype), ((num, m, m), dtype), ((num, m, n), dtype)] if plain_torch else []))
+    X = buffers[0]
+    X.copy_(Gb)  # cast and (for tall inputs) transpose in one pass, into the workspace
+    _normalise_into(X, X, cfg.eps, norm_scale(cfg.coefficients))
+    coeffs = cfg.resolved_coefficients()
     if use == "triton":
-        if cfg.form != "plain":
-            raise ValueError("the triton backend implements form='plain' only")
         from .triton_newton_schulz import newton_schulz_triton
 
         X = newton_schulz_triton(X, coeffs)
-    elif _form(cfg, X.shape[-2], X.shape[-1]) == "gram":
+    elif form == "gram":
         X = _gram_iterations(X, coeffs, cfg.gram_restarts)
     else:
-        X = _plain_iterations(X, coeffs)
-
-    if tall:
-        X = X.mT
-    return X.reshape(shape).contiguous()
+        X = _plain_iterations(X, coeffs, *buffers[1:])
+    # the result leaves the workspace (the next call overwrites it)
+    out.view(-1, shape[-2], shape[-1]).copy_(X.mT if tall else X)
+    return out
 
 
 def _form(cfg: NSConfig, m: int, n: int) -> str:
@@ -273,7 +306,8 @@ def triton_usable(X: torch.Tensor) -> bool:
     return TRITON_AVAILABLE and (X.is_cuda or (INTERPRET and X.device.type == "cpu"))
 
 
-def _pick_backend(backend: str, X: torch.Tensor) -> str:
+def _pick_backend(backend: str, X: torch.Tensor, batch_shape: tuple[int, int, int], dtype: torch.dtype,
+                  cfg: NSConfig) -> str:
     if backend == "torch":
         return "torch"
     usable = triton_usable(X)
@@ -285,8 +319,36 @@ def _pick_backend(backend: str, X: torch.Tensor) -> str:
                 "backend='auto' falls back to torch"
             )
         return "triton"
-    # auto: the interpreter is for correctness tests only, never picked automatically
-    return "triton" if usable and X.is_cuda else "torch"
+    # auto: the interpreter is for correctness tests only, never picked automatically; the plain
+    # form only (the Triton kernels implement no other)
+    if not (usable and X.is_cuda) or _form(cfg, batch_shape[1], batch_shape[2]) != "plain":
+        return "torch"
+    from .backend_choice import faster_backend
+
+    return faster_backend(batch_shape, dtype, cfg, X.device)
+
+
+def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype | None:
+    """The compute dtype "auto" means on ``device``: bf16 on CUDA (tensor cores, as torch.optim.Muon
+    uses), and on a CPU bf16 only where it lists native bf16 matmul (AVX512_BF16 or AMX-BF16);
+    without it bf16 matmul is emulated at about a third of fp32's rate, so fp32 is both faster and
+    more accurate there. Other values pass through."""
+    if dtype != "auto":
+        return dtype
+    if torch.device(device).type == "cpu":
+        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+    return torch.bfloat16
+
+
+@functools.cache
+def cpu_has_native_bf16() -> bool:
+    """Whether /proc/cpuinfo lists avx512_bf16 or amx_bf16 (False where it can't be read)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def plain_flops_per_iter(m: int, n: int) -> int:

@@ -21,12 +21,15 @@ from ..comm.paths.subgroup import ranks_per_expert, subgroups_for
 from ..comm.planner import REMAINDER_PATHS, STRATEGIES, plan_batches
 from ..comm.records import BatchPlan, Plan
 from ..comm.specs import MatrixSpec, check_view, matrix_spec, process_group_for
-from ..kernels.newton_schulz import NSConfig
+from ..kernels.newton_schulz import NSConfig, resolve_dtype
+from ..kernels.runner import NewtonSchulzRunner, default_budget
+from ..kernels.workspace import max_batch_matrices
 from ..trace import Span, Tracer
 from . import functional as F
 from .offload import StateStores
 from .routing import check_not_flat
-from .validation import check_hyperparameters, checked_fused_banks, fmt_shape, is_number, state_mismatch
+from .validation import (check_hyperparameters, check_memory_options, checked_fused_banks, fmt_shape, is_number,
+                         state_mismatch)
 
 ALGORITHMS = ("muon", "adamw")
 NONFINITE_POLICIES = ("skip", "raise", "ignore")
@@ -106,13 +109,31 @@ class Muon(Optimizer):
     ``process_group`` is shared by a deepcopy, and refuses pickling.
 
     Args beyond the hyperparameters:
-        ns_dtype: Newton-Schulz compute dtype (bf16 like torch.optim.Muon; fp32 for tight parity).
+        ns_dtype: Newton-Schulz compute dtype. "auto": bf16 on CUDA (like torch.optim.Muon), and on
+            a CPU bf16 only with native bf16 matmul, else fp32 (emulated bf16 runs at a third of
+            fp32's rate); or a dtype (fp32 for tight parity).
         ns_form: "plain" or "gram" (fewer FLOPs on rectangular matrices, see newton_schulz).
-        ns_backend: "auto", "torch" or "triton".
+        ns_backend: "auto" (per shape, torch or Triton, whichever was measured faster on this
+            device; see muonlab.kernels.backend_choice), "torch" or "triton".
+        momentum_dtype: dtype of Muon's momentum buffers. None (default): the parameter's dtype, as
+            torch.optim.Muon keeps it: for bf16 parameters 2 bytes per element, and the momentum
+            accumulates in bf16 (an EMA step smaller than bf16's resolution of the buffer is lost).
+            torch.float32: 4 bytes per element (twice the state memory of bf16 parameters, the same
+            for fp32 ones), every small gradient contribution kept; the Newton-Schulz input is cast
+            from it.
+        workspace_bytes: the most transient memory one Newton-Schulz call may take (its inputs,
+            iterates and output). A batch of same-shape matrices that needs more runs in chunks
+            that fit, into one reused workspace; None: max(256 MiB, 5% of this rank's Muon
+            parameter bytes). Smaller saves memory; too small (below one matrix) runs one matrix
+            at a time.
+        ns_graphs: on CUDA, capture each chunk shape's Newton-Schulz chain in a CUDA graph once
+            and replay it (one launch per chunk instead of three per iteration: faster below
+            width ~4096, where eager launches leave the GPU idle). Costs the static buffers of
+            one chunk per distinct chunk shape, held between steps. Ignored on CPU.
         process_group: the group replicated (plain-tensor, DDP) parameters are divided over;
             default: the default group when torch.distributed runs with more than one rank.
             DTensor parameters always use their own mesh.
-        comm_dtype: dtype of matrices on the wire (bf16; fp32 for exact parity). Momentum is fp32.
+        comm_dtype: dtype of matrices on the wire (bf16; fp32 for exact parity).
         remainder_path: "auto", "all_to_all" or "agrs" for row-sharded batches of fewer than W
             matrices; "auto" takes the lower modelled time under ``hardware_profile``.
         hardware_profile: a muonlab.comm.cost profile name or HardwareProfile (default:
@@ -159,9 +180,12 @@ class Muon(Optimizer):
         adamw_eps: float = 1e-8,
         adamw_weight_decay: float = 0.0,
         *,
-        ns_dtype: torch.dtype | None = torch.bfloat16,
+        ns_dtype: torch.dtype | str | None = "auto",
         ns_form: str = "plain",
-        ns_backend: str = "torch",
+        ns_backend: str = "auto",
+        momentum_dtype: torch.dtype | None = None,
+        workspace_bytes: int | None = None,
+        ns_graphs: bool = False,
         process_group=None,
         comm_dtype: torch.dtype = torch.bfloat16,
         remainder_path: str = "auto",
@@ -175,6 +199,7 @@ class Muon(Optimizer):
         keep_muon_momentum_in_memory: bool = False,
     ):
         NSConfig(dtype=ns_dtype, form=ns_form, backend=ns_backend)  # raises on a bad ns_* setting
+        check_memory_options(momentum_dtype, workspace_bytes, ns_graphs)
         self._muon_defaults = dict(
             lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
             ns_steps=ns_steps, ns_coefficients=ns_coefficients, eps=eps, adjust_lr=adjust_lr,
@@ -189,6 +214,10 @@ class Muon(Optimizer):
         self.ns_dtype = ns_dtype
         self.ns_form = ns_form
         self.ns_backend = ns_backend
+        self.momentum_dtype = momentum_dtype
+        self.workspace_bytes = workspace_bytes
+        self.ns_graphs = ns_graphs
+        self._runner: NewtonSchulzRunner | None = None
         self._set_options(process_group, comm_dtype, remainder_path, strategy, nonfinite, hardware_profile,
                           fused_banks)
         self.skipped_steps = 0
@@ -215,7 +244,7 @@ class Muon(Optimizer):
         self._offload = StateStores(
             state_offload, offload_dir, keep_muon_momentum_in_memory,
             [(p, g["algorithm"]) for g in self.param_groups for p in g["params"]], self._names,
-            dist.get_rank() if _dist_on() else 0)
+            dist.get_rank() if _dist_on() else 0, momentum_dtype)
 
     def _set_options(self, process_group, comm_dtype, remainder_path, strategy, nonfinite, hardware_profile,
                      fused_banks) -> None:
@@ -387,9 +416,10 @@ class Muon(Optimizer):
 
         Every saved state tensor must have its parameter's shape (a checkpoint of another model
         would otherwise load and fail at the next step, after AdamW's step counters moved), and a
-        step count may be a Python number (torch accepts it; it becomes a tensor). State is kept
-        in fp32 whatever the parameter's dtype; torch's loader casts floating state to the
-        parameter's dtype, which would break exact resume for bf16 parameters.
+        step count may be a Python number (torch accepts it; it becomes a tensor). Each state
+        tensor is kept in its own dtype (momentum: ``momentum_dtype``; AdamW moments: fp32), not
+        the parameter's dtype torch's loader casts floating state to, which would break exact
+        resume of fp32 state for bf16 parameters.
         """
         pairs = self._saved_pairs(state_dict)  # raises before anything changes
         offloaded = {k for k, store in self._offload.by_key.items() if store.place is not None}
@@ -404,8 +434,9 @@ class Muon(Optimizer):
                     self.state[p][key] = self._offload.adopt(p, key, value)
                 elif key == "step" and not torch.is_tensor(value):
                     self.state[p][key] = torch.tensor(float(value))
-                elif torch.is_tensor(value) and key != "step" and value.dtype != self.state[p][key].dtype:
-                    self.state[p][key] = value.to(device=p.device, copy=True)
+                elif torch.is_tensor(value) and key in self._offload.by_key \
+                        and self.state[p][key].dtype != self._offload.dtype(p, key):
+                    self.state[p][key] = value.to(device=p.device, dtype=self._offload.dtype(p, key), copy=True)
 
     def _saved_pairs(self, state_dict: dict) -> list[tuple[dict, torch.Tensor]]:
         """(saved state, parameter) in torch's order, each checked against its parameter."""
@@ -586,7 +617,8 @@ class Muon(Optimizer):
         # one config per group (settings may change between steps, so made anew each step)
         by_group = {id(g): self._ns_config(g) for g in self.param_groups if g["algorithm"] == "muon"}
         configs = tuple(by_group[id(entries[i][0])] for i in indices)
-        cache_key = (indices, configs, self.comm_dtype, self.strategy, self.remainder_path, self.hardware_profile)
+        cache_key = (indices, configs, self.comm_dtype, self.strategy, self.remainder_path, self.hardware_profile,
+                     self._budget())
         if cache_key not in self._plans:
             replicate = self._replicate_group()
             specs, groups = [], {None: (None, 0)}
@@ -602,6 +634,7 @@ class Muon(Optimizer):
             plan = plan_batches(
                 specs, configs, comm_itemsize=torch.empty(0, dtype=self.comm_dtype).element_size(),
                 remainder_path=self.remainder_path, strategy=self.strategy, profile=self.hardware_profile,
+                max_local_matrices=self._max_local_matrices,
             )
             owners = {}
             for b in plan:
@@ -713,38 +746,64 @@ class Muon(Optimizer):
         return tuple(position[id(p)] for _, params in work for p in params)
 
     def _muon_step(self, indices: tuple[int, ...], planned: "_Planned", counter: CommCounter, phases: dict) -> None:
+        """Batch by batch (see muonlab.comm.engine): momentum on the local shards, move,
+        orthogonalize, move back, update; only the batches in flight hold inputs and outputs."""
         entries = self._muon_entries()
         plan, specs, groups, owners = planned
 
-        # 1. momentum on the local shard (replicated matrices: on their owner only)
-        inputs: dict[int, torch.Tensor | None] = {i: None for i in indices}
-        with self._tracer.span("momentum") as span:
-            mine = [i for i in indices if not (i in owners and not owners[i][2])]
-            items = [(i, entries[i][1], self._state_for(entries[i][1], "muon")) for i in mine]
-            # the store hands out each momentum on the device (fetching the next meanwhile)
-            for i, (buf,) in self._offload.each(items, ("momentum_buffer",)):
-                group, p = entries[i]
-                (inputs[i],) = F.muon_momentum_(
-                    [_local(p.grad)], [buf], momentum=group["momentum"], nesterov=group["nesterov"],
-                    form=group["momentum_form"],
-                )
-        phases["momentum"] = span.duration
+        def prepare(batch) -> list[torch.Tensor | None]:
+            """1. momentum on the local shard (replicated matrices: on their owner only)."""
+            inputs = dict.fromkeys(batch.param_indices)
+            with self._tracer.span("momentum", batch=batch.index) as span:
+                mine = [i for i in batch.param_indices if not (i in owners and not owners[i][2])]
+                items = [(i, entries[i][1], self._state_for(entries[i][1], "muon")) for i in mine]
+                # the store hands out each momentum on the device (fetching the next meanwhile)
+                for i, (buf,) in self._offload.each(items, ("momentum_buffer",)):
+                    group, p = entries[i]
+                    (inputs[i],) = F.muon_momentum_(
+                        [_local(p.grad)], [buf], momentum=group["momentum"], nesterov=group["nesterov"],
+                        form=group["momentum_form"],
+                    )
+            phases["momentum"] += span.duration
+            return [inputs[i] for i in batch.param_indices]
 
-        # 2. move, orthogonalize, move back (see muonlab.comm.engine)
-        outputs, comm_phases = execute_plan(
-            plan, inputs, groups, wire_dtype=self.comm_dtype, tracer=self._tracer, counter=counter,
-        )
-        phases.update(comm_phases)
+        def apply(batch, outputs: list[torch.Tensor]) -> None:
+            """3. update, with the lr ratio from each matrix's GLOBAL shape."""
+            with self._tracer.span("update", batch=batch.index) as span:
+                for i, out in zip(batch.param_indices, outputs):
+                    group, p = entries[i]
+                    F.muon_apply_(
+                        [_local(p)], [out], lr=float(group["lr"]), weight_decay=group["weight_decay"],
+                        ratios=[F.adjust_lr_ratio(specs[i].lr_shape, group["adjust_lr"])],
+                    )
+            phases["update"] += span.duration
 
-        # 3. update, with the lr ratio from each matrix's GLOBAL shape
-        with self._tracer.span("update") as span:
-            for i in indices:
-                group, p = entries[i]
-                F.muon_apply_(
-                    [_local(p)], [outputs[i]], lr=float(group["lr"]), weight_decay=group["weight_decay"],
-                    ratios=[F.adjust_lr_ratio(specs[i].lr_shape, group["adjust_lr"])],
-                )
-        phases["update"] = span.duration
+        # 2. move, orthogonalize, move back
+        phases.update(execute_plan(
+            plan, groups, prepare=prepare, apply=apply, orthogonalize=self._runner_for(indices),
+            wire_dtype=self.comm_dtype, tracer=self._tracer, counter=counter,
+        ))
+
+    def _device(self) -> torch.device:
+        """Where this rank's Muon shards live (the first Muon parameter's device)."""
+        return _local(self._muon_entries()[0][1]).device
+
+    def _runner_for(self, indices: tuple[int, ...]) -> NewtonSchulzRunner:
+        """The Newton-Schulz runner (chunks within the workspace budget, reused buffers, graphs)."""
+        if self._runner is None:
+            self._runner = NewtonSchulzRunner(self._budget(), graphs=self.ns_graphs)
+        return self._runner
+
+    def _budget(self) -> int:
+        if self.workspace_bytes is not None:
+            return self.workspace_bytes
+        local = [_local(p) for _, p in self._muon_entries()]
+        return default_budget(sum(t.numel() * t.element_size() for t in local))
+
+    def _max_local_matrices(self, shape: tuple[int, int], cfg: NSConfig) -> int:
+        """Matrices of ``shape`` one batch of the local path may hold within the budget."""
+        dtype = resolve_dtype(cfg.dtype, self._device()) or torch.float32
+        return max_batch_matrices(shape, dtype.itemsize, self._budget())
 
     def _ns_config(self, group: dict) -> NSConfig:
         """A Muon group's Newton-Schulz settings with the optimizer-wide dtype, form and backend."""

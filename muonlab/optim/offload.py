@@ -27,7 +27,15 @@ OFFLOAD_PLACES = (None, "cpu", "disk")
 MAGIC = b"MUONLAB-OFFLOAD\x01"
 HEADER_BYTES = 4096
 ALIGN = 64  # slots start on cache-line boundaries
-STATE_DTYPE = torch.float32  # Muon's momentum and AdamW moments are fp32 whatever the parameter's dtype
+ADAMW_STATE_DTYPE = torch.float32  # AdamW moments are fp32 whatever the parameter's dtype
+
+
+def state_dtype(p: torch.Tensor, key: str, momentum_dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype a state tensor is kept in: Muon's momentum in ``momentum_dtype`` (None: the
+    parameter's dtype, as torch.optim.Muon keeps it), AdamW's moments in fp32."""
+    if key == "momentum_buffer":
+        return momentum_dtype if momentum_dtype is not None else p.dtype
+    return ADAMW_STATE_DTYPE
 
 
 class OffloadError(OSError):
@@ -53,11 +61,15 @@ class ResidentStore:
 
     place = None
 
-    def __init__(self):
+    def __init__(self, momentum_dtype: torch.dtype | None = None):
         self.peak_window_bytes = 0
+        self.momentum_dtype = momentum_dtype
+
+    def dtype(self, p: torch.Tensor, key: str) -> torch.dtype:
+        return state_dtype(p, key, self.momentum_dtype)
 
     def new(self, p: torch.Tensor, key: str) -> torch.Tensor:
-        return torch.zeros_like(p, dtype=STATE_DTYPE, memory_format=torch.preserve_format)
+        return torch.zeros_like(p, dtype=self.dtype(p, key), memory_format=torch.preserve_format)
 
     def adopt(self, p: torch.Tensor, key: str, value: torch.Tensor) -> torch.Tensor:
         return value
@@ -81,8 +93,8 @@ class ResidentStore:
 class _OffloadedStore(ResidentStore):
     """Fetch into fresh tensors on the parameter's device, one parameter ahead, and write back."""
 
-    def __init__(self):
-        super().__init__()
+    def __init__(self, momentum_dtype: torch.dtype | None = None):
+        super().__init__(momentum_dtype)
         self._pool: ThreadPoolExecutor | None = None
         self._stream = None
         self._window_bytes = 0
@@ -162,11 +174,11 @@ class HostStore(_OffloadedStore):
 
     def _stored(self, p, key):
         pin = torch.cuda.is_available()
-        return torch.empty(_local(p).shape, dtype=STATE_DTYPE, pin_memory=pin)
+        return torch.empty(_local(p).shape, dtype=self.dtype(p, key), pin_memory=pin)
 
     def adopt(self, p, key, value):
         local = _local(value)
-        if local.device.type == "cpu" and local.dtype == STATE_DTYPE and local.is_contiguous() \
+        if local.device.type == "cpu" and local.dtype == self.dtype(p, key) and local.is_contiguous() \
                 and (local.is_pinned() or not torch.cuda.is_available()):
             return value  # already where this store keeps state (e.g. DCP loaded into it)
         return super().adopt(p, key, value)
@@ -183,15 +195,16 @@ class DiskStore(_OffloadedStore):
 
     place = "disk"
 
-    def __init__(self, offload_dir, rank: int, slots: list[tuple[torch.Tensor, str]], names: dict):
-        super().__init__()
+    def __init__(self, offload_dir, rank: int, slots: list[tuple[torch.Tensor, str]], names: dict,
+                 momentum_dtype: torch.dtype | None = None):
+        super().__init__(momentum_dtype)
         if offload_dir is None:
             raise ValueError('state_offload="disk" needs offload_dir (a directory for one state file per rank)')
         self.dir = os.path.abspath(os.fspath(offload_dir))
         self.path = os.path.join(self.dir, f"muonlab_state_rank{rank}.bin")
         self.lock_path = os.path.join(self.dir, f"muonlab_state_rank{rank}.lock")
         self._names = names
-        self._slots: dict[tuple[int, str], tuple[int, tuple[int, ...]]] = {}
+        self._slots: dict[tuple[int, str], tuple[int, tuple[int, ...], torch.dtype]] = {}
         self._layout(slots)
         self._prepare_dir()
         self._token = os.urandom(16)
@@ -209,10 +222,11 @@ class DiskStore(_OffloadedStore):
         offset = HEADER_BYTES
         self._manifest = []
         for p, key in slots:
-            shape = tuple(_local(p).shape)
-            nbytes = _local(p).numel() * STATE_DTYPE.itemsize
-            self._slots[(id(p), key)] = (offset, shape)
-            self._manifest.append(dict(name=self._names.get(p, "?"), key=key, offset=offset, shape=list(shape)))
+            shape, dtype = tuple(_local(p).shape), self.dtype(p, key)
+            nbytes = _local(p).numel() * dtype.itemsize
+            self._slots[(id(p), key)] = (offset, shape, dtype)
+            self._manifest.append(dict(name=self._names.get(p, "?"), key=key, offset=offset, shape=list(shape),
+                                       dtype=str(dtype)))
             offset += -(-nbytes // ALIGN) * ALIGN
         self.size = offset
 
@@ -258,7 +272,7 @@ class DiskStore(_OffloadedStore):
             os.unlink(lock_path)
 
     def _header(self) -> bytes:
-        manifest = json.dumps(dict(size=self.size, dtype=str(STATE_DTYPE), slots=self._manifest)).encode()
+        manifest = json.dumps(dict(size=self.size, slots=self._manifest)).encode()
         head = MAGIC + self._token + len(manifest).to_bytes(8, "little")
         # the manifest is for people and tools reading the file; the check compares the fixed part
         return (head + manifest)[:HEADER_BYTES].ljust(HEADER_BYTES, b"\0")
@@ -291,9 +305,9 @@ class DiskStore(_OffloadedStore):
         return start <= local.data_ptr() < start + self.size
 
     def _stored(self, p, key):
-        offset, shape = self._slots[(id(p), key)]
-        nbytes = STATE_DTYPE.itemsize * int(torch.Size(shape).numel())
-        return self._map[offset:offset + nbytes].view(STATE_DTYPE).view(shape)
+        offset, shape, dtype = self._slots[(id(p), key)]
+        nbytes = dtype.itemsize * int(torch.Size(shape).numel())
+        return self._map[offset:offset + nbytes].view(dtype).view(shape)
 
     def __getstate__(self):
         raise TypeError(f'a Muon with state_offload="disk" can\'t be copied or pickled: its state lives in '
@@ -326,7 +340,8 @@ class StateStores:
     """Which store holds which state key: everything in one place, or (with
     ``keep_muon_momentum_in_memory``) Muon momentum resident and AdamW moments offloaded."""
 
-    def __init__(self, place, offload_dir, keep_muon_momentum_in_memory: bool, params, names: dict, rank: int):
+    def __init__(self, place, offload_dir, keep_muon_momentum_in_memory: bool, params, names: dict, rank: int,
+                 momentum_dtype: torch.dtype | None = None):
         if place not in OFFLOAD_PLACES:
             raise ValueError(f"unknown state_offload {place!r}; choose one of {OFFLOAD_PLACES}")
         if not isinstance(keep_muon_momentum_in_memory, bool):
@@ -334,14 +349,14 @@ class StateStores:
         if place != "disk" and offload_dir is not None:
             raise ValueError(f'offload_dir is only used with state_offload="disk", got state_offload={place!r}')
         self.place = place
-        resident = ResidentStore()
+        resident = ResidentStore(momentum_dtype)
         momentum_away = place is not None and not keep_muon_momentum_in_memory
         if place == "disk":
             keys = [(p, k) for p, algorithm in params for k in _keys(algorithm)
                     if momentum_away or algorithm == "adamw"]
-            offloaded = DiskStore(offload_dir, rank, keys, names)
+            offloaded = DiskStore(offload_dir, rank, keys, names, momentum_dtype)
         else:
-            offloaded = HostStore() if place == "cpu" else resident
+            offloaded = HostStore(momentum_dtype) if place == "cpu" else resident
         self.by_key = {"momentum_buffer": offloaded if momentum_away else resident,
                        "exp_avg": offloaded, "exp_avg_sq": offloaded}
 
@@ -350,6 +365,9 @@ class StateStores:
 
     def new(self, p, key):
         return self.by_key[key].new(p, key)
+
+    def dtype(self, p, key) -> torch.dtype:
+        return self.by_key[key].dtype(p, key)
 
     def adopt(self, p, key, value):
         return self.by_key[key].adopt(p, key, value) if key in self.by_key else value

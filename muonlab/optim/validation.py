@@ -96,3 +96,19 @@ def check_hyperparameters(values: dict, algorithm: str, prefix: str, where: str)
     if values["momentum_form"] not in F.MOMENTUM_FORMS:
         raise ValueError(
             f"unknown momentum_form {values['momentum_form']!r}{where}; choose one of {F.MOMENTUM_FORMS}")
+
+
+def check_memory_options(momentum_dtype, workspace_bytes, ns_graphs) -> None:
+    """Muon's momentum_dtype, workspace_bytes and ns_graphs."""
+    if momentum_dtype is not None and not isinstance(momentum_dtype, torch.dtype):
+        raise TypeError(f"momentum_dtype must be a torch dtype or None (the parameter's dtype), got {momentum_dtype!r}")
+    if momentum_dtype is not None and momentum_dtype not in (torch.float16, torch.bfloat16, torch.float32,
+                                                             torch.float64):
+        raise ValueError(f"momentum_dtype must be a floating dtype (float16, bfloat16, float32, float64), "
+                         f"got {momentum_dtype}")
+    if workspace_bytes is not None and (not isinstance(workspace_bytes, int) or isinstance(workspace_bytes, bool)):
+        raise TypeError(f"workspace_bytes must be an int (bytes) or None, got {workspace_bytes!r}")
+    if workspace_bytes is not None and workspace_bytes < 1:
+        raise ValueError(f"workspace_bytes must be >= 1, got {workspace_bytes}")
+    if not isinstance(ns_graphs, bool):
+        raise TypeError(f"ns_graphs must be a bool, got {ns_graphs!r}")

@@ -62,8 +62,10 @@ def test_exact_resume_in_new_processes(runs, case):
         _same_snapshot(saved, got["loaded"], f"rank {rank} right after load")
         _same_snapshot(straight, got["resumed"], f"rank {rank} 4+4 vs 8")
         assert straight["losses"] == saved["losses"] + got["resumed"]["losses"]
-        # momentum and AdamW moments stay fp32 whatever the parameter dtype
-        assert all(dt == torch.float32 for (_, key), dt in got["resumed"]["state_dtypes"].items() if key != "step")
+        # momentum resumes in the parameter's dtype (Muon's default), AdamW moments in fp32
+        param_dtype = torch.bfloat16 if case[1] == "bf16" else torch.float32
+        assert all(dt == (param_dtype if key == "momentum_buffer" else torch.float32)
+                   for (_, key), dt in got["resumed"]["state_dtypes"].items() if key != "step")
         # the frozen parameters had state created (zeros) at the save and were stepped after it
         kind = "moe" if case[0] == "ep" else "gpt"
         for name in W.FROZEN[kind]:

@@ -7,7 +7,7 @@ import textwrap
 import pytest
 import torch
 
-from muonlab import PRESETS, newton_schulz
+from muonlab import PRESETS, NSConfig, newton_schulz
 
 triton = pytest.importorskip("triton")
 
@@ -32,7 +32,7 @@ def test_auto_never_picks_the_interpreter_on_cpu():
         pytest.skip("has CUDA")
     from muonlab.kernels.newton_schulz import _pick_backend
 
-    assert _pick_backend("auto", torch.zeros(2, 2)) == "torch"
+    assert _pick_backend("auto", torch.zeros(2, 2), (1, 2, 2), torch.float32, NSConfig()) == "torch"
     with pytest.raises(ValueError, match="form='plain' only"):
         newton_schulz(torch.randn(4, 8), backend="triton", form="gram")
 

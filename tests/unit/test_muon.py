@@ -127,8 +127,13 @@ def test_resume_from_state_dict_is_exact():
     assert opt.param_groups[0]["lr"] == opt2.param_groups[0]["lr"] == 0.02 * 0.25
 
 
-def test_state_dict_has_no_names_and_state_is_fp32_for_bf16_params():
-    model, opt = _gpt_and_opt()
+@pytest.mark.parametrize("momentum_dtype", [None, torch.float32])
+def test_state_dict_has_no_names_and_state_keeps_its_dtype_for_bf16_params(momentum_dtype):
+    """Momentum in the parameter's dtype by default (as torch.optim.Muon), fp32 on request; AdamW
+    moments fp32 either way; a reload keeps every dtype (torch's loader would cast to bf16)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(d_model=32, n_layers=2, context=16))
+    opt = Muon(muon_param_groups(model), lr=0.02, weight_decay=0.01, adamw_lr=1e-3, momentum_dtype=momentum_dtype)
     model.to(torch.bfloat16)
     _train(model, opt, 1, seed=0)
     sd = opt.state_dict()
@@ -136,12 +141,19 @@ def test_state_dict_has_no_names_and_state_is_fp32_for_bf16_params():
     flat = repr(sd["param_groups"])
     assert "blocks" not in flat and "tok_emb" not in flat
     assert opt.param_name(model.blocks[0].attn.qkv.weight) == "blocks.0.attn.qkv.weight"
+
+    def expected(key):
+        return (momentum_dtype or torch.bfloat16) if key == "momentum_buffer" else torch.float32
+
+    seen = set()
     for state in opt.state.values():
         for k, v in state.items():
             if k != "step":
-                assert v.dtype == torch.float32
-    opt.load_state_dict(sd)  # reloading keeps fp32 state for bf16 params
-    assert all(v.dtype == torch.float32 for s in opt.state.values() for k, v in s.items() if k != "step")
+                assert v.dtype == expected(k), k
+                seen.add(k)
+    assert seen == {"momentum_buffer", "exp_avg", "exp_avg_sq"}
+    opt.load_state_dict(sd)
+    assert all(v.dtype == expected(k) for s in opt.state.values() for k, v in s.items() if k != "step")
 
 
 def test_zero_grads_at_lr_zero_leave_params_unchanged_and_state_finite():

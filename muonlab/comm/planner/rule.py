@@ -36,10 +36,11 @@ class RulePlanner:
     """The state of one plan being made: specs, configs, per-rank loads, the batches so far."""
 
     def __init__(self, specs: Sequence[MatrixSpec], configs: Sequence[NSConfig], *, comm_itemsize: int,
-                 remainder_path: str, profile, row_assignment: str, rebalance: bool):
+                 remainder_path: str, profile, row_assignment: str, rebalance: bool, max_local_matrices=None):
         self.specs, self.configs = list(specs), list(configs)
         self.itemsize, self.remainder_path, self.profile = comm_itemsize, remainder_path, profile
         self.row_assignment, self.rebalance = row_assignment, rebalance
+        self.max_local_matrices = max_local_matrices
         self.loads = RankLoads()
         self.batches: list[BatchPlan] = []
         self._flops: dict[int, int] = {}
@@ -93,7 +94,7 @@ class RulePlanner:
                 for i in idx:
                     for r, count in Counter(self.specs[i].matrix_sources()).items():
                         load.add(r, count * self.flops_of(idx[0]))
-                whole.setdefault(group, []).append(idx)
+                whole.setdefault(group, []).extend(self._within_budget(idx))
             elif layout == "row_shard":
                 row_sharded.setdefault(group, []).extend(idx)
             elif layout == "replicated":
@@ -105,6 +106,23 @@ class RulePlanner:
             else:  # pragma: no cover - MatrixSpec validates layouts
                 raise AssertionError(layout)
         return row_sharded, whole, replicated
+
+    def _within_budget(self, idx: list[int]) -> list[list[int]]:
+        """A bucket of whole matrices as runs of parameters whose matrices per rank fit
+        ``max_local_matrices`` (a parameter larger than that alone is still one run)."""
+        if self.max_local_matrices is None:
+            return [idx]
+        spec = self.specs[idx[0]]
+        limit = self.max_local_matrices(spec.matrix_shape, self.configs[idx[0]])
+        runs, run, held = [], [], 0
+        for i in idx:
+            here = max(Counter(self.specs[i].matrix_sources()).values())  # this parameter's most on one rank
+            if run and held + here > limit:
+                runs.append(run)
+                run, held = [], 0
+            run.append(i)
+            held += here
+        return runs + [run]
 
     def _plan_subgroup(self, group: GroupKey, idx: list[int]) -> None:
         """Each of the E experts spans k = W / E ranks; every rank all-gathers its expert within its

@@ -28,6 +28,7 @@ def plan_batches(
     profile=None,
     row_assignment: str = "best",
     rebalance: bool | None = None,
+    max_local_matrices=None,
 ) -> Plan:
     """Group matrices into batches and give each a path, owners, bytes and FLOPs.
 
@@ -42,6 +43,9 @@ def plan_batches(
         row_assignment: "best" or one of ``ROW_RULES`` (see rule.py): how row-sharded matrices
             get owners. "best" plans every rule and keeps the best-balanced, then fastest, plan.
         rebalance: move whole matrices off overloaded ranks (None: plan both ways under "best").
+        max_local_matrices: ``f(matrix shape, config) -> int``, the most matrices per rank one batch
+            of whole matrices may hold (the optimizer's workspace budget); a larger bucket becomes
+            several batches of whole parameters. None: one batch per bucket.
     """
     if row_assignment not in ROW_ASSIGNMENTS:
         raise ValueError(f"row_assignment must be one of {ROW_ASSIGNMENTS}, got {row_assignment!r}")
@@ -56,7 +60,8 @@ def plan_batches(
 
     def plan_with(rule: str, move: bool) -> Plan:
         return RulePlanner(planned_specs, configs, comm_itemsize=comm_itemsize, remainder_path=remainder_path,
-                           profile=profile, row_assignment=rule, rebalance=move).plan()
+                           profile=profile, row_assignment=rule, rebalance=move,
+                           max_local_matrices=max_local_matrices).plan()
 
     if row_assignment != "best":
         return plan_with(row_assignment, rebalance is not False)

@@ -1,0 +1,291 @@
+"""One Muon step on the hidden matrices of real model sizes: muonlab vs torch.optim.Muon, speed and memory.
+
+    python benchmarks/bench_gpu_step.py              # on a GPU: the full shapes; on a CPU: shapes / 8 per side
+    python benchmarks/bench_gpu_step.py --sets gpt2 --repeats 5 --out /tmp/step.md
+
+Matrix sets (every Linear weight of the transformer blocks, or one expert bank):
+  1b:    24 x [6144x2048, 2048x2048, 8192x2048, 2048x8192]   (a 1B-like model, 1.2 B Muon parameters)
+  gpt2:  12 x [2304x768, 768x768, 3072x768, 768x3072]        (GPT-2 small)
+  bank64:  one (64, 1408, 2048) expert bank;  bank128: one (128, 768, 2048) expert bank
+torch.optim.Muon takes 2-D parameters only, so a bank is given to it as its E matrices.
+
+Speed: each configuration has its own copy of the parameters and the same fixed gradients; after
+warm-up (which also pays Triton's autotuning, CUDA graph capture and backend="auto"'s measurement),
+every round steps every configuration once in a rotating order, timed around ``step()`` with the
+device synchronised; the table gives medians. A bf16 matmul (GPU 8192^3, CPU 1024^3) is timed in the
+same rounds, and each step's plain-form Newton-Schulz FLOPs (5 iterations, ``plain_flops_per_iter``)
+over the whole step time give an achieved rate, a lower bound on the Newton-Schulz rate itself.
+
+Memory, on a GPU: resident (params + grads + state after the first step) and the peak during a step,
+from torch.cuda's allocator. On a CPU: each configuration in a fresh process, the memory a step adds
+(state + transient) = peak RSS over three steps (VmHWM, reset through /proc/self/clear_refs) minus
+the RSS with parameters and gradients only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _machine import load  # noqa: E402
+from _report import md_table, results_path, text_table, write_report  # noqa: E402
+
+import muonlab  # noqa: E402
+from muonlab.kernels.newton_schulz import plain_flops_per_iter  # noqa: E402
+
+SETS = {
+    "1b": [(6144, 2048), (2048, 2048), (8192, 2048), (2048, 8192)] * 24,
+    "gpt2": [(2304, 768), (768, 768), (3072, 768), (768, 3072)] * 12,
+    "bank64": [(64, 1408, 2048)],
+    "bank128": [(128, 768, 2048)],
+}
+LR, MOMENTUM = 0.02, 0.95
+
+
+def configs(cuda: bool) -> dict:
+    """label -> factory(params); params of a bank are one 3-D tensor (torch.optim.Muon: its matrices)."""
+    def muonlab_opt(**kw):
+        return lambda ps: muonlab.Muon(ps, lr=LR, momentum=MOMENTUM, nonfinite="ignore", **kw)
+
+    out = {
+        "torch.optim.Muon": None,  # built from the per-matrix copy, see make_run
+        "muonlab defaults": muonlab_opt(),
+        "muonlab torch plain": muonlab_opt(ns_backend="torch", ns_form="plain"),
+        "muonlab torch gram": muonlab_opt(ns_backend="torch", ns_form="gram"),
+        "muonlab fp32 momentum": muonlab_opt(momentum_dtype=torch.float32),
+    }
+    if cuda:
+        out["muonlab triton plain"] = muonlab_opt(ns_backend="triton")
+        out["muonlab torch plain + graphs"] = muonlab_opt(ns_backend="torch", ns_graphs=True)
+        out["muonlab triton plain + graphs"] = muonlab_opt(ns_backend="triton", ns_graphs=True)
+    return out
+
+
+def scaled(shapes, factor: int):
+    return [tuple(s[:-2]) + (max(1, s[-2] // factor), max(1, s[-1] // factor)) for s in shapes]
+
+
+def plain_flops(shapes) -> int:
+    total = 0
+    for s in shapes:
+        batch = s[0] if len(s) == 3 else 1
+        m, n = sorted(s[-2:])
+        total += batch * 5 * plain_flops_per_iter(m, n)
+    return total
+
+
+def make_params(shapes, dtype, device, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    params = []
+    for s in shapes:
+        p = torch.nn.Parameter((torch.randn(s, generator=gen) * 0.02).to(device=device, dtype=dtype))
+        p.grad = (torch.randn(s, generator=gen) * 1e-3).to(device=device, dtype=dtype)
+        params.append(p)
+    return params
+
+
+def make_optimizer(label, factory, shapes, dtype, device):
+    params = make_params(shapes, dtype, device)
+    if factory is None:  # torch.optim.Muon: 2-D only, a bank as its matrices
+        flat = []
+        for p in params:
+            for mat in (p.detach().unbind(0) if p.ndim == 3 else [p.detach()]):
+                q = torch.nn.Parameter(mat.clone())
+                q.grad = torch.zeros_like(q)
+                flat.append(q)
+            if p.ndim == 3:
+                for q, g in zip(flat[-p.shape[0]:], p.grad.unbind(0)):
+                    q.grad.copy_(g)
+            else:
+                flat[-1].grad.copy_(p.grad)
+        params = flat
+        opt = torch.optim.Muon(params, lr=LR, momentum=MOMENTUM, adjust_lr_fn="original")
+    else:
+        opt = factory(params)
+    return params, opt
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def matmul_ms(device, n) -> float:
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    sync(device)
+    t0 = time.perf_counter()
+    a @ a
+    sync(device)
+    return (time.perf_counter() - t0) * 1e3
+
+
+# ---------------------------------------------------------------------------- speed (+ GPU memory)
+
+def speed_table(set_name, shapes, dtype, device, args):
+    labels = list(configs(device.type == "cuda"))
+    factories = configs(device.type == "cuda")
+    runs = []
+    for label in labels:
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+        try:
+            params, opt = make_optimizer(label, factories[label], shapes, dtype, device)
+            for _ in range(args.warmup):
+                opt.step()
+            sync(device)
+        except Exception as e:  # a configuration this machine can't run (e.g. no triton) is reported, not fatal
+            print(f"  {label}: skipped ({type(e).__name__}: {e})")
+            continue
+        run = dict(label=label, params=params, opt=opt, times=[])
+        if device.type == "cuda":
+            run["resident"] = torch.cuda.memory_allocated() - base
+            torch.cuda.reset_peak_memory_stats()
+            run["mark"] = torch.cuda.memory_allocated()
+            opt.step()
+            sync(device)
+            run["peak"] = torch.cuda.max_memory_allocated() - base
+            # park this configuration off the device: each one's memory is measured alone
+            run["opt"] = None
+            del opt, params
+            run["params"] = None
+        runs.append(run)
+    if device.type == "cuda":  # timing: rebuild each optimizer in turn, all resident at once may not fit
+        for run in runs:
+            run["params"], run["opt"] = make_optimizer(run["label"], factories[run["label"]], shapes, dtype, device)
+            run["opt"].step()
+        sync(device)
+    probe = []
+    n = 8192 if device.type == "cuda" else 1024
+    for r in range(args.repeats):
+        probe.append(matmul_ms(device, n))
+        order = runs[r % len(runs):] + runs[:r % len(runs)]
+        for run in order:
+            sync(device)
+            t0 = time.perf_counter()
+            run["opt"].step()
+            sync(device)
+            run["times"].append(time.perf_counter() - t0)
+    matmul_rate = 2 * n**3 / (statistics.median(probe) / 1e3) / 1e12
+    flops = plain_flops(shapes)
+    base = statistics.median(runs[0]["times"]) if runs and runs[0]["label"] == "torch.optim.Muon" else None
+    rows = []
+    for run in runs:
+        med = statistics.median(run["times"])
+        rate = flops / med / 1e12
+        row = [set_name, str(dtype).replace("torch.", ""), run["label"], f"{1e3 * med:.2f}",
+               f"{base / med:.2f}x" if base else "", f"{rate:.1f}", f"{rate / matmul_rate:.2f}"]
+        if device.type == "cuda":
+            ref = runs[0]
+            row += [f"{run['resident'] / 2**30:.2f}", f"{run['peak'] / 2**30:.2f}",
+                    f"{(run['peak'] - run['resident']) / 2**30:.3f}", f"{run['peak'] / ref['peak']:.2f}x"]
+        rows.append(row)
+        run["opt"] = run["params"] = None
+    return rows, matmul_rate
+
+
+# ---------------------------------------------------------------------------- CPU memory, one process per config
+
+def _rss_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def memory_child(set_name: str, label: str, dtype_name: str, factor: int) -> None:
+    torch.set_num_threads(1)
+    shapes = scaled(SETS[set_name], factor)
+    dtype = getattr(torch, dtype_name)
+    factory = configs(False)[label]
+    params = make_params(shapes, dtype, torch.device("cpu"))
+    Path("/proc/self/clear_refs").write_text("5")  # reset the peak RSS to the current RSS
+    before = _rss_kib("VmRSS")
+    if factory is None:
+        _, opt = make_optimizer(label, factory, shapes, dtype, torch.device("cpu"))
+        before = _rss_kib("VmRSS")  # its own copy of the parameters is not what a step adds
+        Path("/proc/self/clear_refs").write_text("5")
+    else:
+        opt = factory(params)
+    for _ in range(3):
+        opt.step()
+    print(json.dumps(dict(added_kib=_rss_kib("VmHWM") - before)))
+
+
+def cpu_memory_rows(set_names, args):
+    rows = []
+    for set_name in set_names:
+        param_bytes = sum(torch.Size(s).numel() for s in scaled(SETS[set_name], args.factor)) * 2
+        added = {}
+        for label in configs(False):
+            out = subprocess.run([sys.executable, __file__, "--memory-child", set_name, label, "bfloat16",
+                                  str(args.factor)], capture_output=True, text=True, check=True)
+            added[label] = json.loads(out.stdout.strip().splitlines()[-1])["added_kib"] * 1024
+        ref = added["torch.optim.Muon"]
+        for label, b in added.items():
+            rows.append([set_name, label, f"{param_bytes / 2**20:.1f}", f"{b / 2**20:.1f}", f"{b / ref:.2f}x"])
+    return rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sets", default="1b,gpt2,bank64,bank128")
+    ap.add_argument("--dtypes", default="bfloat16,float32")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--factor", type=int, default=None, help="divide every matrix side (default: 1 on GPU, 8 on CPU)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--memory-child", nargs=4, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.memory_child:
+        set_name, label, dtype_name, factor = args.memory_child
+        return memory_child(set_name, label, dtype_name, int(factor))
+    torch.set_num_threads(args.threads)
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    args.factor = args.factor or (1 if cuda else 8)
+    set_names = args.sets.split(",")
+    t_start, load_start = time.perf_counter(), load()
+    head = ["set", "param dtype", "configuration", "median step ms", "speed-up vs torch.optim.Muon",
+            "plain-FLOP TFLOP/s (whole step)", "of bf16 matmul rate"]
+    if cuda:
+        head += ["resident GiB", "peak GiB", "transient GiB", "peak vs torch.optim.Muon"]
+    rows, rates = [], []
+    for set_name in set_names:
+        shapes = scaled(SETS[set_name], args.factor)
+        for dtype_name in args.dtypes.split(","):
+            print(f"{set_name} {dtype_name} ...", flush=True)
+            got, rate = speed_table(set_name, shapes, getattr(torch, dtype_name), device, args)
+            rows += got
+            rates.append(rate)
+            print(text_table(head, got), flush=True)
+    body = [f"Shapes divided by {args.factor} per side." if args.factor > 1 else "Full shapes.",
+            f"bf16 matmul measured in the same rounds: median {statistics.median(rates):.1f} TFLOP/s.", "",
+            "## Step time" + (" and GPU memory" if cuda else ""), "", md_table(head, rows)]
+    if not cuda:
+        mem_head = ["set", "configuration", "param MiB (bf16)", "memory a step adds MiB (state + transient)",
+                    "vs torch.optim.Muon"]
+        mem_rows = cpu_memory_rows(set_names, args)
+        print(text_table(mem_head, mem_rows))
+        body += ["", "## Memory a step adds on this CPU (bf16 parameters, a fresh process per configuration)", "",
+                 md_table(mem_head, mem_rows)]
+    note = (f"GPU: {torch.cuda.get_device_name()}." if cuda else "No GPU: the CPU proxy.") + \
+        f" Load average {load_start} at the start, {load()} at the end; {time.perf_counter() - t_start:.0f} s."
+    out = args.out or results_path("gpu_step" if cuda else "gpu_step_cpu_proxy")
+    write_report(out, "One Muon step: muonlab vs torch.optim.Muon", "\n".join(body), script=__file__, argv=argv,
+                 machine_note=note)
+
+
+if __name__ == "__main__":
+    main()

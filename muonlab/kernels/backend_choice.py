@@ -1,0 +1,123 @@
+"""``backend="auto"``: per batch shape, the Newton-Schulz backend measured faster on this device.
+
+Neither backend wins everywhere: on an H100 (torch 2.11, triton 3.6) the Triton kernels, which
+compute only the upper tiles of the symmetric products, beat torch from width 4096 on, while below
+it both are bound by host time per launch and the ranking depends on launch costs. So "auto" does
+not guess from the device: the first time it meets a (batch, m, n, dtype, coefficients) key it
+times both backends on that shape (one warm-up each, then the median of a few runs, CUDA events)
+and keeps the faster, torch on a tie within 2%. Results are kept in memory and in a JSON file per
+device and versions (``cache_dir()``), so a later process on the same machine, torch and triton
+measures nothing; another GPU model or version measures again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import threading
+from pathlib import Path
+
+import torch
+
+TIE = 0.02  # triton must be more than 2% faster to be picked: torch has no compile or tuning risk
+REPEATS = 5
+
+_lock = threading.Lock()
+_memory: dict[str, str] = {}
+_loaded_files: set[Path] = set()
+
+
+def cache_dir() -> Path:
+    """``$MUONLAB_CACHE_DIR``, else ``$XDG_CACHE_HOME/muonlab``, else ``~/.cache/muonlab``."""
+    if os.environ.get("MUONLAB_CACHE_DIR"):
+        return Path(os.environ["MUONLAB_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "muonlab"
+
+
+def _versions() -> str:
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "none"
+    return f"torch{torch.__version__}-triton{triton_version}"
+
+
+def cache_file(device: torch.device) -> Path:
+    name = torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else "cpu"
+    safe = "".join(ch if ch.isalnum() else "_" for ch in f"{name}-{_versions()}")
+    return cache_dir() / f"ns_backend-{safe}.json"
+
+
+def _key(batch_shape, dtype, cfg) -> str:
+    return f"{tuple(batch_shape)}|{dtype}|{cfg.resolved_coefficients()}"
+
+
+def _load(path: Path) -> None:
+    if path in _loaded_files:
+        return
+    _loaded_files.add(path)
+    try:
+        _memory.update({f"{path}::{k}": v for k, v in json.loads(path.read_text()).items()})
+    except (OSError, ValueError):
+        pass  # no file yet, or a damaged one: measure again and rewrite it
+
+
+def _store(path: Path) -> None:
+    prefix = f"{path}::"
+    mine = {k[len(prefix):]: v for k, v in _memory.items() if k.startswith(prefix)}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(mine, indent=1, sort_keys=True))
+        tmp.replace(path)  # atomic: concurrent ranks never read half a file
+    except OSError:
+        pass  # a read-only home: keep the choice for this process only
+
+
+def faster_backend(batch_shape: tuple[int, int, int], dtype: torch.dtype, cfg, device: torch.device) -> str:
+    """"torch" or "triton" for a normalised batch of ``batch_shape`` (B, m, n), m <= n, on CUDA."""
+    path = cache_file(device)
+    key = f"{path}::{_key(batch_shape, dtype, cfg)}"
+    with _lock:
+        _load(path)
+        if key not in _memory:
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(f"backend='auto' has not measured Newton-Schulz on {tuple(batch_shape)} {dtype} "
+                                   "yet and can't while a CUDA graph is being captured: run one eager call first")
+            _memory[key] = _measure(batch_shape, dtype, cfg, device)
+            _store(path)
+        return _memory[key]
+
+
+def measured_choices(device: torch.device) -> dict[str, str]:
+    """{shape key: backend} known for ``device`` (in memory or from its cache file)."""
+    path = cache_file(device)
+    with _lock:
+        _load(path)
+        prefix = f"{path}::"
+        return {k[len(prefix):]: v for k, v in _memory.items() if k.startswith(prefix)}
+
+
+def _measure(batch_shape, dtype, cfg, device) -> str:
+    from dataclasses import replace
+
+    from .newton_schulz import newton_schulz
+
+    X = torch.randn(batch_shape, dtype=dtype, device=device)
+    times = {}
+    for backend in ("torch", "triton"):
+        fixed = replace(cfg, backend=backend, dtype=dtype)
+        newton_schulz(X, fixed)  # compile, autotune, warm the allocator
+        runs = []
+        for _ in range(REPEATS):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            newton_schulz(X, fixed)
+            end.record()
+            end.synchronize()
+            runs.append(start.elapsed_time(end))
+        times[backend] = statistics.median(runs)
+    return "triton" if times["triton"] < (1 - TIE) * times["torch"] else "torch"

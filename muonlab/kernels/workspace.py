@@ -1,0 +1,70 @@
+"""Reused memory for Newton-Schulz: one arena of bytes per device, carved into the buffers of one
+call at a time.
+
+A step orthogonalizes its batches one after another, so the buffers of one batch (the cast and
+normalised input, the m x m products, the spare iterate) are dead when the next batch starts.
+Carving each call's buffers from the start of one arena makes every batch reuse the same memory:
+the transient memory of a step is the largest batch's workspace (bounded by the optimizer's
+workspace budget, see ``max_batch_matrices``), not a fresh allocation per batch per step.
+
+The arena grows when a call needs more, and is kept between steps. Work on one device queues on
+one stream, so a batch's kernels run after the previous batch's kernels that read the same bytes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+ALIGN = 256  # bytes: every buffer starts aligned for any dtype and for vectorised kernels
+
+
+class Workspace:
+    """Buffers for one Newton-Schulz call at a time; later calls reuse (and overwrite) them."""
+
+    def __init__(self):
+        self._arenas: dict[torch.device, torch.Tensor] = {}
+
+    def take(self, device: torch.device, specs: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
+        """One uninitialised buffer per (shape, dtype), disjoint from each other, valid until the
+        next ``take`` on the same device."""
+        offsets, total = [], 0
+        for shape, dtype in specs:
+            offsets.append(total)
+            nbytes = dtype.itemsize * int(torch.Size(shape).numel())
+            total += -(-nbytes // ALIGN) * ALIGN
+        device = torch.device(device)
+        arena = self._arenas.get(device)
+        if arena is None or arena.numel() < total:
+            self._arenas.pop(device, None)  # free the smaller arena before allocating the larger
+            arena = self._arenas[device] = torch.empty(total, dtype=torch.uint8, device=device)
+        return [arena[o:o + dtype.itemsize * int(torch.Size(shape).numel())].view(dtype).view(shape)
+                for o, (shape, dtype) in zip(offsets, specs)]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held between calls, over all devices."""
+        return sum(a.numel() for a in self._arenas.values())
+
+    def release(self) -> None:
+        self._arenas.clear()
+
+    def __getstate__(self):
+        return {}  # buffers are scratch, not state: a copy starts empty
+
+    def __setstate__(self, state):
+        self._arenas = {}
+
+
+def batch_bytes_per_matrix(m: int, n: int, itemsize: int, *, form: str = "plain") -> int:
+    """Transient bytes one m x n matrix (m <= n) adds to a Newton-Schulz batch: the workspace
+    (input and spare iterate m x n, two m x m products; the gram form's temporaries are of the
+    same order) and the fresh output, m x n."""
+    del form  # both forms hold about two m x n and two m x m tensors per matrix
+    return itemsize * (3 * m * n + 2 * m * m)
+
+
+def max_batch_matrices(shape: tuple[int, int], itemsize: int, budget_bytes: int) -> int:
+    """How many matrices of ``shape`` one Newton-Schulz call may take within ``budget_bytes``
+    (at least one: a single matrix larger than the budget still has to be orthogonalized)."""
+    m, n = sorted(int(d) for d in shape)
+    return max(1, budget_bytes // batch_bytes_per_matrix(m, n, itemsize))
