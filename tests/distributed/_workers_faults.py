@@ -13,7 +13,7 @@ import time
 import torch
 import torch.distributed as dist
 
-import muonlab.comm.engine as engine_module
+import muonlab.kernels.runner as runner_module
 from muonlab import Muon
 from tests.distributed import _workers_ckpt as W
 
@@ -21,9 +21,9 @@ STEPS = 4
 
 
 def _inject_in_step(rank_to_fail: int, at_step: int, action) -> None:
-    """Replace Newton-Schulz (called by the engine inside Muon.step, between collectives) with one that runs
+    """Replace Newton-Schulz (called by Muon's runner inside Muon.step, between collectives) with one that runs
     ``action`` on ``rank_to_fail`` from its ``at_step``-th call on (calls counted per step)."""
-    real = engine_module.newton_schulz
+    real = runner_module.newton_schulz
     calls = {"step": 0}
 
     def faulty(*args, **kwargs):
@@ -31,7 +31,7 @@ def _inject_in_step(rank_to_fail: int, at_step: int, action) -> None:
             action()
         return real(*args, **kwargs)
 
-    engine_module.newton_schulz = faulty
+    runner_module.newton_schulz = faulty
     return calls
 
 
