@@ -20,8 +20,14 @@ Kernels (tutorial shape: ``*_kernel(ptrs, sizes, strides, ..., BLOCKS: tl.conste
 - ``matmul_kernel``: ``out = alpha * P @ Q + beta * R`` for a batch of P (B, M, K), Q (B, K, N).
 
 Launchers ``sym_matmul`` and ``batched_matmul_add`` check their inputs and allocate the output;
-``newton_schulz_triton`` runs the iterations. Every launcher takes arbitrary strides, so
-transposed (non-contiguous) views need no copy. Offsets are 64-bit.
+``newton_schulz_triton`` checks X once and runs the iterations through unchecked internal
+launchers, optionally into a caller's ``NSWorkspace`` (no allocation, no host sync: CUDA-graph
+capturable after one warm-up call). Every launcher takes arbitrary strides, so transposed
+(non-contiguous) views need no copy. Offsets are 64-bit.
+
+Host cost: each distinct launch (kernel, sizes, strides, dtypes, pointer alignment, flags) is
+resolved once through the autotuner and then replayed from a small cache by calling the compiled
+kernel directly (see "Launch cache" below; ``launch_mode`` switches it for tests and benchmarks).
 
 Under the Triton interpreter (``TRITON_INTERPRET=1``, set before this module is imported) each
 kernel uses a single large-block configuration, and bf16 operands are cast to fp32 before
