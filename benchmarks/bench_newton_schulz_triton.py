@@ -6,10 +6,15 @@ iteration's 4 m^2 n + 2 m^3 FLOPs over the measured time, so the columns compare
 Triton backend does only 3 m^2 n + m^3 of them) and as a fraction of this device's measured bf16
 matmul rate (torch.matmul, 8192^3).
 
+Also on a GPU: host microseconds per launch (public launcher, the autotuner path it replaced,
+the cached direct launch, the cached JIT launch, torch.bmm/baddbmm) and the eager and CUDA-graph
+time of 5 Keller iterations, Triton vs the torch path, at the shapes the launch cache was made for.
+``--launch-only`` runs just those two tables (no torch.compile).
+
 Without CUDA: the Triton interpreter's correctness sweep only (small shapes, each coefficient set,
 max abs error against a float64 torch loop); interpreter timings mean nothing and are not shown.
 
-    python benchmarks/bench_newton_schulz_triton.py [--quick]
+    python benchmarks/bench_newton_schulz_triton.py [--quick] [--launch-only]
 
 Writes benchmarks/results/newton_schulz_triton.md.
 """
@@ -31,7 +36,9 @@ if not HAS_CUDA:
     os.environ["TRITON_INTERPRET"] = "1"  # before the kernel module is imported
 
 from muonlab.kernels.triton_newton_schulz import TRITON_AVAILABLE, newton_schulz_triton  # noqa: E402
+import muonlab.kernels.triton_newton_schulz as tns  # noqa: E402
 
+from muonlab.kernels import newton_schulz as ns_torch  # noqa: E402
 from muonlab.kernels.newton_schulz import (  # noqa: E402
     PRESETS,
     plain_flops_per_iter,
@@ -156,17 +163,151 @@ def gpu_bench(quick: bool):
     return header, rows, note
 
 
+# Shapes of the host-overhead study (H100, bf16): below width 4096 both paths were host-bound.
+LAUNCH_SHAPES = [
+    (1, 768, 768),
+    (1, 768, 3072),
+    (1, 1024, 4096),
+    (1, 2048, 2048),
+    (1, 2048, 8192),
+    (1, 4096, 4096),
+    (16, 512, 1408),
+    (24, 2048, 8192),
+]
+QUICK_LAUNCH_SHAPES = [(1, 768, 3072), (1, 4096, 4096), (16, 512, 1408)]
+
+
+def host_us_per_launch(fn, launches: int = 200, repeats: int = 7) -> float:
+    """Median host time of one call, from wall clock around ``launches`` calls with no sync between.
+
+    The kernels are small enough that the GPU drains the queue faster than the host fills it, so
+    this is the launch cost itself (the queue holds about 1000 launches before calls block).
+    """
+    import statistics
+    import time
+
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(launches):
+            fn()
+        samples.append((time.perf_counter() - start) / launches * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(samples)
+
+
+def launch_bench():
+    # Small operands: the time measured is the host's, not the GPU's.
+    X = normalised(1, 256, 512, torch.bfloat16, "cuda")
+    G = torch.empty(1, 256, 256, device="cuda", dtype=torch.bfloat16)
+    Y = torch.empty_like(X)
+    dot_fp32, precision = tns._dot_flags(X.dtype)
+    cases = [
+        ("sym_matmul(X, out=G): public, checks + launch cache", "direct", lambda: tns.sym_matmul(X, out=G)),
+        ("sym_matmul(X, out=G): public, autotuner on every call (before the cache)", "autotune",
+         lambda: tns.sym_matmul(X, out=G)),
+        ("X X^T: internal, cached direct launch (no checks)", "direct",
+         lambda: tns._sym_matmul_unchecked(X, None, G, 1.0, 1.0, dot_fp32, precision)),
+        ("X X^T: internal, cached JITFunction[grid] launch", "jit",
+         lambda: tns._sym_matmul_unchecked(X, None, G, 1.0, 1.0, dot_fp32, precision)),
+        ("torch.bmm(X, X^T, out=G)", None, lambda: torch.bmm(X, X.mT, out=G)),
+        ("batched_matmul_add(G, X, X, out=Y): public, checks + launch cache", "direct",
+         lambda: tns.batched_matmul_add(G, X, X, beta=2.0, out=Y)),
+        ("batched_matmul_add: public, autotuner on every call", "autotune",
+         lambda: tns.batched_matmul_add(G, X, X, beta=2.0, out=Y)),
+        ("G X + 2 X: internal, cached direct launch (no checks)", "direct",
+         lambda: tns._matmul_unchecked(G, X, X, Y, 1.0, 2.0, dot_fp32, precision)),
+        ("torch.baddbmm(X, G, X, beta=2, out=Y)", None, lambda: torch.baddbmm(X, G, X, beta=2.0, out=Y)),
+    ]
+    header = ["launch (X (1, 256, 512) bf16)", "host us per launch"]
+    rows = []
+    for label, mode, fn in cases:
+        with tns.launch_mode(mode or "direct"):
+            us = host_us_per_launch(fn)
+        rows.append([label, f"{us:.1f}"])
+        print(" | ".join(rows[-1]), flush=True)
+    info = tns.launch_cache_info()
+    note = (
+        f"Direct launch verified per kernel: {info['direct_api_ok']} (False or missing means every cached launch "
+        "took the JITFunction[grid] path). Host time: wall clock around 200 calls without a sync, median of 7."
+    )
+    return header, rows, note
+
+
+def _graph_ms(fn, do_bench):
+    """do_bench median of replaying ``fn`` captured in a CUDA graph (fn warmed up first)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return do_bench(graph.replay, return_mode="median")
+
+
+def eager_bench(quick: bool):
+    from triton.testing import do_bench
+
+    coefficients = COEFFICIENTS["keller"]
+    header = ["shape (B, m, n)", "triton ms", "triton + workspace ms", "torch ms", "triton/torch",
+              "triton graph ms", "torch graph ms", "max |triton - torch|"]
+    rows = []
+    for batch, m, n in QUICK_LAUNCH_SHAPES if quick else LAUNCH_SHAPES:
+        X = normalised(batch, m, n, torch.bfloat16, "cuda")
+        ws = tns.NSWorkspace.like(X)
+        t_plain = do_bench(lambda: newton_schulz_triton(X, coefficients), return_mode="median")
+        t_ws = do_bench(lambda: newton_schulz_triton(X, coefficients, workspace=ws), return_mode="median")
+        t_torch = do_bench(lambda: ns_torch._plain_iterations(X, coefficients), return_mode="median")
+        diff = (newton_schulz_triton(X, coefficients).float() - ns_torch._plain_iterations(X, coefficients).float())
+        try:
+            g_triton = f"{_graph_ms(lambda: newton_schulz_triton(X, coefficients, workspace=ws), do_bench):.3f}"
+            g_torch = f"{_graph_ms(lambda: ns_torch._plain_iterations(X, coefficients), do_bench):.3f}"
+        except RuntimeError as err:  # report, don't hide the eager numbers
+            g_triton = g_torch = f"failed: {str(err).splitlines()[0][:60]}"
+        rows.append([f"({batch}, {m}, {n})", f"{t_plain:.3f}", f"{t_ws:.3f}", f"{t_torch:.3f}",
+                     f"{t_plain / t_torch:.2f}", g_triton, g_torch, f"{diff.abs().max().item():.2e}"])
+        print(" | ".join(rows[-1]), flush=True)
+        del X, ws, diff
+        torch.cuda.empty_cache()
+    note = (
+        "5 Keller iterations in bf16 on normalised inputs, do_bench medians (ms, wall time between CUDA events, so "
+        "host-bound chains show their host time). torch = the torch path of newton_schulz (bmm/baddbmm). Graph "
+        "columns replay the chain captured in a CUDA graph (triton with its workspace). The last column is "
+        "bf16 rounding, not an error bound."
+    )
+    return header, rows, note
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer GPU shapes")
+    parser.add_argument("--launch-only", action="store_true",
+                        help="GPU: only the host-launch and eager/graph tables (skips the torch.compile table)")
     args = parser.parse_args()
     if not TRITON_AVAILABLE:
         print("triton is not installed: nothing to benchmark")
         return 1
+    sections = []
     if HAS_CUDA:
+        print("host time per launch", flush=True)
+        l_header, l_rows, l_note = launch_bench()
+        sections.append(f"## Host time per launch\n\n{md_table(l_header, l_rows)}\n\n{l_note}")
+        print("eager and graph time, 5 Keller iterations, triton vs torch", flush=True)
+        e_header, e_rows, e_note = eager_bench(args.quick)
+        sections.append(f"## 5 Keller iterations, bf16: Triton vs torch, eager and in a CUDA graph\n\n"
+                        f"{md_table(e_header, e_rows)}\n\n{e_note}")
+    if HAS_CUDA and args.launch_only:
+        header, rows, note = None, [], ""
+    elif HAS_CUDA:
         header, rows, note = gpu_bench(args.quick)
         title = "GPU timings, 5 Keller iterations (do_bench medians)"
     else:
+        print("no CUDA GPU: host-launch and eager timing tables need one and are skipped", flush=True)
         print("no CUDA GPU: running the Triton interpreter correctness sweep only (no timings)", flush=True)
         header, rows = cpu_sweep()
         note = (
@@ -174,12 +315,14 @@ def main() -> int:
             "measured on a GPU with the same command. Tolerances: fp32 1e-5, fp16 2e-2 (fp16 intermediates)."
         )
         title = "Interpreter correctness sweep (newton_schulz_triton vs float64 torch loop)"
-    print(f"\n{note}")
+    if header is not None:
+        print(f"\n{note}")
+        sections.append(f"## {title}\n\n{md_table(header, rows)}\n\n{note}")
     import triton  # optional dependency: only here, once TRITON_AVAILABLE said it is installed
 
     gpu = torch.cuda.get_device_name() if HAS_CUDA else "none"
     write_report(results_path("newton_schulz_triton"), "Newton-Schulz: Triton symmetric kernels vs torch",
-                 f"## {title}\n\n{md_table(header, rows)}\n\n{note}", script=__file__,
+                 "\n\n".join(sections), script=__file__,
                  machine_note=f"GPU: {gpu}; triton {triton.__version__}; platform {platform.platform()}.")
     failures = [r for r in rows if r[-1].startswith("FAIL")]
     return 1 if failures else 0

@@ -20,8 +20,14 @@ Kernels (tutorial shape: ``*_kernel(ptrs, sizes, strides, ..., BLOCKS: tl.conste
 - ``matmul_kernel``: ``out = alpha * P @ Q + beta * R`` for a batch of P (B, M, K), Q (B, K, N).
 
 Launchers ``sym_matmul`` and ``batched_matmul_add`` check their inputs and allocate the output;
-``newton_schulz_triton`` runs the iterations. Every launcher takes arbitrary strides, so
-transposed (non-contiguous) views need no copy. Offsets are 64-bit.
+``newton_schulz_triton`` checks X once and runs the iterations through unchecked internal
+launchers, optionally into a caller's ``NSWorkspace`` (no allocation, no host sync: CUDA-graph
+capturable after one warm-up call). Every launcher takes arbitrary strides, so transposed
+(non-contiguous) views need no copy. Offsets are 64-bit.
+
+Host cost: each distinct launch (kernel, sizes, strides, dtypes, pointer alignment, flags) is
+resolved once through the autotuner and then replayed from a small cache by calling the compiled
+kernel directly (see "Launch cache" below; ``launch_mode`` switches it for tests and benchmarks).
 
 Under the Triton interpreter (``TRITON_INTERPRET=1``, set before this module is imported) each
 kernel uses a single large-block configuration, and bf16 operands are cast to fp32 before
@@ -31,6 +37,8 @@ kernel uses a single large-block configuration, and bf16 operands are cast to fp
 from __future__ import annotations
 
 import os
+import warnings
+from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
 
 import torch
@@ -51,6 +59,11 @@ __all__ = [
     "sym_matmul",
     "batched_matmul_add",
     "newton_schulz_triton",
+    "NSWorkspace",
+    "LAUNCH_MODES",
+    "launch_mode",
+    "launch_cache_info",
+    "clear_launch_cache",
 ]
 
 # Read once, like triton itself: the interpreter must be chosen before the kernels are defined.
@@ -71,23 +84,37 @@ INTERPRET_BLOCK_NK = 128
 
 if TRITON_AVAILABLE:
 
+    # Autotune candidates: the winners measured on an H100 (bf16, triton 3.6, torch 2.11) over the
+    # shapes of benchmarks/bench_newton_schulz_triton.py, out of 7 sym / 8 matmul candidates that
+    # took minutes to tune on a cold cache. Re-measure before adding any: every extra config is one
+    # more compile per specialization.
+    _SYM_TUNED = [
+        # (BLOCK_M, BLOCK_K, num_warps, num_stages)
+        (64, 128, 4, 3),  # won every (M, K) measured except the two below
+        (128, 128, 8, 3),  # won at (4096, 4096)
+        (64, 64, 4, 4),  # won at (512, 1408); (512, 512) preferred 64/32/w4/s5 by a hair
+    ]
+    _MATMUL_TUNED = [
+        # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages), GROUP_M = 8
+        (128, 256, 64, 8, 3),  # won every (M, N, K) measured except the one below
+        (128, 64, 64, 4, 4),  # won at (768, 768, 768)
+    ]
+
     def _sym_configs():
         if INTERPRET:
             return [triton.Config({"BLOCK_M": INTERPRET_BLOCK_M, "BLOCK_K": INTERPRET_BLOCK_NK}, num_warps=4, num_stages=1)]
-        # Square output tiles (the mirror of a tile must be a tile). Candidates in the range that
-        # does well for bf16 on Hopper/Ampere; autotune picks per (M, K).
+        # Square output tiles: the mirror of a tile must be a tile.
         return [
-            triton.Config({"BLOCK_M": bm, "BLOCK_K": bk}, num_warps=w, num_stages=s)
-            for bm, bk, w, s in [
-                (128, 64, 8, 3),
-                (128, 64, 8, 4),
-                (128, 32, 4, 4),
-                (128, 128, 8, 3),
-                (64, 64, 4, 4),
-                (64, 128, 4, 3),
-                (64, 32, 4, 5),
-            ]
+            triton.Config({"BLOCK_M": bm, "BLOCK_K": bk}, num_warps=w, num_stages=s) for bm, bk, w, s in _SYM_TUNED
         ]
+
+    def _prune_sym_configs(configs, named_args, **kwargs):
+        # 128-row tiles won only at M = 4096; below that they leave SMs idle (fewer tile pairs),
+        # so skip compiling and timing them there. Never prune to nothing.
+        if named_args["M"] >= 4096:
+            return configs
+        small = [c for c in configs if c.kwargs["BLOCK_M"] <= 64]
+        return small or configs
 
     def _matmul_configs():
         if INTERPRET:
@@ -105,19 +132,12 @@ if TRITON_AVAILABLE:
             ]
         return [
             triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=w, num_stages=s)
-            for bm, bn, bk, w, s in [
-                (128, 256, 64, 8, 3),
-                (256, 128, 64, 8, 3),
-                (128, 128, 64, 8, 4),
-                (128, 128, 32, 4, 4),
-                (128, 64, 64, 4, 4),
-                (64, 128, 64, 4, 4),
-                (64, 64, 64, 4, 4),
-                (64, 64, 32, 4, 5),
-            ]
+            for bm, bn, bk, w, s in _MATMUL_TUNED
         ]
 
-    @triton.autotune(configs=_sym_configs(), key=["M", "K"])
+    # Keyed on the sizes (the autotuner adds the dtypes), not on batch or strides: one tuning run
+    # per size pair, as the winners above were measured.
+    @triton.autotune(configs=_sym_configs(), key=["M", "K"], prune_configs_by={"early_config_prune": _prune_sym_configs})
     @triton.jit
     def sym_matmul_kernel(
         X, C, Out,
@@ -301,6 +321,291 @@ def _dot_flags(*dtypes: torch.dtype) -> Tuple[bool, str]:
     return dot_fp32, precision
 
 
+# --------------------------------------------------------------------------------------------
+# Launch cache
+# --------------------------------------------------------------------------------------------
+#
+# A launch through the autotuner costs about 60 us of host time on an H100 host (key lookup,
+# argument binding and specialization, Python checks) against about 14 us for torch.bmm, and below
+# width 4096 a Newton-Schulz chain is host-bound. So each distinct launch is resolved once: the
+# autotuner picks the config, triton compiles, and the entry keeps the compiled kernel, its grid
+# and the constant arguments. Later launches with the same key call the compiled kernel's launcher
+# directly, exactly as JITFunction.run does in triton 3.4-3.9:
+#
+#     kernel.run(grid_0, grid_1, grid_2, stream, kernel.function, kernel.packed_metadata,
+#                launch_metadata, enter_hook, exit_hook, *every_argument_including_constexprs)
+#
+# The key must hold everything triton specializes a compiled kernel on, or a cached kernel could
+# be launched with arguments it was not compiled for: the dtypes, every integer argument exactly
+# (triton specializes ints on == 1, on divisibility by 16 and on 32/64-bit range), whether each
+# pointer is 16-byte aligned, and the constexpr flags. Floats are never specialized, so alpha and
+# beta stay out of the key.
+#
+# The direct call is internal triton API. The first direct launch of each kernel in a process is
+# checked bit for bit against the output of the normal launch that resolved it; if the call
+# raises or differs, that kernel falls back to JITFunction[grid](...) with the tuned config (no
+# autotuner, still correct) and a warning says so.
+
+LAUNCH_MODES = ("direct", "jit", "autotune")
+_launch_mode = "direct" if os.environ.get("MUONLAB_TRITON_FAST_LAUNCH", "1") != "0" else "jit"
+
+_CACHE_CAPACITY = 512  # a Newton-Schulz chain needs 3-6 keys per shape; this bounds odd callers
+_launch_cache: "dict[tuple, _Launch]" = {}
+# Per kernel name: None (not checked yet), True (direct launches verified), False (fall back).
+_direct_api_ok: dict = {}
+_cache_stats = {"hits": 0, "misses": 0}
+
+
+class launch_mode:
+    """Context manager (or plain call) choosing how the Triton launchers launch, for tests and
+    benchmarks: "direct" (default: cached compiled kernel, falling back to "jit" where the direct
+    call was not verified), "jit" (cached config, launched through JITFunction[grid]) or
+    "autotune" (no cache: every launch through the autotuner, as before the cache existed).
+    ``MUONLAB_TRITON_FAST_LAUNCH=0`` in the environment makes "jit" the default."""
+
+    def __init__(self, mode: str):
+        if mode not in LAUNCH_MODES:
+            raise ValueError(f"launch mode must be one of {LAUNCH_MODES}, got {mode!r}")
+        global _launch_mode
+        self._previous = _launch_mode
+        _launch_mode = mode
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        global _launch_mode
+        _launch_mode = self._previous
+
+
+def clear_launch_cache() -> None:
+    """Forget every resolved launch and the direct-launch verdicts (the autotuner's own cache and
+    triton's compiled kernels stay)."""
+    _launch_cache.clear()
+    _direct_api_ok.clear()
+    _cache_stats.update(hits=0, misses=0)
+
+
+def launch_cache_info() -> dict:
+    """Entries, hits and misses of the launch cache, and each entry's kernel, grid, config and
+    whether it launches directly (for tests and benchmarks)."""
+    return {
+        "entries": len(_launch_cache),
+        "hits": _cache_stats["hits"],
+        "misses": _cache_stats["misses"],
+        "direct_api_ok": dict(_direct_api_ok),
+        "launches": [
+            {"kernel": e.name, "grid": e.grid, "config": dict(e.config_kwargs), "direct": e.direct is not None}
+            for e in _launch_cache.values()
+        ],
+    }
+
+
+def _runtime_knobs():
+    # triton >= 3.4 keeps the launch hooks here; without it there is no known direct-call form.
+    knobs = getattr(triton, "knobs", None) if TRITON_AVAILABLE else None
+    return getattr(knobs, "runtime", None)
+
+
+if TRITON_AVAILABLE and hasattr(torch._C, "_cuda_getCurrentRawStream"):
+    _raw_stream = torch._C._cuda_getCurrentRawStream  # what triton's own driver calls
+else:  # pragma: no cover - other torch builds
+
+    def _raw_stream(device_index: int) -> int:
+        return torch.cuda.current_stream(device_index).cuda_stream
+
+
+def _direct_launcher(compiled, grid: Tuple[int, ...], tail: tuple):
+    """A function ``launch(args, stream)`` calling ``compiled`` the way JITFunction.run does, or
+    None when ``compiled`` does not look like a triton >= 3.4 CompiledKernel."""
+    knobs = _runtime_knobs()
+    needed = ("run", "function", "packed_metadata", "launch_metadata")
+    if knobs is None or compiled is None or not all(hasattr(compiled, a) for a in needed):
+        return None
+    try:
+        run = compiled.run  # a property: loads the module on first access
+        function = compiled.function
+        packed = compiled.packed_metadata
+    except Exception:  # noqa: BLE001 - any failure here means: use the JIT launch
+        return None
+    metadata = compiled.launch_metadata
+    grid = tuple(grid) + (1,) * (3 - len(grid))
+    g0, g1, g2 = grid
+
+    def launch(args: tuple, stream: int) -> None:
+        full = args + tail
+        # hooks read at each launch, like triton, so a profiler attached later still sees us
+        run(g0, g1, g2, stream, function, packed, metadata(grid, stream, *full),
+            knobs.launch_enter_hook, knobs.launch_exit_hook, *full)
+
+    return launch
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def _direct_matches(reference: torch.Tensor, run_into) -> bool:
+    """Whether ``run_into(buffer)`` writes exactly ``reference`` (bit for bit, NaNs included) into
+    a fresh buffer of reference's layout; False as well when it raises."""
+    scratch = torch.empty_strided(reference.shape, reference.stride(), dtype=reference.dtype, device=reference.device)
+    try:
+        run_into(scratch)
+    except Exception as err:  # noqa: BLE001 - the verdict is the point; the reason goes in a warning
+        warnings.warn(f"direct Triton launch failed ({type(err).__name__}: {err}); using the JIT launcher")
+        return False
+    return bool(torch.equal(_bits(scratch), _bits(reference)))
+
+
+class _Launch:
+    """One resolved launch: tuned config, grid, and (when verified) a direct launcher."""
+
+    __slots__ = ("name", "jit_fn", "grid", "config_kwargs", "jit_kwargs", "direct", "device_index")
+
+    def __init__(self, name, jit_fn, grid, config_kwargs, jit_kwargs, direct, device_index):
+        self.name = name
+        self.jit_fn = jit_fn
+        self.grid = grid
+        self.config_kwargs = config_kwargs
+        self.jit_kwargs = jit_kwargs
+        self.direct = direct
+        self.device_index = device_index
+
+    def __call__(self, args: tuple) -> None:
+        if self.direct is not None and _launch_mode == "direct":
+            self.direct(args, _raw_stream(self.device_index))
+        else:
+            self.jit_fn[self.grid](*args, **self.jit_kwargs)
+
+
+def _launch(name: str, kernel, key: tuple, args: tuple, flags: dict, grid_of, out_pos: int) -> None:
+    """Launch ``kernel`` (an Autotuner) on the runtime ``args`` (in signature order, constexprs
+    excluded) with the constexpr ``flags``; ``grid_of(config_kwargs)`` gives the grid and
+    ``args[out_pos]`` is the output (used once, to verify the direct launch)."""
+    if _launch_mode == "autotune":
+        kernel[lambda meta: grid_of(meta)](*args, **flags)
+        return
+    entry = _launch_cache.get(key)
+    if entry is not None:
+        _cache_stats["hits"] += 1
+        entry(args)
+        return
+    _cache_stats["misses"] += 1
+    out = args[out_pos]
+    if out.is_cuda and torch.cuda.is_current_stream_capturing():
+        # Resolving autotunes (timed runs, a host sync) and verifies the direct call (another sync).
+        raise RuntimeError(
+            f"{name}: no resolved launch for these tensors (output shape {tuple(out.shape)}) during CUDA graph "
+            "capture; run the same call once eagerly, with the same tensors, before capturing"
+        )
+    compiled = kernel[lambda meta: grid_of(meta)](*args, **flags)  # autotunes a new size key, launches
+    config = kernel.best_config
+    config_kwargs = dict(config.kwargs)
+    grid = tuple(grid_of(config_kwargs))
+    direct = None
+    if not INTERPRET:
+        jit_fn = kernel.fn
+        runtime_names = list(jit_fn.arg_names[: len(args)])
+        tail_names = list(jit_fn.arg_names[len(args):])
+        constexprs = {**flags, **config_kwargs}
+        # internal invariant: the kernels list their runtime arguments first, constexprs last
+        assert sorted(tail_names) == sorted(constexprs), (runtime_names, tail_names, sorted(constexprs))
+        tail = tuple(constexprs[n] for n in tail_names)
+        direct = _direct_launcher(compiled, grid, tail)
+        if direct is not None:
+            ok = _direct_api_ok.get(name)
+            if ok is None:
+                stream = _raw_stream(out.device.index)
+                ok = _direct_matches(
+                    out, lambda buf: direct(args[:out_pos] + (buf,) + args[out_pos + 1:], stream)
+                )
+                _direct_api_ok[name] = ok
+                if not ok:
+                    warnings.warn(
+                        f"triton {triton.__version__}: launching the compiled {name} directly did not reproduce "
+                        "the normal launch; using JITFunction[grid] with the tuned config instead (slower host path)"
+                    )
+            if not ok:
+                direct = None
+    if len(_launch_cache) >= _CACHE_CAPACITY:
+        _launch_cache.pop(next(iter(_launch_cache)))  # oldest first: callers with endless layouts
+    _launch_cache[key] = _Launch(
+        name, kernel.fn, grid, config_kwargs, {**flags, **config.all_kwargs()}, direct,
+        out.device.index if out.is_cuda else None,
+    )
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    return t.data_ptr() % 16 == 0  # triton's pointer specialization (tt.divisibility = 16)
+
+
+def _sym_grid(m: int, num_batch: int):
+    def grid_of(meta) -> Tuple[int, int]:
+        tiles = triton.cdiv(m, meta["BLOCK_M"])
+        return (tiles * (tiles + 1) // 2, num_batch)
+
+    return grid_of
+
+
+def _mm_grid(m: int, n: int, num_batch: int):
+    def grid_of(meta) -> Tuple[int, int]:
+        return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), num_batch)
+
+    return grid_of
+
+
+def _sym_matmul_unchecked(X, C, out, alpha: float, beta: float, dot_fp32: bool, precision: str) -> None:
+    """sym_matmul's launch without its checks: X (B, m, k) with k > 0, out (B, m, m) not aliasing
+    X or C, C (B, m, m) or None; all on one device; alpha and beta Python floats."""
+    num_batch, m, k = X.shape
+    c = C if C is not None else out  # never read when HAS_C is False
+    key = (
+        "sym", X.device, X.dtype, c.dtype, out.dtype, num_batch, m, k,
+        X.stride(), c.stride(), out.stride(), _aligned(X), _aligned(c), _aligned(out),
+        C is not None, dot_fp32, precision,
+    )
+    args = (
+        X, c, out,
+        m, k,
+        X.stride(0), X.stride(1), X.stride(2),
+        c.stride(0), c.stride(1), c.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        alpha, beta,
+    )
+    flags = {"HAS_C": C is not None, "DOT_FP32": dot_fp32, "INPUT_PRECISION": precision}
+    _launch("sym_matmul_kernel", sym_matmul_kernel, key, args, flags, _sym_grid(m, num_batch), out_pos=2)
+
+
+def _matmul_unchecked(P, Q, R, out, alpha: float, beta: float, dot_fp32: bool, precision: str) -> None:
+    """batched_matmul_add's launch without its checks: P (B, m, k), Q (B, k, n), k > 0, R (B, m, n)
+    or None, out (B, m, n) not aliasing the inputs; one device; alpha and beta Python floats."""
+    num_batch, m, k = P.shape
+    n = Q.shape[2]
+    r = R if R is not None else out
+    key = (
+        "mm", P.device, P.dtype, Q.dtype, r.dtype, out.dtype, num_batch, m, n, k,
+        P.stride(), Q.stride(), r.stride(), out.stride(),
+        _aligned(P), _aligned(Q), _aligned(r), _aligned(out),
+        R is not None, dot_fp32, precision,
+    )
+    args = (
+        P, Q, r, out,
+        m, n, k,
+        P.stride(0), P.stride(1), P.stride(2),
+        Q.stride(0), Q.stride(1), Q.stride(2),
+        r.stride(0), r.stride(1), r.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        alpha, beta,
+    )
+    flags = {"HAS_R": R is not None, "DOT_FP32": dot_fp32, "INPUT_PRECISION": precision}
+    _launch("matmul_kernel", matmul_kernel, key, args, flags, _mm_grid(m, n, num_batch), out_pos=3)
+
+
+# --------------------------------------------------------------------------------------------
+# Public launchers
+# --------------------------------------------------------------------------------------------
+
+
 def sym_matmul(
     X: torch.Tensor,
     out: Optional[torch.Tensor] = None,
@@ -339,24 +644,7 @@ def sym_matmul(
     if k == 0:
         # Empty product: only the epilogue remains.
         return out.copy_(beta * C if C is not None else torch.zeros_like(out))
-
-    dot_fp32, precision = _dot_flags(X.dtype)
-    c = C if C is not None else out  # never read when HAS_C is False
-    grid = lambda meta: (  # noqa: E731
-        triton.cdiv(m, meta["BLOCK_M"]) * (triton.cdiv(m, meta["BLOCK_M"]) + 1) // 2,
-        num_batch,
-    )
-    sym_matmul_kernel[grid](
-        X, c, out,
-        m, k,
-        X.stride(0), X.stride(1), X.stride(2),
-        c.stride(0), c.stride(1), c.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
-        float(alpha), float(beta),
-        HAS_C=C is not None,
-        DOT_FP32=dot_fp32,
-        INPUT_PRECISION=precision,
-    )
+    _sym_matmul_unchecked(X, C, out, float(alpha), float(beta), *_dot_flags(X.dtype))
     return out
 
 
@@ -401,34 +689,105 @@ def batched_matmul_add(
         return out
     if k == 0:
         return out.copy_(beta * R if R is not None else torch.zeros_like(out))
-
-    dot_fp32, precision = _dot_flags(P.dtype, Q.dtype)
-    r = R if R is not None else out
-    grid = lambda meta: (  # noqa: E731
-        triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),
-        num_batch,
-    )
-    matmul_kernel[grid](
-        P, Q, r, out,
-        m, n, k,
-        P.stride(0), P.stride(1), P.stride(2),
-        Q.stride(0), Q.stride(1), Q.stride(2),
-        r.stride(0), r.stride(1), r.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
-        float(alpha), float(beta),
-        HAS_R=R is not None,
-        DOT_FP32=dot_fp32,
-        INPUT_PRECISION=precision,
-    )
+    _matmul_unchecked(P, Q, R, out, float(alpha), float(beta), *_dot_flags(P.dtype, Q.dtype))
     return out
 
 
-def newton_schulz_triton(X: torch.Tensor, coefficients: Sequence[Tuple[float, float, float]]) -> torch.Tensor:
+# --------------------------------------------------------------------------------------------
+# Newton-Schulz
+# --------------------------------------------------------------------------------------------
+
+_WORKSPACE_FIELDS = ("gram", "poly", "ping", "pong")
+
+
+@dataclass
+class NSWorkspace:
+    """Buffers for ``newton_schulz_triton(X, ..., workspace=...)``, reusable across calls.
+
+    All four are contiguous, in X's dtype and on X's device, and overlap neither X nor each other.
+    Iteration i writes its result to ``ping`` (i even) or ``pong`` (i odd), and the returned
+    tensor IS that buffer: consume or copy it before the next call that uses this workspace.
+    """
+
+    gram: torch.Tensor
+    """(B, m, m): X X^T of the current iteration."""
+    poly: torch.Tensor
+    """(B, m, m): b A + c A A."""
+    ping: torch.Tensor
+    """(B, m, n): result of iterations 0, 2, 4, ... (and the copy of X when there are none)."""
+    pong: torch.Tensor
+    """(B, m, n): result of iterations 1, 3, 5, ..."""
+
+    @classmethod
+    def like(cls, X: torch.Tensor) -> "NSWorkspace":
+        """Fresh buffers for inputs of X's shape, dtype and device."""
+        num_batch, m, n = X.shape
+        square = dict(size=(num_batch, m, m), device=X.device, dtype=X.dtype)
+        wide = dict(size=(num_batch, m, n), device=X.device, dtype=X.dtype)
+        return cls(torch.empty(**square), torch.empty(**square), torch.empty(**wide), torch.empty(**wide))
+
+
+def _span(t: torch.Tensor) -> Tuple[int, int]:
+    """Byte range [start, end) that t's elements can touch."""
+    if t.numel() == 0:
+        return (t.data_ptr(), t.data_ptr())
+    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    return (t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size())
+
+
+def _as_workspace(workspace, X: torch.Tensor) -> NSWorkspace:
+    if isinstance(workspace, dict):
+        missing = [f for f in _WORKSPACE_FIELDS if f not in workspace]
+        extra = sorted(set(workspace) - set(_WORKSPACE_FIELDS))
+        if missing or extra:
+            raise ValueError(f"workspace dict needs exactly the keys {_WORKSPACE_FIELDS}; missing {missing}, unknown {extra}")
+        workspace = NSWorkspace(**workspace)
+    if not isinstance(workspace, NSWorkspace):
+        raise TypeError(f"workspace must be an NSWorkspace or a dict of its fields, got {type(workspace).__name__}")
+    num_batch, m, n = X.shape
+    expected = {"gram": (num_batch, m, m), "poly": (num_batch, m, m), "ping": (num_batch, m, n), "pong": (num_batch, m, n)}
+    spans = {"X": _span(X)}
+    for name in _WORKSPACE_FIELDS:
+        t = getattr(workspace, name)
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"workspace.{name} must be a torch.Tensor, got {type(t).__name__}")
+        where = f"workspace.{name} of shape {tuple(t.shape)}, {t.dtype} on {t.device}"
+        if tuple(t.shape) != expected[name]:
+            raise ValueError(f"{where}: expected shape {expected[name]} for X of shape {tuple(X.shape)}")
+        if t.dtype != X.dtype:
+            raise ValueError(f"{where}: expected X's dtype {X.dtype}")
+        if t.device != X.device:
+            raise ValueError(f"{where}: expected X's device {X.device}")
+        if not t.is_contiguous():
+            raise ValueError(f"{where}: must be contiguous (strides {t.stride()})")
+        lo, hi = _span(t)
+        for other, (olo, ohi) in spans.items():
+            if lo < ohi and olo < hi:
+                raise ValueError(f"{where}: overlaps {other if other == 'X' else 'workspace.' + other} in memory")
+        spans[name] = (lo, hi)
+    return workspace
+
+
+def newton_schulz_triton(
+    X: torch.Tensor,
+    coefficients: Sequence[Tuple[float, float, float]],
+    *,
+    workspace: "Optional[NSWorkspace | dict]" = None,
+) -> torch.Tensor:
     """Run Newton-Schulz iterations ``X <- a X + (b A + c A A) X`` with ``A = X X^T``.
 
     ``X`` is (B, m, n) with m <= n, already normalised (spectral norm <= 1) and transposed by the
     caller; any strides. Intermediates are kept in X's dtype (fp32 accumulation inside the
-    kernels). Returns a new contiguous (B, m, n) tensor of X's dtype.
+    kernels). Returns a contiguous (B, m, n) tensor of X's dtype.
+
+    ``workspace`` (an ``NSWorkspace`` or a dict with its fields ``gram``, ``poly``, ``ping``,
+    ``pong``): preallocated buffers, checked here (ValueError naming the buffer otherwise). With
+    one, the call allocates nothing and never syncs the host, once each launch it makes has been
+    resolved by an earlier call with tensors of the same layout; so warm up once, then the chain
+    can be captured in a CUDA graph. The result is then ``workspace.ping`` or ``workspace.pong``
+    (overwritten by the next call). Results are bit-identical with and without a workspace.
+
+    X is checked once here; the launches skip the public launchers' checks.
     """
     _require_triton()
     _check_tensor("X", X)
@@ -439,17 +798,22 @@ def newton_schulz_triton(X: torch.Tensor, coefficients: Sequence[Tuple[float, fl
     for abc in coefficients:
         if len(abc) != 3:
             raise ValueError(f"each coefficient must be an (a, b, c) triple, got {abc}")
-    if not coefficients:
-        return X.clone(memory_format=torch.contiguous_format)
+    ws = _as_workspace(workspace, X) if workspace is not None else None
+    if not coefficients or X.numel() == 0:
+        return ws.ping.copy_(X) if ws is not None else X.clone(memory_format=torch.contiguous_format)
 
-    gram = torch.empty((num_batch, m, m), device=X.device, dtype=X.dtype)
-    poly = torch.empty_like(gram)
-    buffers = [torch.empty((num_batch, m, n), device=X.device, dtype=X.dtype) for _ in range(min(2, len(coefficients)))]
+    if ws is not None:
+        gram, poly, buffers = ws.gram, ws.poly, (ws.ping, ws.pong)
+    else:
+        gram = torch.empty((num_batch, m, m), device=X.device, dtype=X.dtype)
+        poly = torch.empty_like(gram)
+        buffers = [torch.empty((num_batch, m, n), device=X.device, dtype=X.dtype) for _ in range(min(2, len(coefficients)))]
+    dot_fp32, precision = _dot_flags(X.dtype)
     current = X
     for step, (a, b, c) in enumerate(coefficients):
-        sym_matmul(current, out=gram)
-        sym_matmul(gram, out=poly, C=gram, alpha=c, beta=b)
-        nxt = buffers[step % len(buffers)]
-        batched_matmul_add(poly, current, current, alpha=1.0, beta=a, out=nxt)
+        _sym_matmul_unchecked(current, None, gram, 1.0, 1.0, dot_fp32, precision)
+        _sym_matmul_unchecked(gram, gram, poly, c, b, dot_fp32, precision)
+        nxt = buffers[step % 2]
+        _matmul_unchecked(poly, current, current, nxt, 1.0, a, dot_fp32, precision)
         current = nxt
     return current
