@@ -84,7 +84,7 @@ def faster_backend(batch_shape: tuple[int, int, int], dtype: torch.dtype, cfg, d
     with _lock:
         _load(path)
         if key not in _memory:
-            if torch.cuda.is_current_stream_capturing():
+            if torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError(f"backend='auto' has not measured Newton-Schulz on {tuple(batch_shape)} {dtype} "
                                    "yet and can't while a CUDA graph is being captured: run one eager call first")
             _memory[key] = _measure(batch_shape, dtype, cfg, device)

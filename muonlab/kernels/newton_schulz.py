@@ -272,17 +272,19 @@ def newton_schulz(G: torch.Tensor, config: NSConfig | None = None, *, workspace=
         from .workspace import Workspace
 
         workspace = Workspace()
-    plain_torch = use == "torch" and form == "plain"
-    buffers = workspace.take(G.device, [((num, m, n), dtype)] + (
-        [((num, m, m), dtype), ((num, m, m), dtype), ((num, m, n), dtype)] if plain_torch else []))
+    square, wide = ((num, m, m), dtype), ((num, m, n), dtype)
+    # the input, then what the iterations need: torch's plain form two m x m products and a spare
+    # iterate; the Triton chain two products and two iterates of its own; the gram form allocates
+    extra = {"torch": [square, square, wide], "triton": [square, square, wide, wide]}[use] if form == "plain" else []
+    buffers = workspace.take(G.device, [wide] + extra)
     X = buffers[0]
     X.copy_(Gb)  # cast and (for tall inputs) transpose in one pass, into the workspace
     _normalise_into(X, X, cfg.eps, norm_scale(cfg.coefficients))
     coeffs = cfg.resolved_coefficients()
     if use == "triton":
-        from .triton_newton_schulz import newton_schulz_triton
+        from .triton_newton_schulz import NSWorkspace, newton_schulz_triton
 
-        X = newton_schulz_triton(X, coeffs)
+        X = newton_schulz_triton(X, coeffs, workspace=NSWorkspace(*buffers[1:]))
     elif form == "gram":
         X = _gram_iterations(X, coeffs, cfg.gram_restarts)
     else:

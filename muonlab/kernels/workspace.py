@@ -55,12 +55,11 @@ class Workspace:
         self._arenas = {}
 
 
-def batch_bytes_per_matrix(m: int, n: int, itemsize: int, *, form: str = "plain") -> int:
-    """Transient bytes one m x n matrix (m <= n) adds to a Newton-Schulz batch: the workspace
-    (input and spare iterate m x n, two m x m products; the gram form's temporaries are of the
-    same order) and the fresh output, m x n."""
-    del form  # both forms hold about two m x n and two m x m tensors per matrix
-    return itemsize * (3 * m * n + 2 * m * m)
+def batch_bytes_per_matrix(m: int, n: int, itemsize: int) -> int:
+    """Transient bytes one m x n matrix (m <= n) adds to a Newton-Schulz batch, for any backend and
+    form: the workspace (the input, up to two iterates m x n, two m x m products; the gram form's
+    temporaries are fewer) and the output, m x n."""
+    return itemsize * (4 * m * n + 2 * m * m)
 
 
 def max_batch_matrices(shape: tuple[int, int], itemsize: int, budget_bytes: int) -> int:

@@ -53,7 +53,7 @@ def test_out_is_checked():
 
 
 def test_max_batch_matrices_fits_the_budget_and_is_at_least_one():
-    per = 2 * (3 * 64 * 256 + 2 * 64 * 64)  # bf16: input, spare and output 64 x 256, two 64 x 64 products
+    per = 2 * (4 * 64 * 256 + 2 * 64 * 64)  # bf16: input, two iterates, output 64 x 256, two 64 x 64 products
     assert max_batch_matrices((256, 64), 2, 10 * per) == 10
     assert max_batch_matrices((64, 256), 2, 10 * per + per - 1) == 10
     assert max_batch_matrices((64, 256), 2, 1) == 1
@@ -64,7 +64,7 @@ def test_max_batch_matrices_fits_the_budget_and_is_at_least_one():
 def test_chunked_runner_matches_one_call(budget_matrices):
     mats = torch.randn(7, 20, 36)
     cfg = NSConfig(dtype=torch.float32)
-    runner = NewtonSchulzRunner(budget_matrices * 4 * (3 * 20 * 36 + 2 * 20 * 20))
+    runner = NewtonSchulzRunner(budget_matrices * 4 * (4 * 20 * 36 + 2 * 20 * 20))
     assert runner.chunk_size((20, 36), torch.float32) == budget_matrices
     assert torch.equal(runner(mats, cfg), newton_schulz(mats, cfg))
 
@@ -91,7 +91,7 @@ def test_a_small_workspace_splits_batches_and_steps_the_same():
     """Chunked (budget of about one matrix) and unchunked steps are bit-identical."""
     params, grads = _bf16_model_and_grads()
     big, ref = _run(params, grads, ns_dtype=torch.float32)
-    small, got = _run(params, grads, ns_dtype=torch.float32, workspace_bytes=4 * (3 * 32 * 48 + 2 * 32 * 32))
+    small, got = _run(params, grads, ns_dtype=torch.float32, workspace_bytes=4 * (4 * 32 * 48 + 2 * 32 * 32))
     assert len(small.plan()) > len(big.plan())
     assert max(b.num_matrices for b in small.plan() if b.matrix_shape == (48, 32)) == 1
     for a, b in zip(ref, got):
@@ -162,7 +162,7 @@ def test_graphed_runner_matches_eager_and_replays():
     for backend in ("torch", "triton"):
         cfg = NSConfig(dtype=torch.bfloat16, backend=backend)
         eager = NewtonSchulzRunner(2**30)(mats, cfg)
-        runner = NewtonSchulzRunner(2 * 2 * (3 * 64 * 96 + 2 * 64 * 64), graphs=True)  # chunks of 2, 2, 1
+        runner = NewtonSchulzRunner(2 * 2 * (4 * 64 * 96 + 2 * 64 * 64), graphs=True)  # chunks of 2, 2, 1
         first = runner(mats, cfg)
         again = runner(mats * 2, cfg)  # replay with new inputs (normalisation makes the scale irrelevant)
         assert len(runner._graphed) == 2

@@ -25,7 +25,8 @@ def split_like(ortho: torch.Tensor | None, inputs: list[torch.Tensor], shape: tu
 def run(batch, inputs, ctx):
     shape = batch.matrix_shape
     mats = [x.reshape(-1, *shape) for x in inputs]
-    stacked = torch.cat(mats) if mats else None
+    # one parameter needs no stacking copy (Newton-Schulz reads its input without changing it)
+    stacked = (mats[0] if len(mats) == 1 else torch.cat(mats)) if mats else None
     ortho = yield stacked if stacked is not None and stacked.shape[0] else None
     return split_like(ortho, inputs, shape)
 
