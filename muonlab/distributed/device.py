@@ -32,6 +32,7 @@ __all__ = [
     "DEVICE_CHOICES",
     "DEVICE_ENV",
     "backend_for",
+    "check_backend",
     "choose_device",
     "collective_device",
     "init_process_group",
@@ -106,6 +107,17 @@ def backend_for(device: torch.device | str) -> str:
     return "nccl" if torch.device(device).type == "cuda" else "gloo"
 
 
+def check_backend(device: torch.device | str, backend: str | None, rank: int | str = "?") -> str:
+    """``backend`` (None: :func:`backend_for` ``device``), refused if it cannot carry the device's
+    tensors (NCCL for a CPU rank)."""
+    device = torch.device(device)
+    backend = backend or backend_for(device)
+    if "nccl" in backend and device.type != "cuda":
+        raise ValueError(f"rank {rank}: backend {backend!r} needs a CUDA device, but this rank's device is "
+                         f"{device}; use backend='gloo', or device='cuda' on a node with a GPU per rank")
+    return backend
+
+
 def init_process_group(
     device: str | None = None,
     backend: str | None = None,
@@ -122,12 +134,8 @@ def init_process_group(
     Connecting may take ``connect_timeout_s`` (the slowest rank's start-up); collectives get
     ``timeout_s`` from then on.
     """
-    rank = os.environ.get("RANK", "?")
     chosen = choose_device(device)
-    backend = backend or backend_for(chosen)
-    if "nccl" in backend and chosen.type != "cuda":
-        raise ValueError(f"rank {rank}: backend {backend!r} needs a CUDA device, but this rank's device is "
-                         f"{chosen} (device={requested_device(device)!r}); use backend='gloo' or device='cuda'")
+    backend = check_backend(chosen, backend, os.environ.get("RANK", "?"))
     timeout = timedelta(seconds=timeout_s)
     connect_timeout = timedelta(seconds=max(timeout_s, connect_timeout_s or 0))
     if chosen.type == "cuda":

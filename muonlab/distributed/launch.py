@@ -63,7 +63,7 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from .device import DEVICE_CHOICES, DEVICE_ENV, choose_device, init_process_group
+from .device import DEVICE_CHOICES, DEVICE_ENV, check_backend, choose_device, init_process_group
 
 __all__ = ["WorkerError", "WorkerTimeout", "launch", "run_worker", "worker_main"]
 
@@ -506,9 +506,10 @@ def launch(
 
     Raises:
         ValueError: ``fn`` is not importable by the children (defined in ``__main__``, e.g. a
-            notebook cell, a lambda, or a nested function), ``nprocs < 1``, or a timeout is not a
-            positive number; nothing started.
-        RuntimeError: called while a spawned worker re-runs a script that calls ``launch`` outside
+            notebook cell, a lambda, or a nested function), ``nprocs < 1``, a timeout is not a
+            positive number, ``device`` is not "auto"/"cpu"/"cuda", ``device="cuda"`` with fewer
+            GPUs than ``nprocs``, or ``backend="nccl"`` for CPU workers; nothing started.
+        RuntimeError: ``device="cuda"`` without CUDA (nothing started), or called while a spawned worker re-runs a script that calls ``launch`` outside
             ``if __name__ == "__main__":`` (the parent then raises WorkerError saying so).
         WorkerError: a worker raised, died or exited with a nonzero code; the message names the
             rank(s) and holds the traceback(s).
@@ -525,6 +526,7 @@ def launch(
     # Decided here, once, so a bad choice fails before anything starts and every rank agrees;
     # each worker then takes cuda:LOCAL_RANK (or the CPU) by the same rule.
     chosen = choose_device(device, local_rank=0, local_world_size=nprocs).type
+    check_backend(chosen, backend, "0")
     try:
         payload = pickle.dumps((fn, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as e:

@@ -76,6 +76,8 @@ def test_launch_refuses_a_device_it_cannot_give_before_starting(monkeypatch):
     before = set(multiprocessing.active_children())
     with pytest.raises(ValueError, match="device must be one of"):
         launch(workers.device_info, 2, device="gpu")
+    with pytest.raises(ValueError, match="rank 0: backend 'nccl' needs a CUDA device, but this rank's device is cpu"):
+        launch(workers.device_info, 2, device="cpu", backend="nccl")
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="device 'cuda' was asked for, but CUDA is not available"):
             launch(workers.device_info, 2, device="cuda")
