@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from muonlab import Muon, checkpoint
 from muonlab.distributed import MeshAxis
+from muonlab.distributed.device import rank_device
 from muonlab.experiments.checkpoint import build, train_steps
 
 D_MODEL, N_LAYERS = 256, 4
@@ -29,10 +30,12 @@ def _params(layout: str):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=(MeshAxis.DP.value,)) if layout == "fsdp" else None
+    device = rank_device()
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=(MeshAxis.DP.value,)) if layout == "fsdp" else None
     out = []
     for seed, (name, shape) in enumerate(gpt_matrix_shapes()):
-        full = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+        # drawn on the CPU, so the values do not depend on the device
+        full = torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(device)
         p = distribute_tensor(full, mesh, [Shard(0)]) if mesh is not None else full
         out.append((name, torch.nn.Parameter(p)))
     return out, mesh
@@ -41,17 +44,22 @@ def _params(layout: str):
 def time_steps(opt, params, mesh, steps: int, warmup: int = 2):
     from torch.distributed.tensor import Shard, distribute_tensor
 
+    device = rank_device()
+    # CUDA work returns before it finishes: wait for it before reading the clock
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     times = []
     for step in range(warmup + steps):
         for seed, (_, p) in enumerate(params):
-            g = torch.randn(p.shape, generator=torch.Generator().manual_seed(100 + seed + step))
+            g = torch.randn(p.shape, generator=torch.Generator().manual_seed(100 + seed + step)).to(device)
             p.grad = distribute_tensor(g, mesh, [Shard(0)]) if mesh is not None else g
         if dist.is_initialized():
             dist.barrier()
+        sync()
         t0 = time.perf_counter()
         opt.step()
         if dist.is_initialized():
             dist.barrier()  # the step is done when the slowest rank is done
+        sync()
         if step >= warmup:
             times.append(time.perf_counter() - t0)
     return statistics.median(times)

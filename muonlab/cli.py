@@ -14,7 +14,7 @@ def demo(args) -> None:
     matplotlib.use("Agg")
     from .experiments.demo import run
 
-    run(args.out, steps=args.steps, width=args.width, layers=args.layers, nprocs=args.nprocs)
+    run(args.out, steps=args.steps, width=args.width, layers=args.layers, nprocs=args.nprocs, device=args.device)
 
 
 def main(argv=None) -> None:
@@ -25,7 +25,10 @@ def main(argv=None) -> None:
     d.add_argument("--width", type=int, default=128)
     d.add_argument("--layers", type=int, default=2)
     d.add_argument("--out", default="runs/demo")
-    d.add_argument("--nprocs", type=int, default=4, help="CPU workers for the FSDP2 part (1 skips it)")
+    d.add_argument("--nprocs", type=int, default=4,
+                   help="workers for the FSDP2 part (1 skips it): one per GPU with enough GPUs, else CPU")
+    d.add_argument("--device", default=None, choices=("auto", "cpu", "cuda"),
+                   help="the workers' device (default: auto, or $MUONLAB_DEVICE)")
     d.set_defaults(fn=demo)
     args = parser.parse_args(argv)
     args.fn(args)

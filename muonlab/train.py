@@ -9,6 +9,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .data import get_batch, load_corpus
+from .distributed.device import rank_device
 from .models import GPT, GPTConfig
 from .optim import Muon, muon_param_groups
 
@@ -48,7 +49,9 @@ class History:
 
 
 def default_device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    """This process's device by muonlab's device rule: in a worker, its rank's; alone, cuda:0 when
+    CUDA is available, else the CPU ($MUONLAB_DEVICE=cpu keeps it on the CPU)."""
+    return rank_device()
 
 
 def make_optimizer(name: str, model: torch.nn.Module, *, lr: float | None = None,

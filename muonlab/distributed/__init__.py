@@ -1,5 +1,6 @@
-"""Worker launching, named meshes (MeshAxis) and parallelism: apply_fsdp, apply_ddp, apply_ep, composed
-by parallelize()."""
+"""Worker launching, the device rule (device.py: cuda:LOCAL_RANK with NCCL when CUDA has a GPU per
+rank, else gloo on the CPU), named meshes (MeshAxis) and parallelism: apply_fsdp, apply_ddp,
+apply_ep, composed by parallelize()."""
 
 import warnings
 
@@ -11,6 +12,7 @@ warnings.filterwarnings(
     category=RuntimeWarning,
 )
 
+from .device import rank_device, to_rank_device  # noqa: E402
 from .expert_parallel import apply_ep, build_ep_mesh  # noqa: E402
 from .launch import WorkerError, WorkerTimeout, launch, run_worker  # noqa: E402
 from .mesh import MeshAxis, build_mesh, mesh_axis_group  # noqa: E402
@@ -29,5 +31,7 @@ __all__ = [
     "launch",
     "mesh_axis_group",
     "parallelize",
+    "rank_device",
     "run_worker",
+    "to_rank_device",
 ]

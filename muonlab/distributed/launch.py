@@ -9,7 +9,9 @@ One machine, from a notebook or a script::
 
 ``launch`` starts ``nprocs`` processes through torch.distributed's own elastic launcher
 (``elastic_launch``, start method "spawn", a static rendezvous on a free port of 127.0.0.1),
-initialises the default process group in each (NCCL when CUDA has a GPU per process, else gloo),
+initialises the default process group in each by the rule of :mod:`muonlab.distributed.device`
+(rank ``r`` on ``cuda:r`` with NCCL when CUDA has a GPU per process, else gloo on the CPU;
+``device="cpu"`` or ``$MUONLAB_DEVICE=cpu`` keeps CPU workers on a GPU node),
 calls ``fn(*args, **kwargs)`` and hands back each rank's return value. A worker that raises gives a
 :class:`WorkerError` carrying the worker's traceback (a notebook never shows the children's stderr);
 a launch whose workers are not all up (process group initialised) within ``startup_timeout_s``, or
@@ -27,9 +29,9 @@ Several nodes (GPUs), with the same worker functions, under torchrun::
 
 Here ``python -m muonlab.distributed.launch MODULE:FUNCTION [ARG ...]`` (:func:`worker_main`) runs in
 every process torchrun starts: it initialises the default process group from torchrun's environment
-(RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT; NCCL with ``device_id=LOCAL_RANK`` when
-CUDA is available, else gloo), calls ``FUNCTION(*ARGS)`` with the remaining command-line words as
-strings, and destroys the group. ``--backend`` and ``--timeout-s`` may come before
+(RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT; NCCL on ``cuda:LOCAL_RANK`` when CUDA
+has a GPU per local rank, else gloo), calls ``FUNCTION(*ARGS)`` with the remaining command-line
+words as strings, and destroys the group. ``--backend``, ``--device`` and ``--timeout-s`` may come before
 ``MODULE:FUNCTION``. From Python, :func:`run_worker` does the same for a function object. Errors are
 recorded with torch.distributed.elastic's ``record``, so torchrun's summary shows the traceback.
 """
@@ -54,14 +56,14 @@ import tempfile
 import threading
 import time
 import uuid
-from datetime import timedelta
 from typing import Any, Callable
 
-import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from .device import DEVICE_CHOICES, DEVICE_ENV, check_backend, choose_device, init_process_group
 
 __all__ = ["WorkerError", "WorkerTimeout", "launch", "run_worker", "worker_main"]
 
@@ -99,28 +101,6 @@ class WorkerTimeout(WorkerError):
 # Inside a worker
 
 
-def _default_backend(num_procs: int) -> str:
-    if torch.cuda.is_available() and num_procs <= torch.cuda.device_count():
-        return "nccl"
-    return "gloo"
-
-
-def _init_process_group(backend: str, timeout_s: float, startup_timeout_s: float | None = None) -> None:
-    # Connecting waits for the slowest rank's start-up (importing torch under load can take
-    # minutes), so it gets the start-up limit; collectives get timeout_s from then on.
-    timeout = timedelta(seconds=timeout_s)
-    connect_timeout = timedelta(seconds=max(timeout_s, startup_timeout_s or 0))
-    if "nccl" in backend:
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
-        dist.init_process_group(backend, timeout=connect_timeout, device_id=device)
-    else:
-        torch.set_num_threads(1)
-        dist.init_process_group(backend, timeout=connect_timeout)
-    if connect_timeout != timeout:
-        dist.distributed_c10d._set_pg_timeout(timeout)
-
-
 def _call(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     # sys.exit(0) or sys.exit() ends a script successfully; in a worker it counts as returning
     # None, so the rank still takes part in the teardown below instead of vanishing from it.
@@ -148,7 +128,8 @@ def _teardown(wait_for_peers: bool) -> None:
 
 def _call_in_process_group(
     fn: Callable[..., Any],
-    backend: str,
+    device: str | None,
+    backend: str | None,
     timeout_s: float,
     args: tuple,
     kwargs: dict,
@@ -156,7 +137,9 @@ def _call_in_process_group(
     on_ready: Callable[[], None] | None = None,
     startup_timeout_s: float | None = None,
 ) -> Any:
-    _init_process_group(backend, timeout_s, startup_timeout_s)
+    # Connecting waits for the slowest rank's start-up (importing torch under load can take
+    # minutes), so it gets the start-up limit; collectives get timeout_s from then on.
+    init_process_group(device, backend, timeout_s=timeout_s, connect_timeout_s=startup_timeout_s)
     if on_ready is not None:
         on_ready()
     try:
@@ -199,6 +182,7 @@ def _write_status(status_dir: str, rank: int, kind: str, text: str) -> None:
 @record
 def _worker_entry(
     payload: bytes,
+    device: str,
     backend: str,
     timeouts: tuple[float, float],
     sys_path: list[str],
@@ -207,6 +191,7 @@ def _worker_entry(
 ) -> bytes:
     """What each process of :func:`launch` runs: pickled in, pickled out, errors recorded.
 
+    ``device`` is the launcher's choice for every rank ("cpu" or "cuda": ``cuda:LOCAL_RANK``), and
     ``timeouts`` is (collective timeout, start-up limit). Status files in ``status_dir`` tell the
     launcher this rank's pid, when its process group is up ("ready"), a sys.exit ("exit"), the
     time of a failure ("failed") and that it is finished ("done").
@@ -229,7 +214,7 @@ def _worker_entry(
                 sys.path.insert(0, entry)
         fn, args, kwargs = pickle.loads(payload)
         result = _call_in_process_group(
-            fn, backend, timeouts[0], args, kwargs, on_error=mark_failed,
+            fn, device, backend, timeouts[0], args, kwargs, on_error=mark_failed,
             on_ready=lambda: _write_status(status_dir, rank, "ready", ""), startup_timeout_s=timeouts[1],
         )
         return pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
@@ -248,16 +233,21 @@ def _worker_entry(
 
 
 def run_worker(
-    fn: Callable[..., Any], *args: Any, backend: str | None = None, timeout_s: float = 1800, **kwargs
+    fn: Callable[..., Any],
+    *args: Any,
+    backend: str | None = None,
+    device: str | None = None,
+    timeout_s: float = 1800,
+    **kwargs,
 ) -> Any:
     """Run ``fn(*args, **kwargs)`` in a process started by torchrun (or any env:// launcher).
 
-    Initialises the default process group from the environment (``backend=None``: NCCL on
-    ``cuda:LOCAL_RANK`` when CUDA is available, else gloo), calls ``fn`` and destroys the group.
+    Initialises the default process group from the environment by muonlab's device rule
+    (:func:`muonlab.distributed.device.choose_device`: NCCL on ``cuda:LOCAL_RANK`` when CUDA has a
+    GPU per local rank, else gloo on the CPU; ``device`` or ``$MUONLAB_DEVICE`` override it, and
+    ``backend`` overrides the backend only), calls ``fn`` and destroys the group.
     """
-    if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    return record(_call_in_process_group)(fn, backend, timeout_s, args, kwargs)
+    return record(_call_in_process_group)(fn, device, backend, timeout_s, args, kwargs)
 
 
 def _resolve(target: str) -> Callable[..., Any]:
@@ -279,7 +269,9 @@ def worker_main(argv: list[str] | None = None) -> Any:
         prog="python -m muonlab.distributed.launch",
         description="Run MODULE:FUNCTION(*ARGS) in a process group set up from torchrun's environment.",
     )
-    parser.add_argument("--backend", default=None, help="nccl or gloo (default: nccl with CUDA)")
+    parser.add_argument("--backend", default=None, help="nccl or gloo (default: by the device)")
+    parser.add_argument("--device", default=None, choices=DEVICE_CHOICES,
+                        help=f"auto (default, or ${DEVICE_ENV}): cuda:LOCAL_RANK with a GPU per rank, else cpu")
     parser.add_argument("--timeout-s", type=float, default=1800, help="collective timeout")
     parser.add_argument("target", help="MODULE:FUNCTION, e.g. mypkg.mymod:train")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="passed to FUNCTION as strings")
@@ -287,7 +279,7 @@ def worker_main(argv: list[str] | None = None) -> Any:
     if "" not in sys.path and os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     fn = _resolve(ns.target)
-    return run_worker(fn, *ns.args, backend=ns.backend, timeout_s=ns.timeout_s)
+    return run_worker(fn, *ns.args, backend=ns.backend, device=ns.device, timeout_s=ns.timeout_s)
 
 
 # --------------------------------------------------------------------------------------------
@@ -489,15 +481,20 @@ def launch(
     nprocs: int,
     *args: Any,
     backend: str | None = None,
+    device: str | None = None,
     timeout_s: float = 300,
     startup_timeout_s: float = 600,
     **kwargs: Any,
 ) -> dict[int, Any]:
     """Run ``fn(*args, **kwargs)`` in ``nprocs`` new local processes; return ``{rank: result}``.
 
-    Each process has the default process group initialised (``backend=None``: NCCL when CUDA has
-    at least ``nprocs`` devices, else gloo; the collective timeout is ``timeout_s``), CPU workers
-    use one intra-op thread, and nothing is seeded. ``fn``, the arguments and the return values
+    Each process has the default process group initialised by muonlab's device rule
+    (:mod:`muonlab.distributed.device`): ``device=None`` (else ``$MUONLAB_DEVICE``, else "auto")
+    puts rank ``r`` on ``cuda:r`` with NCCL when CUDA has at least ``nprocs`` GPUs, else on the CPU
+    with gloo; ``device="cpu"`` asks for CPU/gloo workers on any machine, ``device="cuda"`` for GPU
+    workers (an error if there are too few GPUs). ``backend`` overrides the backend only. The
+    collective timeout is ``timeout_s``; CPU workers use one intra-op thread; nothing is seeded.
+    ``backend`` and ``device`` are launch's own keywords, not passed to ``fn``. ``fn``, the arguments and the return values
     are pickled. A worker that calls ``sys.exit(0)`` (or ``sys.exit()``) counts as returning None;
     ``sys.exit(n)`` with ``n != 0`` is a failure ("rank R exited with code n"). Before returning,
     the ranks wait for each other (a barrier), so a fast rank never closes connections a slow
@@ -509,9 +506,10 @@ def launch(
 
     Raises:
         ValueError: ``fn`` is not importable by the children (defined in ``__main__``, e.g. a
-            notebook cell, a lambda, or a nested function), ``nprocs < 1``, or a timeout is not a
-            positive number; nothing started.
-        RuntimeError: called while a spawned worker re-runs a script that calls ``launch`` outside
+            notebook cell, a lambda, or a nested function), ``nprocs < 1``, a timeout is not a
+            positive number, ``device`` is not "auto"/"cpu"/"cuda", ``device="cuda"`` with fewer
+            GPUs than ``nprocs``, or ``backend="nccl"`` for CPU workers; nothing started.
+        RuntimeError: ``device="cuda"`` without CUDA (nothing started), or called while a spawned worker re-runs a script that calls ``launch`` outside
             ``if __name__ == "__main__":`` (the parent then raises WorkerError saying so).
         WorkerError: a worker raised, died or exited with a nonzero code; the message names the
             rank(s) and holds the traceback(s).
@@ -525,8 +523,10 @@ def launch(
     for name, value in (("timeout_s", timeout_s), ("startup_timeout_s", startup_timeout_s)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
             raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
-    if backend is None:
-        backend = _default_backend(nprocs)
+    # Decided here, once, so a bad choice fails before anything starts and every rank agrees;
+    # each worker then takes cuda:LOCAL_RANK (or the CPU) by the same rule.
+    chosen = choose_device(device, local_rank=0, local_world_size=nprocs).type
+    check_backend(chosen, backend, "0")
     try:
         payload = pickle.dumps((fn, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as e:
@@ -540,7 +540,7 @@ def launch(
     sys_path = [os.getcwd() if entry == "" else entry for entry in sys.path]
     limits = (float(timeout_s), float(startup_timeout_s))
     try:
-        entry_args = (payload, backend, limits, sys_path, status_dir, os.getpid())
+        entry_args = (payload, chosen, backend, limits, sys_path, status_dir, os.getpid())
         outcome = _run_agent(_launch_config(nprocs, startup_timeout_s, log_dir), entry_args, limits, status_dir)
         return _results(fn, nprocs, limits, outcome, (log_dir, status_dir))
     finally:

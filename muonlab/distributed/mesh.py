@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from enum import Enum
 
-import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from .device import rank_device
 
 __all__ = ["MeshAxis", "build_mesh", "mesh_axis_group"]
 
@@ -45,10 +46,8 @@ class MeshAxis(str, Enum):
 
 
 def _default_device_type() -> str:
-    # A gloo group on a GPU machine still wants CPU tensors, so look at the backend too.
-    if torch.cuda.is_available() and "nccl" in str(dist.get_backend()):
-        return "cuda"
-    return "cpu"
+    # A gloo group on a GPU machine still wants CPU tensors: the device rule reads the backend.
+    return rank_device().type
 
 
 def _check_size(name: str, value: int | None) -> None:

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
+from .device import collective_device, to_rank_device
 from .expert_parallel import apply_ep, build_ep_mesh
 from .mesh import build_mesh
 
@@ -67,7 +69,12 @@ def apply_ddp(
     """Wrap ``model`` in DistributedDataParallel over ``process_group`` (default: all ranks).
 
     A 1-D DeviceMesh is accepted in place of a group. CUDA models are bound to their device;
-    CPU models get no ``device_ids``.
+    CPU models get no ``device_ids``. Over an NCCL group the model must already be on the GPU
+    (:func:`parallelize` moves it; alone, ``to_rank_device(model)`` first).
+
+    Raises:
+        ValueError: a CPU parameter under a group that carries CUDA tensors only (NCCL), naming
+            the rank and the parameter.
     """
     if isinstance(process_group, DeviceMesh):
         if process_group.ndim != 1:
@@ -76,6 +83,14 @@ def apply_ddp(
                 f"{tuple(process_group.shape)}"
             )
         process_group = process_group.get_group()
+    if collective_device(process_group).type == "cuda":
+        on_cpu = next((n for n, p in model.named_parameters() if p.device.type == "cpu"), None)
+        if on_cpu is not None:
+            raise ValueError(
+                f"rank {dist.get_rank()}: apply_ddp over an NCCL group needs the model on this rank's GPU, "
+                f"but parameter {on_cpu!r} is on the CPU; move it first (model.to(rank_device()), or use "
+                f"parallelize(), which does)"
+            )
     device = next((p.device for p in model.parameters()), None)
     if device is not None and device.type == "cuda":
         return DistributedDataParallel(
@@ -117,6 +132,9 @@ def parallelize(
     * "ep": :func:`apply_ep` on a (``MeshAxis.FSDP``, ``MeshAxis.EP``) mesh, default
       ``build_ep_mesh(ep)``; ``model`` must be the MoE GPT, built from the same seed on every rank.
 
+    A model on the CPU is first moved to this rank's device (``cuda:LOCAL_RANK`` under NCCL; see
+    :func:`muonlab.distributed.device.to_rank_device`), before any wrapper sees it.
+
     ``ep`` is read in "ep" mode only, to build the default mesh; ``block_attr`` and
     ``reshard_after_forward`` go to apply_fsdp/apply_ep, ``mp_policy`` to apply_fsdp only. Every
     rank must call this with the same arguments (it may create process groups).
@@ -131,6 +149,7 @@ def parallelize(
         raise ValueError(f"ep is read in 'ep' mode only, got ep={ep!r} with mode {mode!r}")
     if mp_policy is not None and mode not in ("fsdp", "hsdp"):
         raise ValueError(f"mp_policy is read in 'fsdp' and 'hsdp' modes only, got mode {mode!r}")
+    model = to_rank_device(model)
 
     if mode in ("fsdp", "hsdp"):
         if mesh is None:

@@ -3,8 +3,10 @@
 They live in an importable module because :func:`muonlab.distributed.launch` cannot start
 functions defined in a notebook. Each builds the small GPT from seed 0, shards it with FSDP2 over
 all ranks, trains with Muon on this rank's slice of a fixed global batch (so the global batch, and
-the loss, do not depend on the world size) and returns plain data. ``build``, ``global_batch``
-and ``train_steps`` are shared with the fault demo (faults.py) and the checkpoint benchmark.
+the loss, do not depend on the world size) and returns plain data (tensors copied to the CPU,
+so the caller needs no GPU to read them). ``build``, ``global_batch`` and ``train_steps`` are
+shared with the fault demo (faults.py) and the checkpoint benchmark. The model and each batch sit
+on this rank's device by muonlab's device rule (:mod:`muonlab.distributed.device`).
 """
 
 from __future__ import annotations
@@ -13,8 +15,10 @@ import torch
 import torch.distributed as dist
 
 from .. import checkpoint
+from ..distributed.device import rank_device, to_rank_device
 from ..models import GPT, GPTConfig
 from ..optim import Muon, muon_param_groups
+from .train import tensor_devices
 
 __all__ = ["build", "global_batch", "train_steps", "train_and_save", "resume_and_train"]
 
@@ -30,11 +34,11 @@ def _world_rank() -> tuple[int, int]:
 
 
 def build(width: int = 32, n_layers: int = 2):
-    """(model, optimizer) on this rank: GPT from seed 0, FSDP2 over all ranks when distributed."""
+    """(model, optimizer) on this rank's device: GPT from seed 0, FSDP2 over all ranks when distributed."""
     from ..distributed import parallelize
 
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(d_model=width, n_layers=n_layers, n_heads=4, context=CONTEXT))
+    torch.manual_seed(0)  # on the CPU, so every rank and device starts from the same weights
+    model = to_rank_device(GPT(GPTConfig(d_model=width, n_layers=n_layers, n_heads=4, context=CONTEXT)))
     if dist.is_initialized():
         model, _, _ = parallelize(model, "fsdp")
     return model, Muon(muon_param_groups(model), **HYPER)
@@ -47,7 +51,7 @@ def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
         raise ValueError(f"the global batch of {GLOBAL_BATCH} does not split over {world} ranks")
     t = torch.randint(0, 256, (GLOBAL_BATCH, CONTEXT + 1), generator=torch.Generator().manual_seed(1000 + step))
     per = GLOBAL_BATCH // world
-    t = t[rank * per:(rank + 1) * per]
+    t = t[rank * per:(rank + 1) * per].to(rank_device())
     return t[:, :-1], t[:, 1:]
 
 
@@ -69,23 +73,27 @@ def train_steps(model, opt, steps: range) -> list[float]:
 
 
 def _full_params(model) -> dict[str, torch.Tensor]:
-    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu().clone()
             for n, p in model.named_parameters()}
 
 
 def train_and_save(path: str, steps: int, save_at: int, width: int = 32) -> dict:
-    """A straight run of ``steps`` steps, and a run that saves at ``save_at``: losses, saved params."""
+    """A straight run of ``steps`` steps, and a run that saves at ``save_at``: losses, saved params,
+    and where the saving run's tensors lived (``tensor_devices``)."""
     model, opt = build(width)
     straight = train_steps(model, opt, range(steps))
     model, opt = build(width)
     before = train_steps(model, opt, range(save_at))
     checkpoint.save(path, model, opt, save_at)
-    return dict(straight=straight, before=before, saved_params=_full_params(model))
+    return dict(straight=straight, before=before, saved_params=_full_params(model),
+                devices=tensor_devices(model, opt))
 
 
 def resume_and_train(path: str, steps: int, width: int = 32) -> dict:
-    """Load ``path`` (saved on any world size), train to ``steps``: losses, loaded params."""
+    """Load ``path`` (saved on any world size), train to ``steps``: losses, loaded params, and where
+    the resumed run's tensors lived (``tensor_devices``, after training)."""
     model, opt = build(width)
     step = checkpoint.load(path, model, opt)
     loaded = _full_params(model)
-    return dict(step=step, loaded_params=loaded, after=train_steps(model, opt, range(step, steps)))
+    after = train_steps(model, opt, range(step, steps))
+    return dict(step=step, loaded_params=loaded, after=after, devices=tensor_devices(model, opt))

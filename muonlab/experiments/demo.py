@@ -3,8 +3,9 @@
 ``run_single``: the small GPT trained with Muon and with AdamW in this process; prints a table
 (final losses, tokens/s, optimizer step time) and writes loss_curves.png.
 
-``run_distributed``: FSDP2 + Muon on CPU workers, then what the optimizer did. It launches
-``nprocs`` gloo workers (``muonlab.experiments.train.train_worker``), prints the plan and the
+``run_distributed``: FSDP2 + Muon on ``nprocs`` workers, then what the optimizer did. It launches
+``muonlab.experiments.train.train_worker`` by muonlab's device rule (NCCL, one GPU per worker, on a
+node with enough GPUs; gloo CPU workers elsewhere, or with ``device="cpu"``), prints the plan and the
 bytes each rank moved per path (counted at the collectives, next to the plan's figure), and
 writes the last step's per-rank timeline as a PNG and as Chrome-trace JSON (open it in
 https://ui.perfetto.dev).
@@ -30,13 +31,14 @@ __all__ = ["DEMO_MODEL", "run", "run_distributed", "run_single"]
 DEMO_MODEL = dict(d_model=64, n_layers=5, n_heads=4, context=64, batch_per_rank=4)
 
 
-def run(out_dir="runs/demo", *, steps: int = 150, width: int = 128, layers: int = 2, nprocs: int = 4) -> None:
+def run(out_dir="runs/demo", *, steps: int = 150, width: int = 128, layers: int = 2, nprocs: int = 4,
+        device: str | None = None) -> None:
     """Both halves: ``run_single`` for ``steps`` steps, then, if ``nprocs > 1``, ``run_distributed``
     on ``nprocs`` workers for its own few steps (it shows the plan and a step's timeline, not
-    convergence, and each CPU worker step is slow)."""
+    convergence, and each CPU worker step is slow). ``device`` goes to ``launch`` (None: the rule)."""
     run_single(out_dir, steps=steps, width=width, layers=layers)
     if nprocs > 1:
-        run_distributed(out_dir, nprocs=nprocs)
+        run_distributed(out_dir, nprocs=nprocs, device=device)
 
 
 def run_single(out_dir="runs/demo", *, steps: int = 150, width: int = 128, layers: int = 2) -> dict:
@@ -45,7 +47,7 @@ def run_single(out_dir="runs/demo", *, steps: int = 150, width: int = 128, layer
     from matplotlib.figure import Figure
 
     from ..models import GPTConfig
-    from ..train import compare_optimizers
+    from ..train import compare_optimizers, default_device
     from ..viz import plot_loss_curves
 
     cfg = GPTConfig(d_model=width, n_layers=layers, n_heads=4, context=64)
@@ -54,7 +56,7 @@ def run_single(out_dir="runs/demo", *, steps: int = 150, width: int = 128, layer
         progress=sys.stderr.isatty(),
         optimizer_kwargs={"muon": {"lr": 0.02, "adamw_lr": 3e-3}, "adamw": {"lr": 3e-3}},
     )
-    print(f"\nsmall GPT (width {width}, {layers} layers), {steps} steps on CPU")
+    print(f"\nsmall GPT (width {width}, {layers} layers), {steps} steps on {default_device().type.upper()}")
     print(f"{'optimizer':<10}{'train loss':>12}{'val loss':>10}{'tokens/s':>11}{'opt step ms':>13}")
     for name, h in hist.items():
         s = h.summary()
@@ -71,16 +73,19 @@ def run_single(out_dir="runs/demo", *, steps: int = 150, width: int = 128, layer
 
 
 def run_distributed(out_dir="runs/demo", steps: int = 5, nprocs: int = 4, mode: str = "fsdp",
-                    timeout_s: float = 300) -> dict:
-    """Train, print the plan and bytes per path, write timeline.png and trace.json; return the results."""
+                    timeout_s: float = 300, device: str | None = None) -> dict:
+    """Train, print the plan and bytes per path, write timeline.png and trace.json; return the results.
+
+    ``device`` goes to :func:`muonlab.distributed.launch` (None: GPUs when there is one per worker)."""
     from matplotlib.figure import Figure
 
     from ..viz.timeline import plot_timeline
 
     t0 = time.time()
-    results = launch(train_worker, nprocs, mode=mode, steps=steps, timeout_s=timeout_s, **DEMO_MODEL)
+    results = launch(train_worker, nprocs, mode=mode, steps=steps, timeout_s=timeout_s, device=device, **DEMO_MODEL)
     first = results[0]
-    print(f"\n{mode} on {nprocs} CPU workers, small GPT (width {DEMO_MODEL['d_model']}, "
+    where = "GPU" if first["device"].startswith("cuda") else "CPU"
+    print(f"\n{mode} on {nprocs} {where} workers, small GPT (width {DEMO_MODEL['d_model']}, "
           f"{DEMO_MODEL['n_layers']} layers), {steps} steps in {time.time() - t0:.1f} s (start-up included); "
           f"mean loss {first['mean_losses'][0]:.3f} -> {first['mean_losses'][-1]:.3f}")
     print("\nMuon plan (same on every rank):")

@@ -9,6 +9,9 @@ the optimizer did without touching the workers' tensors::
     from muonlab.experiments.train import train_worker
     results = launch(train_worker, 4, mode="fsdp", steps=5)
     results = launch(train_worker, 4, mode="ep", ep=2, num_experts=4, steps=5)  # (fsdp=2, ep=2)
+
+The worker follows muonlab's device rule (:mod:`muonlab.distributed.device`): under NCCL the model
+(moved by ``parallelize``) and each batch live on this rank's GPU, under gloo on the CPU.
 """
 
 from __future__ import annotations
@@ -22,12 +25,13 @@ import torch.distributed as dist
 
 from ..comm.records import bytes_for_rank, table
 from ..data import get_batch, load_corpus
+from ..distributed.device import rank_device
 from ..models import GPT, GPTConfig
 from ..models.gpt import moe_config
 from ..optim import Muon, muon_param_groups
 from ..trace import gather_spans
 
-__all__ = ["COMM_DTYPES", "MODES", "plan_rows", "train_worker"]
+__all__ = ["COMM_DTYPES", "MODES", "plan_rows", "tensor_devices", "train_worker"]
 
 # The parallelize() modes that need no mesh from the caller ("hsdp" does).
 MODES = ("fsdp", "ddp", "ep")
@@ -38,6 +42,14 @@ def plan_rows(plan) -> list[dict]:
     """``as_row()`` of each batch plus its per-rank tuples (owners, bytes, FLOPs), for plotting."""
     return [dict(b.as_row(), owners=list(b.owners), bytes_sent=list(b.bytes_sent),
                  bytes_recv=list(b.bytes_recv), flops=list(b.flops)) for b in plan]
+
+
+def tensor_devices(model, opt) -> dict[str, list[str]]:
+    """The devices this rank's parameters and optimizer state tensors live on, as sorted strings
+    (a DTensor counts by its local shard), to check where a run actually computed. AdamW's step
+    counters are left out: 0-d CPU tensors on every device, as in torch.optim."""
+    state = {str(v.device) for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()}
+    return dict(params=sorted({str(p.device) for p in model.parameters()}), state=sorted(state))
 
 
 def train_worker(
@@ -72,8 +84,9 @@ def train_worker(
     (mean over ranks per step), step_seconds (optimizer step per step), plan (``plan_rows``),
     plan_table (str), plan_bytes_sent / plan_bytes_recv (this rank's nonzero bytes per path
     according to the plan), stats (``last_step_stats()``), plan_batches (the ``BatchPlan`` records,
-    for ``muonlab.viz.planner.plot_plan_per_rank``), and spans: every rank's spans of the last step as
-    dicts on rank 0, None on the other ranks. Per-rank entries of a plan row are group-local (a
+    for ``muonlab.viz.planner.plot_plan_per_rank``), device (this rank's, e.g. "cuda:0" or "cpu"),
+    devices (``tensor_devices``: where the parameters and optimizer state ended up), and spans:
+    every rank's spans of the last step as dicts on rank 0, None on the other ranks. Per-rank entries of a plan row are group-local (a
     batch of expert banks in "ep" mode is planned over the ``MeshAxis.FSDP`` axis only).
     """
     if mode not in MODES:
@@ -99,7 +112,8 @@ def train_worker(
         rank=rank, world_size=world, mode=mode, losses=losses, mean_losses=mean_losses,
         step_seconds=step_seconds, plan=plan_rows(plan), plan_table=table(plan),
         plan_bytes_sent=plan_sent, plan_bytes_recv=plan_recv, stats=opt.last_step_stats(),
-        plan_batches=list(plan), spans=None if spans is None else [asdict(s) for s in spans],
+        plan_batches=list(plan), device=str(rank_device()), devices=tensor_devices(inner, opt),
+        spans=None if spans is None else [asdict(s) for s in spans],
     )
 
 
@@ -125,13 +139,14 @@ def _train(model, opt, steps: int, batch_per_rank: int, context: int, seed: int)
     """(this rank's losses, mean losses over ranks, optimizer step seconds), one per step, each rank
     on its slice of the same global batch."""
     world, rank = dist.get_world_size(), dist.get_rank()
+    device = rank_device()
     data = load_corpus("train")
     gen = torch.Generator().manual_seed(seed)
     mine = slice(rank * batch_per_rank, (rank + 1) * batch_per_rank)
     losses, mean_losses, step_seconds = [], [], []
     for _ in range(steps):
         x, y = get_batch(data, batch_per_rank * world, context, gen)
-        loss = model(x[mine], y[mine])
+        loss = model(x[mine].to(device), y[mine].to(device))
         loss.backward()
         t0 = time.perf_counter()
         opt.step()

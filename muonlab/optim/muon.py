@@ -21,6 +21,7 @@ from ..comm.paths.subgroup import ranks_per_expert, subgroups_for
 from ..comm.planner import REMAINDER_PATHS, STRATEGIES, plan_batches
 from ..comm.records import BatchPlan, Plan
 from ..comm.specs import MatrixSpec, check_view, matrix_spec, process_group_for
+from ..distributed.device import collective_device
 from ..kernels.newton_schulz import NSConfig, resolve_dtype
 from ..kernels.runner import NewtonSchulzRunner, default_budget
 from ..kernels.workspace import max_batch_matrices
@@ -537,7 +538,7 @@ class Muon(Optimizer):
         if group is None:
             return ([0] if bad_names else []), bad_names
         # one all-reduce of a per-rank flag vector: every rank learns who had non-finite grads
-        flags = torch.zeros(dist.get_world_size(group))
+        flags = torch.zeros(dist.get_world_size(group), device=collective_device(group))  # NCCL: on the GPU
         flags[dist.get_group_rank(group, dist.get_rank())] = float(bool(bad_names))
         dist.all_reduce(flags, group=group)
         ranks = [dist.get_global_rank(group, r) for r in flags.nonzero().flatten().tolist()]
