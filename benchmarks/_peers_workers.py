@@ -237,8 +237,24 @@ def peers_worker(kinds: list[str], rounds: int, warmup: int) -> dict:
                     if r == warmup:
                         tally[k] = dict(sent=sum(stats["bytes_sent"].values()),
                                         recv=sum(stats["bytes_recv"].values()), calls=sum(stats["calls"].values()))
+    # the safety check alone (fused check + the flags' all-reduce), on the same grads
+    from muonlab.optim import nonfinite
+    check_s, before_s = [], []
+    for _ in range(rounds):
+        dist.barrier()
+        t0 = time.perf_counter()
+        nonfinite.start(grads, dist.group.WORLD).result()
+        check_s.append(time.perf_counter() - t0)
+        dist.barrier()
+        t0 = time.perf_counter()  # the check it replaced: isfinite per grad, then a blocking all-reduce
+        bad = [i for i, g in enumerate(grads) if not torch.isfinite(g.to_local()).all()]
+        flags = torch.zeros(world)
+        flags[dist.get_rank()] = float(bool(bad))
+        dist.all_reduce(flags)
+        before_s.append(time.perf_counter() - t0)
     median_phases = {k: {ph: statistics.median(s[ph] for s in v) for ph in v[0]} for k, v in phases.items() if v}
     return dict(kinds=kinds, times=times, bytes=tally, agreement=agreement, phases=median_phases,
+                check_s=statistics.median(check_s), before_s=statistics.median(before_s),
                 world=world)
 
 
