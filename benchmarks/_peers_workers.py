@@ -8,6 +8,7 @@ are imported from benchmarks/_peers/, where bench_peers.py copies them at a pinn
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 import math
 import statistics
 import sys
@@ -239,12 +240,17 @@ def peers_worker(kinds: list[str], rounds: int, warmup: int) -> dict:
                                         recv=sum(stats["bytes_recv"].values()), calls=sum(stats["calls"].values()))
     # the safety check alone (fused check + the flags' all-reduce), on the same grads
     from muonlab.optim import nonfinite
-    check_s, before_s = [], []
+    # the safety check alone on the same grads, per rank: start() (fused check, flags, the all-reduce
+    # launched) and result() (the wait, which also absorbs the ranks' skew), and the check it replaced
+    start_s, wait_s, before_s = [], [], []
     for _ in range(rounds):
         dist.barrier()
         t0 = time.perf_counter()
-        nonfinite.start(grads, dist.group.WORLD).result()
-        check_s.append(time.perf_counter() - t0)
+        handle = nonfinite.start(grads, dist.group.WORLD)
+        t1 = time.perf_counter()
+        handle.result()
+        start_s.append(t1 - t0)
+        wait_s.append(time.perf_counter() - t1)
         dist.barrier()
         t0 = time.perf_counter()  # the check it replaced: isfinite per grad, then a blocking all-reduce
         bad = [i for i, g in enumerate(grads) if not torch.isfinite(g.to_local()).all()]
@@ -252,9 +258,11 @@ def peers_worker(kinds: list[str], rounds: int, warmup: int) -> dict:
         flags[dist.get_rank()] = float(bool(bad))
         dist.all_reduce(flags)
         before_s.append(time.perf_counter() - t0)
+    plan = Counter(b.path for b in opts["muonlab"].plan()) if "muonlab" in opts else {}
     median_phases = {k: {ph: statistics.median(s[ph] for s in v) for ph in v[0]} for k, v in phases.items() if v}
     return dict(kinds=kinds, times=times, bytes=tally, agreement=agreement, phases=median_phases,
-                check_s=statistics.median(check_s), before_s=statistics.median(before_s),
+                start_s=statistics.median(start_s), wait_s=statistics.median(wait_s),
+                before_s=statistics.median(before_s), plan=dict(plan),
                 world=world)
 
 
