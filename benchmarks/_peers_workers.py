@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 from collections import Counter
 import math
+import os
 import statistics
 import sys
 import time
@@ -208,7 +209,10 @@ def peers_worker(kinds: list[str], rounds: int, warmup: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     torch.set_num_threads(1)
-    torch._dynamo.config.disable = True  # the peers decorate their math with torch.compile: eager here
+    # the peers decorate their math with torch.compile(fullgraph=True): eager here. torch.compile
+    # reads the variable when it decorates (at the peers' import); the flag alone makes fullgraph raise
+    os.environ["TORCHDYNAMO_DISABLE"] = "1"
+    torch._dynamo.config.disable = True
     world = dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=(MeshAxis.DP.value,))
     kinds = [k for k in kinds if k.startswith("muonlab") or _import_peer(k) is not None]
