@@ -64,7 +64,8 @@ def fetch_peers(mirrors: Path) -> dict[str, str]:
             archive = subprocess.run(["git", f"--git-dir={git_dir}", "archive", DION["commit"], "dion"],
                                      check=True, capture_output=True).stdout
             subprocess.run(["tar", "-x", "-C", str(PEERS_DIR)], input=archive, check=True)
-    missing["dion"] = "" if (dion_dir / "muon.py").exists() else f"no benchmarks/_peers/dion and no mirror {_git_dir(mirrors, DION['repo'])}"
+    missing["dion"] = ("" if (dion_dir / "muon.py").exists()
+                       else f"no benchmarks/_peers/dion and no mirror {_git_dir(mirrors, DION['repo'])}")
     xt_dir = PEERS_DIR / "xtuner_muon"
     if not (xt_dir / "muon.py").exists():
         git_dir = _git_dir(mirrors, XTUNER["repo"])
@@ -75,7 +76,8 @@ def fetch_peers(mirrors: Path) -> dict[str, str]:
                                       check=True, capture_output=True).stdout
                 (xt_dir / Path(path).name).write_bytes(text)
             (xt_dir / "__init__.py").write_text("")
-    missing["xtuner"] = "" if (xt_dir / "muon.py").exists() else f"no benchmarks/_peers/xtuner_muon and no mirror {_git_dir(mirrors, XTUNER['repo'])}"
+    missing["xtuner"] = ("" if (xt_dir / "muon.py").exists()
+                         else f"no benchmarks/_peers/xtuner_muon and no mirror {_git_dir(mirrors, XTUNER['repo'])}")
     return missing
 
 

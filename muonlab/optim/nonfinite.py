@@ -36,7 +36,8 @@ class NonfiniteCheck:
 
     def __init__(self, grads: list[torch.Tensor], flags: torch.Tensor, me: int, work, group,
                  name_of: Callable[[int], str]):
-        self._grads, self._flags, self._me, self._work, self._group, self._name_of = grads, flags, me, work, group, name_of
+        self._grads, self._flags, self._me, self._work = grads, flags, me, work
+        self._group, self._name_of = group, name_of
         self._result: tuple[list[int], list[str]] | None = None
 
     def result(self) -> tuple[list[int], list[str]]:

@@ -20,8 +20,8 @@ def check_dtensor_grads():
     shapes = [(10, 4), (2, 3), (world * 2 + 1, 5), (7, 7)]
     out = {}
     for dtype in (torch.float32, torch.bfloat16):
-        grads = [distribute_tensor(torch.randn(s, generator=torch.Generator().manual_seed(i)).to(dtype), mesh, [Shard(0)])
-                 for i, s in enumerate(shapes)]
+        fulls = [torch.randn(s, generator=torch.Generator().manual_seed(i)).to(dtype) for i, s in enumerate(shapes)]
+        grads = [distribute_tensor(f, mesh, [Shard(0)]) for f in fulls]
         names = [f"g{i}" for i in range(len(grads))]
         out[f"clean_{dtype}"] = nonfinite.start(grads, dist.group.WORLD, names.__getitem__).result()
         if rank == world - 1:
