@@ -39,6 +39,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _peers_workers import PEERS_DIR, lower_bound_bytes, matrix_shapes, peers_worker  # noqa: E402
+from _machine import load  # noqa: E402
 from _report import md_table, results_path, write_report  # noqa: E402
 
 from muonlab.distributed import launch  # noqa: E402
@@ -116,6 +117,7 @@ def main(argv=None):
     kinds = [k for k in KINDS if not missing.get(k)]
     os.environ["TORCHDYNAMO_DISABLE"] = "1"  # the peers' torch.compile decorators: eager, like muonlab
     sections = []
+    load_before = load()
     for world in args.world:
         res = launch(peers_worker, world, kinds, args.rounds, args.warmup, timeout_s=900)
         time_rows, byte_rows, phases, check = summarize(res, world)
@@ -157,7 +159,8 @@ def main(argv=None):
         f"Peers (eager: TORCHDYNAMO_DISABLE=1; their math is torch.compile-decorated): Dion "
         f"`{DION['repo']}@{DION['commit'][:12]}` (dion/muon.py, megabatched all_to_all), XTuner "
         f"`{XTUNER['repo']}@{XTUNER['commit'][:12]}` (xtuner/v1/optim/muon.py, batches of W same-shape "
-        "matrices padded with zero matrices, all_to_all_single).",
+        "matrices padded with zero matrices, all_to_all_single; the self-contained FSDP2 file of March 2026 "
+        "- newer versions import xtuner.v1.utils and were not run).",
         "Settings matched: lr 0.02, momentum 0.95, Nesterov, 5 Newton-Schulz steps with Keller's coefficients "
         "(3.4445, -4.7750, 2.0315) in bf16 (the peers get the same `newton_schulz_func`; Dion's default is "
         "Polar Express, turned off), bf16 on the wire, eps 1e-7, no weight decay, lr scaled by 0.2 sqrt(max(A, B)) "
@@ -174,7 +177,8 @@ def main(argv=None):
     ])
     write_report(results_path("peers"), "muonlab vs Dion and XTuner distributed Muon (FSDP2, gloo)", body,
                  script=__file__, argv=argv,
-                 machine_note=f"Gloo, W ranks of 1 thread each sharing {os.cpu_count()} cores.")
+                 machine_note=f"Gloo, W ranks of 1 thread each sharing {os.cpu_count()} cores. Load average "
+                              f"{load_before} before, {load()} after (other work shares this machine).")
 
 
 if __name__ == "__main__":
