@@ -27,6 +27,7 @@ from ..kernels.runner import NewtonSchulzRunner, default_budget
 from ..kernels.workspace import max_batch_matrices
 from ..trace import Span, Tracer
 from . import functional as F
+from . import nonfinite
 from .offload import StateStores
 from .routing import check_not_flat
 from .validation import (check_hyperparameters, check_memory_options, checked_fused_banks, fmt_shape, is_number,
@@ -501,8 +502,12 @@ class Muon(Optimizer):
         self._tracer.reset()
         counter = CommCounter()
         phases = {"momentum": 0.0, "communication": 0.0, "newton_schulz": 0.0, "update": 0.0, "adamw": 0.0}
-        if self.nonfinite != "ignore":
-            bad_ranks, bad_names = self._nonfinite_check(work)
+        check = self._nonfinite_check(work) if self.nonfinite != "ignore" else None
+        # plan first: it may raise (ranks disagree), and nothing may have changed by then
+        indices = self._muon_indices(work["muon"])
+        planned = self._plan_for(indices) if indices else None
+        if check is not None:  # its flags' all-reduce ran during the plan; nothing is modified before this
+            bad_ranks, bad_names = check.result()
             if bad_ranks:
                 if self.nonfinite == "raise":
                     mine = f"; here: {', '.join(bad_names)}" if bad_names else ""
@@ -512,9 +517,6 @@ class Muon(Optimizer):
                                    skipped_steps=self.skipped_steps, nonfinite_ranks=bad_ranks,
                                    nonfinite_params=bad_names)
                 return loss
-        # plan first: it may raise (ranks disagree), and nothing may have changed by then
-        indices = self._muon_indices(work["muon"])
-        planned = self._plan_for(indices) if indices else None
         with self._tracer.span("adamw") as span:
             for group, params in work["adamw"]:
                 self._adamw_group(group, params)
@@ -527,22 +529,12 @@ class Muon(Optimizer):
         )
         return loss
 
-    def _nonfinite_check(self, work) -> tuple[list[int], list[str]]:
-        """Ranks whose gradients hold an inf or NaN (all ranks agree), and this rank's culprits."""
-        bad_names = [
-            self._names.get(p, f"of shape {fmt_shape(p.shape)}")
-            for kind in ("muon", "adamw") for _, params in work[kind] for p in params
-            if not torch.isfinite(_local(p.grad)).all()
-        ]
+    def _nonfinite_check(self, work) -> nonfinite.NonfiniteCheck:
+        """Started: ranks whose gradients hold an inf or NaN (all ranks agree), and this rank's culprits."""
+        params = [p for kind in ("muon", "adamw") for _, ps in work[kind] for p in ps]
         group = self._replicate_group() if self.process_group is None else self.process_group
-        if group is None:
-            return ([0] if bad_names else []), bad_names
-        # one all-reduce of a per-rank flag vector: every rank learns who had non-finite grads
-        flags = torch.zeros(dist.get_world_size(group), device=collective_device(group))  # NCCL: on the GPU
-        flags[dist.get_group_rank(group, dist.get_rank())] = float(bool(bad_names))
-        dist.all_reduce(flags, group=group)
-        ranks = [dist.get_global_rank(group, r) for r in flags.nonzero().flatten().tolist()]
-        return ranks, bad_names
+        return nonfinite.start([p.grad for p in params], group,
+                               lambda i: self._names.get(params[i], f"of shape {fmt_shape(params[i].shape)}"))
 
     def _collect(self) -> dict[str, list]:
         """Parameters with grads, per group; every grad, and the shape of each one's state, is

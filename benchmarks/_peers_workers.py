@@ -1,0 +1,275 @@
+"""Worker functions for bench_peers.py (a module of its own so spawned workers import it).
+
+Every optimizer gets its own copy of the same FSDP2-style Shard(0) DTensor parameters on a 1-D gloo
+mesh and is stepped with the same DTensor grads; the peers (Dion's and XTuner's distributed Muon)
+are imported from benchmarks/_peers/, where bench_peers.py copies them at a pinned commit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from muonlab import Muon
+from muonlab.distributed import MeshAxis
+
+PEERS_DIR = Path(__file__).resolve().parent / "_peers"
+LR, MOMENTUM, EPS = 0.02, 0.95, 1e-7
+KELLER = (3.4445, -4.7750, 2.0315)
+D_MODEL, N_LAYERS = 256, 8
+# one of a kind each (so a batch of same-shape matrices rarely fills the ranks), rows divisible by
+# 4 because XTuner's FSDP2 Muon asserts even shards
+ODD_SHAPES = [(512, 192), (192, 512), (320, 256), (256, 96)]
+
+
+def matrix_shapes(d_model: int = D_MODEL, n_layers: int = N_LAYERS) -> list[tuple[str, tuple[int, int]]]:
+    per_layer = [("attn.qkv", (3 * d_model, d_model)), ("attn.proj", (d_model, d_model)),
+                 ("mlp.fc", (4 * d_model, d_model)), ("mlp.out", (d_model, 4 * d_model))]
+    gpt = [(f"blocks.{i}.{n}", s) for i in range(n_layers) for n, s in per_layer]
+    return gpt + [(f"odd.{k}", s) for k, s in enumerate(ODD_SHAPES)]
+
+
+def keller_ns(G: torch.Tensor, epsilon=EPS) -> torch.Tensor:
+    """Keller Jordan's 5-step quintic Newton-Schulz in bf16 (batched over leading dims), the
+    ``newton_schulz_func`` the peers get so all optimizers orthogonalize alike."""
+    a, b, c = KELLER
+    X = G.to(torch.bfloat16)
+    tall = G.size(-2) > G.size(-1)
+    if tall:
+        X = X.mT
+    X = X / (X.norm(dim=(-2, -1), keepdim=True) + float(epsilon))
+    for _ in range(5):
+        A = X @ X.mT
+        B = b * A + c * (A @ A)
+        X = a * X + B @ X
+    return X.mT if tall else X
+
+
+# ------------------------------------------------------------------ byte counting at the collectives
+
+_COUNTED = ("all_to_all_single", "all_to_all", "all_gather_into_tensor", "all_gather", "reduce_scatter_tensor",
+            "reduce_scatter", "all_reduce", "broadcast", "scatter", "gather", "send", "recv", "isend", "irecv")
+
+
+def _nbytes(t) -> int:
+    return t.numel() * t.element_size()
+
+
+def _bytes_of(name: str, args, kwargs, world: int, me: int) -> tuple[int, int]:
+    """(sent, received) by this rank, its own chunk excluded: the convention of muonlab's counter."""
+    if name == "all_to_all_single":
+        out, inp = args[0], args[1]
+        out_splits = args[2] if len(args) > 2 else kwargs.get("output_split_sizes")
+        in_splits = args[3] if len(args) > 3 else kwargs.get("input_split_sizes")
+        row_out = _nbytes(out) // max(out.shape[0], 1) if out.dim() else out.element_size()
+        row_in = _nbytes(inp) // max(inp.shape[0], 1) if inp.dim() else inp.element_size()
+        sent = _nbytes(inp) - (in_splits[me] * row_in if in_splits else _nbytes(inp) // world)
+        recv = _nbytes(out) - (out_splits[me] * row_out if out_splits else _nbytes(out) // world)
+        return sent, recv
+    if name == "all_to_all":
+        outs, ins = args[0], args[1]
+        return sum(map(_nbytes, ins)) - _nbytes(ins[me]), sum(map(_nbytes, outs)) - _nbytes(outs[me])
+    if name == "all_gather_into_tensor":
+        out, inp = args[0], args[1]
+        return (world - 1) * _nbytes(inp), _nbytes(out) - _nbytes(inp)
+    if name == "all_gather":
+        outs, inp = args[0], args[1]
+        return (world - 1) * _nbytes(inp), sum(map(_nbytes, outs)) - _nbytes(inp)
+    if name == "reduce_scatter_tensor":
+        out, inp = args[0], args[1]
+        return _nbytes(inp) - _nbytes(out), (world - 1) * _nbytes(out)
+    if name in ("all_reduce", "broadcast"):
+        n = _nbytes(args[0])
+        return 2 * (world - 1) * n // world, 2 * (world - 1) * n // world  # ring
+    first = args[0] if args else next(iter(kwargs.values()))
+    n = _nbytes(first) if torch.is_tensor(first) else sum(map(_nbytes, first or []))
+    return n, n
+
+
+@contextlib.contextmanager
+def counting_collectives(tally: dict):
+    """Wrap torch.distributed's collectives (looked up as dist.X at call time by the peers) and add
+    each call's bytes to ``tally`` ("sent", "recv", "calls")."""
+    world, me = dist.get_world_size(), dist.get_rank()
+    saved = {name: getattr(dist, name) for name in _COUNTED}
+
+    def wrap(name, fn):
+        def counted(*args, **kwargs):
+            sent, recv = _bytes_of(name, args, kwargs, world, me)
+            tally["sent"] += sent
+            tally["recv"] += recv
+            tally["calls"] += 1
+            return fn(*args, **kwargs)
+        return counted
+
+    for name, fn in saved.items():
+        setattr(dist, name, wrap(name, fn))
+    try:
+        yield tally
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+
+
+# ------------------------------------------------------------------ the optimizers
+
+
+def _import_peer(name: str):
+    """Dion's or XTuner's Muon class from benchmarks/_peers, or None when not there."""
+    if str(PEERS_DIR) not in sys.path:
+        sys.path.insert(0, str(PEERS_DIR))
+    try:
+        if name == "dion":
+            from dion.muon import Muon as DionMuon
+            return DionMuon
+        from xtuner_muon.muon import Muon as XTunerMuon
+        return XTunerMuon
+    except ImportError as e:
+        print(f"rank {dist.get_rank() if dist.is_initialized() else 0}: can't import peer {name}: {e}")
+        return None
+
+
+def build_optimizer(kind: str, params: list[tuple[str, torch.nn.Parameter]], mesh):
+    """Same lr, momentum 0.95, Nesterov, 5 Keller steps in bf16, eps 1e-7, no weight decay, and the
+    same lr adjustment: 0.2 sqrt(max(A, B)) (muonlab/torch "match_rms_adamw", the peers' "rms_norm")."""
+    if kind.startswith("muonlab"):
+        nonfinite = "ignore" if kind.endswith("ignore") else "skip"
+        return Muon(params, lr=LR, momentum=MOMENTUM, nesterov=True, weight_decay=0.0, eps=EPS,
+                    adjust_lr="match_rms_adamw", nonfinite=nonfinite)
+    cls = _import_peer(kind)
+    tensors = [p for _, p in params]
+    kw = dict(lr=LR, mu=MOMENTUM, weight_decay=0.0, epsilon=EPS, nesterov=True, adjust_lr="rms_norm",
+              newton_schulz_func=keller_ns)
+    if kind == "dion":
+        kw["use_polar_express"] = False
+    return cls(tensors, distributed_mesh=mesh, **kw)
+
+
+def _make_params(mesh):
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    out = []
+    for seed, (name, shape) in enumerate(matrix_shapes()):
+        full = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+        out.append((name, torch.nn.Parameter(distribute_tensor(full, mesh, [Shard(0)]))))
+    return out
+
+
+def _make_grads(mesh, step: int):
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    return [distribute_tensor(torch.randn(shape, generator=torch.Generator().manual_seed(1000 * step + seed)),
+                              mesh, [Shard(0)])
+            for seed, (_, shape) in enumerate(matrix_shapes())]
+
+
+def _agreement(kinds: list[str], mesh) -> dict[str, float]:
+    """Max over matrices of ||U - U_torch|| / ||U_torch|| after two steps from the same start, U the
+    whole-matrix update (X_before - X_after) / (lr * ratio) and U_torch torch.optim.Muon's."""
+    shapes = matrix_shapes()
+    steps = [_make_grads(mesh, s) for s in (0, 1)]
+    ref = [torch.nn.Parameter(p.full_tensor().clone()) for _, p in _make_params(mesh)]
+    ref_opt = torch.optim.Muon(ref, lr=LR, momentum=MOMENTUM, nesterov=True, weight_decay=0.0,
+                               ns_coefficients=KELLER, eps=EPS, ns_steps=5, adjust_lr_fn="match_rms_adamw")
+    for grads in steps:
+        before = [p.detach().clone() for p in ref]
+        for p, g in zip(ref, grads):
+            p.grad = g.full_tensor()
+        ref_opt.step()
+    ref_update = [b - p.detach() for b, p in zip(before, ref)]
+    out = {}
+    for kind in kinds:
+        params = _make_params(mesh)
+        opt = build_optimizer(kind, params, mesh)
+        for grads in steps:
+            before = [p.detach().full_tensor() for _, p in params]
+            for (_, p), g in zip(params, grads):
+                p.grad = g
+            opt.step()
+        errs = []
+        for (_, p), b, u_ref, (_, shape) in zip(params, before, ref_update, shapes):
+            u = b - p.detach().full_tensor()
+            errs.append(float((u - u_ref).norm() / u_ref.norm()))  # noqa
+        out[kind] = max(errs)
+    return out
+
+
+def peers_worker(kinds: list[str], rounds: int, warmup: int) -> dict:
+    """Alternating rounds: each round steps every optimizer once, in an order rotated per round,
+    barrier to barrier. Returns per-optimizer step seconds per round, bytes per step, phases."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_num_threads(1)
+    # the peers decorate their math with torch.compile(fullgraph=True): eager here. torch.compile
+    # reads the variable when it decorates (at the peers' import); the flag alone makes fullgraph raise
+    os.environ["TORCHDYNAMO_DISABLE"] = "1"
+    torch._dynamo.config.disable = True
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=(MeshAxis.DP.value,))
+    kinds = [k for k in kinds if k.startswith("muonlab") or _import_peer(k) is not None]
+    agreement = _agreement(kinds, mesh)
+    params = {k: _make_params(mesh) for k in kinds}
+    opts = {k: build_optimizer(k, params[k], mesh) for k in kinds}
+    grads = _make_grads(mesh, 7)
+    times = {k: [] for k in kinds}
+    tally = {k: dict(sent=0, recv=0, calls=0) for k in kinds}
+    phases = {k: [] for k in kinds}
+    for r in range(warmup + rounds):
+        order = kinds[r % len(kinds):] + kinds[:r % len(kinds)]
+        for k in order:
+            for (_, p), g in zip(params[k], grads):
+                p.grad = g
+            counting = r == warmup and not k.startswith("muonlab")
+            dist.barrier()
+            t0 = time.perf_counter()
+            with counting_collectives(tally[k]) if counting else contextlib.nullcontext():
+                opts[k].step()
+            dist.barrier()  # the step is done when the slowest rank is done
+            if r >= warmup:
+                times[k].append(time.perf_counter() - t0)
+                if k.startswith("muonlab"):
+                    stats = opts[k].last_step_stats()
+                    phases[k].append(stats["seconds"])
+                    if r == warmup:
+                        tally[k] = dict(sent=sum(stats["bytes_sent"].values()),
+                                        recv=sum(stats["bytes_recv"].values()), calls=sum(stats["calls"].values()))
+    # the safety check alone (fused check + the flags' all-reduce), on the same grads
+    from muonlab.optim import nonfinite
+    # the safety check alone on the same grads, per rank: start() (fused check, flags, the all-reduce
+    # launched) and result() (the wait, which also absorbs the ranks' skew), and the check it replaced
+    start_s, wait_s, before_s = [], [], []
+    for _ in range(rounds):
+        dist.barrier()
+        t0 = time.perf_counter()
+        handle = nonfinite.start(grads, dist.group.WORLD)
+        t1 = time.perf_counter()
+        handle.result()
+        start_s.append(t1 - t0)
+        wait_s.append(time.perf_counter() - t1)
+        dist.barrier()
+        t0 = time.perf_counter()  # the check it replaced: isfinite per grad, then a blocking all-reduce
+        bad = [i for i, g in enumerate(grads) if not torch.isfinite(g.to_local()).all()]
+        flags = torch.zeros(world)
+        flags[dist.get_rank()] = float(bool(bad))
+        dist.all_reduce(flags)
+        before_s.append(time.perf_counter() - t0)
+    plan = Counter(b.path for b in opts["muonlab"].plan()) if "muonlab" in opts else {}
+    median_phases = {k: {ph: statistics.median(s[ph] for s in v) for ph in v[0]} for k, v in phases.items() if v}
+    return dict(kinds=kinds, times=times, bytes=tally, agreement=agreement, phases=median_phases,
+                start_s=statistics.median(start_s), wait_s=statistics.median(wait_s),
+                before_s=statistics.median(before_s), plan=dict(plan),
+                world=world)
+
+
+def lower_bound_bytes(world: int, itemsize: int = 2) -> float:
+    """Sum over matrices of 2 (W-1)/W of its bytes in the wire dtype: gathered once, scattered once."""
+    return sum(2 * (world - 1) / world * math.prod(s) * itemsize for _, s in matrix_shapes())

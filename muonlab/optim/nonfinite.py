@@ -1,0 +1,85 @@
+"""Is any gradient non-finite, on any rank? One fused check, its flag all-reduced asynchronously.
+
+``start`` runs one fused pass per (device, dtype) over the local gradients (torch's AMP
+non-finite check with an inverse scale of 1.0: it rewrites each value as itself and raises a flag
+on an inf or NaN), writes the flag into this rank's slot of a per-rank vector without a host sync,
+and starts the vector's all-reduce with ``async_op=True``. The caller does work that commits
+nothing meanwhile and calls ``result()`` before it modifies anything. Names of the culprits are
+looked for only when this rank's flag is up, so the common path does no per-gradient work beyond
+grouping and the fused call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _flag_into(found: torch.Tensor, grads: list[torch.Tensor]) -> None:
+    """Raise ``found`` (a one-element float tensor on the grads' device) if any grad is non-finite."""
+    try:
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found, torch.ones_like(found))
+    except RuntimeError:
+        # grads that can't be written in place (expanded views, inference tensors): no rewrite,
+        # one reduction per grad and still no host sync
+        found += torch.stack([torch.isfinite(g).all() for g in grads]).logical_not().any().float()
+
+
+class NonfiniteCheck:
+    """A started check: ``result()`` waits for the flag's all-reduce (if any) and reads it."""
+
+    def __init__(self, grads: list[torch.Tensor], flags: torch.Tensor, me: int, work, group,
+                 name_of: Callable[[int], str]):
+        self._grads, self._flags, self._me, self._work = grads, flags, me, work
+        self._group, self._name_of = group, name_of
+        self._result: tuple[list[int], list[str]] | None = None
+
+    def result(self) -> tuple[list[int], list[str]]:
+        """(global ranks whose grads hold an inf or NaN, the same on every rank; names of this
+        rank's non-finite grads). Without a group, this rank counts as rank 0."""
+        if self._result is None:
+            if self._work is not None:
+                self._work.wait()
+            bad = self._flags.cpu() > 0  # one host read, after the wait
+            if self._group is None:
+                ranks = [0] if bad[0] else []
+            else:
+                ranks = [dist.get_global_rank(self._group, r) for r in bad.nonzero().flatten().tolist()]
+            names = []
+            if bad[self._me]:
+                names = [self._name_of(i) for i, g in enumerate(self._grads) if not torch.isfinite(g).all()]
+            self._result = (ranks, names)
+        return self._result
+
+
+def start(grads: Sequence[torch.Tensor], group=None, name_of: Callable[[int], str] | None = None) -> NonfiniteCheck:
+    """Check ``grads`` (plain tensors or DTensors: their local shards) for infs and NaNs and start
+    the all-reduce of the per-rank flags over ``group`` (None: no collective, a single rank).
+    ``name_of(i)`` names the i-th grad in ``result()``'s list; it is called only for culprits."""
+    local = [_local(g) for g in grads]
+    by_key: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for g in local:
+        by_key.setdefault((g.device, g.dtype), []).append(g)
+    device = local[0].device if local else torch.device("cpu")  # NCCL wants the flags on the grads' device
+    found = {}
+    for (dev, _), gs in by_key.items():
+        if dev not in found:
+            found[dev] = torch.zeros(1, dtype=torch.float32, device=dev)
+        _flag_into(found[dev], gs)
+    mine = sum((f.to(device) for f in found.values()), torch.zeros(1, device=device))
+    if group is None:
+        flags, me, work = mine, 0, None
+    else:
+        flags = torch.zeros(dist.get_world_size(group), dtype=torch.float32, device=device)
+        me = dist.get_group_rank(group, dist.get_rank())
+        flags[me : me + 1] = mine  # a device-side copy: no host sync before the collective
+        work = dist.all_reduce(flags, group=group, async_op=True)
+    if name_of is None:
+        name_of = lambda i: f"grad {i} of shape {tuple(local[i].shape)}"  # noqa: E731
+    return NonfiniteCheck(local, flags, me, work, group, name_of)

@@ -1,0 +1,50 @@
+"""muonlab.optim.nonfinite: one fused check over many grads, names only for the culprits."""
+
+import pytest
+import torch
+
+from muonlab.optim import nonfinite
+
+
+def _grads(dtype, n=12):
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(8, 16), (16, 8), (5, 7), (0, 4), (33,)]
+    return [torch.randn(shapes[i % len(shapes)], generator=gen).to(dtype) for i in range(n)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bad", [float("inf"), float("nan"), float("-inf")])
+def test_one_nonfinite_grad_among_many_is_found_and_named(dtype, bad):
+    grads = _grads(dtype)
+    grads[7].view(-1)[3] = bad
+    before = [g.clone() for g in grads]
+    ranks, names = nonfinite.start(grads, None, lambda i: f"g{i}").result()
+    assert ranks == [0] and names == ["g7"]
+    for a, b in zip(grads, before):  # rewritten as itself: values (and NaNs) unchanged
+        assert torch.equal(a, b) or torch.equal(a.isnan(), b.isnan())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_finite_grads_pass_with_no_per_grad_work(dtype, monkeypatch):
+    def name_of(i):
+        raise AssertionError("names looked up on the common path")
+
+    def isfinite(t):
+        raise AssertionError("a per-grad isfinite on the common path")
+
+    monkeypatch.setattr(torch, "isfinite", isfinite)
+
+    grads = _grads(dtype) + [torch.full((3, 3), 3e38, dtype=torch.float32)]  # huge but finite
+    assert nonfinite.start(grads, None, name_of).result() == ([], [])
+
+
+def test_mixed_dtypes_and_views_that_cant_be_written():
+    grads = _grads(torch.float32, 4) + _grads(torch.bfloat16, 4) + [torch.ones(1).expand(4, 4)]
+    assert nonfinite.start(grads).result() == ([], [])
+    grads.append(torch.tensor(float("nan")).expand(2, 3))
+    ranks, names = nonfinite.start(grads).result()
+    assert ranks == [0] and names == ["grad 9 of shape (2, 3)"]
+
+
+def test_no_grads():
+    assert nonfinite.start([]).result() == ([], [])
