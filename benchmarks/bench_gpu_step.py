@@ -84,11 +84,13 @@ def plain_flops(shapes) -> int:
 
 
 def make_params(shapes, dtype, device, seed=0):
-    gen = torch.Generator().manual_seed(seed)
+    """The same values for every configuration: drawn on the device itself (a billion normals
+    drawn on the host would take longer than the benchmark)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
     params = []
     for s in shapes:
-        p = torch.nn.Parameter((torch.randn(s, generator=gen) * 0.02).to(device=device, dtype=dtype))
-        p.grad = (torch.randn(s, generator=gen) * 1e-3).to(device=device, dtype=dtype)
+        p = torch.nn.Parameter(torch.randn(s, generator=gen, device=device, dtype=dtype).mul_(0.02))
+        p.grad = torch.randn(s, generator=gen, device=device, dtype=dtype).mul_(1e-3)
         params.append(p)
     return params
 
@@ -130,17 +132,30 @@ def matmul_ms(device, n) -> float:
 
 # ---------------------------------------------------------------------------- speed (+ GPU memory)
 
+def _timed_steps(opt, device, repeats) -> list[float]:
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        t0 = time.perf_counter()
+        opt.step()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
 def speed_table(set_name, shapes, dtype, device, args):
-    labels = list(configs(device.type == "cuda"))
+    """On CPU every round steps every configuration once in a rotating order (load hits them
+    alike); on a GPU, where a 1B set of fp32 parameters per configuration would not all fit, each
+    configuration is built, measured (memory, then time) and freed in turn."""
     factories = configs(device.type == "cuda")
-    runs = []
-    for label in labels:
+    n = 8192 if device.type == "cuda" else 1024
+    probe, runs = [], []
+    for label, factory in factories.items():
         if device.type == "cuda":
             torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
         try:
-            params, opt = make_optimizer(label, factories[label], shapes, dtype, device)
+            params, opt = make_optimizer(label, factory, shapes, dtype, device)
             for _ in range(args.warmup):
                 opt.step()
             sync(device)
@@ -151,31 +166,19 @@ def speed_table(set_name, shapes, dtype, device, args):
         if device.type == "cuda":
             run["resident"] = torch.cuda.memory_allocated() - base
             torch.cuda.reset_peak_memory_stats()
-            run["mark"] = torch.cuda.memory_allocated()
             opt.step()
             sync(device)
             run["peak"] = torch.cuda.max_memory_allocated() - base
-            # park this configuration off the device: each one's memory is measured alone
-            run["opt"] = None
+            probe.append(matmul_ms(device, n))
+            run["times"] = _timed_steps(opt, device, args.repeats)
+            run["opt"] = run["params"] = None
             del opt, params
-            run["params"] = None
         runs.append(run)
-    if device.type == "cuda":  # timing: rebuild each optimizer in turn, all resident at once may not fit
-        for run in runs:
-            run["params"], run["opt"] = make_optimizer(run["label"], factories[run["label"]], shapes, dtype, device)
-            run["opt"].step()
-        sync(device)
-    probe = []
-    n = 8192 if device.type == "cuda" else 1024
-    for r in range(args.repeats):
-        probe.append(matmul_ms(device, n))
-        order = runs[r % len(runs):] + runs[:r % len(runs)]
-        for run in order:
-            sync(device)
-            t0 = time.perf_counter()
-            run["opt"].step()
-            sync(device)
-            run["times"].append(time.perf_counter() - t0)
+    if device.type != "cuda":
+        for r in range(args.repeats):
+            probe.append(matmul_ms(device, n))
+            for run in runs[r % len(runs):] + runs[:r % len(runs)]:
+                run["times"] += _timed_steps(run["opt"], device, 1)
     matmul_rate = 2 * n**3 / (statistics.median(probe) / 1e3) / 1e12
     flops = plain_flops(shapes)
     base = statistics.median(runs[0]["times"]) if runs and runs[0]["label"] == "torch.optim.Muon" else None
