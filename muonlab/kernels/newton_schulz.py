@@ -310,8 +310,8 @@ def triton_usable(X: torch.Tensor) -> bool:
 
 def _pick_backend(backend: str, X: torch.Tensor, batch_shape: tuple[int, int, int], dtype: torch.dtype,
                   cfg: NSConfig) -> str:
-    if backend == "torch":
-        return "torch"
+    if backend == "torch" or (backend == "auto" and not X.is_cuda):
+        return "torch"  # "auto" off CUDA: not even importing triton (its import alone costs ~80 MB)
     usable = triton_usable(X)
     if backend == "triton":
         if not usable:
