@@ -206,20 +206,29 @@ def _rss_kib(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
+def _settle() -> int:
+    """Free what Python and the allocator hold but don't use, then the RSS in KiB: pages freed
+    while building the parameters would otherwise be reused by the state silently."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
+    Path("/proc/self/clear_refs").write_text("5")  # reset the peak RSS to the current RSS
+    return _rss_kib("VmRSS")
+
+
 def memory_child(set_name: str, label: str, dtype_name: str, factor: int) -> None:
     torch.set_num_threads(1)
+    import muonlab.kernels.newton_schulz  # noqa: F401 - imports are not what a step adds
     shapes = scaled(SETS[set_name], factor)
     dtype = getattr(torch, dtype_name)
     factory = configs(False)[label]
-    params = make_params(shapes, dtype, torch.device("cpu"))
-    Path("/proc/self/clear_refs").write_text("5")  # reset the peak RSS to the current RSS
-    before = _rss_kib("VmRSS")
-    if factory is None:
-        _, opt = make_optimizer(label, factory, shapes, dtype, torch.device("cpu"))
-        before = _rss_kib("VmRSS")  # its own copy of the parameters is not what a step adds
-        Path("/proc/self/clear_refs").write_text("5")
-    else:
-        opt = factory(params)
+    params, opt = make_optimizer(label, factory, shapes, dtype, torch.device("cpu"))
+    before = _settle()
     for _ in range(3):
         opt.step()
     print(json.dumps(dict(added_kib=_rss_kib("VmHWM") - before)))
