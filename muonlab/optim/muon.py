@@ -125,9 +125,9 @@ class Muon(Optimizer):
             from it.
         workspace_bytes: the most transient memory one Newton-Schulz call may take (its inputs,
             iterates and output). A batch of same-shape matrices that needs more runs in chunks
-            that fit, into one reused workspace; None: max(256 MiB, 5% of this rank's Muon
-            parameter bytes). Smaller saves memory; too small (below one matrix) runs one matrix
-            at a time.
+            that fit, into one reused workspace; None: max(256 MiB on a GPU or 16 MiB on a CPU, 5% of
+            this rank's Muon parameter bytes). Smaller saves memory; too small (below one matrix)
+            runs one matrix at a time.
         ns_graphs: on CUDA, capture each chunk shape's Newton-Schulz chain in a CUDA graph once
             and replay it (one launch per chunk instead of three per iteration: faster below
             width ~4096, where eager launches leave the GPU idle). Costs the static buffers of
@@ -791,7 +791,7 @@ class Muon(Optimizer):
         if self.workspace_bytes is not None:
             return self.workspace_bytes
         local = [_local(p) for _, p in self._muon_entries()]
-        return default_budget(sum(t.numel() * t.element_size() for t in local))
+        return default_budget(sum(t.numel() * t.element_size() for t in local), self._device().type)
 
     def _max_local_matrices(self, shape: tuple[int, int], cfg: NSConfig) -> int:
         """Matrices of ``shape`` one batch of the local path may hold within the budget."""
