@@ -71,6 +71,19 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def _momentum_settings(group: dict) -> tuple:
+    return (("momentum", group["momentum"]), ("nesterov", group["nesterov"]), ("form", group["momentum_form"]))
+
+
+def _by_settings(pairs: list[tuple[int, Any]], settings_of) -> list[tuple[Any, list[tuple[int, Any]]]]:
+    """(parameter index, value) pairs grouped by their group's settings, in first-seen order: one
+    foreach call per distinct setting (a batch usually has one)."""
+    out: dict = {}
+    for i, value in pairs:
+        out.setdefault(settings_of(i), []).append((i, value))
+    return list(out.items())
+
+
 def _checksum(p: torch.Tensor) -> tuple[float, float]:
     """Sum and sum of squares in fp64: equal on replicas (bit-identical tensors), cheap, and
     different for another tensor of the same shape (another init, another layer)."""
@@ -750,24 +763,28 @@ class Muon(Optimizer):
             with self._tracer.span("momentum", batch=batch.index) as span:
                 mine = [i for i in batch.param_indices if not (i in owners and not owners[i][2])]
                 items = [(i, entries[i][1], self._state_for(entries[i][1], "muon")) for i in mine]
-                # the store hands out each momentum on the device (fetching the next meanwhile)
-                for i, (buf,) in self._offload.each(items, ("momentum_buffer",)):
-                    group, p = entries[i]
-                    (inputs[i],) = F.muon_momentum_(
-                        [_local(p.grad)], [buf], momentum=group["momentum"], nesterov=group["nesterov"],
-                        form=group["momentum_form"],
-                    )
+                # the store hands out each momentum on the device (fetching the next meanwhile);
+                # resident buffers are the state itself, so they can be updated all at once
+                fetched = self._offload.each(items, ("momentum_buffer",))
+                runs = [list(fetched)] if self._offload.place_of("momentum_buffer") is None else ([f] for f in fetched)
+                for run in runs:
+                    for settings, members in _by_settings(run, lambda i: _momentum_settings(entries[i][0])):
+                        outs = F.muon_momentum_([_local(entries[i][1].grad) for i, _ in members],
+                                                [buf for _, (buf,) in members], **dict(settings))
+                        inputs.update(zip((i for i, _ in members), outs))
             phases["momentum"] += span.duration
             return [inputs[i] for i in batch.param_indices]
 
         def apply(batch, outputs: list[torch.Tensor]) -> None:
             """3. update, with the lr ratio from each matrix's GLOBAL shape."""
             with self._tracer.span("update", batch=batch.index) as span:
-                for i, out in zip(batch.param_indices, outputs):
-                    group, p = entries[i]
+                pairs = list(zip(batch.param_indices, outputs))
+                for (lr, weight_decay), members in _by_settings(
+                        pairs, lambda i: (float(entries[i][0]["lr"]), entries[i][0]["weight_decay"])):
                     F.muon_apply_(
-                        [_local(p)], [out], lr=float(group["lr"]), weight_decay=group["weight_decay"],
-                        ratios=[F.adjust_lr_ratio(specs[i].lr_shape, group["adjust_lr"])],
+                        [_local(entries[i][1]) for i, _ in members], [out for _, out in members], lr=lr,
+                        weight_decay=weight_decay,
+                        ratios=[F.adjust_lr_ratio(specs[i].lr_shape, entries[i][0]["adjust_lr"]) for i, _ in members],
                     )
             phases["update"] += span.duration
 

@@ -369,6 +369,10 @@ class StateStores:
     def dtype(self, p, key) -> torch.dtype:
         return self.by_key[key].dtype(p, key)
 
+    def place_of(self, key: str):
+        """None where ``key`` stays on the parameters' device, else "cpu" or "disk"."""
+        return self.by_key[key].place
+
     def adopt(self, p, key, value):
         return self.by_key[key].adopt(p, key, value) if key in self.by_key else value
 
