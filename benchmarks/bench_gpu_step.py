@@ -258,6 +258,7 @@ def main(argv=None):
     ap.add_argument("--factor", type=int, default=None, help="divide every matrix side (default: 1 on GPU, 8 on CPU)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--memory-only", action="store_true", help="CPU: only the memory table (it is not load-sensitive)")
     ap.add_argument("--memory-child", nargs=4, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.memory_child:
@@ -274,7 +275,7 @@ def main(argv=None):
     if cuda:
         head += ["resident GiB", "peak GiB", "transient GiB", "peak vs torch.optim.Muon"]
     rows, rates = [], []
-    for set_name in set_names:
+    for set_name in ([] if args.memory_only and not cuda else set_names):
         shapes = scaled(SETS[set_name], args.factor)
         for dtype_name in args.dtypes.split(","):
             print(f"{set_name} {dtype_name} ...", flush=True)
@@ -282,9 +283,10 @@ def main(argv=None):
             rows += got
             rates.append(rate)
             print(text_table(head, got), flush=True)
-    body = [f"Shapes divided by {args.factor} per side." if args.factor > 1 else "Full shapes.",
-            f"bf16 matmul measured in the same rounds: median {statistics.median(rates):.1f} TFLOP/s.", "",
-            "## Step time" + (" and GPU memory" if cuda else ""), "", md_table(head, rows)]
+    body = [f"Shapes divided by {args.factor} per side." if args.factor > 1 else "Full shapes."]
+    if rows:
+        body += [f"bf16 matmul measured in the same rounds: median {statistics.median(rates):.1f} TFLOP/s.", "",
+                 "## Step time" + (" and GPU memory" if cuda else ""), "", md_table(head, rows)]
     if not cuda:
         mem_head = ["set", "configuration", "param MiB (bf16)", "memory a step adds MiB (state + transient)",
                     "vs torch.optim.Muon"]
