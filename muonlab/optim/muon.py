@@ -21,7 +21,6 @@ from ..comm.paths.subgroup import ranks_per_expert, subgroups_for
 from ..comm.planner import REMAINDER_PATHS, STRATEGIES, plan_batches
 from ..comm.records import BatchPlan, Plan
 from ..comm.specs import MatrixSpec, check_view, matrix_spec, process_group_for
-from ..distributed.device import collective_device
 from ..kernels.newton_schulz import NSConfig, resolve_dtype
 from ..kernels.runner import NewtonSchulzRunner, default_budget
 from ..kernels.workspace import max_batch_matrices
@@ -790,7 +789,7 @@ class Muon(Optimizer):
 
         # 2. move, orthogonalize, move back
         phases.update(execute_plan(
-            plan, groups, prepare=prepare, apply=apply, orthogonalize=self._runner_for(indices),
+            plan, groups, prepare=prepare, apply=apply, orthogonalize=self._ns_runner(),
             wire_dtype=self.comm_dtype, tracer=self._tracer, counter=counter,
         ))
 
@@ -798,7 +797,7 @@ class Muon(Optimizer):
         """Where this rank's Muon shards live (the first Muon parameter's device)."""
         return _local(self._muon_entries()[0][1]).device
 
-    def _runner_for(self, indices: tuple[int, ...]) -> NewtonSchulzRunner:
+    def _ns_runner(self) -> NewtonSchulzRunner:
         """The Newton-Schulz runner (chunks within the workspace budget, reused buffers, graphs)."""
         if self._runner is None:
             self._runner = NewtonSchulzRunner(self._budget(), graphs=self.ns_graphs)
