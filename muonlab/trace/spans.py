@@ -188,10 +188,10 @@ class Tracer:
             self.device = device
 
     def _recycle(self) -> None:
-        for _, start, end in self._pending:
-            for mark in (start, end):
-                if isinstance(mark, GpuMark):
-                    self._pool.append(mark.event)  # recording it again overwrites its state
+        # once per event: a mark often ends one span and starts the next (two marks sharing an
+        # event would overwrite each other's time); recording an event again overwrites its state
+        events = {id(m.event): m.event for _, *marks in self._pending for m in marks if isinstance(m, GpuMark)}
+        self._pool.extend(events.values())
         self._pending = []
 
     # ---------------------------------------------------------------- copies

@@ -158,6 +158,14 @@ def test_muon_step_on_cuda_marks_does_not_synchronise_and_reads_phases_from_even
                      ("communication", 3 * 2)):  # local path: issue, wait, return, each one record apart
         assert seconds[phase] == pytest.approx(n * 1e-3, abs=1e-6), phase
     assert opt.last_step_stats()["seconds"] == seconds and cuda.syncs == 1
+    created = cuda.created
+    for p in ws + [bias]:
+        p.grad = torch.randn_like(p)
+    opt.step()  # the events of the first step, recorded again: each mark still has its own
+    assert cuda.created == created
+    assert opt.last_step_stats()["seconds"] == pytest.approx(seconds, abs=1e-6) and cuda.syncs == 2
+    assert all(s.duration == pytest.approx(1e-3, abs=1e-6) for s in opt.last_step_spans()
+               if LANES[s.name] == "compute")
 
 
 def test_phase_seconds_on_cpu_are_the_spans_wall_clock_sums():
