@@ -226,8 +226,10 @@ class Muon(Optimizer):
         self._names: dict[torch.Tensor, str] = {}
         self._views: dict[str, str] = {}
         self._plans: dict[tuple, tuple] = {}
-        self._tracer = Tracer(rank=dist.get_rank() if _dist_on() else 0)
+        self._tracer = Tracer(rank=dist.get_rank() if _dist_on() else 0)  # the step recording or recorded last
+        self._spare_tracer = Tracer(rank=self._tracer.rank)
         self._stats: dict = {}
+        self._stats_tracer = self._tracer  # the one _stats' seconds are read from (resolved lazily)
         # Validate every group before torch's constructor stores any of them.
         groups = self._normalise_params(params)
         # torch's schedulers read `defaults`: "momentum" here (and no "betas") makes OneCycleLR and
@@ -478,6 +480,9 @@ class Muon(Optimizer):
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)  # also what torch's load_state_dict calls, with state and groups only
         self.__dict__.setdefault("_plans", {})
+        if "_tracer" in self.__dict__ and "_spare_tracer" not in self.__dict__:  # pickled before GPU spans
+            self._spare_tracer = Tracer(rank=self._tracer.rank)
+            self._stats_tracer = self._tracer
         if "_offload" not in self.__dict__:  # pickled before state offload existed
             self._offload = StateStores(None, None, False, [], {}, 0)
 
@@ -499,6 +504,10 @@ class Muon(Optimizer):
                 loss = closure()
         work = self._collect()  # raises before any state changes
         self._offload.check()  # an offload file truncated or replaced: raise before any read
+        if self._tracer is self._stats_tracer:
+            # record into the other tracer: if this step raises, the last step's stats can still
+            # read their seconds (resolving them here instead would synchronise inside the step)
+            self._tracer, self._spare_tracer = self._spare_tracer, self._tracer
         self._tracer.reset(self._trace_device())
         counter = CommCounter()
         check = self._nonfinite_check(work) if self.nonfinite != "ignore" else None
@@ -515,6 +524,7 @@ class Muon(Optimizer):
                 self._stats = dict(bytes_sent={}, bytes_recv={}, calls={}, seconds=None, skipped=True,
                                    skipped_steps=self.skipped_steps, nonfinite_ranks=bad_ranks,
                                    nonfinite_params=bad_names)
+                self._stats_tracer = self._tracer
                 return loss
         with self._tracer.span("adamw"):
             for group, params in work["adamw"]:
@@ -526,6 +536,7 @@ class Muon(Optimizer):
             bytes_sent=dict(counter.sent), bytes_recv=dict(counter.recv), calls=dict(counter.calls),
             seconds=None, skipped=False, skipped_steps=self.skipped_steps,
         )
+        self._stats_tracer = self._tracer
         return loss
 
     def _nonfinite_check(self, work) -> nonfinite.NonfiniteCheck:
@@ -692,10 +703,11 @@ class Muon(Optimizer):
         """Seconds per phase of the last step: momentum, update and adamw from their spans,
         communication and Newton-Schulz from the engine's (muonlab.comm.engine.phase_seconds)."""
         phases = {"momentum": 0.0, "communication": 0.0, "newton_schulz": 0.0, "update": 0.0, "adamw": 0.0}
-        for s in self._tracer.spans:  # resolves them
+        tracer = self._stats_tracer
+        for s in tracer.spans:  # resolves them
             if s.name in ("momentum", "update", "adamw"):
                 phases[s.name] += s.duration
-        phases.update(phase_seconds(self._tracer))
+        phases.update(phase_seconds(tracer))
         return phases
 
     def _trace_device(self) -> torch.device:
