@@ -14,11 +14,13 @@ the whole model. The order on every rank (the plan is identical everywhere, so c
 
 so batch i+1's transfer travels while batch i's Newton-Schulz runs, and batch i's way back travels
 while batch i+1's runs (async collectives). A batch without a way back is applied at once.
+
+Times are the tracer's marks (muonlab.trace): wall clock on CPU, CUDA events on the compute stream
+on a GPU, so nothing here synchronises; ``phase_seconds(tracer)`` reads the totals after the step.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 import torch
@@ -30,9 +32,17 @@ from .paths import PATHS, PathContext
 from .records import BatchPlan, Plan
 from .specs import GroupKey
 
+COMMUNICATION = "communication"
+"""The tracer tally of the time a rank spends issuing, waiting for and (un)packing collectives."""
+
 
 class BatchRun:
-    """One batch on one rank: its path's generator, what it yielded last, and its timing."""
+    """One batch on one rank: its path's generator, what it yielded last, and its marks.
+
+    Time spent issuing a collective, waiting for it and (un)packing around it is tallied as
+    "communication"; with Newton-Schulz it is measured with the tracer's marks, so on CUDA it is
+    GPU time of the compute stream (how long it stalled on a collective), resolved after the step.
+    """
 
     def __init__(self, index: int, batch: BatchPlan, ctx: PathContext, *, prepare, apply, orthogonalize,
                  tracer: Tracer, counter: CommCounter):
@@ -42,8 +52,6 @@ class BatchRun:
         self._bytes = {"out": (0, 0), "back": (0, 0)}
         self._item = None
         self.done = False
-        self.comm_seconds = 0.0
-        self.ns_seconds = 0.0
 
     def _advance(self, value, direction: str):
         """Resume the generator with ``value``; a collective it yields is counted here, once."""
@@ -58,42 +66,44 @@ class BatchRun:
         inputs = self._prepare(self.batch)
         self._gen = PATHS[self.path].run(self.batch, inputs, self._ctx)
         del inputs  # the path holds what it still needs
-        self._start = time.time()
+        tracer = self._tracer
+        self._start = tracer.mark()
         self._item = self._advance(None, "out")
-        self.comm_seconds += time.time() - self._start
+        tracer.tally(COMMUNICATION, self._start, tracer.mark())
 
     def compute(self) -> None:
         """Wait for the way out, orthogonalize, issue the way back (or apply, without one)."""
-        t0 = time.time()
+        tracer = self._tracer
+        t0 = tracer.mark()
         mats, self._item = self._item, None
         if isinstance(mats, Pending):
             mats = self._advance(mats.wait(), "out")
-        t1 = time.time()
+        t1 = tracer.mark()  # on CUDA after wait(): the current stream has waited for the data
+        tracer.tally(COMMUNICATION, t0, t1)
         sent, recv = self._bytes["out"]
-        self._tracer.add("comm_out", self._start, t1, path=self.path, batch=self.index, bytes_sent=sent,
-                         bytes_recv=recv)
+        tracer.add("comm_out", self._start, t1, path=self.path, batch=self.index, bytes_sent=sent, bytes_recv=recv)
+        self._back_start = t1
         ortho = None
         if mats is not None:
             ortho = self._orthogonalize(mats, self.batch.ns_config)
             del mats
-            t2 = time.time()
-            self._tracer.add("newton_schulz", t1, t2, path=self.path, batch=self.index)
-            self.ns_seconds += t2 - t1
-        self._back_start = time.time()
+            self._back_start = tracer.mark()
+            tracer.add("newton_schulz", t1, self._back_start, path=self.path, batch=self.index)
         try:
             self._item = self._advance(ortho, "back")
         except StopIteration as done:  # no way back: the outputs are ready
-            self.comm_seconds += (t1 - t0) + (time.time() - self._back_start)
+            tracer.tally(COMMUNICATION, self._back_start, tracer.mark())
             self._apply(self.batch, done.value)
             self.done = True
             return
-        self.comm_seconds += (t1 - t0) + (time.time() - self._back_start)
+        tracer.tally(COMMUNICATION, self._back_start, tracer.mark())
 
     def finish(self) -> None:
         """Wait for the way back, then apply this rank's output per parameter of the batch."""
         if self.done:
             return
-        t0 = time.time()
+        tracer = self._tracer
+        t0 = tracer.mark()
         if not isinstance(self._item, Pending):  # pragma: no cover - the path broke the protocol
             raise AssertionError(f"path {self.path!r} yielded {type(self._item).__name__} as its way back")
         try:
@@ -103,13 +113,21 @@ class BatchRun:
         else:  # pragma: no cover - a path that yields after its way back
             raise AssertionError(f"path {self.path!r} yielded after its way back")
         self._item = None
-        t1 = time.time()
-        self.comm_seconds += t1 - t0
+        t1 = tracer.mark()
+        tracer.tally(COMMUNICATION, t0, t1)
         sent, recv = self._bytes["back"]
-        self._tracer.add("comm_back", self._back_start, t1, path=self.path, batch=self.index,
-                         bytes_sent=sent, bytes_recv=recv)
+        tracer.add("comm_back", self._back_start, t1, path=self.path, batch=self.index,
+                   bytes_sent=sent, bytes_recv=recv)
         self._apply(self.batch, outputs)
         self.done = True
+
+
+def phase_seconds(tracer: Tracer) -> dict[str, float]:
+    """The communication and Newton-Schulz seconds of the plan(s) ``tracer`` recorded since its
+    reset: the sum of the tallied communication intervals (issue, wait, (un)pack) and of the
+    newton_schulz spans. Reading them resolves the tracer (one synchronisation on CUDA)."""
+    return {"communication": tracer.tallies().get(COMMUNICATION, 0.0),
+            "newton_schulz": sum(s.duration for s in tracer.spans if s.name == "newton_schulz")}
 
 
 def execute_plan(
@@ -122,9 +140,9 @@ def execute_plan(
     wire_dtype: torch.dtype,
     tracer: Tracer,
     counter: CommCounter,
-) -> dict[str, float]:
-    """Run every batch of ``plan`` on this rank; returns the phase seconds of communication and
-    Newton-Schulz (the callbacks time themselves).
+) -> None:
+    """Run every batch of ``plan`` on this rank, recording its spans and communication time in
+    ``tracer`` (read them with ``phase_seconds(tracer)``; the callbacks time themselves).
 
     ``groups``: {GroupKey: (torch ProcessGroup, this rank's index in it)} for every batch's group.
     ``prepare(batch)``: this rank's input per parameter of the batch (None where it has none).
@@ -146,5 +164,3 @@ def execute_plan(
             runs[i - 1].finish()  # its way back travelled behind this batch's Newton-Schulz
     if runs:
         runs[-1].finish()
-    return {"communication": sum(r.comm_seconds for r in runs),
-            "newton_schulz": sum(r.ns_seconds for r in runs)}

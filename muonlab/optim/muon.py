@@ -16,7 +16,7 @@ from torch.optim import Optimizer
 
 from ..comm.collectives import CommCounter
 from ..comm.cost import HardwareProfile, get_profile
-from ..comm.engine import execute_plan
+from ..comm.engine import execute_plan, phase_seconds
 from ..comm.paths.subgroup import ranks_per_expert, subgroups_for
 from ..comm.planner import REMAINDER_PATHS, STRATEGIES, plan_batches
 from ..comm.records import BatchPlan, Plan
@@ -238,8 +238,10 @@ class Muon(Optimizer):
         self._names: dict[torch.Tensor, str] = {}
         self._views: dict[str, str] = {}
         self._plans: dict[tuple, tuple] = {}
-        self._tracer = Tracer(rank=dist.get_rank() if _dist_on() else 0)
+        self._tracer = Tracer(rank=dist.get_rank() if _dist_on() else 0)  # the step recording or recorded last
+        self._spare_tracer = Tracer(rank=self._tracer.rank)
         self._stats: dict = {}
+        self._stats_tracer = self._tracer  # the one _stats' seconds are read from (resolved lazily)
         # Validate every group before torch's constructor stores any of them.
         groups = self._normalise_params(params)
         # torch's schedulers read `defaults`: "momentum" here (and no "betas") makes OneCycleLR and
@@ -490,6 +492,9 @@ class Muon(Optimizer):
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)  # also what torch's load_state_dict calls, with state and groups only
         self.__dict__.setdefault("_plans", {})
+        if "_tracer" in self.__dict__ and "_spare_tracer" not in self.__dict__:  # pickled before GPU spans
+            self._spare_tracer = Tracer(rank=self._tracer.rank)
+            self._stats_tracer = self._tracer
         if "_offload" not in self.__dict__:  # pickled before state offload existed
             self._offload = StateStores(None, None, False, [], {}, 0)
 
@@ -511,9 +516,12 @@ class Muon(Optimizer):
                 loss = closure()
         work = self._collect()  # raises before any state changes
         self._offload.check()  # an offload file truncated or replaced: raise before any read
-        self._tracer.reset()
+        if self._tracer is self._stats_tracer:
+            # record into the other tracer: if this step raises, the last step's stats can still
+            # read their seconds (resolving them here instead would synchronise inside the step)
+            self._tracer, self._spare_tracer = self._spare_tracer, self._tracer
+        self._tracer.reset(self._trace_device())
         counter = CommCounter()
-        phases = {"momentum": 0.0, "communication": 0.0, "newton_schulz": 0.0, "update": 0.0, "adamw": 0.0}
         check = self._nonfinite_check(work) if self.nonfinite != "ignore" else None
         # plan first: it may raise (ranks disagree), and nothing may have changed by then
         indices = self._muon_indices(work["muon"])
@@ -525,20 +533,22 @@ class Muon(Optimizer):
                     mine = f"; here: {', '.join(bad_names)}" if bad_names else ""
                     raise ValueError(f"non-finite gradient on rank(s) {bad_ranks}{mine}")
                 self.skipped_steps += 1
-                self._stats = dict(bytes_sent={}, bytes_recv={}, calls={}, seconds=phases, skipped=True,
+                self._stats = dict(bytes_sent={}, bytes_recv={}, calls={}, seconds=None, skipped=True,
                                    skipped_steps=self.skipped_steps, nonfinite_ranks=bad_ranks,
                                    nonfinite_params=bad_names)
+                self._stats_tracer = self._tracer
                 return loss
-        with self._tracer.span("adamw") as span:
+        with self._tracer.span("adamw"):
             for group, params in work["adamw"]:
                 self._adamw_group(group, params)
-        phases["adamw"] = span.duration
         if planned:
-            self._muon_step(indices, planned, counter, phases)
+            self._muon_step(indices, planned, counter)
+        # seconds=None: filled from the spans when read (on CUDA, reading them synchronises)
         self._stats = dict(
             bytes_sent=dict(counter.sent), bytes_recv=dict(counter.recv), calls=dict(counter.calls),
-            seconds=phases, skipped=False, skipped_steps=self.skipped_steps,
+            seconds=None, skipped=False, skipped_steps=self.skipped_steps,
         )
+        self._stats_tracer = self._tracer
         return loss
 
     def _nonfinite_check(self, work) -> nonfinite.NonfiniteCheck:
@@ -692,8 +702,36 @@ class Muon(Optimizer):
         return list(plan)
 
     def last_step_stats(self) -> dict:
-        """Bytes counted at each collective (per path) and seconds per phase, for the last step."""
-        return dict(self._stats)
+        """Bytes counted at each collective (per path) and seconds per phase, for the last step.
+
+        The seconds come from the step's spans (``phase_seconds``): on CUDA they are GPU time, and
+        the first read after a step synchronises the device once."""
+        stats = dict(self._stats)
+        if stats.get("seconds", {}) is None:
+            stats["seconds"] = self._stats["seconds"] = self._phase_seconds()
+        return stats
+
+    def _phase_seconds(self) -> dict[str, float]:
+        """Seconds per phase of the last step: momentum, update and adamw from their spans,
+        communication and Newton-Schulz from the engine's (muonlab.comm.engine.phase_seconds)."""
+        phases = {"momentum": 0.0, "communication": 0.0, "newton_schulz": 0.0, "update": 0.0, "adamw": 0.0}
+        tracer = self._stats_tracer
+        for s in tracer.spans:  # resolves them
+            if s.name in ("momentum", "update", "adamw"):
+                phases[s.name] += s.duration
+        phases.update(phase_seconds(tracer))
+        return phases
+
+    def _trace_device(self) -> torch.device:
+        """Where the step's work runs, for the tracer's clock: the Muon parameters' device (CUDA
+        events there), else the first parameter's."""
+        entries = self._muon_entries()
+        if entries:
+            return self._device()
+        for group in self.param_groups:
+            for p in group["params"]:
+                return _local(p).device
+        return torch.device("cpu")
 
     # ------------------------------------------------------------------ state for checkpoints
 
@@ -743,14 +781,15 @@ class Muon(Optimizer):
         return out
 
     def last_step_spans(self) -> list[Span]:
-        """This rank's spans of the last step (gather them with muonlab.trace.gather_spans)."""
+        """This rank's spans of the last step (gather them with muonlab.trace.gather_spans); on
+        CUDA GPU-timed, and the first read after a step synchronises the device once."""
         return list(self._tracer.spans)
 
     def _muon_indices(self, work: list[tuple[dict, list[torch.Tensor]]]) -> tuple[int, ...]:
         position = {id(p): i for i, (_, p) in enumerate(self._muon_entries())}
         return tuple(position[id(p)] for _, params in work for p in params)
 
-    def _muon_step(self, indices: tuple[int, ...], planned: "_Planned", counter: CommCounter, phases: dict) -> None:
+    def _muon_step(self, indices: tuple[int, ...], planned: "_Planned", counter: CommCounter) -> None:
         """Batch by batch (see muonlab.comm.engine): momentum on the local shards, move,
         orthogonalize, move back, update; only the batches in flight hold inputs and outputs."""
         entries = self._muon_entries()
@@ -759,7 +798,7 @@ class Muon(Optimizer):
         def prepare(batch) -> list[torch.Tensor | None]:
             """1. momentum on the local shard (replicated matrices: on their owner only)."""
             inputs = dict.fromkeys(batch.param_indices)
-            with self._tracer.span("momentum", batch=batch.index) as span:
+            with self._tracer.span("momentum", batch=batch.index):
                 mine = [i for i in batch.param_indices if not (i in owners and not owners[i][2])]
                 items = [(i, entries[i][1], self._state_for(entries[i][1], "muon")) for i in mine]
                 # the store hands out each momentum on the device (fetching the next meanwhile);
@@ -771,12 +810,11 @@ class Muon(Optimizer):
                         outs = F.muon_momentum_([_local(entries[i][1].grad) for i, _ in members],
                                                 [buf for _, (buf,) in members], **dict(settings))
                         inputs.update(zip((i for i, _ in members), outs))
-            phases["momentum"] += span.duration
             return [inputs[i] for i in batch.param_indices]
 
         def apply(batch, outputs: list[torch.Tensor]) -> None:
             """3. update, with the lr ratio from each matrix's GLOBAL shape."""
-            with self._tracer.span("update", batch=batch.index) as span:
+            with self._tracer.span("update", batch=batch.index):
                 pairs = list(zip(batch.param_indices, outputs))
                 for (lr, weight_decay), members in _by_settings(
                         pairs, lambda i: (float(entries[i][0]["lr"]), entries[i][0]["weight_decay"])):
@@ -785,13 +823,12 @@ class Muon(Optimizer):
                         weight_decay=weight_decay,
                         ratios=[F.adjust_lr_ratio(specs[i].lr_shape, entries[i][0]["adjust_lr"]) for i, _ in members],
                     )
-            phases["update"] += span.duration
 
         # 2. move, orthogonalize, move back
-        phases.update(execute_plan(
+        execute_plan(
             plan, groups, prepare=prepare, apply=apply, orthogonalize=self._ns_runner(),
             wire_dtype=self.comm_dtype, tracer=self._tracer, counter=counter,
-        ))
+        )
 
     def _device(self) -> torch.device:
         """Where this rank's Muon shards live (the first Muon parameter's device)."""

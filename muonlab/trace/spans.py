@@ -1,7 +1,28 @@
 """Per-rank spans (what ran, when, how many bytes, on which path) and their Chrome-trace export.
 
-Workers record; visualisation only reads. Times are wall-clock seconds (time.time()), so spans of
-ranks on one machine line up on one axis; Perfetto and chrome://tracing open the exported JSON.
+Workers record; visualisation only reads. Times are seconds on the host's wall clock
+(``time.time()``), so spans of ranks on one machine line up on one axis; Perfetto and
+chrome://tracing open the exported JSON.
+
+The clock. On CPU a mark is ``time.time()``: the work is done when the call returns. On CUDA,
+kernels and NCCL collectives return before they run, so host clocks around them measure launches.
+There a mark is a CUDA event recorded on the current stream (the compute stream) beside the host
+time of the record (a ``GpuMark``): the event completes when the stream reaches it, i.e. when
+the work queued before it is done. For a collective the engine marks after ``Pending.wait()``,
+which makes the current stream wait for the collective, so that mark completes when the data has
+arrived. Nothing synchronises during the step: spans hold provisional host (launch) times until
+``resolve()``, which runs the first time spans or totals are read (``Tracer.spans``,
+``tallies()``, ``Muon.last_step_spans()`` / ``last_step_stats()``). It synchronises the device
+once, records an anchor event, waits for it and reads ``time.time()``; an event's time is then
+``t_anchor - event.elapsed_time(anchor) / 1e3``, so GPU-timed spans stay on the host axis and
+ranks on one machine still line up. A step whose spans are never read is never synchronised:
+``reset()`` drops them.
+
+Why events and not torch.profiler: a profiler session per step (Kineto/CUPTI activity tracing,
+then post-processing every kernel and op) costs far more than the ~12 event records a batch needs
+(a few microseconds each), needs a Kineto build, and cannot stay on in training; events are
+always there, and name exactly the intervals the timeline shows. The profiler remains the tool
+for kernel-level detail (tests/unit/test_gpu_spans.py checks the two agree on Newton-Schulz).
 """
 
 from __future__ import annotations
@@ -9,8 +30,10 @@ from __future__ import annotations
 import json
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
+from typing import NamedTuple, Union
 
+import torch
 import torch.distributed as dist
 
 # Which timeline row a phase belongs to.
@@ -37,30 +60,156 @@ class Span:
         return self.end - self.start
 
 
-@dataclass
+class GpuMark(NamedTuple):
+    """A point in a CUDA stream: its event, and the host time at which it was recorded."""
+
+    host: float
+    event: "torch.cuda.Event"
+
+
+Mark = Union[float, GpuMark]
+"""What ``Tracer.mark()`` returns: wall-clock seconds on CPU, a ``GpuMark`` on CUDA."""
+
+
 class Tracer:
-    """Collects the spans of one optimizer step on one rank."""
+    """Collects the spans of one optimizer step on one rank.
 
-    rank: int = 0
-    spans: list[Span] = field(default_factory=list)
+    ``device``: where the step's work runs; a CUDA device times spans with CUDA events (see the
+    module docstring), anything else (None, CPU) with the host wall clock.
+    """
 
-    def reset(self) -> None:
-        self.spans = []
+    def __init__(self, rank: int = 0, device: torch.device | str | None = None):
+        self.rank = rank
+        self._spans: list[Span] = []
+        self._totals: dict[str, float] = {}
+        self._pending: list[tuple[Span | str, Mark, Mark]] = []
+        self._pool: list = []  # events of resolved or dropped steps, recorded again
+        self.device = device
+
+    @property
+    def device(self) -> torch.device | None:
+        return self._device
+
+    @device.setter
+    def device(self, device: torch.device | str | None) -> None:
+        device = None if device is None else torch.device(device)
+        if device is not None and device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if device != getattr(self, "_device", None):
+            self._pool = []  # an event belongs to the device it was first recorded on
+        self._device = device
+        self._gpu = device is not None and device.type == "cuda"
+
+    # ---------------------------------------------------------------- marks
+
+    def mark(self) -> Mark:
+        """Now: a float (wall clock) on CPU; on CUDA an event recorded on the current stream."""
+        if not self._gpu:
+            return time.time()
+        event = self._pool.pop() if self._pool else torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self._device))
+        return GpuMark(time.time(), event)
+
+    def add(self, name: str, start: Mark, end: Mark, **fields) -> Span:
+        """A span between two marks (or wall-clock floats). On CUDA its times are the marks' host
+        times until ``resolve()``."""
+        record = Span(name, _host(start), _host(end), rank=self.rank, **fields)
+        self._spans.append(record)
+        if isinstance(start, GpuMark) or isinstance(end, GpuMark):
+            self._pending.append((record, start, end))
+        return record
 
     @contextmanager
     def span(self, name: str, **fields):
-        start = time.time()
-        record = Span(name, start, start, rank=self.rank, **fields)
+        start = self.mark()
+        record = Span(name, _host(start), _host(start), rank=self.rank, **fields)
         try:
             yield record
         finally:
-            record.end = time.time()
-            self.spans.append(record)
+            end = self.mark()
+            record.end = _host(end)
+            self._spans.append(record)
+            if isinstance(end, GpuMark):
+                self._pending.append((record, start, end))
 
-    def add(self, name: str, start: float, end: float, **fields) -> Span:
-        record = Span(name, start, end, rank=self.rank, **fields)
-        self.spans.append(record)
-        return record
+    def tally(self, key: str, start: Mark, end: Mark) -> None:
+        """Add the seconds between two marks to the total ``key`` (time that is no span of its own,
+        e.g. the engine's exposed communication)."""
+        if isinstance(start, GpuMark) or isinstance(end, GpuMark):
+            self._totals.setdefault(key, 0.0)
+            self._pending.append((key, start, end))
+        else:
+            self._totals[key] = self._totals.get(key, 0.0) + (end - start)
+
+    # ---------------------------------------------------------------- reading
+
+    @property
+    def spans(self) -> list[Span]:
+        """The spans recorded since ``reset()``, in recording order, resolved."""
+        self.resolve()
+        return self._spans
+
+    def tallies(self) -> dict[str, float]:
+        """The totals of ``tally()`` since ``reset()``, resolved."""
+        self.resolve()
+        return dict(self._totals)
+
+    def resolve(self) -> None:
+        """Give every span and total its GPU time on the host clock: one device synchronisation,
+        then an anchor event read against ``time.time()``. A no-op on CPU or when resolved."""
+        if not self._pending:
+            return
+        torch.cuda.synchronize(self._device)
+        anchor = torch.cuda.Event(enable_timing=True)
+        anchor.record(torch.cuda.current_stream(self._device))
+        anchor.synchronize()
+        # taken after the anchor completed: a later bound, so no event is placed before its launch
+        t_anchor = time.time()
+
+        def at(mark: Mark) -> float:
+            if isinstance(mark, GpuMark):
+                return t_anchor - mark.event.elapsed_time(anchor) / 1e3
+            return mark
+
+        for target, start, end in self._pending:
+            if isinstance(target, Span):
+                target.start, target.end = at(start), at(end)
+            elif isinstance(start, GpuMark) and isinstance(end, GpuMark):  # one subtraction fewer
+                self._totals[target] += start.event.elapsed_time(end.event) / 1e3
+            else:
+                self._totals[target] += at(end) - at(start)
+        self._recycle()
+
+    def reset(self, device: torch.device | str | None = ...) -> None:
+        """Start a new step (on ``device``, if given). Unread spans are dropped, never synchronised."""
+        self._recycle()
+        self._spans, self._totals = [], {}
+        if device is not ...:
+            self.device = device
+
+    def _recycle(self) -> None:
+        # once per event: a mark often ends one span and starts the next (two marks sharing an
+        # event would overwrite each other's time); recording an event again overwrites its state
+        events = {id(m.event): m.event for _, *marks in self._pending for m in marks if isinstance(m, GpuMark)}
+        self._pool.extend(events.values())
+        self._pending = []
+
+    # ---------------------------------------------------------------- copies
+
+    def __getstate__(self) -> dict:
+        """Resolved spans and totals only: events are live device objects."""
+        self.resolve()
+        return dict(rank=self.rank, device=self._device, spans=self._spans, totals=self._totals)
+
+    def __setstate__(self, state: dict) -> None:
+        # also reads the dataclass Tracer pickled before marks existed (rank and spans only)
+        self.__init__(state.get("rank", 0), state.get("device"))
+        self._spans = list(state.get("spans", []))
+        self._totals = dict(state.get("totals", {}))
+
+
+def _host(mark: Mark) -> float:
+    return mark.host if isinstance(mark, GpuMark) else mark
 
 
 def gather_spans(spans: list[Span], group=None, dst: int = 0) -> list[Span] | None:
