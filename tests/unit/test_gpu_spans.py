@@ -125,7 +125,16 @@ def test_newton_schulz_spans_match_profiler_kernel_time():
             return runner(mats, cfg)
 
     opt._ns_runner = lambda: labelled
+    t0 = time.time()
+    opt.step()
+    host_step = time.time() - t0
+    opt.last_step_stats()
+    # The whole step queues behind a GPU sleep, so its kernels run back to back: a span then
+    # measures GPU work, which is what the profiler's kernel times add up. (Without the sleep, a
+    # host-bound step leaves the GPU idle between launches, and a span rightly includes those gaps.)
+    cycles = _sleep_cycles(max(0.2, 20 * host_step))
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        torch.cuda._sleep(cycles)
         opt.step()
         torch.cuda.synchronize()
     spans = [s for s in opt.last_step_spans() if s.name == "newton_schulz"]
