@@ -466,10 +466,10 @@ def test_workspace_errors_name_the_buffer():
         return tns.NSWorkspace(**fields)
 
     cases = [
-        (with_(gram=torch.empty(2, 8, 9)), r"workspace\.gram of shape \(2, 8, 9\).*expected shape \(2, 8, 8\)"),
-        (with_(ping=torch.empty(2, 8, 16, dtype=torch.float16)), r"workspace\.ping .*float16.*expected X's dtype"),
+        (with_(gram=torch.empty(2, 8, 9, device=X.device)), r"workspace\.gram of shape \(2, 8, 9\).*expected shape \(2, 8, 8\)"),
+        (with_(ping=torch.empty(2, 8, 16, dtype=torch.float16, device=X.device)), r"workspace\.ping .*float16.*expected X's dtype"),
         (with_(pong=torch.empty(2, 8, 16, device="meta")), r"workspace\.pong .*meta.*expected X's device"),
-        (with_(poly=torch.empty(2, 8, 8).mT), r"workspace\.poly .*must be contiguous"),
+        (with_(poly=torch.empty(2, 8, 8, device=X.device).mT), r"workspace\.poly .*must be contiguous"),
         (with_(ping=good.pong), r"workspace\.pong .*overlaps workspace\.ping"),
         (with_(ping=X), r"workspace\.ping .*overlaps X"),
     ]
