@@ -18,12 +18,13 @@ A peer that is absent is skipped with a line saying so.
 Parameters: the 32 hidden matrices of an 8-layer width-256 GPT plus 4 one-of-a-kind shapes (36),
 FSDP2-style Shard(0) DTensors on a 1-D gloo mesh, one copy per optimizer, the same grads. All
 optimizers run in ONE process group, in alternating rounds (each round steps every optimizer once,
-the order rotated per round), barrier to barrier; per round, each optimizer's time is divided by
-muonlab's (safety check on) and the table gives the median of these per-round ratios. Bytes are
-counted at the collectives during one step (peers: torch.distributed wrapped; muonlab: its own
-last_step_stats()), summed over ranks, own chunks excluded; the lower bound is the sum over
-matrices of 2 (W-1)/W of the matrix bytes in bf16 (gathered once to one rank and scattered back
-once). Agreement: max over matrices of the relative Frobenius error of the whole-matrix update
+in balanced orders: each optimizer follows every other equally often), barrier to barrier; per
+round, each optimizer's time is divided by muonlab's (safety check on) and the table gives the
+median of these per-round ratios. Bytes are counted at the collectives during one step (peers:
+torch.distributed wrapped; muonlab: its own last_step_stats()), summed over ranks, own chunks
+excluded; the lower bound is the sum over matrices of 2 (W-1)/W of the matrix bytes in bf16
+(gathered once to one rank and scattered back once).
+Agreement: max over matrices of the relative Frobenius error of the whole-matrix update
 after two steps from the same start, against torch.optim.Muon on full matrices.
 """
 
@@ -47,7 +48,7 @@ from muonlab.distributed import launch  # noqa: E402
 DION = dict(repo="microsoft/dion", commit="0a059a4542e5aa74b40dcd1dce363836c7afcd48")
 XTUNER = dict(repo="InternLM/xtuner", commit="3b6701a1d9dec1e3ab619d82b6edc1518b8d82ff",
               files=("xtuner/v1/optim/muon.py", "xtuner/v1/optim/newton_schulz_triton.py"))
-KINDS = ["muonlab", "muonlab-ignore", "dion", "xtuner"]
+KINDS = ["muonlab", "muonlab-again", "muonlab-ignore", "dion", "xtuner"]
 
 
 def _git_dir(mirrors: Path, repo: str) -> Path:
@@ -155,7 +156,8 @@ def main(argv=None):
         f"Parameters: {n} matrices (the 32 hidden matrices of an 8-layer width-256 GPT and 4 one-of-a-kind "
         "shapes: 512x192, 192x512, 320x256, 256x96), FSDP2-style Shard(0) DTensors on a 1-D gloo mesh. "
         f"{args.rounds} alternating rounds after {args.warmup} warm-up rounds, one process group; a "
-        "round steps every optimizer once, order rotated per round, barrier to barrier, the slowest rank's time.",
+        "round steps every optimizer once, in balanced orders (a Williams design: each optimizer directly follows "
+        "every other equally often), barrier to barrier, the slowest rank's time.",
         f"Peers (eager: TORCHDYNAMO_DISABLE=1; their math is torch.compile-decorated): Dion "
         f"`{DION['repo']}@{DION['commit'][:12]}` (dion/muon.py, megabatched all_to_all), XTuner "
         f"`{XTUNER['repo']}@{XTUNER['commit'][:12]}` (xtuner/v1/optim/muon.py, batches of W same-shape "
@@ -172,6 +174,8 @@ def main(argv=None):
         *sections,
         "'time / muonlab' > 1: slower than muonlab with its non-finite check on (goal: >= 1.1 for both peers). "
         "muonlab-ignore is muonlab with nonfinite=\"ignore\": its ratio is the safety check's cost (goal: >= 0.98). "
+        "muonlab-again is a second muonlab, identical to the first (check on): its ratio, 1 in a perfect measurement, "
+        "is this run's noise floor for such an A/B. "
         "bytes / bound: goal <= 1.005 for muonlab.",
         *skipped,
     ])

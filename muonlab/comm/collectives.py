@@ -39,6 +39,23 @@ class Pending:
         return self.out
 
 
+def pack(tensors, dtype: torch.dtype, *, like: torch.Tensor) -> torch.Tensor:
+    """One flat send buffer of ``dtype`` holding ``tensors`` one after another.
+
+    Each tensor is cast and copied into its slice in one pass (a ``.to`` per tensor and then a
+    ``cat`` would copy everything twice). A single tensor already in ``dtype`` and contiguous is
+    sent as it is. ``like`` gives the device of an empty buffer.
+    """
+    if len(tensors) == 1 and tensors[0].dtype == dtype and tensors[0].is_contiguous():
+        return tensors[0].view(-1)
+    out = like.new_empty(sum(t.numel() for t in tensors), dtype=dtype)
+    offset = 0
+    for t in tensors:
+        out[offset:offset + t.numel()].view(t.shape).copy_(t)
+        offset += t.numel()
+    return out
+
+
 def all_to_all(send: torch.Tensor, send_splits: list[int], recv_splits: list[int], *, group,
                group_rank: int) -> Pending:
     """all_to_all_single on a flat tensor with uneven splits (elements), started async."""

@@ -21,10 +21,11 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _flag_into(found: torch.Tensor, grads: list[torch.Tensor]) -> None:
-    """Raise ``found`` (a one-element float tensor on the grads' device) if any grad is non-finite."""
+def _flag_into(found: torch.Tensor, grads: list[torch.Tensor], one: torch.Tensor) -> None:
+    """Raise ``found`` (a one-element float tensor on the grads' device) if any grad is non-finite;
+    ``one`` is the inverse scale 1.0 on that device."""
     try:
-        torch._amp_foreach_non_finite_check_and_unscale_(grads, found, torch.ones_like(found))
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one)
     except RuntimeError:
         # grads that can't be written in place (expanded views, inference tensors): no rewrite,
         # one reduction per grad and still no host sync
@@ -63,23 +64,22 @@ def start(grads: Sequence[torch.Tensor], group=None, name_of: Callable[[int], st
     the all-reduce of the per-rank flags over ``group`` (None: no collective, a single rank).
     ``name_of(i)`` names the i-th grad in ``result()``'s list; it is called only for culprits."""
     local = [_local(g) for g in grads]
-    by_key: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    by_device: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = {}
     for g in local:
-        by_key.setdefault((g.device, g.dtype), []).append(g)
+        by_device.setdefault(g.device, {}).setdefault(g.dtype, []).append(g)
     device = local[0].device if local else torch.device("cpu")  # NCCL wants the flags on the grads' device
-    found = {}
-    for (dev, _), gs in by_key.items():
-        if dev not in found:
-            found[dev] = torch.zeros(1, dtype=torch.float32, device=dev)
-        _flag_into(found[dev], gs)
-    mine = sum((f.to(device) for f in found.values()), torch.zeros(1, device=device))
-    if group is None:
-        flags, me, work = mine, 0, None
-    else:
-        flags = torch.zeros(dist.get_world_size(group), dtype=torch.float32, device=device)
-        me = dist.get_group_rank(group, dist.get_rank())
-        flags[me : me + 1] = mine  # a device-side copy: no host sync before the collective
-        work = dist.all_reduce(flags, group=group, async_op=True)
+    size = 1 if group is None else dist.get_world_size(group)
+    me = 0 if group is None else dist.get_group_rank(group, dist.get_rank())
+    flags = torch.zeros(size, dtype=torch.float32, device=device)
+    mine = flags[me : me + 1]  # the check raises this rank's slot in place: no copy, no host sync
+    for dev, by_dtype in by_device.items():
+        found = mine if dev == device else torch.zeros(1, dtype=torch.float32, device=dev)
+        one = torch.ones(1, dtype=torch.float32, device=dev)
+        for gs in by_dtype.values():
+            _flag_into(found, gs, one)
+        if found is not mine:
+            mine += found.to(device)
+    work = None if group is None else dist.all_reduce(flags, group=group, async_op=True)
     if name_of is None:
         name_of = lambda i: f"grad {i} of shape {tuple(local[i].shape)}"  # noqa: E731
     return NonfiniteCheck(local, flags, me, work, group, name_of)

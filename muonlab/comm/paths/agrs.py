@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..collectives import all_gather
+from ..collectives import all_gather, pack
 from .all_to_all import my_matrix, my_rows, send_back
 from .base import CommPath
 
@@ -38,7 +38,7 @@ def bytes_per_rank(rows: Sequence[int], cols: int, owners: Sequence[int], itemsi
 def run(batch, inputs, ctx):
     rows, cols, me = batch.rows, batch.matrix_shape[1], ctx.group_rank
     k, mine = len(inputs), my_matrix(batch, me)
-    send = torch.cat([x.reshape(-1).to(ctx.wire_dtype) for x in inputs])
+    send = pack(inputs, ctx.wire_dtype, like=inputs[0])
     sizes = [k * r * cols for r in rows]
     flat = yield all_gather(send, sizes, group=ctx.group, group_rank=me)
     mats = None

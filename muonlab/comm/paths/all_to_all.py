@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..collectives import Pending, all_to_all
+from ..collectives import Pending, all_to_all, pack
 from .base import CommPath
 
 
@@ -64,7 +64,7 @@ def run(batch, inputs, ctx):
     rows, cols, me = batch.rows, batch.matrix_shape[1], ctx.group_rank
     size, mine = len(rows), my_matrix(batch, me)
     by_owner = dict(zip(batch.owners, inputs))
-    send = torch.cat([by_owner[q].reshape(-1).to(ctx.wire_dtype) for q in range(size) if q in by_owner])
+    send = pack([by_owner[q] for q in range(size) if q in by_owner], ctx.wire_dtype, like=inputs[0])
     send_splits = [rows[me] * cols if q in by_owner else 0 for q in range(size)]
     recv_splits = [rows[q] * cols if mine is not None else 0 for q in range(size)]
     flat = yield all_to_all(send, send_splits, recv_splits, group=ctx.group, group_rank=me)

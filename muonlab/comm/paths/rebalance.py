@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..collectives import all_to_all
+from ..collectives import all_to_all, pack
 from .base import CommPath
 
 
@@ -43,15 +43,14 @@ def run(batch, inputs, ctx):
     outgoing = sorted((m for m in batch.moves if m[2] == me), key=lambda m: m[3])
     incoming = sorted((m for m in batch.moves if m[3] == me), key=lambda m: m[2])
     to_owner, from_source = (lambda m: m[3]), (lambda m: m[2])
-    parts = [local[pos][slot[(pos, j)]].reshape(-1).to(wire) for pos, j, _, _ in outgoing]
-    send = torch.cat(parts) if parts else inputs[0].new_empty(0, dtype=wire)
+    send = pack([local[pos][slot[(pos, j)]] for pos, j, _, _ in outgoing], wire, like=inputs[0])
     received = yield all_to_all(send, _splits(outgoing, size, numel, to_owner),
                                 _splits(incoming, size, numel, from_source), group=ctx.group, group_rank=me)
     received = received.view(-1, *shape)
     moved_out = {(pos, j) for pos, j, _, _ in outgoing}
     kept = [local[pos][k] for pos, js in enumerate(held) for k, j in enumerate(js) if (pos, j) not in moved_out]
-    mats = kept + [received[k].to(local[0].dtype) for k in range(received.shape[0])]
-    ortho = yield torch.stack(mats) if mats else None
+    mats = _stack(kept + list(received), local[0].dtype)
+    ortho = yield mats
     theirs = ortho[len(kept):] if ortho is not None else None
     send = theirs.reshape(-1).to(wire) if theirs is not None and theirs.numel() else inputs[0].new_empty(0, dtype=wire)
     returned = yield all_to_all(send, _splits(incoming, size, numel, from_source),
@@ -67,8 +66,20 @@ def run(batch, inputs, ctx):
             else:
                 result.append(ortho[num_kept])
                 num_kept += 1
-        dtype = result[0].dtype if result else x.dtype
-        out.append(torch.stack([r.to(dtype) for r in result]).view(x.shape) if result else x.new_zeros(x.shape))
+        out.append(_stack(result, result[0].dtype).view(x.shape) if result else x.new_zeros(x.shape))
+    return out
+
+
+def _stack(mats: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor | None:
+    """``mats`` stacked in ``dtype``, each cast and copied once into its slot (None for none); one
+    matrix already in ``dtype`` and contiguous is a view of itself."""
+    if not mats:
+        return None
+    if len(mats) == 1 and mats[0].dtype == dtype and mats[0].is_contiguous():
+        return mats[0].unsqueeze(0)
+    out = mats[0].new_empty((len(mats), *mats[0].shape), dtype=dtype)
+    for slot, m in zip(out, mats):
+        slot.copy_(m)
     return out
 
 
