@@ -127,12 +127,16 @@ def norm_scale(coefficients: str | Sequence) -> float:
 def _normalise_into(out: torch.Tensor, X: torch.Tensor, eps: float, scale: float) -> torch.Tensor:
     """``out = X / ||X||_F`` per matrix; ``out`` may be ``X`` itself (in place).
 
-    The norm is accumulated in fp32 for accuracy (``dtype=`` upcasts inside the reduction, without
-    an fp32 copy of the batch), then rounded to X's dtype before the division, as torch.optim.Muon
-    divides a bf16 matrix by its bf16 norm.
+    The norm accumulates in fp32 inside the reduction either way; for bf16 it is returned in bf16,
+    exactly torch.optim.Muon's ``norm()`` (asking for an fp32 result instead made an fp32 copy of
+    the batch on CPU: 12 ms instead of 0.4 ms for 24 x 256 x 768). fp16 keeps an fp32 result,
+    since a large matrix's norm can pass fp16's range.
     """
-    norms = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=torch.float32)
-    return torch.div(X, (norms * scale).clamp_(min=eps).to(X.dtype), out=out)
+    norms = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True,
+                                     dtype=torch.float32 if X.dtype == torch.float16 else None)
+    if scale != 1.0:
+        norms = norms.float() * scale
+    return torch.div(X, norms.clamp(min=eps).to(X.dtype), out=out)
 
 
 def _plain_iterations(X: torch.Tensor, coeffs: Coefficients, gram: torch.Tensor, poly: torch.Tensor,
