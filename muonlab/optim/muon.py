@@ -632,8 +632,7 @@ class Muon(Optimizer):
         # one config per group (settings may change between steps, so made anew each step)
         by_group = {id(g): self._ns_config(g) for g in self.param_groups if g["algorithm"] == "muon"}
         configs = tuple(by_group[id(entries[i][0])] for i in indices)
-        cache_key = (indices, configs, self.comm_dtype, self.strategy, self.remainder_path, self.hardware_profile,
-                     self._budget())
+        cache_key = (indices, configs, self.comm_dtype, self.strategy, self.remainder_path, self.hardware_profile)
         if cache_key not in self._plans:
             replicate = self._replicate_group()
             specs, groups = [], {None: (None, 0)}
@@ -835,21 +834,20 @@ class Muon(Optimizer):
         return _local(self._muon_entries()[0][1]).device
 
     def _ns_runner(self) -> NewtonSchulzRunner:
-        """The Newton-Schulz runner (chunks within the workspace budget, reused buffers, graphs)."""
+        """The Newton-Schulz runner (chunks within the workspace budget, reused buffers, graphs),
+        made at the first step; its ``budget_bytes`` is the one budget the plan and the chunks use."""
         if self._runner is None:
-            self._runner = NewtonSchulzRunner(self._budget(), graphs=self.ns_graphs)
+            budget = self.workspace_bytes
+            if budget is None:
+                local = [_local(p) for _, p in self._muon_entries()]
+                budget = default_budget(sum(t.numel() * t.element_size() for t in local), self._device().type)
+            self._runner = NewtonSchulzRunner(budget, graphs=self.ns_graphs)
         return self._runner
-
-    def _budget(self) -> int:
-        if self.workspace_bytes is not None:
-            return self.workspace_bytes
-        local = [_local(p) for _, p in self._muon_entries()]
-        return default_budget(sum(t.numel() * t.element_size() for t in local), self._device().type)
 
     def _max_local_matrices(self, shape: tuple[int, int], cfg: NSConfig) -> int:
         """Matrices of ``shape`` one batch of the local path may hold within the budget."""
         dtype = resolve_dtype(cfg.dtype, self._device()) or torch.float32
-        return max_batch_matrices(shape, dtype.itemsize, self._budget())
+        return max_batch_matrices(shape, dtype.itemsize, self._ns_runner().budget_bytes)
 
     def _ns_config(self, group: dict) -> NSConfig:
         """A Muon group's Newton-Schulz settings with the optimizer-wide dtype, form and backend."""
