@@ -24,8 +24,8 @@ TIE = 0.02  # triton must be more than 2% faster to be picked: torch has no comp
 REPEATS = 5
 
 _lock = threading.Lock()
-_memory: dict[str, str] = {}
-_loaded_files: set[Path] = set()
+_memory: dict[Path, dict[str, str]] = {}
+"""{cache file: {shape key: backend}}: a file is read at most once per process, when first needed."""
 
 
 def cache_dir() -> Path:
@@ -55,23 +55,21 @@ def _key(batch_shape, dtype, cfg) -> str:
     return f"{tuple(batch_shape)}|{dtype}|{cfg.resolved_coefficients()}"
 
 
-def _load(path: Path) -> None:
-    if path in _loaded_files:
-        return
-    _loaded_files.add(path)
-    try:
-        _memory.update({f"{path}::{k}": v for k, v in json.loads(path.read_text()).items()})
-    except (OSError, ValueError):
-        pass  # no file yet, or a damaged one: measure again and rewrite it
+def _choices(path: Path) -> dict[str, str]:
+    """The known choices of one cache file, read from disk the first time."""
+    if path not in _memory:
+        try:
+            _memory[path] = dict(json.loads(path.read_text()))
+        except (OSError, ValueError, TypeError):
+            _memory[path] = {}  # no file yet, or a damaged one: measure again and rewrite it
+    return _memory[path]
 
 
 def _store(path: Path) -> None:
-    prefix = f"{path}::"
-    mine = {k[len(prefix):]: v for k, v in _memory.items() if k.startswith(prefix)}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(mine, indent=1, sort_keys=True))
+        tmp.write_text(json.dumps(_memory[path], indent=1, sort_keys=True))
         tmp.replace(path)  # atomic: concurrent ranks never read half a file
     except OSError:
         pass  # a read-only home: keep the choice for this process only
@@ -80,25 +78,22 @@ def _store(path: Path) -> None:
 def faster_backend(batch_shape: tuple[int, int, int], dtype: torch.dtype, cfg, device: torch.device) -> str:
     """"torch" or "triton" for a normalised batch of ``batch_shape`` (B, m, n), m <= n, on CUDA."""
     path = cache_file(device)
-    key = f"{path}::{_key(batch_shape, dtype, cfg)}"
+    key = _key(batch_shape, dtype, cfg)
     with _lock:
-        _load(path)
-        if key not in _memory:
+        choices = _choices(path)
+        if key not in choices:
             if torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError(f"backend='auto' has not measured Newton-Schulz on {tuple(batch_shape)} {dtype} "
                                    "yet and can't while a CUDA graph is being captured: run one eager call first")
-            _memory[key] = _measure(batch_shape, dtype, cfg, device)
+            choices[key] = _measure(batch_shape, dtype, cfg, device)
             _store(path)
-        return _memory[key]
+        return choices[key]
 
 
 def measured_choices(device: torch.device) -> dict[str, str]:
     """{shape key: backend} known for ``device`` (in memory or from its cache file)."""
-    path = cache_file(device)
     with _lock:
-        _load(path)
-        prefix = f"{path}::"
-        return {k[len(prefix):]: v for k, v in _memory.items() if k.startswith(prefix)}
+        return dict(_choices(cache_file(device)))
 
 
 def _measure(batch_shape, dtype, cfg, device) -> str:

@@ -137,7 +137,6 @@ def test_backend_choice_is_cached_on_disk_per_device_and_versions(tmp_path, monk
     measurement that counts its calls."""
     monkeypatch.setenv("MUONLAB_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(backend_choice, "_memory", {})
-    monkeypatch.setattr(backend_choice, "_loaded_files", set())
     calls = []
     monkeypatch.setattr(backend_choice, "_measure", lambda *a: calls.append(a) or "triton")
     cfg, cpu = NSConfig(), torch.device("cpu")
@@ -150,7 +149,6 @@ def test_backend_choice_is_cached_on_disk_per_device_and_versions(tmp_path, monk
     assert list(json.loads(path.read_text()).values()) == ["triton"]
     # a new process (empty memory) reads the file instead of measuring
     monkeypatch.setattr(backend_choice, "_memory", {})
-    monkeypatch.setattr(backend_choice, "_loaded_files", set())
     assert backend_choice.faster_backend((2, 16, 32), torch.bfloat16, cfg, cpu) == "triton"
     assert len(calls) == 1
     backend_choice.faster_backend((2, 16, 48), torch.bfloat16, cfg, cpu)  # another shape: measured
