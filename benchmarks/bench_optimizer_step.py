@@ -30,6 +30,7 @@ import torch.nn as nn
 import muonlab
 from muonlab import muon_param_groups, newton_schulz, ns_flops
 from muonlab.models import GPT, GPTConfig
+from muonlab.kernels.newton_schulz import cpu_bf16_flags
 from muonlab.optim import functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _machine import MatmulProbe, load  # noqa: E402
@@ -40,12 +41,10 @@ KELLER = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's default, = muonlab's "k
 
 
 def cpu_bf16_support() -> str:
-    """Whether /proc/cpuinfo lists bf16 matmul instructions (AVX512_BF16 or AMX-BF16)."""
-    try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
+    """Whether /proc/cpuinfo lists bf16 matmul instructions (AVX512_BF16 or AMX-BF16), in words."""
+    found = cpu_bf16_flags()
+    if found is None:
         return "CPU flags unknown"
-    found = [f for f in ("avx512_bf16", "amx_bf16") if f in flags.split()]
     return f"the CPU lists {', '.join(found)}" if found else "the CPU lists neither avx512_bf16 nor amx_bf16"
 
 

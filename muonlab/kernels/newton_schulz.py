@@ -346,15 +346,23 @@ def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torc
     return torch.bfloat16
 
 
+BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
 @functools.cache
-def cpu_has_native_bf16() -> bool:
-    """Whether /proc/cpuinfo lists avx512_bf16 or amx_bf16 (False where it can't be read)."""
+def cpu_bf16_flags() -> tuple[str, ...] | None:
+    """Which of ``BF16_CPU_FLAGS`` (native bf16 matmul) /proc/cpuinfo lists; None where it can't
+    be read or lists no flags."""
     try:
         with open("/proc/cpuinfo") as f:
-            flags = next((line.split() for line in f if line.startswith("flags")), [])
+            flags = next((line.split() for line in f if line.startswith("flags")), None)
     except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+        return None
+    return None if flags is None else tuple(f for f in BF16_CPU_FLAGS if f in flags)
+
+
+def cpu_has_native_bf16() -> bool:
+    return bool(cpu_bf16_flags())
 
 
 def plain_flops_per_iter(m: int, n: int) -> int:
