@@ -89,14 +89,15 @@ class BatchRun:
             del mats
             self._back_start = tracer.mark()
             tracer.add("newton_schulz", t1, self._back_start, path=self.path, batch=self.index)
+        outputs = None
         try:
             self._item = self._advance(ortho, "back")
         except StopIteration as done:  # no way back: the outputs are ready
-            tracer.tally(COMMUNICATION, self._back_start, tracer.mark())
-            self._apply(self.batch, done.value)
-            self.done = True
-            return
+            outputs = done.value
         tracer.tally(COMMUNICATION, self._back_start, tracer.mark())
+        if outputs is not None:
+            self._apply(self.batch, outputs)
+            self.done = True
 
     def finish(self) -> None:
         """Wait for the way back, then apply this rank's output per parameter of the batch."""
