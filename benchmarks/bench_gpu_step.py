@@ -100,15 +100,11 @@ def make_optimizer(label, factory, shapes, dtype, device):
     if factory is None:  # torch.optim.Muon: 2-D only, a bank as its matrices
         flat = []
         for p in params:
-            for mat in (p.detach().unbind(0) if p.ndim == 3 else [p.detach()]):
+            pairs = zip(p.detach().unbind(0), p.grad.unbind(0)) if p.ndim == 3 else [(p.detach(), p.grad)]
+            for mat, grad in pairs:
                 q = torch.nn.Parameter(mat.clone())
-                q.grad = torch.zeros_like(q)
+                q.grad = grad.clone()
                 flat.append(q)
-            if p.ndim == 3:
-                for q, g in zip(flat[-p.shape[0]:], p.grad.unbind(0)):
-                    q.grad.copy_(g)
-            else:
-                flat[-1].grad.copy_(p.grad)
         params = flat
         opt = torch.optim.Muon(params, lr=LR, momentum=MOMENTUM, adjust_lr_fn="original")
     else:
