@@ -497,6 +497,10 @@ class Muon(Optimizer):
             self._stats_tracer = self._tracer
         if "_offload" not in self.__dict__:  # pickled before state offload existed
             self._offload = StateStores(None, None, False, [], {}, 0)
+        if "momentum_dtype" not in self.__dict__:  # pickled before the memory options: momentum was fp32
+            self.momentum_dtype, self.workspace_bytes, self.ns_graphs, self._runner = torch.float32, None, False, None
+            for store in self._offload.stores():
+                store.momentum_dtype = torch.float32
 
     def __deepcopy__(self, memo: dict) -> "Muon":
         if self.process_group is not None:

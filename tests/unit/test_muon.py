@@ -459,6 +459,28 @@ def test_copies_step_exactly_like_the_original(copier):
     assert twin.last_step_stats()["skipped"] is False
 
 
+def test_a_muon_pickled_before_the_memory_options_keeps_stepping_with_fp32_momentum():
+    """An optimizer pickled by a muonlab without momentum_dtype, workspace_bytes and ns_graphs
+    (its momentum was fp32 whatever the parameter's dtype) loads, keeps fp32 momentum and steps."""
+    p = torch.nn.Parameter(torch.randn(4, 6).bfloat16())
+    p.grad = torch.randn(4, 6).bfloat16()
+    opt = Muon([p], momentum_dtype=torch.float32)
+    opt.step()
+    state = opt.__getstate__()
+    for key in ("momentum_dtype", "workspace_bytes", "ns_graphs", "_runner"):
+        del state[key]
+    for store in state["_offload"].stores():
+        del store.__dict__["momentum_dtype"]
+    old = Muon.__new__(Muon)
+    old.__setstate__(state)
+    q = torch.nn.Parameter(torch.randn(4, 6).bfloat16())  # a parameter whose state is made after loading
+    q.grad = torch.randn(4, 6).bfloat16()
+    old.add_param_group({"params": [q]})
+    old.step()
+    assert old.state[q]["momentum_buffer"].dtype == torch.float32
+    assert old.state[old.param_groups[0]["params"][0]]["momentum_buffer"].dtype == torch.float32
+
+
 def test_process_group_is_shared_by_deepcopy_and_refused_by_pickle():
     import pickle
 
