@@ -1,4 +1,4 @@
-"""Worker launching, the device rule (device.py: cuda:LOCAL_RANK with NCCL when CUDA has a GPU per
+"""Worker launching (with progress reported by the workers: report_progress), the device rule (device.py: cuda:LOCAL_RANK with NCCL when CUDA has a GPU per
 rank, else gloo on the CPU), named meshes (MeshAxis) and parallelism: apply_fsdp, apply_ddp,
 apply_ep, composed by parallelize()."""
 
@@ -17,6 +17,7 @@ from .expert_parallel import apply_ep, build_ep_mesh  # noqa: E402
 from .launch import WorkerError, WorkerTimeout, launch, run_worker  # noqa: E402
 from .mesh import MeshAxis, build_mesh, mesh_axis_group  # noqa: E402
 from .parallelize import Parallelized, apply_ddp, apply_fsdp, parallelize  # noqa: E402
+from .progress import report_progress  # noqa: E402
 
 __all__ = [
     "MeshAxis",
@@ -32,6 +33,7 @@ __all__ = [
     "mesh_axis_group",
     "parallelize",
     "rank_device",
+    "report_progress",
     "run_worker",
     "to_rank_device",
 ]

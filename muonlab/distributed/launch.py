@@ -55,14 +55,17 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 import uuid
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 import torch.distributed as dist
-from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from . import progress as _progress
 from .device import DEVICE_CHOICES, DEVICE_ENV, check_backend, choose_device, init_process_group
 
 __all__ = ["WorkerError", "WorkerTimeout", "launch", "run_worker", "worker_main"]
@@ -76,13 +79,15 @@ class WorkerError(RuntimeError):
     """One or more worker processes of :func:`launch` failed.
 
     ``failures`` maps each failed rank to its error text (the worker's traceback where Python
-    recorded one); ``ranks`` lists those ranks, the first observed failure first.
+    recorded one); ``ranks`` lists those ranks, the first observed failure first; ``run_dir`` is
+    the launch's run directory (each rank's logs in ``rank<r>/``), None if there was none.
     """
 
-    def __init__(self, message: str, failures: dict[int, str] | None = None):
+    def __init__(self, message: str, failures: dict[int, str] | None = None, run_dir: str | None = None):
         super().__init__(message)
         self.failures = dict(failures or {})
         self.ranks = list(self.failures)
+        self.run_dir = run_dir
 
 
 class WorkerTimeout(WorkerError):
@@ -92,8 +97,8 @@ class WorkerTimeout(WorkerError):
     initialised its process group) or ``"run"`` (``timeout_s``, counted from when every rank had).
     """
 
-    def __init__(self, message: str, ranks: list[int], phase: str = "run"):
-        super().__init__(message, {rank: "still running at the timeout" for rank in ranks})
+    def __init__(self, message: str, ranks: list[int], phase: str = "run", run_dir: str | None = None):
+        super().__init__(message, {rank: "still running at the timeout" for rank in ranks}, run_dir)
         self.phase = phase
 
 
@@ -188,17 +193,21 @@ def _worker_entry(
     sys_path: list[str],
     status_dir: str,
     launcher_pid: int,
+    run_dir: str,
 ) -> bytes:
     """What each process of :func:`launch` runs: pickled in, pickled out, errors recorded.
 
     ``device`` is the launcher's choice for every rank ("cpu" or "cuda": ``cuda:LOCAL_RANK``), and
     ``timeouts`` is (collective timeout, start-up limit). Status files in ``status_dir`` tell the
     launcher this rank's pid, when its process group is up ("ready"), a sys.exit ("exit"), the
-    time of a failure ("failed") and that it is finished ("done").
+    time of a failure ("failed") and that it is finished ("done"). ``report_progress`` appends to
+    ``<run_dir>/rank<r>/progress.jsonl``; a failure's traceback also goes to this rank's stderr
+    log there (elastic records it only in error.json).
     """
     _die_with_parent(launcher_pid)
     rank = int(os.environ["RANK"])
     _write_status(status_dir, rank, "pid", str(os.getpid()))
+    _progress._open_stream(os.path.join(_rank_dir(run_dir, rank), _progress.PROGRESS_FILE), rank)
 
     def mark_failed() -> None:
         # elastic's error files stamp whole seconds. This finer stamp, taken before the process
@@ -222,13 +231,17 @@ def _worker_entry(
         mark_failed()
         # elastic records no traceback for SystemExit: say what happened in words
         code = e.code if isinstance(e.code, int) else 1
-        _write_status(status_dir, rank, "exit", f"rank {rank} exited with code {code} (sys.exit({e.code!r}) "
-                                                f"in the worker, before returning)")
+        text = f"rank {rank} exited with code {code} (sys.exit({e.code!r}) in the worker, before returning)"
+        _write_status(status_dir, rank, "exit", text)
+        print(text, file=sys.stderr, flush=True)
         raise
     except BaseException:
         mark_failed()
+        traceback.print_exc()
+        sys.stderr.flush()
         raise
     finally:
+        _progress._close_stream()
         _write_status(status_dir, rank, "done", str(os.getpid()))
 
 
@@ -316,30 +329,38 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-class _QuietElastic(logging.Filter):
-    """Drops elastic's own reports of what launch() reports better.
-
-    elastic warns that it cannot install signal handlers off the main thread (launch() runs the
-    agent on a thread on purpose, so the caller's handlers stay, and kills workers itself), and logs
-    each failed worker's traceback and each process it terminates: launch() raises those as one
-    WorkerError naming the rank, so in a notebook they would be dozens of red lines with pids and
-    timestamps before the real message.
-    """
-
-    LOGGERS = ("torch.distributed.elastic.multiprocessing.api", "torch.multiprocessing.spawn")
-    DROPPED = ("running on a child thread", "failed (exitcode", "Terminating process")
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        return not any(text in message for text in self.DROPPED)
+# The launcher-side loggers of torch's elastic agent. launch() reports failures itself, as one
+# WorkerError naming the rank; elastic's warnings (a traceback per failed worker, each process it
+# terminates, signal handlers it cannot install off the main thread), with pids and timestamps,
+# go to the run's launcher.log instead of the notebook.
+_ELASTIC_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing.spawn")
+LAUNCHER_LOG = "launcher.log"
 
 
-def _read_error_files(log_dir: str) -> dict[int, str]:
-    """Each rank's recorded error: ``<log_dir>/<run>/attempt_0/<local_rank>/error.json``."""
+@contextmanager
+def _elastic_logs_to(path: str) -> Iterator[None]:
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    loggers = [logging.getLogger(name) for name in _ELASTIC_LOGGERS]
+    saved = [logger.propagate for logger in loggers]
+    for logger in loggers:
+        logger.addHandler(handler)
+        logger.propagate = False
+    try:
+        yield
+    finally:
+        for logger, propagate in zip(loggers, saved):
+            logger.removeHandler(handler)
+            logger.propagate = propagate
+        handler.close()
+
+
+def _read_error_files(run_dir: str) -> dict[int, str]:
+    """Each rank's recorded error: ``<run_dir>/rank<r>/error.json``."""
     errors: dict[int, tuple[float, str]] = {}
-    for path in glob.glob(os.path.join(log_dir, "*", "attempt_*", "*", "error.json")):
+    for path in glob.glob(os.path.join(run_dir, "rank*", "error.json")):
         try:
-            rank = int(os.path.basename(os.path.dirname(path)))
+            rank = int(os.path.basename(os.path.dirname(path))[len("rank"):])
             with open(path) as f:
                 data = json.load(f)
         except (ValueError, OSError):
@@ -378,9 +399,9 @@ def _status_text(status_dir: str, rank: int, kind: str) -> str:
         return ""
 
 
-def _failure_texts(err: ChildFailedError, log_dir: str, status_dir: str) -> dict[int, str]:
+def _failure_texts(err: ChildFailedError, run_dir: str, status_dir: str) -> dict[int, str]:
     """Rank -> error text, the first failure first (elastic's root cause where times tie)."""
-    recorded = _read_error_files(log_dir)
+    recorded = _read_error_files(run_dir)
     texts: dict[int, str] = {}
     killed = set()
     for rank, failure in err.failures.items():
@@ -418,14 +439,21 @@ def _fn_name(fn: Callable[..., Any]) -> str:
     return f"{getattr(target, '__module__', '?')}.{getattr(target, '__qualname__', repr(target))}"
 
 
-def _worker_error(fn: Callable[..., Any], num_procs: int, texts: dict[int, str]) -> WorkerError:
+def _logs_line(run_dir: str, rank: int | None = None) -> str:
+    if rank is None:
+        return f"full logs: {run_dir}{os.sep} (rank<r>{os.sep}stdout.log, stderr.log; {LAUNCHER_LOG})"
+    return (f"full logs: {os.path.join(_rank_dir(run_dir, rank), 'stderr.log')} "
+            f"(every rank's: {run_dir}{os.sep})")
+
+
+def _worker_error(fn: Callable[..., Any], num_procs: int, texts: dict[int, str], run_dir: str) -> WorkerError:
     first, *others = texts
     head = f"rank {first} of {num_procs} failed in {_fn_name(fn)}"
     if others:
         label = "rank" if len(others) == 1 else "ranks"
         head += f"; {label} {', '.join(map(str, others))} failed after it"
     sections = [f"--- rank {rank} ---\n{text}" for rank, text in texts.items()]
-    return WorkerError(head + "\n" + "\n".join(sections), texts)
+    return WorkerError("\n".join([head, _logs_line(run_dir, first), *sections]), texts, run_dir)
 
 
 def _timeout_message(fn: Callable[..., Any], num_procs: int, limits: tuple[float, float], timed_out: dict) -> str:
@@ -484,6 +512,8 @@ def launch(
     device: str | None = None,
     timeout_s: float = 300,
     startup_timeout_s: float = 600,
+    name: str | None = None,
+    progress: bool | None = None,
     **kwargs: Any,
 ) -> dict[int, Any]:
     """Run ``fn(*args, **kwargs)`` in ``nprocs`` new local processes; return ``{rank: result}``.
@@ -494,8 +524,8 @@ def launch(
     with gloo; ``device="cpu"`` asks for CPU/gloo workers on any machine, ``device="cuda"`` for GPU
     workers (an error if there are too few GPUs). ``backend`` overrides the backend only. The
     collective timeout is ``timeout_s``; CPU workers use one intra-op thread; nothing is seeded.
-    ``backend`` and ``device`` are launch's own keywords, not passed to ``fn``. ``fn``, the arguments and the return values
-    are pickled. A worker that calls ``sys.exit(0)`` (or ``sys.exit()``) counts as returning None;
+    ``backend``, ``device``, the timeouts, ``name`` and ``progress`` are launch's own keywords, not
+    passed to ``fn``. ``fn``, the arguments and the return values are pickled. A worker that calls ``sys.exit(0)`` (or ``sys.exit()``) counts as returning None;
     ``sys.exit(n)`` with ``n != 0`` is a failure ("rank R exited with code n"). Before returning,
     the ranks wait for each other (a barrier), so a fast rank never closes connections a slow
     one still needs.
@@ -503,6 +533,15 @@ def launch(
     Two clocks: the workers have ``startup_timeout_s`` seconds from being started until every rank
     has initialised its process group (start-up imports torch, which can take minutes on a loaded
     machine), and ``timeout_s`` seconds from then on to finish.
+
+    Each launch keeps a run directory, ``runs/<name>/`` under the current directory (or under
+    ``$MUONLAB_RUNS_DIR``): ``rank<r>/stdout.log``, ``stderr.log``, ``error.json`` and
+    ``progress.jsonl`` per rank, and ``launcher.log`` (torch's elastic agent). ``name`` defaults to
+    the function's name and the time (``train_worker-20260101-120000``); a given name is reused,
+    its previous logs replaced. Workers report steps with
+    :func:`muonlab.distributed.progress.report_progress`; ``progress`` shows them while the call
+    waits: None (default) shows a bar and a live loss plot in a notebook and nothing elsewhere,
+    True a text bar on stderr outside a notebook, False nothing.
 
     Raises:
         ValueError: ``fn`` is not importable by the children (defined in ``__main__``, e.g. a
@@ -512,7 +551,7 @@ def launch(
         RuntimeError: ``device="cuda"`` without CUDA (nothing started), or called while a spawned worker re-runs a script that calls ``launch`` outside
             ``if __name__ == "__main__":`` (the parent then raises WorkerError saying so).
         WorkerError: a worker raised, died or exited with a nonzero code; the message names the
-            rank(s) and holds the traceback(s).
+            rank(s), the path of the first one's log, and holds the traceback(s).
         WorkerTimeout: a clock ran out; ``phase`` and the message say which ("startup" or "run")
             and name the ranks. All worker processes have been ended when either error is raised.
     """
@@ -520,9 +559,12 @@ def launch(
     _check_importable(fn)
     if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
         raise ValueError(f"nprocs must be a positive int, got {nprocs!r}")
-    for name, value in (("timeout_s", timeout_s), ("startup_timeout_s", startup_timeout_s)):
+    for keyword, value in (("timeout_s", timeout_s), ("startup_timeout_s", startup_timeout_s)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
-            raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+            raise ValueError(f"{keyword} must be a positive number of seconds, got {value!r}")
+    if progress is not None and not isinstance(progress, bool):
+        raise ValueError(f"progress must be None, True or False, got {progress!r}")
+    _check_run_name(name)
     # Decided here, once, so a bad choice fails before anything starts and every rank agrees;
     # each worker then takes cuda:LOCAL_RANK (or the CPU) by the same rule.
     chosen = choose_device(device, local_rank=0, local_world_size=nprocs).type
@@ -532,42 +574,133 @@ def launch(
     except Exception as e:
         raise TypeError(f"launch() could not pickle {_fn_name(fn)} and its arguments: {e}") from e
 
-    work_dir = tempfile.mkdtemp(prefix="muonlab_launch_")
-    log_dir = os.path.join(work_dir, "logs")
-    status_dir = os.path.join(work_dir, "status")
-    os.makedirs(log_dir)
-    os.makedirs(status_dir)
+    run_dir = _make_run_dir(fn, name, nprocs)
+    status_dir = tempfile.mkdtemp(prefix="muonlab_launch_status_")
     sys_path = [os.getcwd() if entry == "" else entry for entry in sys.path]
     limits = (float(timeout_s), float(startup_timeout_s))
+    display = _display_for(progress)
+    monitor = _progress.ProgressMonitor(
+        name or _short_name(fn), [_rank_dir(run_dir, rank) for rank in range(nprocs)],
+        lambda: len(_ranks_in(status_dir, "ready")), display,
+    )
+    failed = True
     try:
-        entry_args = (payload, chosen, backend, limits, sys_path, status_dir, os.getpid())
-        outcome = _run_agent(_launch_config(nprocs, startup_timeout_s, log_dir), entry_args, limits, status_dir)
-        return _results(fn, nprocs, limits, outcome, (log_dir, status_dir))
+        entry_args = (payload, chosen, backend, limits, sys_path, status_dir, os.getpid(), os.path.abspath(run_dir))
+        with _elastic_logs_to(os.path.join(run_dir, LAUNCHER_LOG)):
+            outcome = _run_agent(_launch_config(nprocs, startup_timeout_s, run_dir), entry_args, limits,
+                                 status_dir, monitor.poll)
+        results = _results(fn, nprocs, limits, outcome, (run_dir, status_dir))
+        failed = False
+        return results
     finally:
-        shutil.rmtree(work_dir, ignore_errors=True)
+        monitor.close(failed)
+        shutil.rmtree(status_dir, ignore_errors=True)
+
+
+def _display_for(progress: bool | None) -> str | None:
+    if progress is False:
+        return None
+    if _progress.in_notebook_kernel():
+        return "notebook"
+    return "text" if progress else None
+
+
+# --------------------------------------------------------------------------------------------
+# The run directory
+
+
+RUNS_DIR_ENV = "MUONLAB_RUNS_DIR"
+
+
+def _check_run_name(name: str | None) -> None:
+    if name is None:
+        return
+    if not isinstance(name, str) or not name.strip() or name.startswith(".") or "/" in name or os.sep in name:
+        raise ValueError(f"name must be a non-empty directory name (no path separator, not starting with "
+                         f"'.'), got {name!r}")
+
+
+def _short_name(fn: Callable[..., Any]) -> str:
+    target = fn
+    while isinstance(target, functools.partial):
+        target = target.func
+    return getattr(target, "__name__", None) or "launch"
+
+
+def _rank_dir(run_dir: str, rank: int) -> str:
+    return os.path.join(run_dir, f"rank{rank}")
+
+
+def _make_run_dir(fn: Callable[..., Any], name: str | None, nprocs: int) -> str:
+    """``<root>/<name>/`` with an empty ``rank<r>/`` per rank; root is ``$MUONLAB_RUNS_DIR`` or ``runs``."""
+    root = os.environ.get(RUNS_DIR_ENV) or "runs"
+    if name is None:
+        base = f"{_short_name(fn)}-{time.strftime('%Y%m%d-%H%M%S')}"
+        run_dir, suffix = os.path.join(root, base), 1
+        while os.path.exists(run_dir):
+            suffix += 1
+            run_dir = os.path.join(root, f"{base}-{suffix}")
+    else:
+        run_dir = os.path.join(root, name)
+        # a rerun under the same name replaces what launch wrote there before, and nothing else
+        for old in glob.glob(os.path.join(run_dir, "rank*")):
+            shutil.rmtree(old, ignore_errors=True)
+        if os.path.exists(os.path.join(run_dir, LAUNCHER_LOG)):
+            os.remove(os.path.join(run_dir, LAUNCHER_LOG))
+    for rank in range(nprocs):
+        os.makedirs(_rank_dir(run_dir, rank), exist_ok=True)
+    return run_dir
+
+
+class _RunLogs(LogsSpecs):
+    """Each rank's stdout, stderr and error file in ``<run_dir>/rank<r>/``, never on the console:
+    a notebook shows launch's own report, not the workers' log lines."""
+
+    def __init__(self, run_dir: str):
+        super().__init__(log_dir=run_dir, redirects=Std.ALL, tee=Std.NONE)
+        self.run_dir = os.path.abspath(run_dir)
+
+    @property
+    def root_log_dir(self) -> str:
+        return self.run_dir
+
+    def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
+        dest = LogsDest()
+        for local_rank in range(len(envs)):
+            rank_dir = _rank_dir(self.run_dir, local_rank)
+            os.makedirs(rank_dir, exist_ok=True)
+            dest.stdouts[local_rank] = os.path.join(rank_dir, "stdout.log")
+            dest.stderrs[local_rank] = os.path.join(rank_dir, "stderr.log")
+            dest.error_files[local_rank] = os.path.join(rank_dir, "error.json")
+            envs[local_rank]["TORCHELASTIC_ERROR_FILE"] = dest.error_files[local_rank]
+        dest.filtered_stdout = os.path.join(self.run_dir, "filtered_stdout.log")
+        dest.filtered_stderr = os.path.join(self.run_dir, "filtered_stderr.log")
+        return dest
 
 
 def _results(fn: Callable[..., Any], nprocs: int, limits: tuple[float, float], outcome: dict,
              dirs: tuple[str, str]) -> dict[int, Any]:
     """The ranks' return values, or the error that says why there are none."""
-    log_dir, status_dir = dirs
+    run_dir, status_dir = dirs
     unguarded = glob.glob(os.path.join(status_dir, _UNGUARDED_MAIN + "*"))
     if unguarded:
         with open(unguarded[0]) as f:
             text = f.read()
-        raise WorkerError(text, {rank: text for rank in range(nprocs)})
+        raise WorkerError(text, {rank: text for rank in range(nprocs)}, run_dir)
     if "timed_out" in outcome:
         timed_out = outcome["timed_out"]
-        raise WorkerTimeout(_timeout_message(fn, nprocs, limits, timed_out), timed_out["running"], timed_out["phase"])
+        message = _timeout_message(fn, nprocs, limits, timed_out) + "\n" + _logs_line(run_dir)
+        raise WorkerTimeout(message, timed_out["running"], timed_out["phase"], run_dir)
     error = outcome.get("error")
     if isinstance(error, ChildFailedError):
-        raise _worker_error(fn, nprocs, _failure_texts(error, log_dir, status_dir)) from None
+        raise _worker_error(fn, nprocs, _failure_texts(error, run_dir, status_dir), run_dir) from None
     if error is not None:
-        raise RuntimeError(f"launch of {_fn_name(fn)} failed to run its workers: {error}") from error
+        raise RuntimeError(f"launch of {_fn_name(fn)} failed to run its workers: {error}\n"
+                           f"{_logs_line(run_dir)}") from error
     # elastic hands back None for a worker that ended with sys.exit(0) before calling fn
     exited = {rank: _status_text(status_dir, rank, "exit") for rank, blob in outcome["values"].items() if blob is None}
     if exited:
-        raise _worker_error(fn, nprocs, exited)
+        raise _worker_error(fn, nprocs, exited, run_dir)
     return {rank: pickle.loads(blob) for rank, blob in sorted(outcome["values"].items())}
 
 
@@ -593,7 +726,7 @@ def _refuse_in_spawn_bootstrap() -> None:
     raise RuntimeError(message)
 
 
-def _launch_config(nprocs: int, startup_timeout_s: float, log_dir: str) -> LaunchConfig:
+def _launch_config(nprocs: int, startup_timeout_s: float, run_dir: str) -> LaunchConfig:
     """One node, ``nprocs`` spawned workers, a static rendezvous on a free local port."""
     return LaunchConfig(
         min_nodes=1,
@@ -607,17 +740,20 @@ def _launch_config(nprocs: int, startup_timeout_s: float, log_dir: str) -> Launc
         monitor_interval=0.1,
         start_method="spawn",
         local_addr="127.0.0.1",
-        logs_specs=DefaultLogsSpecs(log_dir=log_dir),
+        logs_specs=_RunLogs(run_dir),
     )
 
 
 def _wait_for_agent(agent_done: threading.Event, nprocs: int, limits: tuple[float, float],
-                    status_dir: str) -> dict[str, Any] | None:
-    """None once the agent is done, or what timed out: {"phase", "ready", "running"}."""
+                    status_dir: str, tick: Callable[[], None]) -> dict[str, Any] | None:
+    """None once the agent is done, or what timed out: {"phase", "ready", "running"}.
+
+    ``tick`` (the progress display) runs on this, the caller's, thread between waits."""
     timeout_s, startup_timeout_s = limits
     phase, deadline = "startup", time.monotonic() + startup_timeout_s
     # Short waits, so a Ctrl-C is seen promptly however it arrives.
     while not agent_done.wait(min(0.25, max(0.0, deadline - time.monotonic()))):
+        tick()
         if phase == "startup" and len(_ranks_in(status_dir, "ready")) == nprocs:
             phase, deadline = "run", time.monotonic() + timeout_s
         if time.monotonic() >= deadline:
@@ -627,7 +763,8 @@ def _wait_for_agent(agent_done: threading.Event, nprocs: int, limits: tuple[floa
     return None
 
 
-def _run_agent(config: LaunchConfig, entry_args: tuple, limits: tuple[float, float], status_dir: str) -> dict[str, Any]:
+def _run_agent(config: LaunchConfig, entry_args: tuple, limits: tuple[float, float], status_dir: str,
+               tick: Callable[[], None]) -> dict[str, Any]:
     """Run elastic's agent on a thread and wait for it (see :func:`_wait_for_agent`).
 
     Returns {"values": {rank: pickled result}}, {"error": exception}, or {"timed_out": ...} once
@@ -647,9 +784,6 @@ def _run_agent(config: LaunchConfig, entry_args: tuple, limits: tuple[float, flo
             agent_done.set()
 
     children_before = set(multiprocessing.active_children())
-    quiet = _QuietElastic()
-    for name in quiet.LOGGERS:
-        logging.getLogger(name).addFilter(quiet)
     saved_env = {key: os.environ.get(key) for key in ("TORCHELASTIC_SIGNALS_TO_HANDLE", _STATUS_DIR_ENV)}
     # spawned children inherit it while they bootstrap, before elastic hands them anything
     os.environ[_STATUS_DIR_ENV] = status_dir
@@ -657,7 +791,7 @@ def _run_agent(config: LaunchConfig, entry_args: tuple, limits: tuple[float, flo
     try:
         agent.start()
         try:
-            timed_out = _wait_for_agent(agent_done, config.nproc_per_node, limits, status_dir)
+            timed_out = _wait_for_agent(agent_done, config.nproc_per_node, limits, status_dir, tick)
         except BaseException:  # KeyboardInterrupt in a notebook: take the workers down with us
             _stop_workers(children_before, agent_done)
             raise
@@ -666,8 +800,6 @@ def _run_agent(config: LaunchConfig, entry_args: tuple, limits: tuple[float, flo
             return {"timed_out": timed_out}
         return outcome
     finally:
-        for name in quiet.LOGGERS:
-            logging.getLogger(name).removeFilter(quiet)
         for key, value in saved_env.items():
             if value is None:
                 os.environ.pop(key, None)

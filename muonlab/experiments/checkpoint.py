@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from .. import checkpoint
 from ..distributed.device import rank_device, to_rank_device
+from ..distributed.progress import report_progress
 from ..models import GPT, GPTConfig
 from ..optim import Muon, muon_param_groups
 from .train import tensor_devices
@@ -55,10 +56,14 @@ def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return t[:, :-1], t[:, 1:]
 
 
-def train_steps(model, opt, steps: range) -> list[float]:
-    """Train; return the global mean loss of each step."""
+def train_steps(model, opt, steps: range, *, done_before: int = 0, total: int | None = None) -> list[float]:
+    """Train; return the global mean loss of each step.
+
+    Each step is reported to the launcher (``report_progress``) as step ``done_before + i + 1`` of
+    ``total`` (default: ``len(steps)``), so a launch that trains twice counts on across both."""
     losses = []
-    for step in steps:
+    total = len(steps) if total is None else total
+    for i, step in enumerate(steps):
         x, y = global_batch(step)
         loss = model(x, y)
         loss.backward()
@@ -69,6 +74,7 @@ def train_steps(model, opt, steps: range) -> list[float]:
             dist.all_reduce(value)
             value /= dist.get_world_size()
         losses.append(float(value))
+        report_progress(step=done_before + i + 1, loss=losses[-1], total=total)
     return losses
 
 
@@ -81,9 +87,9 @@ def train_and_save(path: str, steps: int, save_at: int, width: int = 32) -> dict
     """A straight run of ``steps`` steps, and a run that saves at ``save_at``: losses, saved params,
     and where the saving run's tensors lived (``tensor_devices``)."""
     model, opt = build(width)
-    straight = train_steps(model, opt, range(steps))
+    straight = train_steps(model, opt, range(steps), total=steps + save_at)
     model, opt = build(width)
-    before = train_steps(model, opt, range(save_at))
+    before = train_steps(model, opt, range(save_at), done_before=steps, total=steps + save_at)
     checkpoint.save(path, model, opt, save_at)
     return dict(straight=straight, before=before, saved_params=_full_params(model),
                 devices=tensor_devices(model, opt))

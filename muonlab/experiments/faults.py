@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
+from ..distributed.progress import report_progress
+
 from .checkpoint import build, global_batch
 
 __all__ = ["faulty_training"]
@@ -19,9 +21,11 @@ def faulty_training(fail_rank: int, fail_step: int, steps: int = 4) -> int:
     model, opt = build()
     for step in range(steps):
         x, y = global_batch(step)
-        model(x, y).backward()
+        loss = model(x, y)
+        loss.backward()
         if dist.get_rank() == fail_rank and step == fail_step:
             raise RuntimeError(f"injected fault on rank {fail_rank} at step {fail_step}")
         opt.step()
         opt.zero_grad()
+        report_progress(step=step + 1, loss=loss.item(), total=steps)
     return dist.get_rank()

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from ..comm.records import bytes_for_rank, table
 from ..data import get_batch, load_corpus
 from ..distributed.device import rank_device
+from ..distributed.progress import report_progress
 from ..models import GPT, GPTConfig
 from ..models.gpt import moe_config
 from ..optim import Muon, muon_param_groups
@@ -144,7 +145,7 @@ def _train(model, opt, steps: int, batch_per_rank: int, context: int, seed: int)
     gen = torch.Generator().manual_seed(seed)
     mine = slice(rank * batch_per_rank, (rank + 1) * batch_per_rank)
     losses, mean_losses, step_seconds = [], [], []
-    for _ in range(steps):
+    for step in range(steps):
         x, y = get_batch(data, batch_per_rank * world, context, gen)
         loss = model(x[mine].to(device), y[mine].to(device))
         loss.backward()
@@ -156,4 +157,5 @@ def _train(model, opt, steps: int, batch_per_rank: int, context: int, seed: int)
         dist.all_reduce(mean)
         losses.append(loss.item())
         mean_losses.append(mean.item() / world)
+        report_progress(step=step + 1, loss=losses[-1], total=steps)
     return losses, mean_losses, step_seconds

@@ -39,11 +39,12 @@ def plot_val_loss_vs_time(histories: dict, *, ax=None, title: str = "validation 
 
 def muon_trainer(cfg: GPTConfig, *, steps: int, batch_size: int = 16, seed: int = 0,
                  eval_every: int = 0, eval_batches: int = 4, adamw_lr: float = 3e-3,
-                 **muon_kwargs) -> Callable[..., History]:
+                 progress: bool = True, **muon_kwargs) -> Callable[..., History]:
     """A callback ``run(lr, momentum, ns_steps, ns_coefficients) -> History`` for ``training_panel``.
 
     Every call trains a fresh ``GPT(cfg)`` from the same seed on the same batches, so two calls
-    differ only in the optimizer settings. Extra keyword arguments go to ``Muon`` (e.g. ns_dtype).
+    differ only in the optimizer settings. ``progress`` shows ``train``'s tqdm bar while it runs
+    (inside the panel when the panel calls it). Extra keyword arguments go to ``Muon`` (e.g. ns_dtype).
     """
 
     def run(lr: float, momentum: float, ns_steps: int, ns_coefficients: str) -> History:
@@ -53,8 +54,8 @@ def muon_trainer(cfg: GPTConfig, *, steps: int, batch_size: int = 16, seed: int 
         model = GPT(cfg)
         opt = make_optimizer("muon", model, lr=lr, adamw_lr=adamw_lr, momentum=momentum,
                              ns_steps=int(ns_steps), ns_coefficients=ns_coefficients, **muon_kwargs)
-        return train(model, opt, steps=steps, batch_size=batch_size, seed=seed,
-                     eval_every=eval_every, eval_batches=eval_batches, progress=False)
+        return train(model, opt, steps=steps, batch_size=batch_size, seed=seed, eval_every=eval_every,
+                     eval_batches=eval_batches, progress=progress, desc="muon")
 
     return run
 
@@ -63,7 +64,8 @@ class TrainingPanel:
     """Sliders (lr, momentum, ns_steps), a preset dropdown and a button that reruns and redraws.
 
     ``update()`` is the button's callback; call it directly to run once without a frontend (CI).
-    The last ``keep`` runs are overlaid, labelled by their settings.
+    The last ``keep`` runs are overlaid, labelled by their settings. The callback runs inside the
+    panel's output area, so a progress bar it shows (``muon_trainer``'s) appears in the panel.
     """
 
     def __init__(self, run_fn: Callable, *, lr: float = 0.02, momentum: float = 0.95,
@@ -106,7 +108,12 @@ class TrainingPanel:
         v = self.values()
         label = f"lr={v['lr']:.3g} mu={v['momentum']:.2f} ns={v['ns_steps']} {v['ns_coefficients']}"
         self.status.value = f"training: {label} ..."
-        result = self.run_fn(**v)
+        try:
+            with self.output:  # a tqdm.auto bar the callback opens is drawn here, under the last plot
+                result = self.run_fn(**v)
+        except Exception as e:
+            self.status.value = f"failed: {label}: {type(e).__name__}: {e}"
+            raise
         histories = result if isinstance(result, dict) else {label: result}
         for name, h in histories.items():
             self.runs.pop(name, None)  # a rerun moves to the end instead of keeping its old slot

@@ -229,3 +229,23 @@ def mesh_checks() -> dict:
     report["gpt_fsdp_tied"] = _gpt_report(mesh, tie_embeddings=True)
     report["gpt_hsdp"] = _gpt_report(mesh2d, tie_embeddings=False)
     return report
+
+
+# ---------------------------------------------------------------------------------- progress
+
+
+def report_steps(num_steps: int, fail_rank: int | None = None) -> int:
+    """Reports ``num_steps`` steps with loss ``10 * rank + step`` and prints a line to stdout and
+    stderr; ``fail_rank`` raises after its first step."""
+    import sys
+
+    from muonlab.distributed import report_progress
+
+    rank = dist.get_rank()
+    print(f"stdout line from rank {rank}", flush=True)
+    print(f"stderr line from rank {rank}", file=sys.stderr, flush=True)
+    for step in range(1, num_steps + 1):
+        report_progress(step=step, loss=torch.tensor(10.0 * rank + step), total=num_steps)
+        if rank == fail_rank:
+            raise RuntimeError(f"deliberate failure on rank {rank} after step {step}")
+    return rank

@@ -21,3 +21,14 @@ def _cpu_workers(request, monkeypatch):
         monkeypatch.delenv(DEVICE_ENV, raising=False)
     else:
         monkeypatch.setenv(DEVICE_ENV, "cpu")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _runs_in_a_temporary_directory(tmp_path_factory):
+    """launch() keeps each run's logs under $MUONLAB_RUNS_DIR (default ./runs); the suite's runs go
+    to a temporary directory instead of the checkout."""
+    from muonlab.distributed.launch import RUNS_DIR_ENV
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(RUNS_DIR_ENV, str(tmp_path_factory.mktemp("runs")))
+        yield

@@ -92,8 +92,8 @@ def test_two_ranks_with_a_function_only_on_the_callers_sys_path(tmp_path, monkey
     monkeypatch.syspath_prepend(str(tmp_path))
     import nb_helpers_for_launch
 
-    results = launch(nb_helpers_for_launch.info, 2, "a", 2, scale=0.5, name="x", timeout_s=150)
-    _check_rank_info(results, 2, args=("a", 2), kwargs={"scale": 0.5, "name": "x"})
+    results = launch(nb_helpers_for_launch.info, 2, "a", 2, scale=0.5, label="x", timeout_s=150)
+    _check_rank_info(results, 2, args=("a", 2), kwargs={"scale": 0.5, "label": "x"})
 
 
 @pytest.mark.timeout(180)

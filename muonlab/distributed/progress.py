@@ -1,0 +1,297 @@
+"""Progress of launched workers: reported by each rank, shown while :func:`launch` waits.
+
+Worker side: :func:`report_progress` appends one JSON line (rank, step, loss, total, time) to this
+rank's ``progress.jsonl`` in the launch's run directory, and does nothing outside a launch. A
+line per step costs one small write; a file survives the worker's crash, and the launcher reads
+it without any handshake that could block a worker.
+
+Launcher side: :class:`ProgressState` folds the lines into per-rank steps and losses (no display,
+so it is tested without a kernel); :class:`ProgressMonitor` tails the files when ``launch`` polls
+it and drives a display: in a notebook a tqdm bar (the slowest rank's step, the latest mean loss)
+and a loss plot redrawn about once a second, elsewhere an optional text bar on stderr. Closing
+leaves a plain-text line ("fsdp: 10/10 steps, loss 3.21 -> 2.95, 84 s") for viewers that cannot
+render widgets.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import sys
+import time
+import warnings
+from typing import Any, TextIO
+
+__all__ = ["PROGRESS_FILE", "ProgressMonitor", "ProgressState", "in_notebook_kernel", "report_progress"]
+
+PROGRESS_FILE = "progress.jsonl"
+
+# ---------------------------------------------------------------------------------- in a worker
+
+_sink: TextIO | None = None
+_sink_rank = 0
+
+
+def _open_stream(path: str, rank: int) -> None:
+    """Make :func:`report_progress` append to ``path`` (called by launch's worker entry)."""
+    global _sink, _sink_rank
+    _close_stream()
+    _sink, _sink_rank = open(path, "a", buffering=1), rank
+
+
+def _close_stream() -> None:
+    global _sink
+    if _sink is not None:
+        _sink.close()
+        _sink = None
+
+
+def report_progress(*, step: int, loss: Any = None, total: int | None = None) -> None:
+    """Tell the launching process that this rank has done ``step`` steps (of ``total``).
+
+    ``step`` counts the steps this rank has finished in the current launch (1, 2, ...), ``loss``
+    is a number or a one-element tensor (this rank's loss at that step), ``total`` the number of
+    steps the launch will run when known. Outside a :func:`muonlab.distributed.launch` worker it
+    does nothing, so worker functions can call it unconditionally.
+    """
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"report_progress: step must be an int >= 0, got {step!r}")
+    if total is not None and (isinstance(total, bool) or not isinstance(total, int) or total < 0):
+        raise ValueError(f"report_progress: total must be None or an int >= 0, got {total!r}")
+    if _sink is None:
+        return
+    value = None if loss is None else float(loss)
+    record = {"rank": _sink_rank, "step": step, "loss": value, "total": total, "time": time.time()}
+    _sink.write(json.dumps(record) + "\n")
+
+
+# ---------------------------------------------------------------------------------- folding
+
+
+class ProgressState:
+    """What the ranks have reported: per rank its last step, per step each rank's loss.
+
+    ``add`` takes one parsed record, ``feed`` one JSON line (a malformed line is counted in
+    ``bad_lines`` and skipped: a worker killed mid-write leaves at most one).
+    """
+
+    def __init__(self, num_ranks: int):
+        self.num_ranks = num_ranks
+        self.last_step: dict[int, int] = {}
+        self.losses: dict[int, dict[int, float]] = {}  # step -> {rank: loss}
+        self.total: int | None = None
+        self.bad_lines = 0
+
+    def feed(self, line: str) -> None:
+        try:
+            record = json.loads(line)
+            self.add(record)
+        except (ValueError, TypeError, KeyError):
+            self.bad_lines += 1
+
+    def add(self, record: dict) -> None:
+        rank, step = int(record["rank"]), int(record["step"])
+        self.last_step[rank] = step
+        if record.get("total") is not None:
+            self.total = int(record["total"])
+        if record.get("loss") is not None:
+            self.losses.setdefault(step, {})[rank] = float(record["loss"])
+
+    @property
+    def slowest_step(self) -> int:
+        """Steps every rank has finished (0 until each rank has reported)."""
+        if len(self.last_step) < self.num_ranks:
+            return 0
+        return min(self.last_step.values())
+
+    def mean_losses(self) -> tuple[list[int], list[float]]:
+        """(steps, mean loss over the ranks) for the steps every rank has reported a loss for."""
+        steps = [s for s in sorted(self.losses) if len(self.losses[s]) == self.num_ranks]
+        return steps, [sum(self.losses[s].values()) / self.num_ranks for s in steps]
+
+    def summary(self, name: str, elapsed_s: float, failed: bool = False) -> str:
+        """One plain line: ``"fsdp: 10/10 steps, loss 3.21 -> 2.95, 84 s"``."""
+        done = f"{self.slowest_step}/{self.total}" if self.total is not None else f"{self.slowest_step}"
+        text = f"{name}: {done} steps"
+        _, means = self.mean_losses()
+        if means:
+            text += f", loss {means[0]:.3f} -> {means[-1]:.3f}" if len(means) > 1 else f", loss {means[0]:.3f}"
+        text += f", {elapsed_s:.0f} s"
+        return text + (" (failed)" if failed else "")
+
+
+class _Tail:
+    """New complete lines of a file that another process appends to."""
+
+    def __init__(self, path: str):
+        self.path, self.offset, self.partial = path, 0, b""
+
+    def lines(self) -> list[str]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except OSError:  # not created yet
+            return []
+        self.offset += len(data)
+        *complete, self.partial = (self.partial + data).split(b"\n")
+        return [line.decode("utf-8", "replace") for line in complete if line.strip()]
+
+
+# ---------------------------------------------------------------------------------- displays
+
+
+def in_notebook_kernel() -> bool:
+    """True inside a Jupyter kernel (an IPython shell with a kernel attached)."""
+    ipython = sys.modules.get("IPython")
+    if ipython is None:
+        return False
+    shell = ipython.get_ipython()
+    return shell is not None and getattr(shell, "kernel", None) is not None
+
+
+class _TextDisplay:
+    """A tqdm bar on stderr (``progress=True`` outside a notebook)."""
+
+    def __init__(self, name: str):
+        from tqdm import tqdm
+
+        self.name = name
+        self.bar = tqdm(total=None, desc=name, unit="step", file=sys.stderr, leave=False, dynamic_ncols=True)
+        self.out = sys.stderr
+
+    def update(self, state: ProgressState, ready: int) -> None:
+        bar = self.bar
+        starting = ready < state.num_ranks and not state.last_step
+        desc = f"{self.name} (starting {ready}/{state.num_ranks})" if starting else self.name
+        if desc != bar.desc:
+            bar.set_description_str(desc, refresh=False)
+        if state.total is not None and bar.total != state.total:
+            bar.reset(total=state.total)  # also resizes a notebook bar's widget
+        bar.n = state.slowest_step
+        _, means = state.mean_losses()
+        if means:
+            bar.set_postfix_str(f"loss {means[-1]:.3f}", refresh=False)
+        bar.refresh()
+
+    def close(self, state: ProgressState, line: str) -> None:
+        self.bar.close()
+        print(line, file=self.out, flush=True)
+
+
+class _NotebookDisplay(_TextDisplay):
+    """A tqdm.auto bar plus a loss plot kept in a display handle (the last figure stays)."""
+
+    PLOT_EVERY_S = 1.0
+
+    def __init__(self, name: str):
+        from tqdm.auto import tqdm
+
+        self.name = name
+        # leave=False: a closed bar is hidden, and the plain summary line takes its place
+        self.bar = tqdm(total=None, desc=name, unit="step", leave=False)
+        self.out = sys.stdout
+        self.plot_handle = None
+        self.plotted_steps = 0
+        self.last_plot = 0.0
+
+    def update(self, state: ProgressState, ready: int) -> None:
+        super().update(state, ready)
+        now = time.monotonic()
+        if now - self.last_plot >= self.PLOT_EVERY_S:
+            self._plot(state)
+            self.last_plot = now
+
+    def _plot(self, state: ProgressState) -> None:
+        from IPython.display import Image, display
+
+        steps, means = state.mean_losses()
+        if not steps or len(steps) == self.plotted_steps:
+            return
+        self.plotted_steps = len(steps)
+        image = Image(data=loss_plot_png(self.name, state), format="png")
+        if self.plot_handle is None:
+            self.plot_handle = display(image, display_id=True)
+        else:
+            self.plot_handle.update(image)
+
+    def close(self, state: ProgressState, line: str) -> None:
+        self._plot(state)
+        self.bar.close()
+        print(line, flush=True)
+
+
+def loss_plot_png(name: str, state: ProgressState) -> bytes:
+    """PNG of the mean loss over the ranks per step (a Figure, not pyplot: nothing left open)."""
+    from matplotlib.figure import Figure
+
+    steps, means = state.mean_losses()
+    finite = [(s, m) for s, m in zip(steps, means) if math.isfinite(m)]
+    fig = Figure(figsize=(5.5, 2.6))
+    ax = fig.add_subplot()
+    ax.plot([s for s, _ in finite], [m for _, m in finite], "o-", ms=3)
+    ax.set_xlabel("step (this launch)")
+    ax.set_ylabel("loss")
+    ax.set_title(f"{name}: mean loss over {state.num_ranks} rank{'s' if state.num_ranks > 1 else ''}", fontsize=10)
+    ax.grid(alpha=0.3)
+    if len(finite) < len(means):
+        ax.text(0.99, 0.95, "non-finite losses not drawn", transform=ax.transAxes, ha="right", va="top", fontsize=8)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=90)
+    return buf.getvalue()
+
+
+# ---------------------------------------------------------------------------------- the monitor
+
+
+class ProgressMonitor:
+    """Tails the ranks' progress files of one launch and drives a display.
+
+    ``poll`` (called by launch's wait loop, about every 0.25 s, on the caller's thread, so widget
+    and display updates never come from another thread) reads what is new; ``close`` reads the
+    rest and leaves the summary line. ``display`` is "notebook", "text" or None (only fold).
+    """
+
+    def __init__(self, name: str, rank_dirs: list[str], count_ready, display: str | None):
+        self.name = name
+        self.state = ProgressState(len(rank_dirs))
+        self.tails = [_Tail(os.path.join(d, PROGRESS_FILE)) for d in rank_dirs]
+        self.count_ready = count_ready
+        self.started = time.monotonic()
+        if display not in ("notebook", "text", None):
+            raise ValueError(f"display must be 'notebook', 'text' or None, got {display!r}")
+        self.display: _TextDisplay | None = None
+        if display is not None:
+            self._guarded(lambda: setattr(self, "display", (_NotebookDisplay if display == "notebook"
+                                                             else _TextDisplay)(name)))
+
+    def _guarded(self, show) -> None:
+        # A display that breaks (a missing frontend package, a plotting error) must not stop the
+        # launch it watches: it is dropped with a warning and the workers run on.
+        try:
+            show()
+        except Exception as e:
+            warnings.warn(f"launch progress display turned off: {type(e).__name__}: {e}", RuntimeWarning, stacklevel=2)
+            self.display = None
+
+    def _read(self) -> None:
+        for tail in self.tails:
+            for line in tail.lines():
+                self.state.feed(line)
+
+    def poll(self) -> None:
+        self._read()
+        if self.display is not None:
+            self._guarded(lambda: self.display.update(self.state, self.count_ready()))
+
+    def close(self, failed: bool = False) -> str:
+        """Read what is left, close the display; return the summary line."""
+        self._read()
+        line = self.state.summary(self.name, time.monotonic() - self.started, failed)
+        if self.display is not None:
+            self._guarded(lambda: (self.display.update(self.state, self.count_ready()),
+                                   self.display.close(self.state, line)))
+        return line
