@@ -205,7 +205,7 @@ class _NotebookDisplay(_TextDisplay):
             self.last_plot = now
 
     def _plot(self, state: ProgressState) -> None:
-        from IPython.display import Image, display
+        from IPython.display import DisplayHandle, Image
 
         steps, means = state.mean_losses()
         if not steps or len(steps) == self.plotted_steps:
@@ -213,7 +213,9 @@ class _NotebookDisplay(_TextDisplay):
         self.plotted_steps = len(steps)
         image = Image(data=loss_plot_png(self.name, state), format="png")
         if self.plot_handle is None:
-            self.plot_handle = display(image, display_id=True)
+            # one display, updated in place: the cell keeps only the latest figure
+            self.plot_handle = DisplayHandle()
+            self.plot_handle.display(image)
         else:
             self.plot_handle.update(image)
 
