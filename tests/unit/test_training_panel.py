@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 
-
 def test_a_panel_run_shows_the_training_progress_bar(capsys):
     from muonlab.models import GPTConfig
     from muonlab.viz.widgets import muon_trainer, training_panel
