@@ -82,7 +82,8 @@ def run_distributed(out_dir="runs/demo", steps: int = 5, nprocs: int = 4, mode: 
     from ..viz.timeline import plot_timeline
 
     t0 = time.time()
-    results = launch(train_worker, nprocs, mode=mode, steps=steps, timeout_s=timeout_s, device=device, **DEMO_MODEL)
+    results = launch(train_worker, nprocs, mode=mode, steps=steps, timeout_s=timeout_s, device=device,
+                     name=f"demo-{mode}", progress=sys.stderr.isatty(), **DEMO_MODEL)
     first = results[0]
     where = "GPU" if first["device"].startswith("cuda") else "CPU"
     print(f"\n{mode} on {nprocs} {where} workers, small GPT (width {DEMO_MODEL['d_model']}, "
