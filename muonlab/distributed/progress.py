@@ -160,7 +160,6 @@ class _TextDisplay:
 
         self.name = name
         self.bar = tqdm(total=None, desc=name, unit="step", file=sys.stderr, leave=False, dynamic_ncols=True)
-        self.out = sys.stderr
 
     def update(self, state: ProgressState, ready: int) -> None:
         bar = self.bar
@@ -178,21 +177,27 @@ class _TextDisplay:
 
     def close(self, state: ProgressState, line: str) -> None:
         self.bar.close()
-        print(line, file=self.out, flush=True)
+        print(line, file=sys.stderr, flush=True)
 
 
 class _NotebookDisplay(_TextDisplay):
-    """A tqdm.auto bar plus a loss plot kept in a display handle (the last figure stays)."""
+    """A notebook tqdm bar plus a loss plot, each in a display updated in place.
+
+    When the launch ends, the bar's display is replaced by the plain summary line (a viewer
+    without the widget's state would otherwise show the bar's text as first drawn, "0%"), and the
+    plot's display keeps the last figure.
+    """
 
     PLOT_EVERY_S = 1.0
 
     def __init__(self, name: str):
-        from tqdm.auto import tqdm
+        from IPython.display import DisplayHandle
+        from tqdm.notebook import tqdm
 
         self.name = name
-        # leave=False: a closed bar is hidden, and the plain summary line takes its place
-        self.bar = tqdm(total=None, desc=name, unit="step", leave=False)
-        self.out = sys.stdout
+        self.bar = tqdm(total=None, desc=name, unit="step", display=False)
+        self.bar_handle = DisplayHandle()
+        self.bar_handle.display(self.bar.container)
         self.plot_handle = None
         self.plotted_steps = 0
         self.last_plot = 0.0
@@ -222,7 +227,7 @@ class _NotebookDisplay(_TextDisplay):
     def close(self, state: ProgressState, line: str) -> None:
         self._plot(state)
         self.bar.close()
-        print(line, flush=True)
+        self.bar_handle.update({"text/plain": line}, raw=True)
 
 
 def loss_plot_png(name: str, state: ProgressState) -> bytes:
