@@ -233,12 +233,14 @@ class _NotebookDisplay(_TextDisplay):
 def loss_plot_png(name: str, state: ProgressState) -> bytes:
     """PNG of the mean loss over the ranks per step (a Figure, not pyplot: nothing left open)."""
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     steps, means = state.mean_losses()
     finite = [(s, m) for s, m in zip(steps, means) if math.isfinite(m)]
     fig = Figure(figsize=(5.5, 2.6))
     ax = fig.add_subplot()
     ax.plot([s for s, _ in finite], [m for _, m in finite], "o-", ms=3)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("step (this launch)")
     ax.set_ylabel("loss")
     ax.set_title(f"{name}: mean loss over {state.num_ranks} rank{'s' if state.num_ranks > 1 else ''}", fontsize=10)
