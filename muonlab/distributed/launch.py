@@ -12,8 +12,11 @@ One machine, from a notebook or a script::
 initialises the default process group in each by the rule of :mod:`muonlab.distributed.device`
 (rank ``r`` on ``cuda:r`` with NCCL when CUDA has a GPU per process, else gloo on the CPU;
 ``device="cpu"`` or ``$MUONLAB_DEVICE=cpu`` keeps CPU workers on a GPU node),
-calls ``fn(*args, **kwargs)`` and hands back each rank's return value. A worker that raises gives a
-:class:`WorkerError` carrying the worker's traceback (a notebook never shows the children's stderr);
+calls ``fn(*args, **kwargs)`` and hands back each rank's return value. Each rank's stdout and stderr
+go to ``runs/<name>/rank<r>/`` (kept after the call), never to the notebook; what the workers report
+with :func:`~muonlab.distributed.progress.report_progress` is shown while the call waits (a bar and
+a live loss plot in a notebook, see :mod:`muonlab.distributed.progress`). A worker that raises gives a
+:class:`WorkerError` carrying the worker's traceback and the path of its log;
 a launch whose workers are not all up (process group initialised) within ``startup_timeout_s``, or
 that runs past ``timeout_s`` seconds after that, is stopped, its processes killed, and gives a
 :class:`WorkerTimeout` naming the phase. The worker function must live in a module the children can

@@ -75,6 +75,8 @@ def train_worker(
 
     Every rank builds the model from the same seed and draws the same global batch of
     ``batch_per_rank * world_size`` windows from one seeded generator, then takes its own slice.
+    Each step's loss goes to the launcher as it happens (``report_progress``: a launch's bar and
+    live loss plot).
 
     Modes (``muonlab.distributed.parallelize``'s): "fsdp" (FSDP2 over the world), "ddp", and "ep":
     the MoE GPT (``num_experts`` experts per block) on ``build_ep_mesh(ep)``, a (world // ep, ep)
