@@ -19,12 +19,16 @@ from matplotlib.patches import Patch  # noqa: E402
 from ..comm.paths import PATHS  # noqa: E402
 from ..trace.spans import LANES  # noqa: E402
 
-__all__ = ["PATH_COLORS", "PHASE_COLORS", "plot_bytes_by_path", "plot_plan", "plot_timeline"]
+__all__ = ["DISTRIBUTION_ABOVE", "PATH_COLORS", "PHASE_COLORS", "plot_bytes_by_path", "plot_plan",
+           "plot_timeline"]
 
 PATH_COLORS = {name: path.color for name, path in PATHS.items()}
 PHASE_COLORS = {"momentum": "#8c564b", "newton_schulz": "#9467bd", "update": "#e377c2", "adamw": "#bcbd22"}
 _OTHER = "#000000"
 _HATCH = {"comm_out": "", "comm_back": "////"}
+DISTRIBUTION_ABOVE = 64
+"""Per-rank views of more ranks than this are drawn as a distribution: a bar per rank would be
+under a pixel wide at 2048 ranks."""
 
 
 def _rows(items: Iterable) -> list[dict]:
@@ -159,6 +163,47 @@ def plot_bytes_by_path(stats_by_rank, ax=None, *, which: str = "bytes_sent", tit
         ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)
     return ax
+
+
+def _value_text(value: float, unit: str) -> str:
+    return f"{value:.3g} {unit}"
+
+
+def plot_rank_distribution(ax, stacks: Mapping[str, list[float]], unit: str, *, what: str = "") -> list[str]:
+    """Many ranks at once: ranks sorted by their total, largest first, each path's share stacked as
+    a filled profile, with the min, median and max of the totals marked.
+
+    ``stacks``: {path: value per global rank} already in ``unit``. Returns the paths drawn.
+    """
+    paths = [p for p in _ordered_paths(stacks) if any(stacks[p])]
+    world = max((len(v) for v in stacks.values()), default=0)
+    totals = [sum(stacks[p][g] for p in paths) for g in range(world)]
+    order = sorted(range(world), key=lambda g: (-totals[g], g))
+    xs = list(range(world))
+    bottom = [0.0] * world
+    for p in paths:
+        top = [b + stacks[p][g] for b, g in zip(bottom, order)]
+        ax.fill_between(xs, bottom, top, step="mid", color=_path_color(p), lw=0)
+        bottom = top
+    ax.set_xlim(-0.5, max(world - 0.5, 0.5))
+    ax.set_xlabel(f"{world} ranks, sorted by {what or 'total'} (largest first)")
+    ax.set_ylabel(unit)
+    ax.grid(axis="y", alpha=0.3)
+    if not world:
+        return paths
+    ranked = sorted(totals)
+    marks = {"max": ranked[-1], "median": ranked[(world - 1) // 2], "min": ranked[0]}
+    by_value: dict[float, list[str]] = {}
+    for name, v in marks.items():
+        by_value.setdefault(v, []).append(name)
+    top = ranked[-1] or 1.0
+    ax.set_ylim(0, 1.18 * top)
+    for v, names in by_value.items():
+        ax.axhline(v, color="0.15", lw=0.8, ls=(0, (4, 2)))
+        ax.text(world - 0.5, v + 0.015 * top, f"{' = '.join(names)} {_value_text(v, unit)}", ha="right",
+                va="bottom", fontsize=8, color="0.1",
+                bbox=dict(facecolor="white", edgecolor="none", alpha=0.7, pad=0.5))
+    return paths
 
 
 def plot_plan(plan_rows, ax=None, *, title: str = "plan"):
