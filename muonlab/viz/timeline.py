@@ -177,20 +177,28 @@ def plot_rank_distribution(ax, stacks: Mapping[str, list[float]], unit: str, *, 
     """
     paths = [p for p in _ordered_paths(stacks) if any(stacks[p])]
     world = max((len(v) for v in stacks.values()), default=0)
-    totals = [sum(stacks[p][g] for p in paths) for g in range(world)]
-    order = sorted(range(world), key=lambda g: (-totals[g], g))
-    xs = list(range(world))
-    bottom = [0.0] * world
-    for p in paths:
-        top = [b + stacks[p][g] for b, g in zip(bottom, order)]
-        ax.fill_between(xs, bottom, top, step="mid", color=_path_color(p), lw=0)
-        bottom = top
-    ax.set_xlim(-0.5, max(world - 0.5, 0.5))
-    ax.set_xlabel(f"{world} ranks, sorted by {what or 'total'} (largest first)")
-    ax.set_ylabel(unit)
-    ax.grid(axis="y", alpha=0.3)
     if not world:
         return paths
+    totals = [sum(stacks[p][g] for p in paths) for g in range(world)]
+    order = sorted(range(world), key=lambda g: (-totals[g], g))
+    # position k (1-based) spans [k, k + 1) on a log axis: the few heaviest ranks, usually the
+    # story, stay wide, and the long even tail shares the rest
+    xs = list(range(1, world + 2))
+    bottom = [0.0] * (world + 1)
+    for p in paths:
+        vals = [stacks[p][g] for g in order]
+        top = [b + v for b, v in zip(bottom, vals + vals[-1:])]
+        ax.fill_between(xs, bottom, top, step="post", color=_path_color(p), lw=0)
+        bottom = top
+    ax.set_xscale("log", base=2)
+    ax.set_xlim(1, world + 1)
+    ticks = [2 ** k for k in range(world.bit_length()) if 2 ** k <= world]
+    ticks = ticks[::-(-len(ticks) // 7)]  # at most 7 labels, so four-digit ones never touch
+    ax.set_xticks(ticks, [str(t) for t in ticks])
+    ax.minorticks_off()
+    ax.set_xlabel(f"rank by {what or 'total'}, largest first ({world} ranks, log scale)")
+    ax.set_ylabel(unit)
+    ax.grid(axis="y", alpha=0.3)
     ranked = sorted(totals)
     marks = {"max": ranked[-1], "median": ranked[(world - 1) // 2], "min": ranked[0]}
     by_value: dict[float, list[str]] = {}
@@ -200,8 +208,8 @@ def plot_rank_distribution(ax, stacks: Mapping[str, list[float]], unit: str, *, 
     ax.set_ylim(0, 1.18 * top)
     for v, names in by_value.items():
         ax.axhline(v, color="0.15", lw=0.8, ls=(0, (4, 2)))
-        ax.text(world - 0.5, v + 0.015 * top, f"{' = '.join(names)} {_value_text(v, unit)}", ha="right",
-                va="bottom", fontsize=8, color="0.1",
+        ax.text(0.99, v + 0.015 * top, f"{' = '.join(names)} {_value_text(v, unit)}", ha="right",
+                va="bottom", fontsize=8, color="0.1", transform=ax.get_yaxis_transform(),
                 bbox=dict(facecolor="white", edgecolor="none", alpha=0.7, pad=0.5))
     return paths
 
@@ -210,7 +218,8 @@ def plot_plan(plan_rows, ax=None, *, title: str = "plan"):
     """Where the plan puts bytes and Newton-Schulz FLOPs.
 
     Rows with per-rank ``bytes_sent`` and ``flops`` lists: two stacked-bar panels (KiB sent and NS
-    MFLOP per rank), one segment per batch, coloured by path and labelled with the batch index.
+    MFLOP per rank), one segment per batch, coloured by path and labelled with the batch index;
+    above ``DISTRIBUTION_ABOVE`` ranks, their distribution by path (``plot_rank_distribution``).
     Plain ``as_row()`` rows: per-batch ``max_bytes_sent`` and ``max_flops`` instead.
     ``ax``: None (a new figure) or a pair of axes (bytes, FLOPs). Returns the pair.
     """
@@ -221,8 +230,19 @@ def plot_plan(plan_rows, ax=None, *, title: str = "plan"):
     ax_bytes, ax_flops = ax
     per_rank = bool(rows) and all(isinstance(r.get("bytes_sent"), (list, tuple)) and
                                   isinstance(r.get("flops"), (list, tuple)) for r in rows)
-    if per_rank:
-        num_ranks = max(len(r["bytes_sent"]) for r in rows)
+    num_ranks = max((len(r["bytes_sent"]) for r in rows), default=0) if per_rank else 0
+    if per_rank and num_ranks > DISTRIBUTION_ABOVE:  # batches summed per path: a segment per rank won't show
+        for target, key, scale, unit, what in ((ax_bytes, "bytes_sent", 1 / 1024, "KiB sent per step", "bytes sent"),
+                                               (ax_flops, "flops", 1e-6, "Newton-Schulz MFLOP per step", "FLOPs")):
+            stacks: dict[str, list[float]] = {}
+            for r in rows:
+                acc = stacks.setdefault(r["path"], [0.0] * num_ranks)
+                for q, v in enumerate(r[key]):
+                    acc[q] += v * scale
+            plot_rank_distribution(target, stacks, unit, what=what)
+        ax_bytes.set_title(f"{title}: bytes sent per rank", fontsize=11)
+        ax_flops.set_title(f"{title}: NS FLOPs per rank", fontsize=11)
+    elif per_rank:
         for target, key, scale in ((ax_bytes, "bytes_sent", 1 / 1024), (ax_flops, "flops", 1e-6)):
             bottom = [0.0] * num_ranks
             top = max(sum(r[key][q] for r in rows if q < len(r[key])) for q in range(num_ranks)) * scale or 1.0
@@ -239,8 +259,8 @@ def plot_plan(plan_rows, ax=None, *, title: str = "plan"):
             target.set_xticklabels([f"rank {q}" for q in range(num_ranks)])
         ax_bytes.set_ylabel("KiB sent per step")
         ax_flops.set_ylabel("Newton-Schulz MFLOP per step")
-        ax_bytes.set_title(f"{title}: bytes sent per rank (segments: batches)", fontsize=10)
-        ax_flops.set_title(f"{title}: NS FLOPs per rank (segments: batches)", fontsize=10)
+        ax_bytes.set_title(f"{title}: bytes sent per rank", fontsize=11)
+        ax_flops.set_title(f"{title}: NS FLOPs per rank", fontsize=11)
     else:
         xs = [r["batch"] for r in rows]
         colors = [_path_color(r["path"]) for r in rows]
@@ -251,8 +271,8 @@ def plot_plan(plan_rows, ax=None, *, title: str = "plan"):
             target.set_xticks(xs)
         ax_bytes.set_ylabel("max KiB sent by one rank")
         ax_flops.set_ylabel("max NS MFLOP on one rank")
-        ax_bytes.set_title(f"{title}: bytes per batch", fontsize=10)
-        ax_flops.set_title(f"{title}: NS FLOPs per batch", fontsize=10)
+        ax_bytes.set_title(f"{title}: bytes per batch", fontsize=11)
+        ax_flops.set_title(f"{title}: NS FLOPs per batch", fontsize=11)
     for target in (ax_bytes, ax_flops):
         target.grid(axis="y", alpha=0.3)
     paths = _ordered_paths({r["path"] for r in rows})
