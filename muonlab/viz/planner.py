@@ -231,7 +231,7 @@ def _mesh(world: int, ep: int):
     return world if ep == 1 else (world // ep, ep)
 
 
-@functools.lru_cache(maxsize=512)
+@functools.lru_cache(maxsize=128)  # a sweep is 27 plans: the last few configurations
 def _plan_and_summary(shapes_fn: Callable, layers: int, experts: int | None, world: int, ep: int,
                       strategy: str, profile) -> tuple:
     """One simulated configuration, kept: a panel revisits the same ones as its controls move

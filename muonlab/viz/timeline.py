@@ -159,8 +159,8 @@ def plot_bytes_by_path(stats_by_rank, ax=None, *, which: str = "bytes_sent", tit
     ax.set_xticklabels([f"rank {r}" for r, _ in items])
     ax.set_ylabel(f"KiB {'sent' if which == 'bytes_sent' else 'received'}")
     ax.set_title(title or f"Muon {'bytes sent' if which == 'bytes_sent' else 'bytes received'} per path, last step")
-    if paths:
-        ax.legend(fontsize=8)
+    if paths:  # beside the axes: inside, it would cover the first rank's bars
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     ax.grid(axis="y", alpha=0.3)
     return ax
 
