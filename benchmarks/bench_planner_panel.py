@@ -5,7 +5,8 @@
 The panel of notebook 03 (``planner_panel(moe_shapes, world=64, ep=8, experts=64, layers=4)``, world
 sizes 8..2048 in the sweep) is built without a frontend and its controls are moved one at a time
 through the widget's choices, as a user would; each change is timed from the new value to the
-finished PNG (simulation, drawing, rendering). Columns:
+finished PNG (simulation, drawing, rendering), in wall seconds and in this process's CPU seconds
+(what the change costs when the machine is not shared). Columns:
   kept:  this checkout's ``panel.update()``, plans kept between changes (what a user gets);
   cold:  the same change with the plan cache emptied first (every plan simulated again);
   baseline (with --baseline): another checkout's panel callback plus the PNG the inline backend
@@ -48,7 +49,7 @@ def _steps():
         yield f"{key} -> {value}", dict(values)
 
 
-def time_this_checkout(cold: bool) -> list[float]:
+def time_this_checkout(cold: bool) -> list[tuple[float, float]]:
     import matplotlib.pyplot as plt
 
     from muonlab.viz import planner
@@ -61,9 +62,9 @@ def time_this_checkout(cold: bool) -> list[float]:
             getattr(panel, key).value = value
         if cold:
             planner.clear_plan_cache()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         result = panel.update()
-        out.append(time.perf_counter() - t0)
+        out.append((time.perf_counter() - t0, time.process_time() - c0))
         assert result is not None, panel.status.value
         plt.close("all")
     return out
@@ -76,16 +77,16 @@ import matplotlib.pyplot as plt
 from muonlab.viz.planner import moe_shapes, simulate_views, DEFAULT_SWEEP
 out = []
 for values in json.loads(sys.argv[1]):
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     fig = simulate_views(moe_shapes, sweep_worlds=DEFAULT_SWEEP, **values)["figure"]
     fig.savefig(io.BytesIO(), format="png", bbox_inches="tight")
-    out.append(time.perf_counter() - t0)
+    out.append((time.perf_counter() - t0, time.process_time() - c0))
     plt.close("all")
 print(json.dumps(out))
 """
 
 
-def time_baseline(checkout: str) -> list[float]:
+def time_baseline(checkout: str) -> list[tuple[float, float]]:
     env = dict(os.environ, PYTHONPATH=str(Path(checkout).resolve()))
     steps = json.dumps([values for _, values in _steps()])
     done = subprocess.run([sys.executable, "-c", _BASELINE, steps], env=env, capture_output=True, text=True,
@@ -101,17 +102,16 @@ def main(argv=None):
     kept = time_this_checkout(cold=False)
     cold = time_this_checkout(cold=True)
     base = time_baseline(args.baseline) if args.baseline else None
-    header = ["change", "kept s", "cold s"] + (["baseline s"] if base else [])
-    rows = [[n, f"{k:.2f}", f"{c:.2f}"] + ([f"{b:.2f}"] if base else [])
-            for n, k, c, *b in zip(names, kept, cold, *([base] if base else []))]
-    rows.append(["(each change after the first) max", f"{max(kept[1:]):.2f}", f"{max(cold[1:]):.2f}"]
-                + ([f"{max(base[1:]):.2f}"] if base else []))
-    rows.append(["(each change after the first) median", f"{median(kept[1:]):.2f}", f"{median(cold[1:]):.2f}"]
-                + ([f"{median(base[1:]):.2f}"] if base else []))
+    columns = [("kept", kept), ("cold", cold)] + ([("baseline", base)] if base else [])
+    header = ["change"] + [f"{name} {kind}" for name, _ in columns for kind in ("wall s", "cpu s")]
+    rows = [[n] + [f"{times[i][k]:.2f}" for _, times in columns for k in (0, 1)] for i, n in enumerate(names)]
+    for label, stat in (("max", max), ("median", median)):
+        rows.append([f"(each change after the first) {label}"]
+                    + [f"{stat(t[k] for t in times[1:]):.2f}" for _, times in columns for k in (0, 1)])
     print(text_table(header, rows))
     load = os.getloadavg()[0]
-    note = (f"1-minute load average at the end: {load:.1f} (other processes share the cores, so single changes "
-            "jitter; compare columns, which ran back to back).")
+    note = (f"1-minute load average at the end: {load:.1f}: other processes shared the 2 cores, so wall seconds "
+            "run above what a change costs on an idle machine; cpu s is this process's own CPU time.")
     body = ("Goal: every change of the notebook's panel answered in under 1 s on this 2-core CPU.\n\n"
             + md_table(header, rows))
     write_report(results_path("planner_panel"), "Planner panel: seconds per control change", body,

@@ -69,12 +69,14 @@ def least_loaded(load, candidates: Sequence[int], prefer: Sequence[int] | None =
     # ties go to the rank holding more rows (fewer bytes move), then the lowest rank; the lowest
     # load is found first without building a key per rank (this runs once per matrix over W ranks)
     candidates = list(candidates)
-    values = [load[r] for r in candidates]
+    at = load.values if isinstance(load, GroupLoad) else load
+    values = [at[r] for r in candidates]
     low = min(values)
     tied = [r for r, v in zip(candidates, values) if v == low]
-    if len(tied) == 1:
-        return tied[0]
-    return min(tied, key=lambda r: (-(prefer[r] if prefer else 0), r))
+    if len(tied) == 1 or not prefer:
+        return min(tied)
+    most = max(prefer[r] for r in tied)
+    return min(r for r in tied if prefer[r] == most)
 
 
 def lpt_makespan(loads: list[int], work: list[int]) -> int:
