@@ -37,7 +37,7 @@ CHANGES = ([("world", w) for w in (128, 256, 512, 1024, 2048)]
            + [("strategy", s) for s in ("padded_all_to_all", "xtuner", "muonlab")]
            + [("world", 64), ("ep", 4), ("ep", 2), ("ep", 1), ("ep", 8)]
            + [("experts", 128), ("experts", 32), ("experts", 64)]
-           + [("layers", 2), ("layers", 8), ("layers", 4)]
+           + [("layers", 2), ("layers", 8), ("layers", 24), ("layers", 4)]
            + [("profile", "cpu_gloo"), ("profile", "h100_node"), ("world", 2048)])
 
 
@@ -109,11 +109,15 @@ def main(argv=None):
         rows.append([f"(each change after the first) {label}"]
                     + [f"{stat(t[k] for t in times[1:]):.2f}" for _, times in columns for k in (0, 1)])
     print(text_table(header, rows))
+    if base:
+        commit = subprocess.run(["git", "-C", args.baseline, "log", "-1", "--format=%h %s"], capture_output=True,
+                                text=True).stdout.strip()
+        print(f"baseline: {args.baseline} at {commit[:80]}")
     load = os.getloadavg()[0]
     note = (f"1-minute load average at the end: {load:.1f}: other processes shared the 2 cores, so wall seconds "
             "run above what a change costs on an idle machine; cpu s is this process's own CPU time.")
     body = ("Goal: every change of the notebook's panel answered in under 1 s on this 2-core CPU.\n\n"
-            + md_table(header, rows))
+            + (f"Baseline: the checkout at commit {commit[:80]}.\n\n" if base else "") + md_table(header, rows))
     write_report(results_path("planner_panel"), "Planner panel: seconds per control change", body,
                  script=__file__, argv=argv, machine_note=note)
 

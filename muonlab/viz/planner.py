@@ -340,7 +340,7 @@ class PlannerPanel:
         self.shapes_fn = shapes_fn
         self.model = model or getattr(shapes_fn, "__name__", "model")
         self.sweep_worlds = tuple(sweep_worlds or worlds)
-        takes_experts = "experts" in inspect.signature(shapes_fn).parameters
+        takes_experts = _takes_experts(shapes_fn)
         style = {"description_width": "90px"}
         self.world = w.SelectionSlider(options=worlds, value=world, description="world size", style=style,
                                        continuous_update=False)
