@@ -231,18 +231,25 @@ def _mesh(world: int, ep: int):
     return world if ep == 1 else (world // ep, ep)
 
 
-@functools.lru_cache(maxsize=128)  # a sweep is 27 plans: the last few configurations
-def _plan_and_summary(shapes_fn: Callable, layers: int, experts: int | None, world: int, ep: int,
-                      strategy: str, profile) -> tuple:
-    """One simulated configuration, kept: a panel revisits the same ones as its controls move
+@functools.lru_cache(maxsize=32)
+def _plan(shapes_fn: Callable, layers: int, experts: int | None, world: int, ep: int, strategy: str, profile):
+    """One simulated plan, kept for a while: plans at thousands of ranks weigh megabytes, so only the
+    last few are (the per-rank row needs one; the sweep only their summaries)."""
+    return simulate(_shapes(shapes_fn, layers, experts), _mesh(world, ep), strategy=strategy, profile=profile)
+
+
+@functools.lru_cache(maxsize=4096)
+def _summary(shapes_fn: Callable, layers: int, experts: int | None, world: int, ep: int, strategy: str,
+             profile) -> dict:
+    """``summarize`` of that plan, kept: a panel revisits the same configurations as its controls move
     (the sweep is the same for every world size and strategy of the per-rank row)."""
-    plan = simulate(_shapes(shapes_fn, layers, experts), _mesh(world, ep), strategy=strategy, profile=profile)
-    return plan, summarize(plan, world, profile)
+    return summarize(_plan(shapes_fn, layers, experts, world, ep, strategy, profile), world, profile)
 
 
 def clear_plan_cache() -> None:
-    """Forget the plans the panel kept (e.g. after changing a shapes function's body in a notebook)."""
-    _plan_and_summary.cache_clear()
+    """Forget the plans and summaries the panel kept (e.g. after changing a shapes function's body)."""
+    _plan.cache_clear()
+    _summary.cache_clear()
 
 
 def simulate_views(shapes_fn: Callable, *, world: int, ep: int = 1, experts: int | None = None,
@@ -256,8 +263,9 @@ def simulate_views(shapes_fn: Callable, *, world: int, ep: int = 1, experts: int
     (world // ep, ep). Bottom row: ``plot_strategy_sweep`` of every strategy at ``sweep_worlds``
     (those ``ep`` divides). Returns dict(plan, summary (one summarize() row per strategy at
     ``world``), sweep (rows), figure). Raises ValueError for a mesh that doesn't fit.
-    Plans are kept per (shapes_fn, layers, experts, world, ep, strategy, profile), so a
-    configuration seen before is drawn without simulating it again (``clear_plan_cache``).
+    Summaries are kept per (shapes_fn, layers, experts, world, ep, strategy, profile), and the last
+    few plans, so a configuration seen before is drawn without simulating it again (see
+    ``clear_plan_cache``).
     """
 
     if strategy not in SIMULATED_STRATEGIES:
@@ -268,12 +276,11 @@ def simulate_views(shapes_fn: Callable, *, world: int, ep: int = 1, experts: int
     _mesh(world, ep)
 
     def row(W, s):
-        plan, summary = _plan_and_summary(shapes_fn, layers, experts, W, ep, s, profile)
-        return plan, dict(summary, model=model, W=W, ep=ep, strategy=s)
+        return dict(_summary(shapes_fn, layers, experts, W, ep, s, profile), model=model, W=W, ep=ep, strategy=s)
 
-    summary = [row(world, s)[1] for s in dict.fromkeys((strategy,) + sweep_strategies)]
-    plan = row(world, strategy)[0]
-    sweep = [row(W, s)[1] for W in sorted(set(sweep_worlds)) if W % ep == 0 for s in sweep_strategies]
+    summary = [row(world, s) for s in dict.fromkeys((strategy,) + sweep_strategies)]
+    sweep = [row(W, s) for W in sorted(set(sweep_worlds)) if W % ep == 0 for s in sweep_strategies]
+    plan = _plan(shapes_fn, layers, experts, world, ep, strategy, profile)  # the one drawn per rank
     own_figure = fig is None
     if own_figure:
         fig = plt.figure(figsize=(11.5, 7))

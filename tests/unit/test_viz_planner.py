@@ -86,9 +86,12 @@ def test_views_seen_before_are_drawn_without_simulating_again(monkeypatch):
     assert other_world["plan"] == simulate(shapes(1, 8), (8, 2), strategy="xtuner")
     planner.simulate_views(shapes, world=32, **kw)  # a world outside the sweep: its strategies only
     assert len(calls) == num_simulated + 3
+    planner._plan.cache_clear()  # plans are let go before summaries (they weigh megabytes at 2048 ranks)
+    planner.simulate_views(shapes, world=16, **kw)
+    assert calls[num_simulated + 3:] == [((8, 2), "muonlab")]  # only the plan drawn per rank
     planner.clear_plan_cache()
     planner.simulate_views(shapes, world=8, **kw)
-    assert len(calls) == 2 * num_simulated + 3
+    assert len(calls) == 2 * num_simulated + 4
 
 
 def test_panel_error_clears_the_old_figure_and_table():
