@@ -24,7 +24,8 @@ from matplotlib.patches import Patch
 
 from ..comm.records import per_rank
 from ..simulate import SIMULATED_STRATEGIES, simulate, summarize
-from .timeline import DISTRIBUTION_ABOVE, _ordered_paths, _path_color, plot_rank_distribution
+from .timeline import (BYTE_UNITS, DISTRIBUTION_ABOVE, FLOP_UNITS, _ordered_paths, _path_color,
+                       plot_rank_distribution, scale_for)
 
 __all__ = ["PlannerPanel", "clear_plan_cache", "dense_shapes", "moe_shapes", "planner_panel",
            "plot_plan_per_rank", "plot_strategy_sweep", "simulate_views"]
@@ -61,26 +62,15 @@ def moe_shapes(layers: int = 24, experts: int = 128, d: int = 2048, hidden: int 
 
 # ---------------------------------------------------------------- one plan, per global rank
 
-def _scale(top: float, units: Sequence[tuple[float, str]]) -> tuple[float, str]:
-    for factor, name in reversed(units):
-        if top >= factor:
-            return factor, name
-    return units[0]
-
-
-_BYTE_UNITS = ((1, "B"), (2 ** 10, "KiB"), (2 ** 20, "MiB"), (2 ** 30, "GiB"))
-_FLOP_UNITS = ((1, "FLOP"), (1e6, "MFLOP"), (1e9, "GFLOP"), (1e12, "TFLOP"))
-
-
 def _stacked(ax, per: dict[str, dict[str, list[int]]], key: str, world: int, units) -> list[str]:
     paths = [p for p in _ordered_paths(per) if any(per[p][key])]
+    if world > DISTRIBUTION_ABOVE:
+        return plot_rank_distribution(ax, {p: per[p][key] for p in paths}, units,
+                                      what="bytes sent" if key == "sent" else "FLOPs")[0]
     totals = [sum(per[p][key][g] for p in paths) for g in range(world)]
-    factor, unit = _scale(max(totals, default=0), units)
+    factor, unit = scale_for(max(totals, default=0), units)
     bottom = [0.0] * world
     xs = list(range(world))
-    if world > DISTRIBUTION_ABOVE:
-        return plot_rank_distribution(ax, {p: [v / factor for v in per[p][key]] for p in paths}, unit,
-                                      what="bytes sent" if key == "sent" else "FLOPs")
     for p in paths:
         vals = [v / factor for v in per[p][key]]
         ax.bar(xs, vals, bottom=bottom, color=_path_color(p), width=0.8, edgecolor="white", lw=0.5)
@@ -111,8 +101,8 @@ def plot_plan_per_rank(plan, world: int, ax=None, *, title: str = "plan"):
         _, ax = plt.subplots(1, 2, figsize=(11, 3.4))
     ax_bytes, ax_flops = ax
     per = per_rank(batches, world, by_path=True)
-    seen = _stacked(ax_bytes, per, "sent", world, _BYTE_UNITS)
-    seen += [p for p in _stacked(ax_flops, per, "flops", world, _FLOP_UNITS) if p not in seen]
+    seen = _stacked(ax_bytes, per, "sent", world, BYTE_UNITS)
+    seen += [p for p in _stacked(ax_flops, per, "flops", world, FLOP_UNITS) if p not in seen]
     ax_bytes.set_ylabel(ax_bytes.get_ylabel() + " sent per step")
     ax_flops.set_ylabel(ax_flops.get_ylabel() + " Newton-Schulz per step")
     ax_bytes.set_title(f"{title}: bytes sent per rank", fontsize=11)

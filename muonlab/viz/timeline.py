@@ -19,8 +19,8 @@ from matplotlib.patches import Patch  # noqa: E402
 from ..comm.paths import PATHS  # noqa: E402
 from ..trace.spans import LANES  # noqa: E402
 
-__all__ = ["DISTRIBUTION_ABOVE", "PATH_COLORS", "PHASE_COLORS", "plot_bytes_by_path", "plot_plan",
-           "plot_timeline"]
+__all__ = ["BYTE_UNITS", "DISTRIBUTION_ABOVE", "FLOP_UNITS", "PATH_COLORS", "PHASE_COLORS", "plot_bytes_by_path",
+           "plot_plan", "plot_rank_distribution", "plot_timeline", "scale_for"]
 
 PATH_COLORS = {name: path.color for name, path in PATHS.items()}
 PHASE_COLORS = {"momentum": "#8c564b", "newton_schulz": "#9467bd", "update": "#e377c2", "adamw": "#bcbd22"}
@@ -165,28 +165,38 @@ def plot_bytes_by_path(stats_by_rank, ax=None, *, which: str = "bytes_sent", tit
     return ax
 
 
-def _value_text(value: float, unit: str) -> str:
-    return f"{value:.3g} {unit}"
+BYTE_UNITS = ((1, "B"), (2 ** 10, "KiB"), (2 ** 20, "MiB"), (2 ** 30, "GiB"))
+FLOP_UNITS = ((1, "FLOP"), (1e6, "MFLOP"), (1e9, "GFLOP"), (1e12, "TFLOP"))
 
 
-def plot_rank_distribution(ax, stacks: Mapping[str, list[float]], unit: str, *, what: str = "") -> list[str]:
+def scale_for(top: float, units) -> tuple[float, str]:
+    """The largest (factor, unit) of ``units`` that ``top`` reaches (the first one if none)."""
+    for factor, name in reversed(units):
+        if top >= factor:
+            return factor, name
+    return units[0]
+
+
+def plot_rank_distribution(ax, stacks: Mapping[str, list[float]], units, *, what: str = "") -> tuple[list[str], str]:
     """Many ranks at once: ranks sorted by their total, largest first, each path's share stacked as
     a filled profile, with the min, median and max of the totals marked.
 
-    ``stacks``: {path: value per global rank} already in ``unit``. Returns the paths drawn.
+    ``stacks``: {path: value per global rank}; ``units``: ((factor, name), ...) as ``BYTE_UNITS``.
+    Returns the paths drawn and the unit chosen.
     """
     paths = [p for p in _ordered_paths(stacks) if any(stacks[p])]
     world = max((len(v) for v in stacks.values()), default=0)
-    if not world:
-        return paths
     totals = [sum(stacks[p][g] for p in paths) for g in range(world)]
+    factor, unit = scale_for(max(totals, default=0), units)
+    if not world:
+        return paths, unit
     order = sorted(range(world), key=lambda g: (-totals[g], g))
     # position k (1-based) spans [k, k + 1) on a log axis: the few heaviest ranks, usually the
     # story, stay wide, and the long even tail shares the rest
     xs = list(range(1, world + 2))
     bottom = [0.0] * (world + 1)
     for p in paths:
-        vals = [stacks[p][g] for g in order]
+        vals = [stacks[p][g] / factor for g in order]
         top = [b + v for b, v in zip(bottom, vals + vals[-1:])]
         ax.fill_between(xs, bottom, top, step="post", color=_path_color(p), lw=0)
         bottom = top
@@ -199,19 +209,22 @@ def plot_rank_distribution(ax, stacks: Mapping[str, list[float]], unit: str, *, 
     ax.set_xlabel(f"rank by {what or 'total'}, largest first ({world} ranks, log scale)")
     ax.set_ylabel(unit)
     ax.grid(axis="y", alpha=0.3)
-    ranked = sorted(totals)
+    ranked = sorted(t / factor for t in totals)
     marks = {"max": ranked[-1], "median": ranked[(world - 1) // 2], "min": ranked[0]}
     by_value: dict[float, list[str]] = {}
     for name, v in marks.items():
         by_value.setdefault(v, []).append(name)
-    top = ranked[-1] or 1.0
-    ax.set_ylim(0, 1.18 * top)
+    ax.set_ylim(0, 1.2 * (ranked[-1] or 1.0))
+    # one line style per statistic, named in one box at the top right (labels on the lines would
+    # collide when the values are close)
+    styles = {"max": (0, (5, 2)), "median": (0, (3, 1, 1, 1)), "min": (0, (1, 1.5))}
+    lines = []
     for v, names in by_value.items():
-        ax.axhline(v, color="0.15", lw=0.8, ls=(0, (4, 2)))
-        ax.text(0.99, v + 0.015 * top, f"{' = '.join(names)} {_value_text(v, unit)}", ha="right",
-                va="bottom", fontsize=8, color="0.1", transform=ax.get_yaxis_transform(),
-                bbox=dict(facecolor="white", edgecolor="none", alpha=0.7, pad=0.5))
-    return paths
+        ax.axhline(v, color="0.1", lw=0.9, ls=styles[names[0]])
+        lines.append(f"{' = '.join(names)}: {v:.3g} {unit}")
+    ax.text(0.98, 0.97, "\n".join(lines), transform=ax.transAxes, ha="right", va="top", fontsize=8,
+            bbox=dict(facecolor="white", edgecolor="0.7", alpha=0.85, pad=2.5))
+    return paths, unit
 
 
 def plot_plan(plan_rows, ax=None, *, title: str = "plan"):
@@ -232,14 +245,15 @@ def plot_plan(plan_rows, ax=None, *, title: str = "plan"):
                                   isinstance(r.get("flops"), (list, tuple)) for r in rows)
     num_ranks = max((len(r["bytes_sent"]) for r in rows), default=0) if per_rank else 0
     if per_rank and num_ranks > DISTRIBUTION_ABOVE:  # batches summed per path: a segment per rank won't show
-        for target, key, scale, unit, what in ((ax_bytes, "bytes_sent", 1 / 1024, "KiB sent per step", "bytes sent"),
-                                               (ax_flops, "flops", 1e-6, "Newton-Schulz MFLOP per step", "FLOPs")):
+        for target, key, units, label, what in ((ax_bytes, "bytes_sent", BYTE_UNITS, "sent per step", "bytes sent"),
+                                                (ax_flops, "flops", FLOP_UNITS, "Newton-Schulz per step", "FLOPs")):
             stacks: dict[str, list[float]] = {}
             for r in rows:
                 acc = stacks.setdefault(r["path"], [0.0] * num_ranks)
                 for q, v in enumerate(r[key]):
-                    acc[q] += v * scale
-            plot_rank_distribution(target, stacks, unit, what=what)
+                    acc[q] += v
+            _, unit = plot_rank_distribution(target, stacks, units, what=what)
+            target.set_ylabel(f"{unit} {label}")
         ax_bytes.set_title(f"{title}: bytes sent per rank", fontsize=11)
         ax_flops.set_title(f"{title}: NS FLOPs per rank", fontsize=11)
     elif per_rank:
