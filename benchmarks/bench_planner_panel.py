@@ -16,7 +16,6 @@ finished PNG (simulation, drawing, rendering), in wall seconds and in this proce
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
 import subprocess
