@@ -11,6 +11,7 @@ code path for the real step and for a 2048-rank plan.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -83,6 +84,7 @@ def mesh_specs(named_shapes: Iterable[tuple], world: int, *, ep: int = 1,
     expert_mesh = ep > 1 if expert_mesh is None else expert_mesh
     experts = GroupKey(mesh_ranks=ranks, mesh_shape=(fsdp, ep), axis_name=MeshAxis.FSDP) if expert_mesh else dense
     specs = []
+    shard_sizes = functools.lru_cache(maxsize=None)(chunk_sizes)  # layers repeat a few shapes
     for i, item in enumerate(named_shapes):
         name, shape = item[0], tuple(item[1])
         view = (item[2] if len(item) > 2 else "") or default_view(shape)
@@ -94,7 +96,7 @@ def mesh_specs(named_shapes: Iterable[tuple], world: int, *, ep: int = 1,
             if layout == "ddp" and ep == 1:
                 specs.append(MatrixSpec(i, name, local, "replicated", dense, view=view))
             else:
-                specs.append(MatrixSpec(i, name, local, "whole", group, chunk_sizes(local[0], group.size), view=view))
+                specs.append(MatrixSpec(i, name, local, "whole", group, shard_sizes(local[0], group.size), view=view))
             continue
         num_fused = fused.get(name, 1)
         if world == 1:
@@ -103,7 +105,7 @@ def mesh_specs(named_shapes: Iterable[tuple], world: int, *, ep: int = 1,
             specs.append(MatrixSpec(i, name, shape, "replicated", dense, num_fused=num_fused, view=view))
         else:
             row_layout = fused_row_layout(shape[0], num_fused, world) if num_fused > 1 else "row_shard"
-            specs.append(MatrixSpec(i, name, shape, row_layout, dense, chunk_sizes(shape[0], world),
+            specs.append(MatrixSpec(i, name, shape, row_layout, dense, shard_sizes(shape[0], world),
                                     num_fused=num_fused, view=view))
     return specs
 

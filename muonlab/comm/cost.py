@@ -75,7 +75,7 @@ def comm_seconds(batch: BatchPlan, profile: HardwareProfile) -> float:
     local_peers = min(profile.ranks_per_node, size) - 1
     intra_frac = local_peers / peers
     worst = 0.0
-    for sent, recv in zip(batch.bytes_sent, batch.bytes_recv):
+    for sent, recv in set(zip(batch.bytes_sent, batch.bytes_recv)):  # ranks mostly repeat a few pairs
         traffic = max(sent, recv)
         worst = max(worst, max(traffic * intra_frac / profile.intra_bw, traffic * (1 - intra_frac) / profile.inter_bw))
     return PATHS[batch.path].collectives * profile.latency_s + worst
@@ -113,11 +113,10 @@ def step_seconds(plan: Iterable[BatchPlan], profile: HardwareProfile) -> float:
         share = PATHS[b.path].out_share
         arrive = max(done[0]) + share * comm
         local = index[b.group]
-        now = []
-        for g in range(world):
-            r = local.get(g)
-            work = b.flops[r] / profile.matmul_flops if r is not None and r < len(b.flops) else 0.0
-            now.append(max(done[1][g], arrive) + work)
+        # each group-local rank's compute once, then per global rank (thousands in a simulation)
+        per_local = [f / profile.matmul_flops for f in b.flops]
+        work = [per_local[r] if r is not None and r < len(per_local) else 0.0 for r in map(local.get, range(world))]
+        now = [max(d, arrive) + w for d, w in zip(done[1], work)]
         done = [done[1], now]
         last_back = (1 - share) * comm
     return max(max(done[1]) + last_back, total_comm)

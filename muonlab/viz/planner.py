@@ -11,7 +11,11 @@ panel's plans come from ``simulate``, the same planner a real step runs.
 
 from __future__ import annotations
 
+import base64
+import functools
+import html
 import inspect
+import io
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import matplotlib.pyplot as plt
@@ -20,14 +24,18 @@ from matplotlib.patches import Patch
 
 from ..comm.records import per_rank
 from ..simulate import SIMULATED_STRATEGIES, simulate, summarize
-from .timeline import _ordered_paths, _path_color
+from .timeline import (BYTE_UNITS, DISTRIBUTION_ABOVE, FLOP_UNITS, _ordered_paths, _path_color,
+                       plot_rank_distribution, scale_for)
 
-__all__ = ["PlannerPanel", "dense_shapes", "moe_shapes", "planner_panel", "plot_plan_per_rank",
-           "plot_strategy_sweep", "simulate_views"]
+__all__ = ["PlannerPanel", "clear_plan_cache", "dense_shapes", "moe_shapes", "planner_panel",
+           "plot_plan_per_rank", "plot_strategy_sweep", "simulate_views"]
 
-STRATEGY_STYLES = {"muonlab": dict(color="#1f77b4", marker="o"),
-                   "padded_all_to_all": dict(color="#ff7f0e", marker="s"),
-                   "xtuner": dict(color="#2ca02c", marker="^")}
+# Marker shape, size and fill differ as well as the colour, and lines get thinner down the list,
+# so a strategy drawn over another with the very same values still shows both.
+STRATEGY_STYLES = {"muonlab": dict(color="#1f77b4", marker="o", ms=4, lw=2.6),
+                   "padded_all_to_all": dict(color="#ff7f0e", marker="s", ms=8, mfc="none", mew=1.3, lw=1.7),
+                   "xtuner": dict(color="#2ca02c", marker="^", ms=6, mfc="none", mew=1.3, lw=1.0)}
+_OTHER_STYLE = dict(color="0.4", marker="x", ms=6, lw=1.0)
 MODEL_LINESTYLES = ("-", "--", ":", "-.")
 DEFAULT_SWEEP = (8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 
@@ -54,31 +62,18 @@ def moe_shapes(layers: int = 24, experts: int = 128, d: int = 2048, hidden: int 
 
 # ---------------------------------------------------------------- one plan, per global rank
 
-def _scale(top: float, units: Sequence[tuple[float, str]]) -> tuple[float, str]:
-    for factor, name in reversed(units):
-        if top >= factor:
-            return factor, name
-    return units[0]
-
-
-_BYTE_UNITS = ((1, "B"), (2 ** 10, "KiB"), (2 ** 20, "MiB"), (2 ** 30, "GiB"))
-_FLOP_UNITS = ((1, "FLOP"), (1e6, "MFLOP"), (1e9, "GFLOP"), (1e12, "TFLOP"))
-
-
 def _stacked(ax, per: dict[str, dict[str, list[int]]], key: str, world: int, units) -> list[str]:
     paths = [p for p in _ordered_paths(per) if any(per[p][key])]
+    if world > DISTRIBUTION_ABOVE:
+        return plot_rank_distribution(ax, {p: per[p][key] for p in paths}, units,
+                                      what="bytes sent" if key == "sent" else "FLOPs")[0]
     totals = [sum(per[p][key][g] for p in paths) for g in range(world)]
-    factor, unit = _scale(max(totals, default=0), units)
+    factor, unit = scale_for(max(totals, default=0), units)
     bottom = [0.0] * world
     xs = list(range(world))
     for p in paths:
         vals = [v / factor for v in per[p][key]]
-        if world <= 64:
-            ax.bar(xs, vals, bottom=bottom, color=_path_color(p), width=0.8, edgecolor="white", lw=0.5)
-        else:  # thousands of ranks: a line per rank stays visible (>= 1 px) where a bar would not
-            top = [b + v for b, v in zip(bottom, vals)]
-            keep = [g for g in xs if vals[g]]
-            ax.vlines(keep, [bottom[g] for g in keep], [top[g] for g in keep], color=_path_color(p), lw=1.2)
+        ax.bar(xs, vals, bottom=bottom, color=_path_color(p), width=0.8, edgecolor="white", lw=0.5)
         bottom = [b + v for b, v in zip(bottom, vals)]
     ax.set_xlim(-0.6, world - 0.4)
     if max(bottom, default=0) > 0:
@@ -96,7 +91,8 @@ def plot_plan_per_rank(plan, world: int, ax=None, *, title: str = "plan"):
 
     ``plan``: a ``Plan`` or a list of ``BatchPlan`` (``Muon.plan()``, ``simulate()``,
     ``train_worker(...)["plan_batches"]``). ``ax``: None (a new figure) or a pair of axes
-    (bytes, FLOPs). Up to 64 ranks are bars; more are drawn as filled steps. Returns the pair.
+    (bytes, FLOPs). Up to ``DISTRIBUTION_ABOVE`` (64) ranks are bars; more are drawn as their
+    distribution (ranks sorted by load, min / median / max marked). Returns the pair.
     """
     if world < 1:
         raise ValueError(f"world must be >= 1, got {world}")
@@ -105,12 +101,12 @@ def plot_plan_per_rank(plan, world: int, ax=None, *, title: str = "plan"):
         _, ax = plt.subplots(1, 2, figsize=(11, 3.4))
     ax_bytes, ax_flops = ax
     per = per_rank(batches, world, by_path=True)
-    seen = _stacked(ax_bytes, per, "sent", world, _BYTE_UNITS)
-    seen += [p for p in _stacked(ax_flops, per, "flops", world, _FLOP_UNITS) if p not in seen]
+    seen = _stacked(ax_bytes, per, "sent", world, BYTE_UNITS)
+    seen += [p for p in _stacked(ax_flops, per, "flops", world, FLOP_UNITS) if p not in seen]
     ax_bytes.set_ylabel(ax_bytes.get_ylabel() + " sent per step")
     ax_flops.set_ylabel(ax_flops.get_ylabel() + " Newton-Schulz per step")
-    ax_bytes.set_title(f"{title}: bytes sent per rank", fontsize=10)
-    ax_flops.set_title(f"{title}: Newton-Schulz FLOPs per rank", fontsize=10)
+    ax_bytes.set_title(f"{title}: bytes sent per rank", fontsize=11)
+    ax_flops.set_title(f"{title}: NS FLOPs per rank", fontsize=11)
     paths = _ordered_paths(seen or {b.path for b in batches})
     if paths:
         ax_flops.legend(handles=[Patch(facecolor=_path_color(p), label=p) for p in paths], fontsize=8,
@@ -120,13 +116,35 @@ def plot_plan_per_rank(plan, world: int, ax=None, *, title: str = "plan"):
 
 # ---------------------------------------------------------------- strategies across world sizes
 
+def _coincide(a: float, b: float) -> bool:
+    return abs(a - b) <= 1e-9 * max(abs(a), abs(b))
+
+
+def _ties(rows: list[Mapping], strategies: list[str]) -> dict[str, tuple[str, int, int]]:
+    """{strategy: (an earlier strategy, points where both metrics equal it, points in common)} for
+    each strategy whose points coincide with an earlier one's somewhere (it is drawn over it)."""
+    at = {(r["model"], r.get("ep", 1), r["W"], r["strategy"]): (r["bytes_over_bound"], r["modelled_s"]) for r in rows}
+    out = {}
+    for k, s in enumerate(strategies):
+        best = None
+        for earlier in strategies[:k]:
+            common = [(key, at[key[:3] + (earlier,)]) for key in at if key[3] == s and key[:3] + (earlier,) in at]
+            equal = sum(all(_coincide(x, y) for x, y in zip(at[key], other)) for key, other in common)
+            if equal and (best is None or equal > best[1]):
+                best = (earlier, equal, len(common))
+        if best:
+            out[s] = best
+    return out
+
+
 def plot_strategy_sweep(rows: Iterable[Mapping], ax=None, *, title: str = "strategies vs world size"):
     """Total bytes / lower bound and modelled optimizer time against world size, per strategy.
 
     ``rows``: ``summarize()`` dicts with keys ``model``, ``W`` and ``strategy`` added (and ``ep``
-    if it varies). Colour and marker say the strategy, line style the model (and ep). Log x; the
-    y axes turn log when the values span more than a factor 20. ``ax``: None or a pair of axes
-    (bytes ratio, time). Returns the pair.
+    if it varies). Colour, marker and line width say the strategy, line style the model (and ep).
+    Strategies sit a few percent apart along x, and one whose points equal another's says so in
+    the legend, so coinciding lines stay told apart. Log x; the y axes turn log when the values
+    span more than a factor 20. ``ax``: None or a pair of axes (bytes ratio, time). Returns the pair.
     """
     rows = list(rows)
     for r in rows:
@@ -141,14 +159,17 @@ def plot_strategy_sweep(rows: Iterable[Mapping], ax=None, *, title: str = "strat
     strategies = list(dict.fromkeys(r["strategy"] for r in rows))
     for (model, ep) in models:
         style = MODEL_LINESTYLES[models.index((model, ep)) % len(MODEL_LINESTYLES)]
-        for s in strategies:
+        for k, s in enumerate(strategies):
             pts = sorted((r["W"], r["bytes_over_bound"], r["modelled_s"]) for r in rows
                          if r["model"] == model and r.get("ep", 1) == ep and r["strategy"] == s)
             if not pts:
                 continue
-            kw = dict(STRATEGY_STYLES.get(s, dict(color="0.4", marker="x")), ls=style, ms=4, lw=1.4)
-            ax_ratio.plot([p[0] for p in pts], [p[1] for p in pts], **kw)
-            ax_time.plot([p[0] for p in pts], [1e3 * p[2] for p in pts], **kw)
+            # a few percent apart on the log2 x axis: equal values put markers side by side
+            shift = 2 ** (0.045 * (k - (len(strategies) - 1) / 2))
+            xs = [p[0] * shift for p in pts]
+            kw = dict(STRATEGY_STYLES.get(s, _OTHER_STYLE), ls=style, zorder=2 + k)
+            ax_ratio.plot(xs, [p[1] for p in pts], **kw)
+            ax_time.plot(xs, [1e3 * p[2] for p in pts], **kw)
     for target, label in ((ax_ratio, "total bytes / lower bound"), (ax_time, "modelled optimizer ms per step")):
         target.set_xscale("log", base=2)
         target.set_xlabel("world size W")
@@ -157,12 +178,23 @@ def plot_strategy_sweep(rows: Iterable[Mapping], ax=None, *, title: str = "strat
         if ys and max(ys) / min(ys) > 20:
             target.set_yscale("log")
         target.grid(alpha=0.3, which="both")
+    worlds = sorted({r["W"] for r in rows})
+    if worlds:
+        ax_ratio.set_xticks(worlds, [str(W) for W in worlds])
+        ax_time.set_xticks(worlds, [str(W) for W in worlds])
     if any(r["bytes_over_bound"] for r in rows):
         ax_ratio.axhline(1.0, color="0.5", lw=0.8, ls=(0, (1, 2)))
-    ax_ratio.set_title(f"{title}: bytes over the bound", fontsize=10)
-    ax_time.set_title(f"{title}: modelled time", fontsize=10)
-    handles = [Line2D([], [], lw=1.4, **STRATEGY_STYLES.get(s, dict(color="0.4", marker="x")), label=s)
-               for s in strategies]
+    ax_ratio.set_title(f"{title}: bytes over the bound", fontsize=11)
+    ax_time.set_title(f"{title}: modelled time", fontsize=11)
+    ties = _ties(rows, strategies)
+
+    def label(s):
+        if s not in ties:
+            return s
+        other, equal, common = ties[s]
+        return f"{s} (= {other} {'everywhere' if equal == common else f'at {equal} of {common} points'})"
+
+    handles = [Line2D([], [], **STRATEGY_STYLES.get(s, _OTHER_STYLE), label=label(s)) for s in strategies]
     if len(models) > 1 or many_ep:
         handles += [Line2D([], [], color="0.3", ls=MODEL_LINESTYLES[i % len(MODEL_LINESTYLES)],
                            label=f"{m} (ep={ep})" if many_ep else m) for i, (m, ep) in enumerate(models)]
@@ -172,10 +204,13 @@ def plot_strategy_sweep(rows: Iterable[Mapping], ax=None, *, title: str = "strat
 
 # ---------------------------------------------------------------- the interactive planner
 
+def _takes_experts(shapes_fn: Callable) -> bool:
+    return "experts" in inspect.signature(shapes_fn).parameters
+
+
 def _shapes(shapes_fn: Callable, layers: int, experts: int | None) -> list:
-    params = inspect.signature(shapes_fn).parameters
     kwargs = {"layers": layers}
-    if experts is not None and "experts" in params:
+    if experts is not None and _takes_experts(shapes_fn):
         kwargs["experts"] = experts
     return shapes_fn(**kwargs)
 
@@ -184,6 +219,27 @@ def _mesh(world: int, ep: int):
     if world < 1 or ep < 1 or world % ep:
         raise ValueError(f"ep={ep} must divide the world size {world}")
     return world if ep == 1 else (world // ep, ep)
+
+
+@functools.lru_cache(maxsize=32)
+def _plan(shapes_fn: Callable, layers: int, experts: int | None, world: int, ep: int, strategy: str, profile):
+    """One simulated plan, kept for a while: plans at thousands of ranks weigh megabytes, so only the
+    last few are (the per-rank row needs one; the sweep only their summaries)."""
+    return simulate(_shapes(shapes_fn, layers, experts), _mesh(world, ep), strategy=strategy, profile=profile)
+
+
+@functools.lru_cache(maxsize=4096)
+def _summary(shapes_fn: Callable, layers: int, experts: int | None, world: int, ep: int, strategy: str,
+             profile) -> dict:
+    """``summarize`` of that plan, kept: a panel revisits the same configurations as its controls move
+    (the sweep is the same for every world size and strategy of the per-rank row)."""
+    return summarize(_plan(shapes_fn, layers, experts, world, ep, strategy, profile), world, profile)
+
+
+def clear_plan_cache() -> None:
+    """Forget the plans and summaries the panel kept (e.g. after changing a shapes function's body)."""
+    _plan.cache_clear()
+    _summary.cache_clear()
 
 
 def simulate_views(shapes_fn: Callable, *, world: int, ep: int = 1, experts: int | None = None,
@@ -197,43 +253,53 @@ def simulate_views(shapes_fn: Callable, *, world: int, ep: int = 1, experts: int
     (world // ep, ep). Bottom row: ``plot_strategy_sweep`` of every strategy at ``sweep_worlds``
     (those ``ep`` divides). Returns dict(plan, summary (one summarize() row per strategy at
     ``world``), sweep (rows), figure). Raises ValueError for a mesh that doesn't fit.
+    Summaries are kept per (shapes_fn, layers, experts, world, ep, strategy, profile), and the last
+    few plans, so a configuration seen before is drawn without simulating it again (see
+    ``clear_plan_cache``).
     """
 
     if strategy not in SIMULATED_STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; choose one of {SIMULATED_STRATEGIES}")
     model = model or getattr(shapes_fn, "__name__", "model")
-    shapes = _shapes(shapes_fn, layers, experts)
+    experts = experts if _takes_experts(shapes_fn) else None
     sweep_strategies = tuple(sweep_strategies or SIMULATED_STRATEGIES)
-    mesh = _mesh(world, ep)
+    _mesh(world, ep)
 
     def row(W, s):
-        plan = simulate(shapes, _mesh(W, ep), strategy=s, profile=profile)
-        return plan, dict(summarize(plan, W, profile), model=model, W=W, ep=ep, strategy=s)
+        return dict(_summary(shapes_fn, layers, experts, W, ep, s, profile), model=model, W=W, ep=ep, strategy=s)
 
-    summary, plan = [], None
-    for s in dict.fromkeys((strategy,) + sweep_strategies):
-        p, r = row(world, s)
-        summary.append(r)
-        plan = p if s == strategy else plan
-    done = {(r["W"], r["strategy"]): r for r in summary}
-    sweep = []
-    for W in sorted(set(sweep_worlds)):
-        if W % ep:
-            continue
-        for s in sweep_strategies:
-            sweep.append(done.get((W, s)) or row(W, s)[1])
-    if fig is None:
+    summary = [row(world, s) for s in dict.fromkeys((strategy,) + sweep_strategies)]
+    sweep = [row(W, s) for W in sorted(set(sweep_worlds)) if W % ep == 0 for s in sweep_strategies]
+    plan = _plan(shapes_fn, layers, experts, world, ep, strategy, profile)  # the one drawn per rank
+    own_figure = fig is None
+    if own_figure:
         fig = plt.figure(figsize=(11.5, 7))
     fig.clear()
     axes = fig.subplots(2, 2)
     mesh_text = f"W={world}" + (f" = fsdp {world // ep} x ep {ep}" if ep > 1 else "")
-    plot_plan_per_rank(plan, world, ax=axes[0], title=f"{strategy}, {mesh_text}")
-    plot_strategy_sweep(sweep, ax=axes[1], title="strategies")
-    layers_text = f"{layers} layers" + (f", {experts} experts" if experts and "experts" in
-                                        inspect.signature(shapes_fn).parameters else "")
-    fig.suptitle(f"{model} ({layers_text}), {profile}" + (f", ep={ep}" if ep > 1 else ""), fontsize=11)
-    fig.tight_layout()
+    try:
+        plot_plan_per_rank(plan, world, ax=axes[0], title=f"{strategy}, {mesh_text}")
+        plot_strategy_sweep(sweep, ax=axes[1], title="strategies")
+    except Exception:
+        if own_figure:  # a half-drawn figure would otherwise appear under the cell
+            plt.close(fig)
+        raise
+    layers_text = f"{layers} layers" + (f", {experts} experts" if experts else "")
+    fig.suptitle(f"{model} ({layers_text}), {profile}" + (f", ep={ep}" if ep > 1 else ""), fontsize=12)
+    # fixed margins (room for the legends on the right): tight_layout measured every label and
+    # cost about half a second per redraw
+    fig.subplots_adjust(left=0.07, right=0.80, bottom=0.08, top=0.9, wspace=0.32, hspace=0.42)
     return dict(plan=plan, summary=summary, sweep=sweep, figure=fig)
+
+
+def _png_output(fig) -> dict:
+    """The figure as one display_data output of an Output widget: drawn once, here, so it never
+    also lands under the cell through the inline backend."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=fig.dpi)
+    return {"output_type": "display_data", "metadata": {},
+            "data": {"image/png": base64.b64encode(buf.getvalue()).decode("ascii"),
+                     "text/plain": "planner figure"}}
 
 
 def _summary_html(rows: Sequence[Mapping]) -> str:
@@ -271,7 +337,7 @@ class PlannerPanel:
         self.shapes_fn = shapes_fn
         self.model = model or getattr(shapes_fn, "__name__", "model")
         self.sweep_worlds = tuple(sweep_worlds or worlds)
-        takes_experts = "experts" in inspect.signature(shapes_fn).parameters
+        takes_experts = _takes_experts(shapes_fn)
         style = {"description_width": "90px"}
         self.world = w.SelectionSlider(options=worlds, value=world, description="world size", style=style,
                                        continuous_update=False)
@@ -309,21 +375,23 @@ class PlannerPanel:
                     layers=int(self.layers.value), profile=self.profile.value, strategy=self.strategy.value)
 
     def update(self, _button=None) -> dict | None:
-        """Run the callback with the widgets' values and redraw; a bad mesh shows in the status."""
-        from IPython.display import display
-
+        """Run the callback with the widgets' values and redraw. An error (a mesh that doesn't fit,
+        or any other) clears the previous figure and table and shows in the status line."""
         v = self.values()
         self.status.value = "simulating ..."
         try:
             result = self.callback(**v)
-        except ValueError as e:
-            self.status.value = f"<span style='color:#b00'>{e}</span>"
+        except Exception as e:  # the panel shows it; nothing stale stays next to it
+            self.output.outputs = ()
+            self.table.value = ""
+            self.last = None
+            self.status.value = f"<span style='color:#b00'>{html.escape(f'{type(e).__name__}: {e}')}</span>"
             return None
         fig = result["figure"]
-        self.output.clear_output(wait=True)
-        with self.output:
-            display(fig)
-        plt.close(fig)  # the inline backend would otherwise draw it a second time under the cell
+        try:
+            self.output.outputs = (_png_output(fig),)
+        finally:
+            plt.close(fig)  # drawn into the Output widget above; the inline backend must not draw it again
         self.table.value = _summary_html(result["summary"])
         self.status.value = (f"{self.model}: {v['layers']} layers" + (f", {v['experts']} experts" if v["experts"] else "")
                              + f", W={v['world']}, ep={v['ep']}, {v['profile']}")

@@ -19,12 +19,16 @@ from matplotlib.patches import Patch  # noqa: E402
 from ..comm.paths import PATHS  # noqa: E402
 from ..trace.spans import LANES  # noqa: E402
 
-__all__ = ["PATH_COLORS", "PHASE_COLORS", "plot_bytes_by_path", "plot_plan", "plot_timeline"]
+__all__ = ["BYTE_UNITS", "DISTRIBUTION_ABOVE", "FLOP_UNITS", "PATH_COLORS", "PHASE_COLORS", "plot_bytes_by_path",
+           "plot_plan", "plot_rank_distribution", "plot_timeline", "scale_for"]
 
 PATH_COLORS = {name: path.color for name, path in PATHS.items()}
 PHASE_COLORS = {"momentum": "#8c564b", "newton_schulz": "#9467bd", "update": "#e377c2", "adamw": "#bcbd22"}
 _OTHER = "#000000"
 _HATCH = {"comm_out": "", "comm_back": "////"}
+DISTRIBUTION_ABOVE = 64
+"""Per-rank views of more ranks than this are drawn as a distribution: a bar per rank would be
+under a pixel wide at 2048 ranks."""
 
 
 def _rows(items: Iterable) -> list[dict]:
@@ -155,17 +159,80 @@ def plot_bytes_by_path(stats_by_rank, ax=None, *, which: str = "bytes_sent", tit
     ax.set_xticklabels([f"rank {r}" for r, _ in items])
     ax.set_ylabel(f"KiB {'sent' if which == 'bytes_sent' else 'received'}")
     ax.set_title(title or f"Muon {'bytes sent' if which == 'bytes_sent' else 'bytes received'} per path, last step")
-    if paths:
-        ax.legend(fontsize=8)
+    if paths:  # beside the axes: inside, it would cover the first rank's bars
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     ax.grid(axis="y", alpha=0.3)
     return ax
+
+
+BYTE_UNITS = ((1, "B"), (2 ** 10, "KiB"), (2 ** 20, "MiB"), (2 ** 30, "GiB"))
+FLOP_UNITS = ((1, "FLOP"), (1e6, "MFLOP"), (1e9, "GFLOP"), (1e12, "TFLOP"))
+
+
+def scale_for(top: float, units) -> tuple[float, str]:
+    """The largest (factor, unit) of ``units`` that ``top`` reaches (the first one if none)."""
+    for factor, name in reversed(units):
+        if top >= factor:
+            return factor, name
+    return units[0]
+
+
+def plot_rank_distribution(ax, stacks: Mapping[str, list[float]], units, *, what: str = "") -> tuple[list[str], str]:
+    """Many ranks at once: ranks sorted by their total, largest first, each path's share stacked as
+    a filled profile, with the min, median and max of the totals marked.
+
+    ``stacks``: {path: value per global rank}; ``units``: ((factor, name), ...) as ``BYTE_UNITS``.
+    Returns the paths drawn and the unit chosen.
+    """
+    paths = [p for p in _ordered_paths(stacks) if any(stacks[p])]
+    world = max((len(v) for v in stacks.values()), default=0)
+    totals = [sum(stacks[p][g] for p in paths) for g in range(world)]
+    factor, unit = scale_for(max(totals, default=0), units)
+    if not world:
+        return paths, unit
+    order = sorted(range(world), key=lambda g: (-totals[g], g))
+    # position k (1-based) spans [k, k + 1) on a log axis: the few heaviest ranks, usually the
+    # story, stay wide, and the long even tail shares the rest
+    xs = list(range(1, world + 2))
+    bottom = [0.0] * (world + 1)
+    for p in paths:
+        vals = [stacks[p][g] / factor for g in order]
+        top = [b + v for b, v in zip(bottom, vals + vals[-1:])]
+        ax.fill_between(xs, bottom, top, step="post", color=_path_color(p), lw=0)
+        bottom = top
+    ax.set_xscale("log", base=2)
+    ax.set_xlim(1, world + 1)
+    ticks = [2 ** k for k in range(world.bit_length()) if 2 ** k <= world]
+    ticks = ticks[::-(-len(ticks) // 7)]  # at most 7 labels, so four-digit ones never touch
+    ax.set_xticks(ticks, [str(t) for t in ticks])
+    ax.minorticks_off()
+    ax.set_xlabel(f"rank by {what or 'total'}, largest first ({world} ranks, log scale)")
+    ax.set_ylabel(unit)
+    ax.grid(axis="y", alpha=0.3)
+    ranked = sorted(t / factor for t in totals)
+    marks = {"max": ranked[-1], "median": ranked[(world - 1) // 2], "min": ranked[0]}
+    by_value: dict[float, list[str]] = {}
+    for name, v in marks.items():
+        by_value.setdefault(v, []).append(name)
+    ax.set_ylim(0, 1.2 * (ranked[-1] or 1.0))
+    # one line style per statistic, named in one box at the top right (labels on the lines would
+    # collide when the values are close)
+    styles = {"max": (0, (5, 2)), "median": (0, (3, 1, 1, 1)), "min": (0, (1, 1.5))}
+    lines = []
+    for v, names in by_value.items():
+        ax.axhline(v, color="0.1", lw=0.9, ls=styles[names[0]])
+        lines.append(f"{' = '.join(names)}: {v:.3g} {unit}")
+    ax.text(0.98, 0.97, "\n".join(lines), transform=ax.transAxes, ha="right", va="top", fontsize=8,
+            bbox=dict(facecolor="white", edgecolor="0.7", alpha=0.85, pad=2.5))
+    return paths, unit
 
 
 def plot_plan(plan_rows, ax=None, *, title: str = "plan"):
     """Where the plan puts bytes and Newton-Schulz FLOPs.
 
     Rows with per-rank ``bytes_sent`` and ``flops`` lists: two stacked-bar panels (KiB sent and NS
-    MFLOP per rank), one segment per batch, coloured by path and labelled with the batch index.
+    MFLOP per rank), one segment per batch, coloured by path and labelled with the batch index;
+    above ``DISTRIBUTION_ABOVE`` ranks, their distribution by path (``plot_rank_distribution``).
     Plain ``as_row()`` rows: per-batch ``max_bytes_sent`` and ``max_flops`` instead.
     ``ax``: None (a new figure) or a pair of axes (bytes, FLOPs). Returns the pair.
     """
@@ -176,8 +243,20 @@ def plot_plan(plan_rows, ax=None, *, title: str = "plan"):
     ax_bytes, ax_flops = ax
     per_rank = bool(rows) and all(isinstance(r.get("bytes_sent"), (list, tuple)) and
                                   isinstance(r.get("flops"), (list, tuple)) for r in rows)
-    if per_rank:
-        num_ranks = max(len(r["bytes_sent"]) for r in rows)
+    num_ranks = max((len(r["bytes_sent"]) for r in rows), default=0) if per_rank else 0
+    if per_rank and num_ranks > DISTRIBUTION_ABOVE:  # batches summed per path: a segment per rank won't show
+        for target, key, units, label, what in ((ax_bytes, "bytes_sent", BYTE_UNITS, "sent per step", "bytes sent"),
+                                                (ax_flops, "flops", FLOP_UNITS, "Newton-Schulz per step", "FLOPs")):
+            stacks: dict[str, list[float]] = {}
+            for r in rows:
+                acc = stacks.setdefault(r["path"], [0.0] * num_ranks)
+                for q, v in enumerate(r[key]):
+                    acc[q] += v
+            _, unit = plot_rank_distribution(target, stacks, units, what=what)
+            target.set_ylabel(f"{unit} {label}")
+        ax_bytes.set_title(f"{title}: bytes sent per rank", fontsize=11)
+        ax_flops.set_title(f"{title}: NS FLOPs per rank", fontsize=11)
+    elif per_rank:
         for target, key, scale in ((ax_bytes, "bytes_sent", 1 / 1024), (ax_flops, "flops", 1e-6)):
             bottom = [0.0] * num_ranks
             top = max(sum(r[key][q] for r in rows if q < len(r[key])) for q in range(num_ranks)) * scale or 1.0
@@ -194,8 +273,8 @@ def plot_plan(plan_rows, ax=None, *, title: str = "plan"):
             target.set_xticklabels([f"rank {q}" for q in range(num_ranks)])
         ax_bytes.set_ylabel("KiB sent per step")
         ax_flops.set_ylabel("Newton-Schulz MFLOP per step")
-        ax_bytes.set_title(f"{title}: bytes sent per rank (segments: batches)", fontsize=10)
-        ax_flops.set_title(f"{title}: NS FLOPs per rank (segments: batches)", fontsize=10)
+        ax_bytes.set_title(f"{title}: bytes sent per rank", fontsize=11)
+        ax_flops.set_title(f"{title}: NS FLOPs per rank", fontsize=11)
     else:
         xs = [r["batch"] for r in rows]
         colors = [_path_color(r["path"]) for r in rows]
@@ -206,8 +285,8 @@ def plot_plan(plan_rows, ax=None, *, title: str = "plan"):
             target.set_xticks(xs)
         ax_bytes.set_ylabel("max KiB sent by one rank")
         ax_flops.set_ylabel("max NS MFLOP on one rank")
-        ax_bytes.set_title(f"{title}: bytes per batch", fontsize=10)
-        ax_flops.set_title(f"{title}: NS FLOPs per batch", fontsize=10)
+        ax_bytes.set_title(f"{title}: bytes per batch", fontsize=11)
+        ax_flops.set_title(f"{title}: NS FLOPs per batch", fontsize=11)
     for target in (ax_bytes, ax_flops):
         target.grid(axis="y", alpha=0.3)
     paths = _ordered_paths({r["path"] for r in rows})

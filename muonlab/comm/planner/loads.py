@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import heapq
 from collections.abc import Sequence
 
@@ -23,14 +24,20 @@ class RankLoads:
 
     def view(self, group: GroupKey | None) -> "GroupLoad":
         if group not in self._members:
-            if group is None:
-                self._members[group] = [[0]]
-            else:
-                members: list[list[int]] = [[] for _ in range(group.size)]
-                for g, r in group.local_ranks().items():
-                    members[r].append(g)
-                self._members[group] = members
+            self._members[group] = _members(group)
         return GroupLoad(self, self._members[group])
+
+
+@functools.lru_cache(maxsize=64)
+def _members(group: GroupKey | None) -> list[list[int]]:
+    """Global ranks at each group-local rank; kept, as every plan of a search asks again. Callers
+    only read it."""
+    if group is None:
+        return [[0]]
+    members: list[list[int]] = [[] for _ in range(group.size)]
+    for g, r in group.local_ranks().items():
+        members[r].append(g)
+    return members
 
 
 class GroupLoad:
@@ -40,7 +47,8 @@ class GroupLoad:
 
     def __init__(self, loads: RankLoads, members: list[list[int]]):
         self.loads, self.members = loads, members
-        self.values = [max(loads.by_rank.get(g, 0) for g in m) for m in members]
+        load_of = loads.by_rank.get
+        self.values = [load_of(m[0], 0) if len(m) == 1 else max(load_of(g, 0) for g in m) for m in members]
 
     def __len__(self):
         return len(self.values)
@@ -58,8 +66,17 @@ class GroupLoad:
 
 
 def least_loaded(load, candidates: Sequence[int], prefer: Sequence[int] | None = None) -> int:
-    # ties go to the rank holding more rows (fewer bytes move), then the lowest rank
-    return min(candidates, key=lambda r: (load[r], -(prefer[r] if prefer else 0), r))
+    # ties go to the rank holding more rows (fewer bytes move), then the lowest rank; the lowest
+    # load is found first without building a key per rank (this runs once per matrix over W ranks)
+    candidates = list(candidates)
+    at = load.values if isinstance(load, GroupLoad) else load
+    values = [at[r] for r in candidates]
+    low = min(values)
+    tied = [r for r, v in zip(candidates, values) if v == low]
+    if len(tied) == 1 or not prefer:
+        return min(tied)
+    most = max(prefer[r] for r in tied)
+    return min(r for r in tied if prefer[r] == most)
 
 
 def lpt_makespan(loads: list[int], work: list[int]) -> int:

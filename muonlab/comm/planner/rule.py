@@ -36,7 +36,8 @@ class RulePlanner:
     """The state of one plan being made: specs, configs, per-rank loads, the batches so far."""
 
     def __init__(self, specs: Sequence[MatrixSpec], configs: Sequence[NSConfig], *, comm_itemsize: int,
-                 remainder_path: str, profile, row_assignment: str, rebalance: bool, max_local_matrices=None):
+                 remainder_path: str, profile, row_assignment: str, rebalance: bool, max_local_matrices=None,
+                 sources: dict[int, list[int]] | None = None):
         self.specs, self.configs = list(specs), list(configs)
         self.itemsize, self.remainder_path, self.profile = comm_itemsize, remainder_path, profile
         self.row_assignment, self.rebalance = row_assignment, rebalance
@@ -44,12 +45,21 @@ class RulePlanner:
         self.loads = RankLoads()
         self.batches: list[BatchPlan] = []
         self._flops: dict[int, int] = {}
+        # {parameter: matrix_sources()}, shared by the planners of one search (it depends on the
+        # spec alone, and costs O(group size) per parameter)
+        self._sources = {} if sources is None else sources
 
     def flops_of(self, i: int) -> int:
         """Newton-Schulz FLOPs of ONE matrix of parameter i."""
         if i not in self._flops:
             self._flops[i] = ns_flops(self.specs[i].matrix_shape, self.configs[i])
         return self._flops[i]
+
+    def sources_of(self, i: int) -> list[int]:
+        """Group-local rank holding each matrix of parameter i (``MatrixSpec.matrix_sources``)."""
+        if i not in self._sources:
+            self._sources[i] = self.specs[i].matrix_sources()
+        return self._sources[i]
 
     def make(self, path: str, idx: Sequence[int], group, ranks, owners=(), sent=(), recv=(), flops=(),
              notes: str = "", **extra) -> BatchPlan:
@@ -92,7 +102,7 @@ class RulePlanner:
             if layout == "whole":
                 load = self.loads.view(group)
                 for i in idx:
-                    for r, count in Counter(self.specs[i].matrix_sources()).items():
+                    for r, count in Counter(self.sources_of(i)).items():
                         load.add(r, count * self.flops_of(idx[0]))
                 whole.setdefault(group, []).extend(self._within_budget(idx))
             elif layout == "row_shard":
@@ -116,7 +126,7 @@ class RulePlanner:
         limit = self.max_local_matrices(spec.matrix_shape, self.configs[idx[0]])
         runs, run, held = [], [], 0
         for i in idx:
-            here = max(Counter(self.specs[i].matrix_sources()).values())  # this parameter's most on one rank
+            here = max(Counter(self.sources_of(i)).values())  # this parameter's most on one rank
             if run and held + here > limit:
                 runs.append(run)
                 run, held = [], 0
@@ -235,7 +245,7 @@ class RulePlanner:
         exceeds what an LPT placement would reach. Experts of a MoE layer sharded over more ranks
         than experts would otherwise leave most ranks idle."""
         size = group.size if group else 1
-        sources = {i: self.specs[i].matrix_sources() for idx in buckets for i in idx}
+        sources = {i: self.sources_of(i) for idx in buckets for i in idx}
         owner = self._whole_owners(group, buckets, sources)
         for idx in buckets:
             moves, flops = [], [0] * size

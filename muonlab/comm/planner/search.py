@@ -57,19 +57,23 @@ def plan_batches(
         raise ValueError(f"plan_batches got {len(specs)} specs but {len(configs)} Newton-Schulz configs")
     profile = get_profile(profile or "cpu_gloo")
     planned_specs = [_redundant(s) for s in specs] if strategy == "redundant" else list(specs)
+    sources: dict[int, list[int]] = {}
 
     def plan_with(rule: str, move: bool) -> Plan:
         return RulePlanner(planned_specs, configs, comm_itemsize=comm_itemsize, remainder_path=remainder_path,
                            profile=profile, row_assignment=rule, rebalance=move,
-                           max_local_matrices=max_local_matrices).plan()
+                           max_local_matrices=max_local_matrices, sources=sources).plan()
 
     if row_assignment != "best":
         return plan_with(row_assignment, rebalance is not False)
     moves = (True, False) if rebalance is None else (rebalance,)
     options = [plan_with(rule, move) for rule in ROW_RULES for move in moves]
     largest = max((ns_flops(s.matrix_shape, c) for s, c in zip(specs, configs)), default=0)
-    # balance first (anything within 10% of perfect counts as balanced), then modelled time
-    return min(options, key=lambda p: (max(_imbalance(p, largest), 1.1), step_seconds(p, profile)))
+    # balance first (anything within 10% of perfect counts as balanced), then modelled time; the
+    # time (a replay of the pipeline over every rank) is modelled only for the best-balanced plans
+    balance = [max(_imbalance(p, largest), 1.1) for p in options]
+    tied = [p for p, b in zip(options, balance) if b == min(balance)]
+    return min(tied, key=lambda p: step_seconds(p, profile))
 
 
 def _imbalance(plan: Plan, largest_matrix_flops: int) -> float:
