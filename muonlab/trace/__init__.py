@@ -1,5 +1,11 @@
-"""Per-rank spans and byte counters of optimizer steps, and their export."""
+"""Per-rank spans and byte counters of optimizer steps, their export, and spectral records of training."""
 
 from .spans import Span, Tracer, gather_spans, to_chrome_trace, write_chrome_trace
+from .spectral import (METRICS, SpectralRecord, SpectralRecorder, exact_ortho_error, exact_top_singular_value,
+                       gather_spectral, ortho_error_from_gram, power_iteration, records_by_name)
 
-__all__ = ["Span", "Tracer", "gather_spans", "to_chrome_trace", "write_chrome_trace"]
+__all__ = [
+    "METRICS", "Span", "SpectralRecord", "SpectralRecorder", "Tracer", "exact_ortho_error", "exact_top_singular_value",
+    "gather_spans", "gather_spectral", "ortho_error_from_gram", "power_iteration", "records_by_name",
+    "to_chrome_trace", "write_chrome_trace",
+]
