@@ -2,10 +2,10 @@
 
 from .spans import Span, Tracer, gather_spans, to_chrome_trace, write_chrome_trace
 from .spectral import (METRICS, SpectralRecord, SpectralRecorder, exact_ortho_error, exact_top_singular_value,
-                       gather_spectral, ortho_error_from_gram, power_iteration, records_by_name)
+                       gather_spectral, ortho_error_from_gram, top_singular_values, records_by_name)
 
 __all__ = [
     "METRICS", "Span", "SpectralRecord", "SpectralRecorder", "Tracer", "exact_ortho_error", "exact_top_singular_value",
-    "gather_spans", "gather_spectral", "ortho_error_from_gram", "power_iteration", "records_by_name",
+    "gather_spans", "gather_spectral", "ortho_error_from_gram", "top_singular_values", "records_by_name",
     "to_chrome_trace", "write_chrome_trace",
 ]

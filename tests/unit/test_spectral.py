@@ -11,7 +11,7 @@ from muonlab.kernels.newton_schulz import newton_schulz
 from muonlab.models import GPT, GPTConfig
 from muonlab.optim.functional import adjust_lr_ratio
 from muonlab.trace import (SpectralRecorder, exact_ortho_error, exact_top_singular_value, gather_spectral,
-                           ortho_error_from_gram, power_iteration, records_by_name)
+                           ortho_error_from_gram, records_by_name, top_singular_values)
 from muonlab.trace.spectral import gram
 
 CFG = GPTConfig(d_model=32, n_layers=1, n_heads=2, context=16)
@@ -49,36 +49,51 @@ def _with_gap(m, n, seed, top=3.0):
 # ---------------------------------------------------------------- the math against exact references
 
 
-def test_power_iteration_matches_svd_on_a_stack():
+def test_top_singular_values_match_svd_on_a_stack():
     mats = torch.stack([_with_gap(12, 20, seed, top=2.0 + seed) for seed in range(3)])
     v = torch.randn(3, 20, generator=torch.Generator().manual_seed(0))
     v = v / v.norm(dim=1, keepdim=True)
-    (sigma,), _ = power_iteration([mats], [v], iters=30)
+    (sigma,), _ = top_singular_values([mats], [v], [12])
     exact = exact_top_singular_value(mats)
     assert torch.allclose(sigma.double(), exact, rtol=1e-5), (sigma, exact)
-    (few,), _ = power_iteration([mats], [v], iters=1)
-    assert (few.double() <= exact * (1 + 1e-6)).all()  # a lower bound on the way
+    (few,), _ = top_singular_values([mats], [v], [2])
+    assert (few.double() <= exact * (1 + 1e-6)).all() and (few.double() < exact * 0.999).any()  # a lower bound
+    # a zero matrix (a skipped step's update) gives 0 and keeps its vector
+    (zero,), (kept,) = top_singular_values([torch.zeros(1, 4, 6)], [v[:1, :6]], [3])
+    assert float(zero[0]) == 0 and torch.equal(kept, v[:1, :6])
 
 
-def _iterations_to(mat, v, exact, rtol):
-    for i in range(1, 200):
-        (sigma,), (v,) = power_iteration([mat[None]], [v[None]], iters=1)
-        v = v[0]
+def test_flat_spectrum_of_newton_schulz_output_within_one_percent():
+    """Muon's updates: singular values bunched between about 0.7 and 1.2, where plain power
+    iteration is slow; 6 products of the Lanczos refinement (the default update_iters) suffice."""
+    gen = torch.Generator().manual_seed(0)
+    for shape in [(128, 32), (64, 64), (96, 384)]:
+        o = newton_schulz(torch.randn(shape, generator=gen), steps=5, coefficients="keller", dtype=torch.float32)
+        v = torch.randn(1, shape[1], generator=gen)
+        (sigma,), _ = top_singular_values([o[None]], [v / v.norm()], [6])
+        exact = float(exact_top_singular_value(o))
+        assert float(sigma[0]) <= exact * (1 + 1e-6) and _rel(float(sigma[0]), exact) < 1.2e-2, shape
+
+
+def _products_to(mat, v, exact, rtol):
+    """How many products a start vector needs to come within ``rtol``."""
+    for k in range(1, 60):
+        (sigma,), _ = top_singular_values([mat[None]], [v[None]], [k])
         if _rel(float(sigma[0]), float(exact)) < rtol:
-            return i
-    return 200
+            return k
+    return 60
 
 
 def test_warm_start_converges_in_fewer_iterations_than_cold():
     # a weight that moves a little between two recorded steps, as in training
-    before = _with_gap(24, 40, seed=3, top=1.3)
-    after = before + 1e-3 * torch.randn(24, 40, generator=torch.Generator().manual_seed(4))
-    cold = torch.randn(40, generator=torch.Generator().manual_seed(5))
+    before = _with_gap(48, 80, seed=3, top=1.1)
+    after = before + 1e-3 * torch.randn(48, 80, generator=torch.Generator().manual_seed(4))
+    cold = torch.randn(80, generator=torch.Generator().manual_seed(5))
     cold = cold / cold.norm()
-    _, (warm,) = power_iteration([before[None]], [cold[None]], iters=40)
+    _, (warm,) = top_singular_values([before[None]], [cold[None]], [30])
     exact = exact_top_singular_value(after)
-    n_cold = _iterations_to(after, cold, exact, 1e-6)
-    n_warm = _iterations_to(after, warm[0], exact, 1e-6)
+    n_cold = _products_to(after, cold, exact, 1e-6)
+    n_warm = _products_to(after, warm[0], exact, 1e-6)
     assert n_warm < n_cold and n_warm <= 3, (n_warm, n_cold)
 
 
@@ -129,7 +144,7 @@ def test_muon_records_match_exact_references_after_enough_steps():
     # direction each step, nearly flat spectrum) is a lower bound within a few percent
     assert _rel(r.weight_sigma, float(exact_top_singular_value(p.detach()))) < 2e-2
     exact_u = float(exact_top_singular_value(update))
-    assert r.update_sigma <= exact_u * (1 + 1e-5) and _rel(r.update_sigma, exact_u) < 3e-2
+    assert r.update_sigma <= exact_u * (1 + 1e-5) and _rel(r.update_sigma, exact_u) < 2e-2
     # AdamW-routed matrices of the same Muon: no Newton-Schulz, so no orthogonality error
     head = [q for q in rec.records if q.name == "lm_head.weight"]
     assert head and all(math.isnan(q.ortho_error) for q in head)
@@ -214,8 +229,8 @@ def test_bad_input_is_refused_with_the_name_at_fault():
         SpectralRecorder(opt, model, every=1, names=["blocks.0.attn.qkv.weight", "blocks.9.attn.qkv.weight"])
     with pytest.raises(ValueError, match=r"parameter 'norm.weight' has shape \(32,\)"):
         SpectralRecorder(opt, model, every=1, names=["norm.weight"])
-    with pytest.raises(ValueError, match="warm_iters must be an integer >= 1"):
-        SpectralRecorder(opt, model, every=1, warm_iters=0)
+    with pytest.raises(ValueError, match="warm_iters must be an integer >= 2"):
+        SpectralRecorder(opt, model, every=1, warm_iters=1)
     partial = torch.optim.AdamW([model.lm_head.weight], lr=1e-3)
     with pytest.raises(ValueError, match="parameter 'tok_emb.weight' is not in the optimizer"):
         SpectralRecorder(partial, model, every=1, names=["tok_emb.weight"])
