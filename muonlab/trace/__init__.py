@@ -1,11 +1,12 @@
 """Per-rank spans and byte counters of optimizer steps, their export, and spectral records of training."""
 
 from .spans import Span, Tracer, gather_spans, to_chrome_trace, write_chrome_trace
-from .spectral import (METRICS, SpectralRecord, SpectralRecorder, exact_ortho_error, exact_top_singular_value,
-                       gather_spectral, ortho_error_from_gram, top_singular_values, records_by_name)
+from .spectral import (DERIVED, METRICS, SpectralRecord, SpectralRecorder, exact_ortho_error,
+                       exact_top_singular_value, gather_spectral, ortho_error_from_gram, records_by_name,
+                       top_singular_values)
 
 __all__ = [
-    "METRICS", "Span", "SpectralRecord", "SpectralRecorder", "Tracer", "exact_ortho_error", "exact_top_singular_value",
-    "gather_spans", "gather_spectral", "ortho_error_from_gram", "top_singular_values", "records_by_name",
-    "to_chrome_trace", "write_chrome_trace",
+    "DERIVED", "METRICS", "Span", "SpectralRecord", "SpectralRecorder", "Tracer", "exact_ortho_error",
+    "exact_top_singular_value", "gather_spans", "gather_spectral", "ortho_error_from_gram", "records_by_name",
+    "to_chrome_trace", "top_singular_values", "write_chrome_trace",
 ]

@@ -45,6 +45,8 @@ import torch.distributed as dist
 
 METRICS = ("weight_sigma", "update_sigma", "update_rms", "ortho_error")
 """The measured fields of a SpectralRecord, in the order notebooks show them."""
+DERIVED = ("update_flatness",)
+"""Values computed from the measured fields (SpectralRecord properties)."""
 
 
 @dataclass
@@ -64,6 +66,17 @@ class SpectralRecord:
     """||O O^T - I||_F / sqrt(m) of the Newton-Schulz output O (Muon matrices of muonlab's Muon only)."""
     rank: int = 0
     """The rank that recorded it."""
+    shape: tuple[int, int] = (0, 0)
+    """The matrix's global shape."""
+
+    @property
+    def update_flatness(self) -> float:
+        """Stable rank of the update over its full rank, ||U||_F^2 / (sigma_max^2 min(shape)), in (0, 1]:
+        1 when every singular value equals the top one (an orthogonal update), 1/min(shape) for rank 1."""
+        numel, m = self.shape[0] * self.shape[1], min(self.shape)
+        if not self.update_sigma > 0 or m == 0:
+            return math.nan
+        return numel * self.update_rms ** 2 / (self.update_sigma ** 2 * m)
 
 
 # ---------------------------------------------------------------------------------- the math
@@ -298,7 +311,8 @@ class SpectralRecorder:
             self._measure(members, before, iters, group, results)
         for n in self.names:
             if n in results and self._keeps_record(n):
-                self.records.append(SpectralRecord(step=step, name=n, rank=self._rank, **results[n]))
+                self.records.append(SpectralRecord(step=step, name=n, rank=self._rank,
+                                                   shape=tuple(self._params[n].shape), **results[n]))
 
     # ---------------------------------------------------------------- where
 
@@ -384,13 +398,14 @@ def gather_spectral(records: list[SpectralRecord], group=None, dst: int = 0) -> 
     dist.gather_object(rows, out, dst=dst, group=group)
     if out is None:
         return None
-    return sorted((SpectralRecord(**row) for rank_rows in out for row in rank_rows), key=lambda r: (r.step, r.name))
+    return sorted((SpectralRecord(**dict(row, shape=tuple(row["shape"]))) for rank_rows in out for row in rank_rows),
+                  key=lambda r: (r.step, r.name))
 
 
 def records_by_name(records: list[SpectralRecord], metric: str) -> dict[str, tuple[list[int], list[float]]]:
-    """{matrix name: (steps, values of ``metric``)}, for plots."""
-    if metric not in METRICS:
-        raise ValueError(f"unknown spectral metric {metric!r}; choose one of {METRICS}")
+    """{matrix name: (steps, values of ``metric``)} (a measured or a DERIVED one), for plots."""
+    if metric not in METRICS + DERIVED:
+        raise ValueError(f"unknown spectral metric {metric!r}; choose one of {METRICS + DERIVED}")
     out: dict[str, tuple[list[int], list[float]]] = {}
     for r in sorted(records, key=lambda r: r.step):
         steps, values = out.setdefault(r.name, ([], []))

@@ -235,3 +235,31 @@ def test_bad_input_is_refused_with_the_name_at_fault():
     with pytest.raises(ValueError, match="parameter 'tok_emb.weight' is not in the optimizer"):
         SpectralRecorder(partial, model, every=1, names=["tok_emb.weight"])
     assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks  # refused: no hook left
+
+
+# ---------------------------------------------------------------- plots and the panel (muonlab.viz.spectral)
+
+
+def test_plots_and_panel_draw_what_was_recorded():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from muonlab.viz.spectral import ALL, plot_spectral, plot_spectral_layers, spectral_panel
+
+    runs = compare_optimizers(CFG, steps=4, batch_size=4, progress=False, spectral_every=2)
+    ax = plot_spectral(runs, "blocks.0.mlp.fc.weight", "ortho_error")
+    assert len(ax.lines) == 1 and "none for adamw" in ax.get_title()  # AdamW has no Newton-Schulz output
+    steps, values = ax.lines[0].get_data()
+    assert list(steps) == [2, 4] and all(v > 0 for v in values)
+    ax = plot_spectral_layers(runs["adamw"], "update_flatness")
+    # 7 matrices: 2 embeddings, 4 in the block, the head; sigma is a lower bound, so flatness may pass 1 a little
+    assert len(ax.lines) == 7 and all(0 < v <= 1.05 for line in ax.lines for v in line.get_ydata())
+    panel = spectral_panel(runs, name="blocks.0.attn.qkv.weight")
+    fig = panel.update(metric="update_rms")
+    assert panel.metric.value == "update_rms" and len(fig.axes[0].lines) == 2
+    fig = panel.update(name=ALL)
+    assert len(fig.axes) == 2
+    with pytest.raises(ValueError, match="no spectral records of matrix 'blocks.7.mlp.fc.weight'"):
+        panel.update(name="blocks.7.mlp.fc.weight")
+    with pytest.raises(ValueError, match="unknown spectral metric 'rms'"):
+        plot_spectral(runs, "blocks.0.attn.qkv.weight", "rms")
