@@ -337,7 +337,9 @@ class SpectralRecorder:
             return
         by_shape: dict[tuple, list[str]] = {}
         for n in names:
-            by_shape.setdefault(tuple(before[n].shape), []).append(n)
+            # by GLOBAL shape: the same stacks, packed in the same order, on every rank (a rank's
+            # rows of two matrices of one global shape have one local shape; uneven shards don't)
+            by_shape.setdefault(tuple(self._params[n].shape), []).append(n)
         shapes = list(by_shape.values())
         weights = [torch.stack([_local(self._params[n]).detach().float() for n in ns]) for ns in shapes]
         updates = [w - torch.stack([before[n] for n in ns]) for w, ns in zip(weights, shapes)]
