@@ -11,7 +11,7 @@ the recorder's own time (its hooks, and the Newton-Schulz observer muonlab's Muo
 step), timed where it runs, per k steps, over the median step time without recording; and the
 end-to-end difference of the paired blocks' medians (noisier: it is a difference of two noisy times).
 
-    PYTHONPATH=. python benchmarks/bench_spectral.py                  # what results/spectral.md holds
+    PYTHONPATH=. python benchmarks/bench_spectral.py --threads 1      # what results/spectral.md holds
     PYTHONPATH=. python benchmarks/bench_spectral.py --rounds 3 --out /tmp/spectral.md
 """
 
@@ -89,8 +89,11 @@ def main(argv=None) -> str:
     ap.add_argument("--every", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     ap.add_argument("--out", default=str(results_path("spectral")))
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     cfg = GPTConfig(d_model=args.d_model, n_layers=args.layers, n_heads=4, context=args.context)
     load_start, t_start = load(), time.time()
     configs = [Config(name, record, cfg, args.every) for name in ("muon", "adamw") for record in (False, True)]
@@ -125,7 +128,7 @@ matmul) on the hidden matrices, AdamW on the rest; torch.optim.AdamW on everythi
 power iterations at the first recorded step, then 3 warm ones for weights and 10 for updates, the exact
 orthogonality error of every Muon matrix.
 
-Rounds: {args.warmup} warm-up, {args.rounds} timed; each round runs {k} steps of each of the 4 configurations
+Torch threads: {torch.get_num_threads()}. Rounds: {args.warmup} warm-up, {args.rounds} timed; each round runs {k} steps of each of the 4 configurations
 (rotating order), one of them recorded. Load average {load_start} at the start, {load()} at the end; total wall
 time {wall:.0f} s.
 

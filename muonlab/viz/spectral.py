@@ -76,9 +76,10 @@ def plot_spectral(runs: Mapping, name: str, metric: str, *, ax=None, title: str 
     return ax
 
 
-def plot_spectral_layers(run, metric: str, *, ax=None, title: str = "", names: Sequence[str] | None = None):
-    """``metric`` of every recorded matrix of one run (or of ``names``), one line each, colour by
-    matrix kind (the name without its layer index), shade by depth."""
+def plot_spectral_layers(run, metric: str, *, ax=None, title: str = "", names: Sequence[str] | None = None,
+                         legend: bool = True):
+    """``metric`` of every recorded matrix of one run (or of ``names``), one line each, one colour
+    per matrix kind (the name without its layer index)."""
     _check_metric(metric)
     series = records_by_name(_records(run), metric)
     if names is not None:
@@ -96,7 +97,7 @@ def plot_spectral_layers(run, metric: str, *, ax=None, title: str = "", names: S
     ax.set_xlabel("step")
     ax.set_ylabel(LABELS[metric])
     ax.set_title(title or LABELS[metric], fontsize=11)
-    if ax.lines:
+    if ax.lines and legend:
         ax.legend(fontsize=8, loc="best")
     ax.grid(alpha=0.3)
     return ax
@@ -135,8 +136,14 @@ class SpectralPanel:
         if name == ALL:
             fig, axes = plt.subplots(1, len(self.runs), figsize=(4.2 * len(self.runs), 3.6), sharey=True,
                                      squeeze=False)
+            handles: dict = {}
             for ax, (label, run) in zip(axes[0], self.runs.items()):
-                plot_spectral_layers(run, metric, ax=ax, title=label)
+                plot_spectral_layers(run, metric, ax=ax, title=label, legend=False)
+                handles.update({line.get_label(): line for line in ax.lines if not line.get_label().startswith("_")})
+            # one legend for all panels, under them: inside an axis it would hide curves
+            fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=min(len(handles), 4), fontsize=9)
+            fig.tight_layout(rect=(0, 0.06 * (1 + (len(handles) - 1) // 4), 1, 1))
+            return fig
         else:
             fig, ax = plt.subplots(figsize=(7, 3.6))
             plot_spectral(self.runs, name, metric, ax=ax)
