@@ -124,9 +124,9 @@ def main(argv=None) -> str:
     body = f"""Model: `GPTConfig(d_model={args.d_model}, n_layers={args.layers}, n_heads=4, context={args.context})`, batch
 {args.batch}, random tokens; {matrices} recorded matrices (every 2-D parameter: embeddings, the blocks' Linear
 weights, the head). muonlab's Muon with `ns_dtype=torch.float32` (what "auto" picks on this CPU without bf16
-matmul) on the hidden matrices, AdamW on the rest; torch.optim.AdamW on everything. Recorder defaults: 20 cold
-power iterations at the first recorded step, then 3 warm ones for weights and 10 for updates, the exact
-orthogonality error of every Muon matrix.
+matmul) on the hidden matrices, AdamW on the rest; torch.optim.AdamW on everything. Recorder defaults: 20
+products (Lanczos-refined power iteration) per weight at the first recorded step, then 3 warm-started ones, 6
+per update; the orthogonality error of every Muon matrix from a fixed sample of 64 rows of O O^T - I.
 
 Torch threads: {torch.get_num_threads()}. Rounds: {args.warmup} warm-up, {args.rounds} timed; each round runs {k} steps of each of the 4 configurations
 (rotating order), one of them recorded. Load average {load_start} at the start, {load()} at the end; total wall

@@ -3,10 +3,10 @@
 from .spans import Span, Tracer, gather_spans, to_chrome_trace, write_chrome_trace
 from .spectral import (DERIVED, METRICS, SpectralRecord, SpectralRecorder, exact_ortho_error,
                        exact_top_singular_value, gather_spectral, ortho_error_from_gram, records_by_name,
-                       top_singular_values)
+                       sampled_ortho_error, top_singular_values)
 
 __all__ = [
     "DERIVED", "METRICS", "Span", "SpectralRecord", "SpectralRecorder", "Tracer", "exact_ortho_error",
     "exact_top_singular_value", "gather_spans", "gather_spectral", "ortho_error_from_gram", "records_by_name",
-    "to_chrome_trace", "top_singular_values", "write_chrome_trace",
+    "sampled_ortho_error", "to_chrome_trace", "top_singular_values", "write_chrome_trace",
 ]

@@ -19,9 +19,11 @@ between recorded steps, so each gets ``update_iters`` (6) (``exact_top_singular_
 reference). Same-shape matrices run as one batched (bmm) chain.
 
 The orthogonality error is ``||O O^T - I||_F / sqrt(m)`` with O oriented (m, n), m <= n: the root
-mean square of (s_i^2 - 1) over O's m singular values. It is exact, over every matrix (no
-sample): computed as ``||G||_F^2 - 2 tr(G) + m`` with G the smaller Gram matrix, it costs one
-matmul, about 1/(3 * ns_steps) of the Newton-Schulz work on a recording step.
+mean square of (s_i^2 - 1) over O's m singular values. On the rank that ran the Newton-Schulz of a
+whole matrix it is estimated from a fixed random sample of ``ortho_rows`` (64) rows of O O^T - I,
+``sqrt(mean squared row norm)`` (its square is unbiased; exact for m <= 64), which costs 64 / m of
+one Gram matmul. Row-sharded matrices (FSDP2) get it exactly from the n x n Gram, summed over ranks
+(``||G||_F^2 - 2 tr(G) + m``, the same for either Gram).
 
 Where it runs. A matrix is recorded by one rank, so records of all ranks concatenate
 (``gather_spectral``). Plain tensors (one process, or DDP replicas): on the rank that ran the
@@ -109,6 +111,21 @@ def ortho_error_from_gram(g: torch.Tensor, m: int) -> torch.Tensor:
     g = g.double()
     sq = g.square().sum((-2, -1)) - 2 * g.diagonal(dim1=-2, dim2=-1).sum(-1) + m
     return sq.clamp_min(0).sqrt() / math.sqrt(m)
+
+
+def sampled_ortho_error(o: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    """||O O^T - I||_F / sqrt(m) estimated from the rows ``rows`` of O O^T - I (O oriented m x n):
+    sqrt(mean over them of a row's squared norm), unbiased in its square; exact (from the Gram)
+    when ``rows`` is None. Costs len(rows) / m of the Gram's matmul."""
+    o = o.float() if o.dtype not in (torch.float32, torch.float64) else o
+    if o.shape[-2] > o.shape[-1]:
+        o = o.mT
+    m = o.shape[-2]
+    if rows is None:
+        return ortho_error_from_gram(o @ o.mT, m)
+    block = (o[rows] @ o.mT).double()  # (s, m): the sampled rows of O O^T
+    block[torch.arange(len(rows)), rows] -= 1
+    return (block.square().sum() / len(rows)).sqrt()
 
 
 def top_singular_values(mats: list[torch.Tensor], vecs: list[torch.Tensor], iters: list[int],
@@ -203,7 +220,7 @@ class SpectralRecorder:
 
     def __init__(self, optimizer: torch.optim.Optimizer, named_parameters, *, every: int,
                  names: Iterable[str] | None = None, cold_iters: int = 20, warm_iters: int = 3,
-                 update_iters: int = 6, seed: int = 0):
+                 update_iters: int = 6, ortho_rows: int = 64, seed: int = 0):
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"every must be an integer >= 1 (record every k-th step), got {every!r}")
         for option, value in (("cold_iters", cold_iters), ("warm_iters", warm_iters), ("update_iters", update_iters)):
@@ -230,6 +247,9 @@ class SpectralRecorder:
         self._groups = {n: _row_sharded_group(by_name[n], n) for n in names}  # raises on other layouts
         self.optimizer, self.every, self.seed = optimizer, every, seed
         self.cold_iters, self.warm_iters, self.update_iters = cold_iters, warm_iters, update_iters
+        if isinstance(ortho_rows, bool) or not isinstance(ortho_rows, int) or ortho_rows < 1:
+            raise ValueError(f"ortho_rows must be an integer >= 1, got {ortho_rows!r}")
+        self.ortho_rows = ortho_rows
         self.names = names
         self._params = {n: by_name[n] for n in names}
         self._position = {n: i for i, n in enumerate(names)}
@@ -238,15 +258,22 @@ class SpectralRecorder:
         # a fused bank is several matrices stacked: the Gram of the whole stack says nothing of each
         self._ortho_names = {id(by_name[n]): n for n in names if id(by_name[n]) in muon_ids and fused.get(n, 1) == 1}
         self._reports_ns = hasattr(type(optimizer), "_optimizer_spectral_observer")
+        if self._reports_ns and getattr(optimizer, "_optimizer_spectral_recorder", None) is not None:
+            # Muon hands its Newton-Schulz outputs to one observer
+            raise ValueError("this Muon already has a SpectralRecorder attached; detach() it first")
         self.records: list[SpectralRecord] = []
         self._vectors: dict[tuple[str, str], torch.Tensor] = {}  # (name, "weight" | "update") -> unit vector
         self._steps = 0
         self._recorded_steps = 0
         self._before: dict[str, torch.Tensor] | None = None
-        self._grams: dict[str, tuple[torch.Tensor, int, bool]] = {}  # name -> (Gram, m, whole)
+        self._grams: dict[str, tuple[torch.Tensor, int, bool]] = {}  # sharded: name -> (its rows' Gram, m, False)
+        self._errors: dict[str, float] = {}  # whole: name -> orthogonality error
+        self._samples: dict[str, torch.Tensor] = {}
         self._ns_owner: dict[str, bool] = {}
         self._handles = [optimizer.register_step_pre_hook(self._pre_step),
                          optimizer.register_step_post_hook(self._post_step)]
+        if self._reports_ns:
+            optimizer._optimizer_spectral_recorder = self  # named like torch's hooks: copies drop it
 
     def detach(self) -> None:
         """Remove the hooks (records stay)."""
@@ -254,12 +281,14 @@ class SpectralRecorder:
             h.remove()
         self._handles = []
         self._stop_observing()
+        if getattr(self.optimizer, "_optimizer_spectral_recorder", None) is self:
+            self.optimizer._optimizer_spectral_recorder = None
 
     # ---------------------------------------------------------------- hooks
 
     def _pre_step(self, optimizer, args, kwargs) -> None:
         self._steps += 1
-        self._before, self._grams, self._ns_owner = None, {}, {}
+        self._before, self._grams, self._errors, self._ns_owner = None, {}, {}, {}
         self._stop_observing()
         if self._steps % self.every:
             return
@@ -284,12 +313,21 @@ class SpectralRecorder:
         shape = tuple(param.shape)
         o = output.reshape(-1, shape[1]) if output.numel() else output.new_zeros(0, shape[1])
         if self._groups[name] is None:
-            self._grams[name] = (gram(o), min(shape), True)
+            self._errors[name] = float(sampled_ortho_error(o, self._ortho_rows(name, min(shape))))
         else:
             # rows of O here: O^T O = sum over ranks of O_r^T O_r (n x n); for n > m the n x n Gram
             # has the same nonzero eigenvalues as O O^T, so the formula holds either way
             o = o.float()
             self._grams[name] = (o.mT @ o, min(shape), False)
+
+    def _ortho_rows(self, name: str, m: int) -> torch.Tensor | None:
+        """The fixed sample of rows (of O oriented m x n) for ``name``'s error; None: all m rows."""
+        if m <= self.ortho_rows:
+            return None
+        if name not in self._samples:
+            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + zlib.crc32(f"rows:{name}".encode()))
+            self._samples[name] = torch.randperm(m, generator=gen)[:self.ortho_rows].sort().values
+        return self._samples[name]
 
     def _post_step(self, optimizer, args, kwargs) -> None:
         if self._before is None:
@@ -357,10 +395,10 @@ class SpectralRecorder:
         # flag (its Newton-Schulz output was seen) and its Gram matrix
         sq = torch.cat([u.square().sum((1, 2)) for u in updates]).double()
         flat_names = [n for ns in shapes for n in ns]
-        ortho = [n for n in flat_names if n in self._ortho_names.values()]
+        ortho = [n for n in flat_names if n in self._ortho_names.values() and group is not None]
         parts, sides = [sq], []
         for n in ortho:
-            side = self._params[n].shape[1] if group is not None else min(self._params[n].shape)
+            side = self._params[n].shape[1]
             sides.append(side)
             seen = n in self._grams
             g = self._grams[n][0] if seen else torch.zeros(side, side)
@@ -370,7 +408,7 @@ class SpectralRecorder:
             dist.all_reduce(packed, group=group)
         sigma_w, sigma_u = torch.cat(sigmas[:k]).tolist(), torch.cat(sigmas[k:]).tolist()
         sq_list = packed[:len(flat_names)].tolist()
-        offset, errors = len(flat_names), {}
+        offset, errors = len(flat_names), {n: e for n, e in self._errors.items() if group is None}
         for n, side in zip(ortho, sides):
             if packed[offset] > 0:
                 g = packed[offset + 1:offset + 1 + side * side].view(side, side)

@@ -11,7 +11,8 @@ from muonlab.kernels.newton_schulz import newton_schulz
 from muonlab.models import GPT, GPTConfig
 from muonlab.optim.functional import adjust_lr_ratio
 from muonlab.trace import (SpectralRecorder, exact_ortho_error, exact_top_singular_value, gather_spectral,
-                           ortho_error_from_gram, records_by_name, top_singular_values)
+                           ortho_error_from_gram, records_by_name, sampled_ortho_error,
+                           top_singular_values)
 from muonlab.trace.spectral import gram
 
 CFG = GPTConfig(d_model=32, n_layers=1, n_heads=2, context=16)
@@ -109,6 +110,35 @@ def test_ortho_error_from_gram_equals_the_explicit_formula(shape):
     assert torch.allclose(ortho_error_from_gram(o.mT @ o, 4), exact_ortho_error(o))
 
 
+def test_sampled_ortho_error_is_exact_on_all_rows_and_unbiased_in_its_square():
+    o = newton_schulz(torch.randn(40, 24, generator=torch.Generator().manual_seed(2)), steps=3, dtype=torch.float32)
+    exact = float(exact_ortho_error(o))
+    assert math.isclose(float(sampled_ortho_error(o, None)), exact, rel_tol=1e-6)
+    assert math.isclose(float(sampled_ortho_error(o, torch.arange(24))), exact, rel_tol=1e-6)
+    # the squares of equal-size samples that partition the rows average to the exact square
+    parts = torch.randperm(24, generator=torch.Generator().manual_seed(3)).view(4, 6)
+    mean_sq = sum(float(sampled_ortho_error(o, rows.sort().values)) ** 2 for rows in parts) / 4
+    assert math.isclose(mean_sq, exact ** 2, rel_tol=1e-6)
+
+
+def test_recorder_samples_rows_of_larger_matrices():
+    recorders = []
+    for rows in (8, 64):  # 32 rows (the smaller dim) <= 64: exact
+        model = _gpt()
+        opt = Muon(muon_param_groups(model), ns_dtype=torch.float32)
+        recorders.append(SpectralRecorder(opt, model, every=1, names=["blocks.0.mlp.fc.weight"], ortho_rows=rows))
+        _train(model, opt, 2)
+    rec, full = recorders
+    with pytest.raises(ValueError, match="this Muon already has a SpectralRecorder attached"):
+        SpectralRecorder(opt, model, every=1)
+    full.detach()
+    SpectralRecorder(opt, model, every=1)  # detached: another may attach
+    for sampled, exact in zip(rec.records, full.records):
+        assert sampled.ortho_error != exact.ortho_error and _rel(sampled.ortho_error, exact.ortho_error) < 0.5
+    with pytest.raises(ValueError, match="ortho_rows must be an integer >= 1"):
+        SpectralRecorder(opt, model, every=1, ortho_rows=0)
+
+
 # ---------------------------------------------------------------- the recorder on optimizers
 
 
@@ -204,6 +234,7 @@ def test_copies_of_muon_do_not_carry_the_recorder():
     opt._optimizer_spectral_observer = rec.observe_newton_schulz  # as during a recorded step
     twin = copy.deepcopy(opt)
     assert twin._optimizer_spectral_observer is None
+    assert getattr(twin, "_optimizer_spectral_recorder", None) is None and opt._optimizer_spectral_recorder is rec
 
 
 def test_train_and_compare_optimizers_carry_spectral_records():
