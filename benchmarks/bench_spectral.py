@@ -109,7 +109,7 @@ def main(argv=None) -> str:
                 recorder_s[c.label].append(rec)
     wall = time.time() - t_start
     k = args.every
-    header = ["optimizer", f"step ms, no records", f"step ms, records every {k}", "recorder ms per recorded step",
+    header = ["optimizer", "step ms, no records", f"step ms, records every {k}", "recorder ms per recorded step",
               "recorder share of a step (own time)", "end-to-end share (paired medians)"]
     rows = []
     for name in ("muon", "adamw"):
@@ -121,16 +121,17 @@ def main(argv=None) -> str:
     table = text_table(header, rows)
     print(table)
     matrices = len(configs[1].recorder.names)
-    body = f"""Model: `GPTConfig(d_model={args.d_model}, n_layers={args.layers}, n_heads=4, context={args.context})`, batch
-{args.batch}, random tokens; {matrices} recorded matrices (every 2-D parameter: embeddings, the blocks' Linear
-weights, the head). muonlab's Muon with `ns_dtype=torch.float32` (what "auto" picks on this CPU without bf16
-matmul) on the hidden matrices, AdamW on the rest; torch.optim.AdamW on everything. Recorder defaults: 20
-products (Lanczos-refined power iteration) per weight at the first recorded step, then 3 warm-started ones, 6
-per update; the orthogonality error of every Muon matrix from a fixed sample of 64 rows of O O^T - I.
+    body = f"""Model: `GPTConfig(d_model={args.d_model}, n_layers={args.layers}, n_heads=4, context={args.context})`,
+batch {args.batch}, random tokens; {matrices} recorded matrices (every 2-D parameter: embeddings, the blocks'
+Linear weights, the head). muonlab's Muon with fp32 Newton-Schulz (`ns_dtype=torch.float32`) on the hidden
+matrices, AdamW on the rest; torch.optim.AdamW on everything. Recorder defaults: 20 products
+(Lanczos-refined power iteration) per weight at the first recorded step, then 3 warm-started ones, 6 per
+update; the orthogonality error of every Muon matrix from a fixed sample of 64 rows of O O^T - I.
 
-Torch threads: {torch.get_num_threads()}. Rounds: {args.warmup} warm-up, {args.rounds} timed; each round runs {k} steps of each of the 4 configurations
-(rotating order), one of them recorded. Load average {load_start} at the start, {load()} at the end; total wall
-time {wall:.0f} s.
+Torch threads: {torch.get_num_threads()} (the machine is shared; two threads per process under other jobs'
+load made step times swing tenfold). Rounds: {args.warmup} warm-up, {args.rounds} timed; each round runs {k}
+steps of each of the 4 configurations (rotating order), one of them recorded. Load average {load_start} at
+the start, {load()} at the end; total wall time {wall:.0f} s.
 
 {md_table(header, rows)}
 
