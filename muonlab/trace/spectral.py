@@ -214,7 +214,8 @@ class SpectralRecorder:
     which to record (default: every 2-D one the optimizer holds). ``cold_iters``/``warm_iters``:
     products (iterations) for the weights at the first recorded step / later ones; ``update_iters``:
     for the updates at every recorded step (an update's top direction changes between recorded steps,
-    so warm starts help it little). Attach on construction; ``detach()``
+    so warm starts help it little). ``ortho_rows``: rows of O O^T - I sampled for the orthogonality
+    error of a whole matrix. Attaches on construction (one recorder per muonlab Muon); ``detach()``
     removes the hooks. ``records`` grows by one SpectralRecord per recorded matrix and step.
     """
 
@@ -227,6 +228,8 @@ class SpectralRecorder:
             # one product only measures the start vector (its Rayleigh quotient) and never moves it
             if isinstance(value, bool) or not isinstance(value, int) or value < 2:
                 raise ValueError(f"{option} must be an integer >= 2, got {value!r}")
+        if isinstance(ortho_rows, bool) or not isinstance(ortho_rows, int) or ortho_rows < 1:
+            raise ValueError(f"ortho_rows must be an integer >= 1, got {ortho_rows!r}")
         if isinstance(named_parameters, torch.nn.Module):
             named_parameters = named_parameters.named_parameters()
         by_name = dict(named_parameters)
@@ -247,8 +250,6 @@ class SpectralRecorder:
         self._groups = {n: _row_sharded_group(by_name[n], n) for n in names}  # raises on other layouts
         self.optimizer, self.every, self.seed = optimizer, every, seed
         self.cold_iters, self.warm_iters, self.update_iters = cold_iters, warm_iters, update_iters
-        if isinstance(ortho_rows, bool) or not isinstance(ortho_rows, int) or ortho_rows < 1:
-            raise ValueError(f"ortho_rows must be an integer >= 1, got {ortho_rows!r}")
         self.ortho_rows = ortho_rows
         self.names = names
         self._params = {n: by_name[n] for n in names}
