@@ -12,6 +12,7 @@ from .data import get_batch, load_corpus
 from .distributed.device import rank_device
 from .models import GPT, GPTConfig
 from .optim import Muon, muon_param_groups
+from .trace.spectral import SpectralRecord, SpectralRecorder
 
 
 @dataclass
@@ -27,6 +28,8 @@ class History:
     opt_time_s: list[float] = field(default_factory=list)
     """Wall time of optimizer.step() alone."""
     tokens_per_step: int = 0
+    spectral: list[SpectralRecord] = field(default_factory=list)
+    """Spectral records of the matrices every ``spectral_every`` steps (muonlab.trace.spectral)."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -93,20 +96,41 @@ def train(
     scheduler=None,
     progress: bool = True,
     desc: str = "train",
+    spectral_every: int = 0,
 ) -> History:
     """Train on the corpus for ``steps`` steps; returns the History.
 
     Batches come from a generator seeded with ``seed``, so two optimizers see the same data.
     ``eval_every`` > 0 also evaluates on the validation split (and always after the last step).
+    ``spectral_every`` > 0 records every 2-D matrix's spectral metrics every that many steps into
+    ``History.spectral`` (a SpectralRecorder; its time is inside ``step_time_s``).
     """
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
+    if isinstance(spectral_every, bool) or not isinstance(spectral_every, int) or spectral_every < 0:
+        raise ValueError(f"spectral_every must be an integer >= 0 (0: no spectral records), got {spectral_every!r}")
     device = torch.device(device) if device is not None else default_device()
     context = context or model.cfg.context
     train_data, val_data = load_corpus("train"), load_corpus("val")
     gen = torch.Generator().manual_seed(seed)
     model.to(device).train()
     hist = History(tokens_per_step=batch_size * context)
+    recorder = SpectralRecorder(optimizer, model, every=spectral_every) if spectral_every else None
+    if recorder is not None:
+        hist.spectral = recorder.records  # the list it appends to
+    try:
+        _train_loop(model, optimizer, hist, steps=steps, batch_size=batch_size, context=context,
+                    eval_every=eval_every, eval_batches=eval_batches, gen=gen, device=device,
+                    scheduler=scheduler, progress=progress, desc=desc, data=(train_data, val_data))
+    finally:  # the optimizer outlives the run: leave no hook on it
+        if recorder is not None:
+            recorder.detach()
+    return hist
+
+
+def _train_loop(model, optimizer, hist: History, *, steps, batch_size, context, eval_every, eval_batches,
+                gen, device, scheduler, progress, desc, data) -> None:
+    train_data, val_data = data
     for step in tqdm(range(1, steps + 1), desc=desc, disable=not progress, leave=False):
         x, y = get_batch(train_data, batch_size, context, gen)
         t0 = time.perf_counter()
@@ -131,7 +155,6 @@ def train(
                     evaluate(model, val_data, batch_size=batch_size, context=context,
                              num_batches=eval_batches, device=device)
                 )
-    return hist
 
 
 def compare_optimizers(cfg: GPTConfig, *, steps: int, seed: int = 0, names=("muon", "adamw"),

@@ -177,6 +177,10 @@ class Muon(Optimizer):
     ``last_step_stats()`` and ``last_step_spans()`` say what the last step measured.
     """
 
+    _optimizer_spectral_observer = None
+    """Set by a SpectralRecorder for one step: called per matrix with its Newton-Schulz output.
+    Named like torch's hook attributes, so copies drop it as they drop hooks."""
+
     def __init__(
         self,
         params: Iterable,
@@ -819,6 +823,9 @@ class Muon(Optimizer):
             """3. update, with the lr ratio from each matrix's GLOBAL shape."""
             with self._tracer.span("update", batch=batch.index):
                 pairs = list(zip(batch.param_indices, outputs))
+                if self._optimizer_spectral_observer is not None:  # a recording step (muonlab.trace.spectral)
+                    for i, out in pairs:
+                        self._optimizer_spectral_observer(entries[i][1], out, not (i in owners and not owners[i][2]))
                 for (lr, weight_decay), members in _by_settings(
                         pairs, lambda i: (float(entries[i][0]["lr"]), entries[i][0]["weight_decay"])):
                     F.muon_apply_(

@@ -1,5 +1,12 @@
-"""Per-rank spans and byte counters of optimizer steps, and their export."""
+"""Per-rank spans and byte counters of optimizer steps, their export, and spectral records of training."""
 
 from .spans import Span, Tracer, gather_spans, to_chrome_trace, write_chrome_trace
+from .spectral import (DERIVED, METRICS, SpectralRecord, SpectralRecorder, exact_ortho_error,
+                       exact_top_singular_value, gather_spectral, ortho_error_from_gram, records_by_name,
+                       sampled_ortho_error, top_singular_values)
 
-__all__ = ["Span", "Tracer", "gather_spans", "to_chrome_trace", "write_chrome_trace"]
+__all__ = [
+    "DERIVED", "METRICS", "Span", "SpectralRecord", "SpectralRecorder", "Tracer", "exact_ortho_error",
+    "exact_top_singular_value", "gather_spans", "gather_spectral", "ortho_error_from_gram", "records_by_name",
+    "sampled_ortho_error", "to_chrome_trace", "top_singular_values", "write_chrome_trace",
+]

@@ -1,0 +1,296 @@
+"""Spectral records (muonlab.trace.spectral) against exact references (SVD, the explicit formula)."""
+
+import copy
+import math
+
+import pytest
+import torch
+
+from muonlab import Muon, compare_optimizers, muon_param_groups
+from muonlab.kernels.newton_schulz import newton_schulz
+from muonlab.models import GPT, GPTConfig
+from muonlab.optim.functional import adjust_lr_ratio
+from muonlab.trace import (SpectralRecorder, exact_ortho_error, exact_top_singular_value, gather_spectral,
+                           ortho_error_from_gram, records_by_name, sampled_ortho_error,
+                           top_singular_values)
+from muonlab.trace.spectral import gram
+
+CFG = GPTConfig(d_model=32, n_layers=1, n_heads=2, context=16)
+
+
+def _gpt(seed=0):
+    torch.manual_seed(seed)
+    return GPT(CFG)
+
+
+def _train(model, opt, steps, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randint(0, 256, (4, CFG.context), generator=gen)
+        model(x, x).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _rel(a, b):
+    return abs(a - b) / abs(b)
+
+
+def _with_gap(m, n, seed, top=3.0):
+    """A random (m, n) matrix whose singular values are 1, ..., decaying, with sigma_max = top."""
+    gen = torch.Generator().manual_seed(seed)
+    u, _ = torch.linalg.qr(torch.randn(m, m, generator=gen))
+    v, _ = torch.linalg.qr(torch.randn(n, n, generator=gen))
+    k = min(m, n)
+    s = torch.linspace(1.0, 0.1, k)
+    s[0] = top
+    return (u[:, :k] * s) @ v[:, :k].T
+
+
+# ---------------------------------------------------------------- the math against exact references
+
+
+def test_top_singular_values_match_svd_on_a_stack():
+    mats = torch.stack([_with_gap(12, 20, seed, top=2.0 + seed) for seed in range(3)])
+    v = torch.randn(3, 20, generator=torch.Generator().manual_seed(0))
+    v = v / v.norm(dim=1, keepdim=True)
+    (sigma,), _ = top_singular_values([mats], [v], [12])
+    exact = exact_top_singular_value(mats)
+    assert torch.allclose(sigma.double(), exact, rtol=1e-5), (sigma, exact)
+    (few,), _ = top_singular_values([mats], [v], [2])
+    assert (few.double() <= exact * (1 + 1e-6)).all() and (few.double() < exact * 0.999).any()  # a lower bound
+    # a zero matrix (a skipped step's update) gives 0 and keeps its vector
+    (zero,), (kept,) = top_singular_values([torch.zeros(1, 4, 6)], [v[:1, :6]], [3])
+    assert float(zero[0]) == 0 and torch.equal(kept, v[:1, :6])
+
+
+def test_flat_spectrum_of_newton_schulz_output_within_one_percent():
+    """Muon's updates: singular values bunched between about 0.7 and 1.2, where plain power
+    iteration is slow; 6 products of the Lanczos refinement (the default update_iters) suffice."""
+    gen = torch.Generator().manual_seed(0)
+    for shape in [(128, 32), (64, 64), (96, 384)]:
+        o = newton_schulz(torch.randn(shape, generator=gen), steps=5, coefficients="keller", dtype=torch.float32)
+        v = torch.randn(1, shape[1], generator=gen)
+        (sigma,), _ = top_singular_values([o[None]], [v / v.norm()], [6])
+        exact = float(exact_top_singular_value(o))
+        assert float(sigma[0]) <= exact * (1 + 1e-6) and _rel(float(sigma[0]), exact) < 1.2e-2, shape
+
+
+def _products_to(mat, v, exact, rtol):
+    """How many products a start vector needs to come within ``rtol``."""
+    for k in range(1, 60):
+        (sigma,), _ = top_singular_values([mat[None]], [v[None]], [k])
+        if _rel(float(sigma[0]), float(exact)) < rtol:
+            return k
+    return 60
+
+
+def test_warm_start_converges_in_fewer_iterations_than_cold():
+    # a weight that moves a little between two recorded steps, as in training
+    before = _with_gap(48, 80, seed=3, top=1.1)
+    after = before + 1e-3 * torch.randn(48, 80, generator=torch.Generator().manual_seed(4))
+    cold = torch.randn(80, generator=torch.Generator().manual_seed(5))
+    cold = cold / cold.norm()
+    _, (warm,) = top_singular_values([before[None]], [cold[None]], [30])
+    exact = exact_top_singular_value(after)
+    n_cold = _products_to(after, cold, exact, 1e-6)
+    n_warm = _products_to(after, warm[0], exact, 1e-6)
+    assert n_warm < n_cold and n_warm <= 3, (n_warm, n_cold)
+
+
+@pytest.mark.parametrize("shape", [(6, 6), (5, 9), (11, 4), (3, 7, 10)])
+def test_ortho_error_from_gram_equals_the_explicit_formula(shape):
+    o = torch.randn(shape, generator=torch.Generator().manual_seed(sum(shape))) / 3
+    got = ortho_error_from_gram(gram(o), min(shape[-2:]))
+    assert torch.allclose(got, exact_ortho_error(o), rtol=1e-6, atol=1e-9)
+    q, _ = torch.linalg.qr(torch.randn(9, 5, dtype=torch.float64))
+    assert float(ortho_error_from_gram(gram(q), 5)) < 1e-6  # orthonormal columns: 0
+    # the larger Gram (as row shards sum it) gives the same error as the smaller one
+    o = torch.randn(4, 9, dtype=torch.float64)
+    assert torch.allclose(ortho_error_from_gram(o.mT @ o, 4), exact_ortho_error(o))
+
+
+def test_sampled_ortho_error_is_exact_on_all_rows_and_unbiased_in_its_square():
+    o = newton_schulz(torch.randn(40, 24, generator=torch.Generator().manual_seed(2)), steps=3, dtype=torch.float32)
+    exact = float(exact_ortho_error(o))
+    assert math.isclose(float(sampled_ortho_error(o, None)), exact, rel_tol=1e-6)
+    assert math.isclose(float(sampled_ortho_error(o, torch.arange(24))), exact, rel_tol=1e-6)
+    # the squares of equal-size samples that partition the rows average to the exact square
+    parts = torch.randperm(24, generator=torch.Generator().manual_seed(3)).view(4, 6)
+    mean_sq = sum(float(sampled_ortho_error(o, rows.sort().values)) ** 2 for rows in parts) / 4
+    assert math.isclose(mean_sq, exact ** 2, rel_tol=1e-6)
+
+
+def test_recorder_samples_rows_of_larger_matrices():
+    recorders = []
+    for rows in (8, 64):  # 32 rows (the smaller dim) <= 64: exact
+        model = _gpt()
+        opt = Muon(muon_param_groups(model), ns_dtype=torch.float32)
+        recorders.append(SpectralRecorder(opt, model, every=1, names=["blocks.0.mlp.fc.weight"], ortho_rows=rows))
+        _train(model, opt, 2)
+    rec, full = recorders
+    with pytest.raises(ValueError, match="this Muon already has a SpectralRecorder attached"):
+        SpectralRecorder(opt, model, every=1)
+    full.detach()
+    SpectralRecorder(opt, model, every=1)  # detached: another may attach
+    for sampled, exact in zip(rec.records, full.records):
+        assert sampled.ortho_error != exact.ortho_error and _rel(sampled.ortho_error, exact.ortho_error) < 0.5
+    with pytest.raises(ValueError, match="ortho_rows must be an integer >= 1"):
+        SpectralRecorder(opt, model, every=1, ortho_rows=0)
+
+
+# ---------------------------------------------------------------- the recorder on optimizers
+
+
+def test_muon_records_match_exact_references_after_enough_steps():
+    model = _gpt()
+    opt = Muon(muon_param_groups(model, adamw_lr=3e-3), lr=0.02, ns_dtype=torch.float32)
+    rec = SpectralRecorder(opt, model, every=2)
+    name = "blocks.0.mlp.fc.weight"
+    p = dict(model.named_parameters())[name]
+    _train(model, opt, 7)
+    assert sorted({r.step for r in rec.records}) == [2, 4, 6]
+    names = {r.name for r in rec.records}
+    assert names == {n for n, q in model.named_parameters() if q.ndim == 2}
+    # one more recorded step, with the exact references computed on the side
+    before = p.detach().clone()
+    momentum = opt.state[p]["momentum_buffer"].clone()
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randint(0, 256, (4, CFG.context), generator=gen)
+    model(x, x).backward()
+    grad = p.grad.clone()
+    opt.step()
+    last = [r for r in rec.records if r.step == 8 and r.name == name]
+    assert len(last) == 1
+    r = last[0]
+    update = p.detach() - before
+    # Muon's update is -lr * ratio * NS(nesterov momentum): its Newton-Schulz output, independently
+    momentum.lerp_(grad, 1 - 0.95)
+    o = newton_schulz(grad.lerp(momentum, 0.95), steps=5, coefficients="keller", dtype=torch.float32)
+    assert torch.allclose(update, -0.02 * adjust_lr_ratio(tuple(p.shape), "original") * o, atol=1e-6)
+    assert math.isclose(r.ortho_error, float(exact_ortho_error(o)), rel_tol=1e-5)
+    assert math.isclose(r.update_rms, float(update.square().mean().sqrt()), rel_tol=1e-5)
+    # warm-started over 4 recorded steps, the weight's estimate is close; the update's (a fresh
+    # direction each step, nearly flat spectrum) is a lower bound within a few percent
+    assert _rel(r.weight_sigma, float(exact_top_singular_value(p.detach()))) < 2e-2
+    exact_u = float(exact_top_singular_value(update))
+    assert r.update_sigma <= exact_u * (1 + 1e-5) and _rel(r.update_sigma, exact_u) < 2e-2
+    # AdamW-routed matrices of the same Muon: no Newton-Schulz, so no orthogonality error
+    head = [q for q in rec.records if q.name == "lm_head.weight"]
+    assert head and all(math.isnan(q.ortho_error) for q in head)
+
+
+def test_weight_estimate_converges_over_recorded_steps():
+    """Cold on a flat random spectrum the estimate is loose; warm starts keep improving it."""
+    model = _gpt()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    rec = SpectralRecorder(opt, model, every=1, names=["blocks.0.mlp.fc.weight"], cold_iters=2, warm_iters=2)
+    p = dict(model.named_parameters())["blocks.0.mlp.fc.weight"]
+    errors = []
+    for _ in range(30):
+        _train(model, opt, 1, seed=len(errors))
+        errors.append(_rel(rec.records[-1].weight_sigma, float(exact_top_singular_value(p.detach()))))
+    assert errors[-1] < 1e-2 and errors[-1] < errors[0] / 3, errors
+
+
+def test_adamw_and_torch_muon_records():
+    for make in (lambda m: torch.optim.AdamW(m.parameters(), lr=3e-3),
+                 lambda m: torch.optim.Muon([p for p in m.parameters() if p.ndim == 2], lr=0.02)):
+        model = _gpt()
+        opt = make(model)
+        rec = SpectralRecorder(opt, model, every=3)
+        p = dict(model.named_parameters())["blocks.0.attn.qkv.weight"]
+        _train(model, opt, 5)
+        before = p.detach().clone()
+        _train(model, opt, 1, seed=7)
+        r = [r for r in rec.records if r.step == 6 and r.name == "blocks.0.attn.qkv.weight"][0]
+        update = p.detach() - before
+        assert math.isclose(r.update_rms, float(update.square().mean().sqrt()), rel_tol=1e-5)
+        assert 0 < r.update_sigma <= float(exact_top_singular_value(update)) * (1 + 1e-5)
+        assert math.isnan(r.ortho_error)  # only muonlab's Muon reports its Newton-Schulz output
+        assert sorted({r.step for r in rec.records}) == [3, 6]
+        rec.detach()
+        _train(model, opt, 3)
+        assert max(r.step for r in rec.records) == 6  # detached: nothing more
+
+
+def test_records_by_name_and_gather_without_distributed():
+    model = _gpt()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    rec = SpectralRecorder(opt, model, every=1, names=["blocks.0.mlp.out.weight", "lm_head.weight"])
+    _train(model, opt, 3)
+    assert [(r.step, r.name) for r in gather_spectral(rec.records)] == [
+        (s, n) for s in (1, 2, 3) for n in ("blocks.0.mlp.out.weight", "lm_head.weight")]
+    steps, values = records_by_name(rec.records, "update_rms")["lm_head.weight"]
+    assert steps == [1, 2, 3] and all(v > 0 for v in values)
+    with pytest.raises(ValueError, match="unknown spectral metric 'norm'"):
+        records_by_name(rec.records, "norm")
+
+
+def test_copies_of_muon_do_not_carry_the_recorder():
+    model = _gpt()
+    opt = Muon(muon_param_groups(model), ns_dtype=torch.float32)
+    rec = SpectralRecorder(opt, model, every=1)
+    opt._optimizer_spectral_observer = rec.observe_newton_schulz  # as during a recorded step
+    twin = copy.deepcopy(opt)
+    assert twin._optimizer_spectral_observer is None
+    assert getattr(twin, "_optimizer_spectral_recorder", None) is None and opt._optimizer_spectral_recorder is rec
+
+
+def test_train_and_compare_optimizers_carry_spectral_records():
+    hist = compare_optimizers(CFG, steps=4, batch_size=4, progress=False, spectral_every=2)
+    for name, h in hist.items():
+        assert sorted({r.step for r in h.spectral}) == [2, 4], name
+        muon_rows = [r for r in h.spectral if r.name == "blocks.0.mlp.fc.weight"]
+        assert (not math.isnan(muon_rows[0].ortho_error)) == (name == "muon")
+    with pytest.raises(ValueError, match="spectral_every must be an integer >= 0"):
+        compare_optimizers(CFG, steps=1, names=("adamw",), progress=False, spectral_every=-1)
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def test_bad_input_is_refused_with_the_name_at_fault():
+    model = _gpt()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for every in (0, -2, 1.5, True):
+        with pytest.raises(ValueError, match=r"every must be an integer >= 1"):
+            SpectralRecorder(opt, model, every=every)
+    with pytest.raises(ValueError, match=r"unknown parameter name\(s\) \['blocks.9.attn.qkv.weight'\]"):
+        SpectralRecorder(opt, model, every=1, names=["blocks.0.attn.qkv.weight", "blocks.9.attn.qkv.weight"])
+    with pytest.raises(ValueError, match=r"parameter 'norm.weight' has shape \(32,\)"):
+        SpectralRecorder(opt, model, every=1, names=["norm.weight"])
+    with pytest.raises(ValueError, match="warm_iters must be an integer >= 2"):
+        SpectralRecorder(opt, model, every=1, warm_iters=1)
+    partial = torch.optim.AdamW([model.lm_head.weight], lr=1e-3)
+    with pytest.raises(ValueError, match="parameter 'tok_emb.weight' is not in the optimizer"):
+        SpectralRecorder(partial, model, every=1, names=["tok_emb.weight"])
+    assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks  # refused: no hook left
+
+
+# ---------------------------------------------------------------- plots and the panel (muonlab.viz.spectral)
+
+
+def test_plots_and_panel_draw_what_was_recorded():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from muonlab.viz.spectral import ALL, plot_spectral, plot_spectral_layers, spectral_panel
+
+    runs = compare_optimizers(CFG, steps=4, batch_size=4, progress=False, spectral_every=2)
+    ax = plot_spectral(runs, "blocks.0.mlp.fc.weight", "ortho_error")
+    assert len(ax.lines) == 1 and "none for adamw" in ax.get_title()  # AdamW has no Newton-Schulz output
+    steps, values = ax.lines[0].get_data()
+    assert list(steps) == [2, 4] and all(v > 0 for v in values)
+    ax = plot_spectral_layers(runs["adamw"], "update_flatness")
+    # 7 matrices: 2 embeddings, 4 in the block, the head; sigma is a lower bound, so flatness may pass 1 a little
+    assert len(ax.lines) == 7 and all(0 < v <= 1.05 for line in ax.lines for v in line.get_ydata())
+    panel = spectral_panel(runs, name="blocks.0.attn.qkv.weight")
+    fig = panel.update(metric="update_rms")
+    assert panel.metric.value == "update_rms" and len(fig.axes[0].lines) == 2
+    fig = panel.update(name=ALL)
+    assert len(fig.axes) == 2
+    with pytest.raises(ValueError, match="no spectral records of matrix 'blocks.7.mlp.fc.weight'"):
+        panel.update(name="blocks.7.mlp.fc.weight")
+    with pytest.raises(ValueError, match="unknown spectral metric 'rms'"):
+        plot_spectral(runs, "blocks.0.attn.qkv.weight", "rms")
