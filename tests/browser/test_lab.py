@@ -25,6 +25,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 NOTEBOOK = "01_quickstart.ipynb"
+ERROR_OUTPUT = ".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']"
 pytestmark = pytest.mark.skipif(
     CHROMIUM is None, reason="no Chromium on PATH: install Debian's `chromium` (apt-get install -y chromium)")
 
@@ -50,6 +51,13 @@ def _descendants(pid: int) -> list[int]:
             found.append(child)
             todo.append(child)
     return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def _kill(pids: list[int]) -> None:
@@ -113,8 +121,7 @@ def lab(tmp_path):
             os.killpg(server.pid, signal.SIGKILL)
         server.wait(timeout=10)
         log.close()
-        leftover = [pid for pid in below if Path(f"/proc/{pid}").exists()
-                    and Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"]
+        leftover = [pid for pid in below if _alive(pid)]
         assert not leftover, f"processes left behind by JupyterLab: {leftover}"
 
 
@@ -122,13 +129,14 @@ def _run_all_cells(page, timeout_ms: int) -> None:
     page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
     page.locator(".lm-Menu-itemLabel", has_text="Run All Cells").first.click()
     # The run is over when every code cell shows a number and the numbers follow one another, as
-    # one Run All gives (the stored counts have gaps where ignored cells store none).
+    # one Run All gives (the stored counts have gaps where ignored cells store none), or at an error.
     page.wait_for_function(
         """() => {
+            if ([...document.querySelectorAll(ERROR)].some(e => e.textContent.includes('Traceback'))) return true;
             const counts = [...document.querySelectorAll('.jp-CodeCell .jp-InputArea-prompt')]
                 .map(p => (/\\[(\\d+)\\]/.exec(p.textContent) || [])[1]).map(Number);
             return counts.length > 0 && counts.every((c, i) => c > 0 && (i === 0 || c === counts[i - 1] + 1));
-        }""", timeout=timeout_ms)
+        }""".replace("ERROR", json.dumps(ERROR_OUTPUT)), timeout=timeout_ms)
 
 
 def _cell_output(page, first_line: str):
@@ -137,6 +145,7 @@ def _cell_output(page, first_line: str):
     return cell.locator(".jp-OutputArea")
 
 
+@pytest.mark.timeout(300)  # a stuck page still ends in the fixture's shutdown
 def test_notebook_01_panel_renders_and_trains_on_click(lab, tmp_path):
     from playwright.sync_api import sync_playwright
 
@@ -152,8 +161,7 @@ def test_notebook_01_panel_renders_and_trains_on_click(lab, tmp_path):
                 "      .some(e => e.textContent.includes('| Idle'))", timeout=60_000)
             _run_all_cells(page, timeout_ms=120_000)
 
-            errors = page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']",
-                                  has_text="Traceback")
+            errors = page.locator(ERROR_OUTPUT, has_text="Traceback")
             assert errors.count() == 0, errors.first.inner_text()
 
             panel = page.locator(".jp-OutputArea-output .jupyter-widgets.widget-vbox").first
