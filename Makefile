@@ -23,12 +23,15 @@ data/cache/corpus.meta.json: setup data/prepare.py
 demo: setup data/cache/corpus.meta.json
 	$(PY) -m muonlab.cli demo
 
+# tests/ includes tests/browser (JupyterLab in headless Chromium; skipped where none is installed).
+# Notebooks: strict nbval, every cell not marked # NBVAL_IGNORE_OUTPUT compared with its stored
+# output (notebooks/_store_outputs.py writes them), after notebooks/nbval_sanitize.cfg.
 test: setup data/cache/corpus.meta.json
 	CI=1 $(PY) -m pytest -q tests
-	CI=1 $(PY) -m pytest -q --nbval-lax -p no:cacheprovider notebooks
+	CI=1 $(PY) -m pytest -q -p no:cacheprovider --nbval --nbval-sanitize-with notebooks/nbval_sanitize.cfg notebooks
 
 lab: setup data/cache/corpus.meta.json
-	$(VENV)/bin/jupyter lab notebooks
+	$(VENV)/bin/jupyter lab notebooks $(if $(filter 0,$(shell id -u)),--allow-root)
 
 clean:
-	rm -rf $(VENV) runs data/cache
+	rm -rf $(VENV) runs notebooks/runs data/cache
