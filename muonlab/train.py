@@ -6,10 +6,12 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from tqdm.auto import tqdm
+from tqdm import tqdm
 
+from .bars import notebook_bar
 from .data import get_batch, load_corpus
 from .distributed.device import rank_device
+from .distributed.progress import in_notebook_kernel
 from .models import GPT, GPTConfig
 from .optim import Muon, muon_param_groups
 from .trace.spectral import SpectralRecord, SpectralRecorder
@@ -131,7 +133,9 @@ def train(
 def _train_loop(model, optimizer, hist: History, *, steps, batch_size, context, eval_every, eval_batches,
                 gen, device, scheduler, progress, desc, data) -> None:
     train_data, val_data = data
-    for step in tqdm(range(1, steps + 1), desc=desc, disable=not progress, leave=False):
+    start = time.monotonic()
+    bar = _step_bar(desc, steps, progress)
+    for step in range(1, steps + 1):
         x, y = get_batch(train_data, batch_size, context, gen)
         t0 = time.perf_counter()
         loss = model(x.to(device), y.to(device))
@@ -155,6 +159,21 @@ def _train_loop(model, optimizer, hist: History, *, steps, batch_size, context, 
                     evaluate(model, val_data, batch_size=batch_size, context=context,
                              num_batches=eval_batches, device=device)
                 )
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+        if in_notebook_kernel():  # the line a saved notebook keeps, where the bar's widget is gone
+            print(f"{desc}: {steps} steps, loss {hist.train_loss[0]:.3f} -> {hist.train_loss[-1]:.3f}, "
+                  f"{time.monotonic() - start:.0f} s")
+
+
+def _step_bar(desc: str, steps: int, progress: bool):
+    if not progress:
+        return None
+    if in_notebook_kernel():
+        return notebook_bar(desc, steps)
+    return tqdm(total=steps, desc=desc, leave=False)
 
 
 def compare_optimizers(cfg: GPTConfig, *, steps: int, seed: int = 0, names=("muon", "adamw"),

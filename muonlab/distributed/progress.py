@@ -192,12 +192,12 @@ class _NotebookDisplay(_TextDisplay):
 
     def __init__(self, name: str):
         from IPython.display import DisplayHandle
-        from tqdm.notebook import tqdm
+
+        from ..bars import notebook_bar
 
         self.name = name
-        self.bar = tqdm(total=None, desc=name, unit="step", display=False)
         self.bar_handle = DisplayHandle()
-        self.bar_handle.display(self.bar.container)
+        self.bar = notebook_bar(name, None, handle=self.bar_handle)
         self.plot_handle = None
         self.plotted_steps = 0
         self.last_plot = 0.0

@@ -802,11 +802,15 @@ class Muon(Optimizer):
         entries = self._muon_entries()
         plan, specs, groups, owners = planned
 
+        def on_this_rank(i: int) -> bool:
+            # a replicated matrix's momentum and Newton-Schulz run on its owner rank only
+            return i not in owners or owners[i][2]
+
         def prepare(batch) -> list[torch.Tensor | None]:
             """1. momentum on the local shard (replicated matrices: on their owner only)."""
             inputs = dict.fromkeys(batch.param_indices)
             with self._tracer.span("momentum", batch=batch.index):
-                mine = [i for i in batch.param_indices if not (i in owners and not owners[i][2])]
+                mine = [i for i in batch.param_indices if on_this_rank(i)]
                 items = [(i, entries[i][1], self._state_for(entries[i][1], "muon")) for i in mine]
                 # the store hands out each momentum on the device (fetching the next meanwhile);
                 # resident buffers are the state itself, so they can be updated all at once
@@ -825,7 +829,7 @@ class Muon(Optimizer):
                 pairs = list(zip(batch.param_indices, outputs))
                 if self._optimizer_spectral_observer is not None:  # a recording step (muonlab.trace.spectral)
                     for i, out in pairs:
-                        self._optimizer_spectral_observer(entries[i][1], out, not (i in owners and not owners[i][2]))
+                        self._optimizer_spectral_observer(entries[i][1], out, on_this_rank(i))
                 for (lr, weight_decay), members in _by_settings(
                         pairs, lambda i: (float(entries[i][0]["lr"]), entries[i][0]["weight_decay"])):
                     F.muon_apply_(
