@@ -11,11 +11,9 @@ panel's plans come from ``simulate``, the same planner a real step runs.
 
 from __future__ import annotations
 
-import base64
 import functools
 import html
 import inspect
-import io
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import matplotlib.pyplot as plt
@@ -24,6 +22,7 @@ from matplotlib.patches import Patch
 
 from ..comm.records import per_rank
 from ..simulate import SIMULATED_STRATEGIES, simulate, summarize
+from .panel_output import show_figure
 from .timeline import (BYTE_UNITS, DISTRIBUTION_ABOVE, FLOP_UNITS, _ordered_paths, _path_color,
                        plot_rank_distribution, scale_for)
 
@@ -292,16 +291,6 @@ def simulate_views(shapes_fn: Callable, *, world: int, ep: int = 1, experts: int
     return dict(plan=plan, summary=summary, sweep=sweep, figure=fig)
 
 
-def _png_output(fig) -> dict:
-    """The figure as one display_data output of an Output widget: drawn once, here, so it never
-    also lands under the cell through the inline backend."""
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=fig.dpi)
-    return {"output_type": "display_data", "metadata": {},
-            "data": {"image/png": base64.b64encode(buf.getvalue()).decode("ascii"),
-                     "text/plain": "planner figure"}}
-
-
 def _summary_html(rows: Sequence[Mapping]) -> str:
     head = ("<tr><th>strategy</th><th>paths</th><th>bytes / bound</th><th>max-rank MB</th>"
             "<th>FLOP imbalance</th><th>modelled ms</th><th>batches</th></tr>")
@@ -387,11 +376,7 @@ class PlannerPanel:
             self.last = None
             self.status.value = f"<span style='color:#b00'>{html.escape(f'{type(e).__name__}: {e}')}</span>"
             return None
-        fig = result["figure"]
-        try:
-            self.output.outputs = (_png_output(fig),)
-        finally:
-            plt.close(fig)  # drawn into the Output widget above; the inline backend must not draw it again
+        show_figure(self.output, result["figure"], "planner figure")
         self.table.value = _summary_html(result["summary"])
         self.status.value = (f"{self.model}: {v['layers']} layers" + (f", {v['experts']} experts" if v["experts"] else "")
                              + f", W={v['world']}, ep={v['ep']}, {v['profile']}")

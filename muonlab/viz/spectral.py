@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 import matplotlib.pyplot as plt
 
 from ..trace.spectral import DERIVED, METRICS, SpectralRecord, records_by_name
+from .panel_output import show_figure
 
 __all__ = ["LABELS", "SpectralPanel", "plot_spectral", "plot_spectral_layers", "spectral_panel"]
 
@@ -152,8 +153,6 @@ class SpectralPanel:
 
     def update(self, name: str | None = None, metric: str | None = None):
         """Draw (after setting the dropdowns to ``name``/``metric`` when given); returns the figure."""
-        from IPython.display import display
-
         if metric is not None:
             _check_metric(metric)
         if name is not None and name not in self.name.options:
@@ -171,10 +170,7 @@ class SpectralPanel:
         finally:
             self._drawing = False
         fig = self.figure(self.name.value, self.metric.value)
-        self.output.clear_output(wait=True)
-        with self.output:
-            display(fig)
-        plt.close(fig)  # the inline backend would otherwise draw it a second time under the cell
+        show_figure(self.output, fig, "spectral figure")
         return fig
 
     def _repr_mimebundle_(self, **kwargs):

@@ -14,6 +14,7 @@ from ..kernels.newton_schulz import PRESETS
 from ..models import GPT, GPTConfig
 from ..train import History, make_optimizer, train
 from .curves import plot_loss_curves
+from .panel_output import show_figure
 
 
 def plot_val_loss_vs_time(histories: dict, *, ax=None, title: str = "validation loss vs wall time"):
@@ -91,12 +92,15 @@ class TrainingPanel:
         self.button = w.Button(description="train", button_style="primary", icon="play")
         self.clear = w.Button(description="clear runs")
         self.status = w.Label("")
-        self.output = w.Output()
+        self.output = w.Output()  # the figure, set from here (show_figure)
+        # the running callback's bar and summary line, captured by the frontend: a separate area,
+        # since the frontend syncs what it captured back into an Output and would overwrite a figure
+        self.progress_area = w.Output()
         self.button.on_click(self.update)
         self.clear.on_click(self._clear)
         controls = w.VBox([self.lr, self.momentum, self.ns_steps, self.preset,
                            w.HBox([self.button, self.clear, self.status])])
-        self.widget = w.VBox([controls, self.output])
+        self.widget = w.VBox([controls, self.progress_area, self.output])
 
     def values(self) -> dict:
         """The callback's keyword arguments as the widgets hold them now."""
@@ -109,7 +113,8 @@ class TrainingPanel:
         label = f"lr={v['lr']:.3g} mu={v['momentum']:.2f} ns={v['ns_steps']} {v['ns_coefficients']}"
         self.status.value = f"training: {label} ..."
         try:
-            with self.output:  # a tqdm.auto bar the callback opens is drawn here, under the last plot
+            self.progress_area.clear_output(wait=True)
+            with self.progress_area:  # a bar the callback opens is drawn here, above the last plot
                 result = self.run_fn(**v)
         except Exception as e:
             self.status.value = f"failed: {label}: {type(e).__name__}: {e}"
@@ -127,19 +132,15 @@ class TrainingPanel:
 
     def _clear(self, _button=None) -> None:
         self.runs.clear()
-        self.output.clear_output()
+        self.output.outputs = ()
+        self.progress_area.clear_output()
         self.status.value = ""
 
     def _draw(self):
-        from IPython.display import display
-
         fig, ax = plt.subplots(figsize=(7, 3.5))
         plot_loss_curves(self.runs, ax=ax, title="Muon on the small GPT")
         fig.tight_layout()
-        self.output.clear_output(wait=True)
-        with self.output:
-            display(fig)
-        plt.close(fig)  # the inline backend would otherwise draw it a second time under the cell
+        show_figure(self.output, fig, "loss curves")
         return fig
 
     def _repr_mimebundle_(self, **kwargs):
