@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
 
 def test_notebook_bar_text_fallback_is_not_its_first_drawing(capsys):
+    pytest.importorskip("ipywidgets", reason="notebook bars and panels are ipywidgets (the lab extra)")
     from muonlab.bars import notebook_bar
 
     bar = notebook_bar("muon", 200)  # outside a kernel display() prints the text it shows
@@ -14,6 +17,7 @@ def test_notebook_bar_text_fallback_is_not_its_first_drawing(capsys):
 
 
 def test_train_in_a_notebook_leaves_a_summary_line(monkeypatch, capsys):
+    pytest.importorskip("ipywidgets", reason="notebook bars and panels are ipywidgets (the lab extra)")
     import importlib
 
     train_module = importlib.import_module("muonlab.train")  # the module: muonlab.train is also the function

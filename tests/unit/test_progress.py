@@ -96,6 +96,7 @@ def test_text_monitor_draws_a_bar_and_leaves_the_summary_line(tmp_path, capsys):
 
 
 def test_notebook_display_keeps_a_plot_and_prints_the_summary(tmp_path, capsys):
+    pytest.importorskip("ipywidgets", reason="notebook bars and panels are ipywidgets (the lab extra)")
     # outside a kernel the notebook bar's widgets exist unseen and display() prints: the same code runs
     dirs = _write_run(tmp_path, [[_line(0, 1, 5.0, 4), _line(0, 2, 4.5, 4)]])
     monitor = ProgressMonitor("fsdp", dirs, lambda: 1, "notebook")

@@ -272,6 +272,7 @@ def test_bad_input_is_refused_with_the_name_at_fault():
 
 
 def test_plots_and_panel_draw_what_was_recorded():
+    pytest.importorskip("ipywidgets", reason="notebook bars and panels are ipywidgets (the lab extra)")
     import matplotlib
 
     matplotlib.use("Agg")

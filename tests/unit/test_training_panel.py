@@ -8,6 +8,7 @@ import pytest
 
 
 def test_a_panel_run_shows_the_training_progress_bar(capsys):
+    pytest.importorskip("ipywidgets", reason="notebook bars and panels are ipywidgets (the lab extra)")
     from muonlab.models import GPTConfig
     from muonlab.viz.widgets import muon_trainer, training_panel
 
@@ -21,6 +22,7 @@ def test_a_panel_run_shows_the_training_progress_bar(capsys):
 
 
 def test_a_failing_run_says_so_in_the_panel():
+    pytest.importorskip("ipywidgets", reason="notebook bars and panels are ipywidgets (the lab extra)")
     from muonlab.viz.widgets import training_panel
 
     def run(**values):

@@ -95,6 +95,7 @@ def test_views_seen_before_are_drawn_without_simulating_again(monkeypatch):
 
 
 def test_panel_error_clears_the_old_figure_and_table():
+    pytest.importorskip("ipywidgets", reason="notebook bars and panels are ipywidgets (the lab extra)")
     panel = PlannerPanel(small_moe, world=16, ep=2, experts=8, layers=1, worlds=(8, 16), auto=False)
     assert panel.update() is not None
     assert len(panel.output.outputs) == 1 and "image/png" in panel.output.outputs[0]["data"]
@@ -108,6 +109,7 @@ def test_panel_error_clears_the_old_figure_and_table():
 
 
 def test_panel_shows_any_error_of_the_callback(monkeypatch):
+    pytest.importorskip("ipywidgets", reason="notebook bars and panels are ipywidgets (the lab extra)")
     panel = PlannerPanel(small_moe, world=8, ep=1, experts=8, layers=1, worlds=(8,), auto=False)
     panel.update()
 
