@@ -72,7 +72,7 @@ def _kill(pids: list[int]) -> None:
 def lab(tmp_path):
     """A JupyterLab server on a copy of notebooks/; yields (url, token). Nothing survives it."""
     root = tmp_path / "notebooks"
-    shutil.copytree(REPO / "notebooks", root, ignore=shutil.ignore_patterns(".ipynb_checkpoints"))
+    shutil.copytree(REPO / "notebooks", root, ignore=shutil.ignore_patterns(".ipynb_checkpoints", "runs"))
     port, token = _free_port(), os.urandom(16).hex()
     jupyter_home = tmp_path / "jupyter"  # settings, workspaces and runtime files of this server only
     env = dict(os.environ, CI="1", PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
