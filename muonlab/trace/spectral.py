@@ -155,10 +155,8 @@ def top_singular_values(mats: list[torch.Tensor], vecs: list[torch.Tensor], iter
             q = torch.stack(basis[i], 1)  # (B, j+1, n)
             alphas[i].append((w * basis[i][-1]).sum(1))
             if j + 1 < iters[i]:
-                # one classical Gram-Schmidt pass against every earlier vector: over at most
-                # cold_iters (20) products a second pass changed no estimate measurably and cost
-                # about a tenth of the recorder's time
                 w = w - torch.bmm(torch.bmm(w.unsqueeze(1), q.mT), q).squeeze(1)
+                w = w - torch.bmm(torch.bmm(w.unsqueeze(1), q.mT), q).squeeze(1)  # twice is enough in fp32
                 beta = w.norm(dim=1)
                 # an invariant subspace found (or a zero matrix): continue with zero vectors, which
                 # add eigenvalues 0 to T and never change its top one
