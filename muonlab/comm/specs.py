@@ -43,6 +43,11 @@ LAYOUTS = ("whole", "row_shard", "subgroup", "replicated", "gather_all")
 VIEWS = ("matrix", "transpose", "flatten", "bank")
 
 
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank holds: a DTensor's local shard (aliasing its storage), else ``t``."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def default_view(shape: tuple[int, ...]) -> str:
     """The view of a parameter nobody declared one for: 2-D "matrix", 3-D "bank", 4-D+ "flatten"
     (a 4-D parameter is far more often a conv kernel than a bank of banks)."""

@@ -20,7 +20,7 @@ from ..comm.engine import execute_plan, phase_seconds
 from ..comm.paths.subgroup import ranks_per_expert, subgroups_for
 from ..comm.planner import REMAINDER_PATHS, STRATEGIES, plan_batches
 from ..comm.records import BatchPlan, Plan
-from ..comm.specs import MatrixSpec, check_view, matrix_spec, process_group_for
+from ..comm.specs import MatrixSpec, check_view, local_shard, matrix_spec, process_group_for
 from ..kernels.newton_schulz import NSConfig, resolve_dtype
 from ..kernels.runner import NewtonSchulzRunner, default_budget
 from ..kernels.workspace import max_batch_matrices
@@ -65,11 +65,6 @@ def _dist_on() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The tensor this rank holds (a DTensor's local shard, aliasing its storage)."""
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 def _momentum_settings(group: dict) -> tuple:
     return (("momentum", group["momentum"]), ("nesterov", group["nesterov"]), ("form", group["momentum_form"]))
 
@@ -86,7 +81,7 @@ def _by_settings(pairs: list[tuple[int, Any]], settings_of) -> list[tuple[Any, l
 def _checksum(p: torch.Tensor) -> tuple[float, float]:
     """Sum and sum of squares in fp64: equal on replicas (bit-identical tensors), cheap, and
     different for another tensor of the same shape (another init, another layer)."""
-    t = _local(p).detach().double()
+    t = local_shard(p).detach().double()
     return float(t.sum()), float(t.square().sum())
 
 
@@ -615,7 +610,7 @@ class Muon(Optimizer):
         # only the state being updated is on the device
         for p, (exp_avg, exp_avg_sq) in self._offload.each(items, ("exp_avg", "exp_avg_sq")):
             F.adamw_(
-                [_local(p)], [_local(p.grad)], [exp_avg], [exp_avg_sq], [self.state[p]["step"]],
+                [local_shard(p)], [local_shard(p.grad)], [exp_avg], [exp_avg_sq], [self.state[p]["step"]],
                 lr=float(group["lr"]),
                 betas=(beta1, beta2),
                 eps=group["eps"],
@@ -737,7 +732,7 @@ class Muon(Optimizer):
             return self._device()
         for group in self.param_groups:
             for p in group["params"]:
-                return _local(p).device
+                return local_shard(p).device
         return torch.device("cpu")
 
     # ------------------------------------------------------------------ state for checkpoints
@@ -782,7 +777,7 @@ class Muon(Optimizer):
         for state in self.state.values():
             for key, value in state.items():
                 if key in self._offload.by_key and torch.is_tensor(value):
-                    local = _local(value)
+                    local = local_shard(value)
                     where = "offloaded_bytes" if self._offload.by_key[key].holds(local) else "device_bytes"
                     out[where] += local.numel() * local.element_size()
         return out
@@ -818,7 +813,7 @@ class Muon(Optimizer):
                 runs = [list(fetched)] if self._offload.place_of("momentum_buffer") is None else ([f] for f in fetched)
                 for run in runs:
                     for settings, members in _by_settings(run, lambda i: _momentum_settings(entries[i][0])):
-                        outs = F.muon_momentum_([_local(entries[i][1].grad) for i, _ in members],
+                        outs = F.muon_momentum_([local_shard(entries[i][1].grad) for i, _ in members],
                                                 [buf for _, (buf,) in members], **dict(settings))
                         inputs.update(zip((i for i, _ in members), outs))
             return [inputs[i] for i in batch.param_indices]
@@ -833,7 +828,7 @@ class Muon(Optimizer):
                 for (lr, weight_decay), members in _by_settings(
                         pairs, lambda i: (float(entries[i][0]["lr"]), entries[i][0]["weight_decay"])):
                     F.muon_apply_(
-                        [_local(entries[i][1]) for i, _ in members], [out for _, out in members], lr=lr,
+                        [local_shard(entries[i][1]) for i, _ in members], [out for _, out in members], lr=lr,
                         weight_decay=weight_decay,
                         ratios=[F.adjust_lr_ratio(specs[i].lr_shape, entries[i][0]["adjust_lr"]) for i, _ in members],
                     )
@@ -846,7 +841,7 @@ class Muon(Optimizer):
 
     def _device(self) -> torch.device:
         """Where this rank's Muon shards live (the first Muon parameter's device)."""
-        return _local(self._muon_entries()[0][1]).device
+        return local_shard(self._muon_entries()[0][1]).device
 
     def _ns_runner(self) -> NewtonSchulzRunner:
         """The Newton-Schulz runner (chunks within the workspace budget, reused buffers, graphs),
@@ -854,7 +849,7 @@ class Muon(Optimizer):
         if self._runner is None:
             budget = self.workspace_bytes
             if budget is None:
-                local = [_local(p) for _, p in self._muon_entries()]
+                local = [local_shard(p) for _, p in self._muon_entries()]
                 budget = default_budget(sum(t.numel() * t.element_size() for t in local), self._device().type)
             self._runner = NewtonSchulzRunner(budget, graphs=self.ns_graphs)
         return self._runner

@@ -16,9 +16,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
+from ..comm.specs import local_shard
 
 
 def _flag_into(found: torch.Tensor, grads: list[torch.Tensor], one: torch.Tensor) -> None:
@@ -63,7 +61,7 @@ def start(grads: Sequence[torch.Tensor], group=None, name_of: Callable[[int], st
     """Check ``grads`` (plain tensors or DTensors: their local shards) for infs and NaNs and start
     the all-reduce of the per-rank flags over ``group`` (None: no collective, a single rank).
     ``name_of(i)`` names the i-th grad in ``result()``'s list; it is called only for culprits."""
-    local = [_local(g) for g in grads]
+    local = [local_shard(g) for g in grads]
     by_device: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = {}
     for g in local:
         by_device.setdefault(g.device, {}).setdefault(g.dtype, []).append(g)

@@ -23,6 +23,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from ..comm.specs import local_shard
+
 OFFLOAD_PLACES = (None, "cpu", "disk")
 MAGIC = b"MUONLAB-OFFLOAD\x01"
 HEADER_BYTES = 4096
@@ -40,10 +42,6 @@ def state_dtype(p: torch.Tensor, key: str, momentum_dtype: torch.dtype | None) -
 
 class OffloadError(OSError):
     """The offload file or directory can't be used (named in the message)."""
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _like_param(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
@@ -84,7 +82,7 @@ class ResidentStore:
     def each(self, items, keys):
         """Yield (tag, [local state tensor per key]) for each (tag, param, state) in ``items``."""
         for tag, _, state in items:
-            yield tag, [_local(state[k]) for k in keys]
+            yield tag, [local_shard(state[k]) for k in keys]
 
     def close(self) -> None:
         pass
@@ -114,7 +112,7 @@ class _OffloadedStore(ResidentStore):
         return _like_param(p, self._stored(p, key).zero_())  # a disk slot may hold a released state
 
     def adopt(self, p, key, value):
-        local = _local(value)
+        local = local_shard(value)
         mine = self._stored(p, key)
         if local.dtype != mine.dtype or local.shape != mine.shape:
             raise ValueError(f"loaded state {key!r} of shape {tuple(local.shape)} and dtype {local.dtype} can't be "
@@ -125,7 +123,7 @@ class _OffloadedStore(ResidentStore):
 
     def _fetch(self, p: torch.Tensor, stored: list[torch.Tensor]):
         """Start copying ``stored`` to p's device; return a function that waits and hands them out."""
-        device = _local(p).device
+        device = local_shard(p).device
         self._window_bytes += sum(t.numel() * t.element_size() for t in stored)
         self.peak_window_bytes = max(self.peak_window_bytes, self._window_bytes)
         if device.type == "cuda":  # guarded: CPU runs never create a stream
@@ -153,10 +151,10 @@ class _OffloadedStore(ResidentStore):
         self.check()
         pending = None
         for k, (tag, p, state) in enumerate(items):
-            stored = [_local(state[key]) for key in keys]
+            stored = [local_shard(state[key]) for key in keys]
             working = (pending or self._fetch(p, stored))()
             # the next parameter's state is read while the caller computes on this one
-            pending = self._fetch(items[k + 1][1], [_local(items[k + 1][2][key]) for key in keys]) \
+            pending = self._fetch(items[k + 1][1], [local_shard(items[k + 1][2][key]) for key in keys]) \
                 if k + 1 < len(items) else None
             yield tag, working
             for dst, src in zip(stored, working):
@@ -174,10 +172,10 @@ class HostStore(_OffloadedStore):
 
     def _stored(self, p, key):
         pin = torch.cuda.is_available()
-        return torch.empty(_local(p).shape, dtype=self.dtype(p, key), pin_memory=pin)
+        return torch.empty(local_shard(p).shape, dtype=self.dtype(p, key), pin_memory=pin)
 
     def adopt(self, p, key, value):
-        local = _local(value)
+        local = local_shard(value)
         if local.device.type == "cpu" and local.dtype == self.dtype(p, key) and local.is_contiguous() \
                 and (local.is_pinned() or not torch.cuda.is_available()):
             return value  # already where this store keeps state (e.g. DCP loaded into it)
@@ -222,8 +220,8 @@ class DiskStore(_OffloadedStore):
         offset = HEADER_BYTES
         self._manifest = []
         for p, key in slots:
-            shape, dtype = tuple(_local(p).shape), self.dtype(p, key)
-            nbytes = _local(p).numel() * dtype.itemsize
+            shape, dtype = tuple(local_shard(p).shape), self.dtype(p, key)
+            nbytes = local_shard(p).numel() * dtype.itemsize
             self._slots[(id(p), key)] = (offset, shape, dtype)
             self._manifest.append(dict(name=self._names.get(p, "?"), key=key, offset=offset, shape=list(shape),
                                        dtype=str(dtype)))
