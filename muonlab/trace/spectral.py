@@ -45,6 +45,8 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
+from ..comm.specs import local_shard
+
 METRICS = ("weight_sigma", "update_sigma", "update_rms", "ortho_error")
 """The measured fields of a SpectralRecord, in the order notebooks show them."""
 DERIVED = ("update_flatness",)
@@ -184,10 +186,6 @@ def top_singular_values(mats: list[torch.Tensor], vecs: list[torch.Tensor], iter
 # ---------------------------------------------------------------------------------- the recorder
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 def _row_sharded_group(p: torch.Tensor, name: str):
     """The process group a DTensor's rows are split over, or None for a plain tensor."""
     if not hasattr(p, "placements"):
@@ -200,10 +198,14 @@ def _row_sharded_group(p: torch.Tensor, name: str):
     return p.device_mesh.get_group()
 
 
+def _generator(seed: int, key: str) -> torch.Generator:
+    """A CPU generator seeded from ``seed`` and ``key``: the same on every rank and in every run."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()))
+
+
 def _initial_vector(name: str, n: int, seed: int) -> torch.Tensor:
-    """A unit vector from the matrix name's seed: the same on every rank and in every run."""
-    gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-    v = torch.randn(n, generator=gen, dtype=torch.float32)
+    """A unit vector from the matrix name's seed."""
+    v = torch.randn(n, generator=_generator(seed, name), dtype=torch.float32)
     return v / v.norm()
 
 
@@ -267,8 +269,9 @@ class SpectralRecorder:
         self._steps = 0
         self._recorded_steps = 0
         self._before: dict[str, torch.Tensor] | None = None
-        self._grams: dict[str, tuple[torch.Tensor, int, bool]] = {}  # sharded: name -> (its rows' Gram, m, False)
-        self._errors: dict[str, float] = {}  # whole: name -> orthogonality error
+        self._grams: dict[str, torch.Tensor] = {}  # sharded: name -> O^T O of this rank's rows
+        # whole: name -> orthogonality error, a 0-d tensor (read with the step's other values, no sync here)
+        self._errors: dict[str, torch.Tensor] = {}
         self._samples: dict[str, torch.Tensor] = {}
         self._ns_owner: dict[str, bool] = {}
         self._handles = [optimizer.register_step_pre_hook(self._pre_step),
@@ -293,7 +296,7 @@ class SpectralRecorder:
         self._stop_observing()
         if self._steps % self.every:
             return
-        self._before = {n: _local(p).detach().float().clone() for n, p in self._params.items()}
+        self._before = {n: local_shard(p).detach().float().clone() for n, p in self._params.items()}
         if self._reports_ns and self._ortho_names:
             self.optimizer._optimizer_spectral_observer = self.observe_newton_schulz
 
@@ -314,19 +317,19 @@ class SpectralRecorder:
         shape = tuple(param.shape)
         o = output.reshape(-1, shape[1]) if output.numel() else output.new_zeros(0, shape[1])
         if self._groups[name] is None:
-            self._errors[name] = float(sampled_ortho_error(o, self._ortho_rows(name, min(shape))))
+            self._errors[name] = sampled_ortho_error(o, self._ortho_rows(name, min(shape)))
         else:
             # rows of O here: O^T O = sum over ranks of O_r^T O_r (n x n); for n > m the n x n Gram
             # has the same nonzero eigenvalues as O O^T, so the formula holds either way
             o = o.float()
-            self._grams[name] = (o.mT @ o, min(shape), False)
+            self._grams[name] = o.mT @ o
 
     def _ortho_rows(self, name: str, m: int) -> torch.Tensor | None:
         """The fixed sample of rows (of O oriented m x n) for ``name``'s error; None: all m rows."""
         if m <= self.ortho_rows:
             return None
         if name not in self._samples:
-            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + zlib.crc32(f"rows:{name}".encode()))
+            gen = _generator(self.seed, f"rows:{name}")
             self._samples[name] = torch.randperm(m, generator=gen)[:self.ortho_rows].sort().values
         return self._samples[name]
 
@@ -380,7 +383,7 @@ class SpectralRecorder:
             # rows of two matrices of one global shape have one local shape; uneven shards don't)
             by_shape.setdefault(tuple(self._params[n].shape), []).append(n)
         shapes = list(by_shape.values())
-        weights = [torch.stack([_local(self._params[n]).detach().float() for n in ns]) for ns in shapes]
+        weights = [torch.stack([local_shard(self._params[n]).detach().float() for n in ns]) for ns in shapes]
         updates = [w - torch.stack([before[n] for n in ns]) for w, ns in zip(weights, shapes)]
         vecs = [self._vector_stack(ns, kind, w.shape[-1], w.device)
                 for kind, stacks in (("weight", weights), ("update", updates)) for ns, w in zip(shapes, stacks)]
@@ -402,14 +405,16 @@ class SpectralRecorder:
             side = self._params[n].shape[1]
             sides.append(side)
             seen = n in self._grams
-            g = self._grams[n][0] if seen else torch.zeros(side, side)
+            g = self._grams[n] if seen else torch.zeros(side, side)
             parts += [sq.new_tensor([float(seen)]), g.double().reshape(-1).to(sq.device)]
         packed = torch.cat(parts)
         if group is not None:
             dist.all_reduce(packed, group=group)
         sigma_w, sigma_u = torch.cat(sigmas[:k]).tolist(), torch.cat(sigmas[k:]).tolist()
         sq_list = packed[:len(flat_names)].tolist()
-        offset, errors = len(flat_names), {n: e for n, e in self._errors.items() if group is None}
+        whole = list(self._errors) if group is None else []
+        errors = dict(zip(whole, torch.stack([self._errors[n].float() for n in whole]).tolist())) if whole else {}
+        offset = len(flat_names)
         for n, side in zip(ortho, sides):
             if packed[offset] > 0:
                 g = packed[offset + 1:offset + 1 + side * side].view(side, side)
