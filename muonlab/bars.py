@@ -1,4 +1,4 @@
-"""Notebook progress bars that read right once the notebook is saved.
+"""Notebook progress bars that read right once the notebook is saved, and the test for a notebook.
 
 A tqdm notebook bar is a widget; a viewer without the widget's state (GitHub, nbviewer, JupyterLab
 before the kernel runs) shows the text the bar had when it was first displayed: "0%". The bars
@@ -7,6 +7,17 @@ summary line when the work ends.
 """
 
 from __future__ import annotations
+
+import sys
+
+
+def in_notebook_kernel() -> bool:
+    """True inside a Jupyter kernel (an IPython shell with a kernel attached)."""
+    ipython = sys.modules.get("IPython")
+    if ipython is None:
+        return False
+    shell = ipython.get_ipython()
+    return shell is not None and getattr(shell, "kernel", None) is not None
 
 
 def notebook_bar(desc: str, total: int | None, *, unit: str = "step", handle=None):

@@ -8,10 +8,9 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-from .bars import notebook_bar
+from .bars import in_notebook_kernel, notebook_bar
 from .data import get_batch, load_corpus
 from .distributed.device import rank_device
-from .distributed.progress import in_notebook_kernel
 from .models import GPT, GPTConfig
 from .optim import Muon, muon_param_groups
 from .trace.spectral import SpectralRecord, SpectralRecorder

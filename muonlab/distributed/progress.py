@@ -24,6 +24,8 @@ import time
 import warnings
 from typing import Any, TextIO
 
+from ..bars import in_notebook_kernel
+
 __all__ = ["PROGRESS_FILE", "ProgressMonitor", "ProgressState", "in_notebook_kernel", "report_progress"]
 
 PROGRESS_FILE = "progress.jsonl"
@@ -141,15 +143,6 @@ class _Tail:
 
 
 # ---------------------------------------------------------------------------------- displays
-
-
-def in_notebook_kernel() -> bool:
-    """True inside a Jupyter kernel (an IPython shell with a kernel attached)."""
-    ipython = sys.modules.get("IPython")
-    if ipython is None:
-        return False
-    shell = ipython.get_ipython()
-    return shell is not None and getattr(shell, "kernel", None) is not None
 
 
 class _TextDisplay:
