@@ -670,8 +670,7 @@ class _RunLogs(LogsSpecs):
     def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
         dest = LogsDest()
         for local_rank in range(len(envs)):
-            rank_dir = _rank_dir(self.run_dir, local_rank)
-            os.makedirs(rank_dir, exist_ok=True)
+            rank_dir = _rank_dir(self.run_dir, local_rank)  # made by _make_run_dir
             dest.stdouts[local_rank] = os.path.join(rank_dir, "stdout.log")
             dest.stderrs[local_rank] = os.path.join(rank_dir, "stderr.log")
             dest.error_files[local_rank] = os.path.join(rank_dir, "error.json")
