@@ -127,6 +127,7 @@ class SpectralPanel:
         self.metric = w.Dropdown(options=[(LABELS[m], m) for m in METRICS + DERIVED], value=metric,
                                  description="metric", style=style, layout=w.Layout(width="420px"))
         self.output = w.Output()
+        self._drawing = False  # update() is setting the dropdowns itself
         self.name.observe(lambda _: self.update(), names="value")
         self.metric.observe(lambda _: self.update(), names="value")
         self.widget = w.VBox([w.HBox([self.name, self.metric]), self.output])
@@ -158,7 +159,6 @@ class SpectralPanel:
         if name is not None and name not in self.name.options:
             raise ValueError(f"no spectral records of matrix {name!r}; recorded: {list(self.name.options[1:])}")
         # setting a dropdown fires its observer, which draws: draw once, after both are set
-        self._drawing = getattr(self, "_drawing", False)
         if self._drawing:
             return None
         self._drawing = True
