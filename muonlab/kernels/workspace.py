@@ -27,18 +27,17 @@ class Workspace:
     def take(self, device: torch.device, specs: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
         """One uninitialised buffer per (shape, dtype), disjoint from each other, valid until the
         next ``take`` on the same device."""
+        sizes = [dtype.itemsize * int(torch.Size(shape).numel()) for shape, dtype in specs]
         offsets, total = [], 0
-        for shape, dtype in specs:
+        for nbytes in sizes:
             offsets.append(total)
-            nbytes = dtype.itemsize * int(torch.Size(shape).numel())
             total += -(-nbytes // ALIGN) * ALIGN
         device = torch.device(device)
         arena = self._arenas.get(device)
         if arena is None or arena.numel() < total:
             self._arenas.pop(device, None)  # free the smaller arena before allocating the larger
             arena = self._arenas[device] = torch.empty(total, dtype=torch.uint8, device=device)
-        return [arena[o:o + dtype.itemsize * int(torch.Size(shape).numel())].view(dtype).view(shape)
-                for o, (shape, dtype) in zip(offsets, specs)]
+        return [arena[o:o + nbytes].view(dtype).view(shape) for o, nbytes, (shape, dtype) in zip(offsets, sizes, specs)]
 
     @property
     def nbytes(self) -> int:
