@@ -30,7 +30,7 @@ import torch.nn as nn
 import muonlab
 from muonlab import muon_param_groups, newton_schulz, ns_flops
 from muonlab.models import GPT, GPTConfig
-from muonlab.kernels.newton_schulz import cpu_bf16_flags
+from muonlab.kernels.newton_schulz import cpu_bf16_flags, resolve_dtype
 from muonlab.optim import functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _machine import MatmulProbe, load  # noqa: E402
@@ -66,6 +66,9 @@ CONFIGS = [
     ("muonlab fp32 gram",
      lambda ps: muonlab.Muon(ps, lr=LR, momentum=MOMENTUM, ns_dtype=torch.float32, ns_form="gram",
                              ns_backend="torch"), "fp32", "gram"),
+    # what a user gets: ns_dtype="auto" is bf16 on a CPU with native bf16 matmul, else fp32
+    ("muonlab defaults", lambda ps: muonlab.Muon(ps, lr=LR, momentum=MOMENTUM),
+     "bf16" if resolve_dtype("auto", torch.device("cpu")) == torch.bfloat16 else "fp32", "plain"),
 ]
 
 

@@ -140,15 +140,30 @@ def _normalise_into(out: torch.Tensor, X: torch.Tensor, eps: float, scale: float
 
 
 def _plain_iterations(X: torch.Tensor, coeffs: Coefficients, gram: torch.Tensor, poly: torch.Tensor,
-                      spare: torch.Tensor) -> torch.Tensor:
-    """The plain iteration on a batch X (B, m, n), written into preallocated buffers: ``gram`` and
-    ``poly`` (B, m, m), ``spare`` (B, m, n). X and ``spare`` take turns holding the iterate, so X
-    is overwritten; the result is whichever of the two holds the last iterate."""
-    for a, b, c in coeffs:
-        torch.bmm(X, X.mT, out=gram)                                  # A = X X^T
-        torch.baddbmm(gram, gram, gram, beta=b, alpha=c, out=poly)    # B = b A + c A A
-        torch.baddbmm(X, poly, X, beta=a, out=spare)                  # X' = a X + B X
-        X, spare = spare, X
+                      spare: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """The plain iteration on a batch X, written into preallocated buffers: ``gram`` and ``poly``
+    (B, m, m), ``spare`` like X; the last iterate into ``out`` (like X) when given. Returns the
+    tensor holding the last iterate.
+
+    X may be wide (B, m, n) or tall (B, n, m), as the matrices are stored: a tall X iterates as
+    X' = a X + X (b A + c A^2) with A = X^T X, the transpose of the wide iteration on X^T, so a
+    tall matrix is never transposed in memory (on a CPU a transposing copy of the batch costs
+    about as much as one whole iteration). X and ``spare`` take turns holding the iterate, so X is
+    overwritten."""
+    tall = X.shape[-2] > X.shape[-1]
+    last = len(coeffs) - 1
+    for k, (a, b, c) in enumerate(coeffs):
+        dest = out if k == last and out is not None else spare
+        if tall:
+            torch.bmm(X.mT, X, out=gram)                                # A = X^T X
+        else:
+            torch.bmm(X, X.mT, out=gram)                                # A = X X^T
+        torch.baddbmm(gram, gram, gram, beta=b, alpha=c, out=poly)      # B = b A + c A A
+        if tall:
+            torch.baddbmm(X, X, poly, beta=a, out=dest)                 # X' = a X + X B (B is symmetric)
+        else:
+            torch.baddbmm(X, poly, X, beta=a, out=dest)                 # X' = a X + B X
+        X, spare = dest, X
     return X
 
 
@@ -235,67 +250,124 @@ def _config(config: NSConfig | None, settings: dict) -> NSConfig:
     return replace(config, **settings) if settings else config
 
 
-def newton_schulz(G: torch.Tensor, config: NSConfig | None = None, *, workspace=None, out: torch.Tensor | None = None,
-                  **settings) -> torch.Tensor:
+def newton_schulz(G: torch.Tensor | Sequence[torch.Tensor], config: NSConfig | None = None, *, workspace=None,
+                  out: torch.Tensor | Sequence[torch.Tensor] | None = None, **settings):
     """Approximately orthogonalize the last two dims of ``G`` (batched over leading dims).
 
     Args:
-        G: tensor with at least 2 dims; leading dims are a batch of independent matrices.
+        G: tensor with at least 2 dims; leading dims are a batch of independent matrices. Or a
+            list of such tensors with equal last two dims, taken as their concatenation along the
+            batch: a plan batch's matrices are read straight into the workspace, never stacked
+            into a copy of their own first.
         config: the settings (``NSConfig``); keyword ``settings`` (its field names: steps,
             coefficients, eps, dtype, form, backend, gram_restarts) override or replace it.
         workspace: a ``muonlab.kernels.workspace.Workspace`` whose buffers hold the iterates, so
             repeated calls reuse memory instead of allocating; None allocates per call.
-        out: where to write the result (G's shape, the compute dtype); None: a new tensor.
+        out: where to write the result: a tensor or a list of tensors holding as many matrices as
+            G (any float dtype: the result is cast into it). It may be G itself: G is read into
+            the workspace before anything is written. A contiguous tensor in the compute dtype is
+            written by the last iteration directly. None: a new tensor.
 
     Returns:
-        ``out``, or a new contiguous tensor of G's shape in the config's dtype (G's dtype when
-        dtype is None); G itself is never modified.
+        ``out``, or a new contiguous tensor of G's shape ((total, A, B) for a list) in the
+        config's dtype (G's dtype when dtype is None). G is not modified unless it is ``out``.
     """
-    if G.ndim < 2:
-        raise ValueError(f"newton_schulz needs a tensor with at least 2 dims, got shape {tuple(G.shape)}")
+    pieces = _pieces(G)
     cfg = _config(config, settings)
-    dtype = resolve_dtype(cfg.dtype, G.device) or G.dtype
-    shape = G.shape
+    device = pieces[0].device
+    dtype = resolve_dtype(cfg.dtype, device) or pieces[0].dtype
+    rows, cols = pieces[0].shape[-2:]
+    num = sum(p.shape[0] for p in pieces)
     if out is None:
-        out = torch.empty(shape, dtype=dtype, device=G.device)
-    elif out.shape != shape or out.dtype != dtype or out.device != G.device:
-        raise ValueError(f"out must have shape {tuple(shape)}, dtype {dtype} and device {G.device}, got "
-                         f"{tuple(out.shape)}, {out.dtype}, {out.device}")
-    if G.numel() == 0:
+        out = torch.empty(G.shape if isinstance(G, torch.Tensor) else (num, rows, cols), dtype=dtype, device=device)
+    targets = _pieces(out, "out")
+    if sum(t.shape[0] for t in targets) != num or targets[0].shape[-2:] != pieces[0].shape[-2:] \
+            or targets[0].device != device or not targets[0].is_floating_point():
+        raise ValueError(f"out must hold {num} matrices of shape {(rows, cols)} on {device} in a float dtype, "
+                         f"like G; got {[tuple(t.shape) for t in targets]} of {targets[0].dtype} on {targets[0].device}")
+    if num == 0 or rows == 0 or cols == 0:
         return out
-    m, n = sorted(shape[-2:])
-    tall = shape[-2] > shape[-1]
-    Gb = G.reshape(-1, shape[-2], shape[-1])
-    Gb = Gb.mT if tall else Gb  # a view: the transpose happens in the copy below
-    num = Gb.shape[0]
+    # written by the last iteration itself, without a copy: one contiguous tensor of the compute dtype
+    direct = out.view(num, rows, cols) if isinstance(out, torch.Tensor) and out.dtype == dtype \
+        and out.is_contiguous() else None
+    m, n = sorted((rows, cols))
+    tall = rows > cols
     form = _form(cfg, m, n)
-    use = _pick_backend(cfg.backend, G, (num, m, n), dtype, cfg)
+    use = _pick_backend(cfg.backend, pieces[0], (num, m, n), dtype, cfg)
     if use == "triton" and form != "plain":
         raise ValueError("the triton backend implements form='plain' only")
     if workspace is None:
         from .workspace import Workspace
 
         workspace = Workspace()
-    square, wide = ((num, m, m), dtype), ((num, m, n), dtype)
-    # the input, then what the iterations need: torch's plain form two m x m products and a spare
-    # iterate; the Triton chain two products and two iterates of its own; the gram form allocates
-    extra = {"torch": [square, square, wide], "triton": [square, square, wide, wide]}[use] if form == "plain" else []
-    buffers = workspace.take(G.device, [wide] + extra)
-    X = buffers[0]
-    X.copy_(Gb)  # cast and (for tall inputs) transpose in one pass, into the workspace
-    _normalise_into(X, X, cfg.eps, norm_scale(cfg.coefficients))
+    # The torch path iterates on the matrices as stored (tall ones too, see _plain_iterations);
+    # the Triton kernels want them wide, so a tall batch is transposed on its way in.
+    stored, square, wide = ((num, rows, cols), dtype), ((num, m, m), dtype), ((num, m, n), dtype)
+    scale = norm_scale(cfg.coefficients)
     coeffs = cfg.resolved_coefficients()
     if use == "triton":
         from .triton_newton_schulz import NSWorkspace, newton_schulz_triton
 
-        X = newton_schulz_triton(X, coeffs, workspace=NSWorkspace(*buffers[1:]))
-    elif form == "gram":
-        X = _gram_iterations(X, coeffs, cfg.gram_restarts)
-    else:
-        X = _plain_iterations(X, coeffs, *buffers[1:])
-    # the result leaves the workspace (the next call overwrites it)
-    out.view(-1, shape[-2], shape[-1]).copy_(X.mT if tall else X)
+        buffers = workspace.take(device, [wide, square, square, wide, wide])
+        _load_normalised(buffers[0].mT if tall else buffers[0], pieces, cfg.eps, scale)
+        result = newton_schulz_triton(buffers[0], coeffs, workspace=NSWorkspace(*buffers[1:]))
+        _store(result.mT if tall else result, targets)
+    elif form == "plain":
+        X, gram, poly, spare = workspace.take(device, [stored, square, square, stored])
+        _load_normalised(X, pieces, cfg.eps, scale)
+        result = _plain_iterations(X, coeffs, gram, poly, spare, direct)
+        if direct is None:
+            _store(result, targets)
+    else:  # the gram form allocates its own temporaries
+        (X,) = workspace.take(device, [stored])
+        _load_normalised(X, pieces, cfg.eps, scale)
+        result = _gram_iterations(X.mT if tall else X, coeffs, cfg.gram_restarts)
+        _store(result.mT if tall else result, targets)
     return out
+
+
+def _store(result: torch.Tensor, targets: list[torch.Tensor]) -> None:
+    """Copy (and cast) the (num, A, B) result into the target pieces, in order."""
+    torch._foreach_copy_(targets, list(result.split([t.shape[0] for t in targets])))
+
+
+def _pieces(G, name: str = "G") -> list[torch.Tensor]:
+    """``G`` as a list of (k, A, B) views (k may be 0), checked: one device, equal last two dims."""
+    if isinstance(G, torch.Tensor):
+        if G.ndim < 2:
+            raise ValueError(f"newton_schulz needs {name} with at least 2 dims, got shape {tuple(G.shape)}")
+        return [_as_batch(G)]
+    pieces = list(G) if isinstance(G, Sequence) else None
+    if not pieces or not all(isinstance(p, torch.Tensor) for p in pieces):
+        raise TypeError(f"newton_schulz needs {name} as a tensor or a non-empty list of tensors, got {type(G).__name__}")
+    first = pieces[0]
+    for i, p in enumerate(pieces):
+        if p.ndim < 2 or p.shape[-2:] != first.shape[-2:] or p.device != first.device or p.dtype != first.dtype:
+            raise ValueError(f"newton_schulz's list {name} needs tensors of one device and dtype with equal last two "
+                             f"dims; tensor {i} is {tuple(p.shape)} {p.dtype} on {p.device}, tensor 0 "
+                             f"{tuple(first.shape)} {first.dtype} on {first.device}")
+    return [_as_batch(p) for p in pieces]
+
+
+def _as_batch(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as (k, A, B) (a view where possible); an empty tensor as (0, A, B)."""
+    return t.reshape(-1, *t.shape[-2:]) if t.numel() else t.new_empty((0, *t.shape[-2:]))
+
+
+def _load_normalised(X: torch.Tensor, pieces: list[torch.Tensor], eps: float, scale: float) -> None:
+    """Fill X (a view of the workspace, the pieces' orientation) with the pieces, cast to X's dtype
+    and each matrix divided by its norm. One piece already in X's dtype is read once (the division
+    writes X); otherwise the pieces are copied (cast) in, then normalised in place, so the norm is
+    the cast matrix's, as torch.optim.Muon's ``X = G.bfloat16(); X / X.norm()``."""
+    if len(pieces) == 1 and pieces[0].dtype == X.dtype:
+        _normalise_into(X, pieces[0], eps, scale)
+        return
+    views, offset = [], 0
+    for p in pieces:
+        views.append(X[offset:offset + p.shape[0]])
+        offset += p.shape[0]
+    torch._foreach_copy_(views, pieces)
+    _normalise_into(X, X, eps, scale)
 
 
 def _form(cfg: NSConfig, m: int, n: int) -> str:

@@ -30,27 +30,62 @@ def default_budget(param_bytes: int, device_type: str = "cuda") -> int:
     return max(MIN_BUDGET.get(device_type, MIN_BUDGET["cpu"]), int(BUDGET_SHARE * param_bytes))
 
 
+class Overwrite(list):
+    """Matrices, a list of (k_i, A, B) tensors, that their owner lets Newton-Schulz overwrite with
+    the result (cast to their dtype), so that no output buffer is allocated: the local path hands
+    over the step's own momentum temporaries this way."""
+
+
+def _chunks(pieces: list[torch.Tensor], size: int):
+    """(offset, pieces) per run of at most ``size`` matrices over the concatenation of ``pieces``
+    (each (k_i, A, B)), as even as can be (64 under 30 as 22+21+21: fewer distinct shapes for the
+    matmul library); a piece crossing a boundary is cut into views."""
+    total = sum(p.shape[0] for p in pieces)
+    size, extra = divmod(total, max(1, -(-total // size)))  # the first `extra` chunks take one more
+    chunk, count, start = [], 0, 0
+    for p in pieces:
+        taken = 0
+        while taken < p.shape[0]:
+            want = size + (1 if extra > 0 else 0)
+            n = min(want - count, p.shape[0] - taken)
+            chunk.append(p[taken:taken + n])
+            taken, count = taken + n, count + n
+            if count == want:
+                yield start, chunk
+                chunk, start, count, extra = [], start + count, 0, extra - 1
+    if count:
+        yield start, chunk
+
+
 class _Graphed:
     """One chunk shape's Newton-Schulz captured in a CUDA graph, with its static buffers."""
 
-    def __init__(self, like: torch.Tensor, cfg: NSConfig, dtype: torch.dtype):
-        self.input = torch.empty_like(like, memory_format=torch.contiguous_format)
-        self.output = torch.empty(like.shape, dtype=dtype, device=like.device)
+    def __init__(self, chunk: list[torch.Tensor], cfg: NSConfig, dtype: torch.dtype):
+        first = chunk[0]
+        shape = (sum(p.shape[0] for p in chunk), *first.shape[-2:])
+        self.input = torch.empty(shape, dtype=first.dtype, device=first.device)
+        self.output = torch.empty(shape, dtype=dtype, device=first.device)
         self.workspace = Workspace()  # its own: graph buffers must not move
-        self.input.copy_(like)
-        side = torch.cuda.Stream(like.device)
-        side.wait_stream(torch.cuda.current_stream(like.device))
+        self._load(chunk)
+        side = torch.cuda.Stream(first.device)
+        side.wait_stream(torch.cuda.current_stream(first.device))
         with torch.cuda.stream(side):  # warm-up off the capture (autotune, backend choice, allocator)
             newton_schulz(self.input, cfg, workspace=self.workspace, out=self.output)
-        torch.cuda.current_stream(like.device).wait_stream(side)
+        torch.cuda.current_stream(first.device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             newton_schulz(self.input, cfg, workspace=self.workspace, out=self.output)
 
-    def __call__(self, chunk: torch.Tensor, out: torch.Tensor) -> None:
-        self.input.copy_(chunk)
+    def _load(self, chunk: list[torch.Tensor]) -> None:
+        torch._foreach_copy_(list(self.input.split([p.shape[0] for p in chunk])), chunk)
+
+    def __call__(self, chunk: list[torch.Tensor], out: torch.Tensor | list[torch.Tensor]) -> None:
+        self._load(chunk)
         self.graph.replay()
-        out.copy_(self.output)
+        if isinstance(out, torch.Tensor):
+            out.copy_(self.output)
+        else:
+            torch._foreach_copy_(out, list(self.output.split([t.shape[0] for t in out])))
 
 
 class NewtonSchulzRunner:
@@ -62,24 +97,34 @@ class NewtonSchulzRunner:
         self.workspace = Workspace()
         self._graphed: dict[tuple, _Graphed] = {}
 
-    def chunk_size(self, shape: tuple[int, int], dtype: torch.dtype) -> int:
-        return max_batch_matrices(shape, dtype.itemsize, self.budget_bytes)
+    def chunk_size(self, shape: tuple[int, int], dtype: torch.dtype, output: bool = True) -> int:
+        """Matrices per call within the budget; ``output=False`` when results overwrite the inputs."""
+        return max_batch_matrices(shape, dtype.itemsize, self.budget_bytes, output)
 
-    def __call__(self, mats: torch.Tensor, cfg: NSConfig) -> torch.Tensor:
-        """Orthogonalize ``mats`` (k, A, B); a new tensor in the config's compute dtype."""
-        dtype = resolve_dtype(cfg.dtype, mats.device) or mats.dtype
-        out = torch.empty(mats.shape, dtype=dtype, device=mats.device)
-        step = self.chunk_size(mats.shape[-2:], dtype)
-        for start in range(0, mats.shape[0], step):
-            chunk, dest = mats[start:start + step], out[start:start + step]
-            if self.graphs and mats.is_cuda:
+    def __call__(self, mats: torch.Tensor | list[torch.Tensor], cfg: NSConfig):
+        """Orthogonalize ``mats``: one (k, A, B) stack, or a list of (k_i, A, B) pieces taken as
+        their concatenation (read straight into the workspace, never stacked first). Returns a new
+        (sum k, A, B) tensor in the config's compute dtype; for ``Overwrite`` pieces, the pieces
+        themselves, now holding the result (no output buffer)."""
+        pieces = [mats] if isinstance(mats, torch.Tensor) else list(mats)
+        first = pieces[0]
+        dtype = resolve_dtype(cfg.dtype, first.device) or first.dtype
+        out = None
+        if not isinstance(mats, Overwrite):
+            total = sum(p.shape[0] for p in pieces)
+            out = torch.empty((total, *first.shape[-2:]), dtype=dtype, device=first.device)
+        step = self.chunk_size(first.shape[-2:], dtype, output=out is not None)
+        for start, chunk in _chunks(pieces, step):
+            dest = chunk if out is None else out[start:start + sum(p.shape[0] for p in chunk)]
+            if self.graphs and first.is_cuda:
                 self._graph_for(chunk, cfg, dtype)(chunk, dest)
             else:
                 newton_schulz(chunk, cfg, workspace=self.workspace, out=dest)
-        return out
+        return mats if out is None else out
 
-    def _graph_for(self, chunk: torch.Tensor, cfg: NSConfig, dtype: torch.dtype) -> _Graphed:
-        key = (tuple(chunk.shape), chunk.dtype, chunk.device, cfg, dtype)
+    def _graph_for(self, chunk: list[torch.Tensor], cfg: NSConfig, dtype: torch.dtype) -> _Graphed:
+        first = chunk[0]
+        key = (sum(p.shape[0] for p in chunk), tuple(first.shape[-2:]), first.dtype, first.device, cfg, dtype)
         if key not in self._graphed:
             self._graphed[key] = _Graphed(chunk, cfg, dtype)
         return self._graphed[key]

@@ -54,15 +54,16 @@ class Workspace:
         self._arenas = {}
 
 
-def batch_bytes_per_matrix(m: int, n: int, itemsize: int) -> int:
+def batch_bytes_per_matrix(m: int, n: int, itemsize: int, output: bool = True) -> int:
     """Transient bytes one m x n matrix (m <= n) adds to a Newton-Schulz batch, for any backend and
-    form: the workspace (the input, up to two iterates m x n, two m x m products; the gram form's
-    temporaries are fewer) and the output, m x n."""
-    return itemsize * (4 * m * n + 2 * m * m)
+    form: its input, the workspace (the cast and normalised matrix, a spare iterate, two m x m
+    products; the gram form's temporaries are fewer) and, with ``output``, a result buffer (none
+    when the result overwrites the input, see ``muonlab.kernels.runner.Overwrite``)."""
+    return itemsize * ((4 if output else 3) * m * n + 2 * m * m)
 
 
-def max_batch_matrices(shape: tuple[int, int], itemsize: int, budget_bytes: int) -> int:
+def max_batch_matrices(shape: tuple[int, int], itemsize: int, budget_bytes: int, output: bool = True) -> int:
     """How many matrices of ``shape`` one Newton-Schulz call may take within ``budget_bytes``
     (at least one: a single matrix larger than the budget still has to be orthogonalized)."""
     m, n = sorted(int(d) for d in shape)
-    return max(1, budget_bytes // batch_bytes_per_matrix(m, n, itemsize))
+    return max(1, budget_bytes // batch_bytes_per_matrix(m, n, itemsize, output))

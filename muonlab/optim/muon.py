@@ -23,7 +23,6 @@ from ..comm.records import BatchPlan, Plan
 from ..comm.specs import MatrixSpec, check_view, local_shard, matrix_spec, process_group_for
 from ..kernels.newton_schulz import NSConfig, resolve_dtype
 from ..kernels.runner import NewtonSchulzRunner, default_budget
-from ..kernels.workspace import max_batch_matrices
 from ..trace import Span, Tracer
 from . import functional as F
 from . import nonfinite
@@ -855,9 +854,10 @@ class Muon(Optimizer):
         return self._runner
 
     def _max_local_matrices(self, shape: tuple[int, int], cfg: NSConfig) -> int:
-        """Matrices of ``shape`` one batch of the local path may hold within the budget."""
+        """Matrices of ``shape`` one batch of the local path may hold within the budget (its
+        results overwrite its inputs: no output buffer)."""
         dtype = resolve_dtype(cfg.dtype, self._device()) or torch.float32
-        return max_batch_matrices(shape, dtype.itemsize, self._ns_runner().budget_bytes)
+        return self._ns_runner().chunk_size(shape, dtype, output=False)
 
     def _ns_config(self, group: dict) -> NSConfig:
         """A Muon group's Newton-Schulz settings with the optimizer-wide dtype, form and backend."""

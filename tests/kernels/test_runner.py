@@ -14,7 +14,7 @@ import torch
 import muonlab
 from muonlab.kernels import backend_choice
 from muonlab.kernels.newton_schulz import NSConfig, cpu_has_native_bf16, newton_schulz, resolve_dtype
-from muonlab.kernels.runner import NewtonSchulzRunner, default_budget
+from muonlab.kernels.runner import NewtonSchulzRunner, Overwrite, default_budget
 from muonlab.kernels.workspace import ALIGN, Workspace, max_batch_matrices
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (graphs, backend='auto' measurement)")
@@ -48,8 +48,44 @@ def test_workspace_reuses_one_arena_and_grows_when_needed():
 
 def test_out_is_checked():
     G = torch.randn(2, 8, 12)
-    with pytest.raises(ValueError, match="out must have shape"):
-        newton_schulz(G, NSConfig(dtype=torch.float32), out=torch.empty(2, 8, 12, dtype=torch.bfloat16))
+    for wrong in (torch.empty(3, 8, 12), torch.empty(2, 12, 8), [torch.empty(1, 8, 12)], torch.empty(2, 8, 12).long()):
+        with pytest.raises(ValueError, match="out must hold 2 matrices of shape"):
+            newton_schulz(G, NSConfig(dtype=torch.float32), out=wrong)
+    with pytest.raises(ValueError, match="list out needs tensors of one device and dtype"):
+        newton_schulz(G, NSConfig(dtype=torch.float32), out=[torch.empty(1, 8, 12), torch.empty(1, 8, 12).double()])
+
+
+@pytest.mark.parametrize("rows, cols", [(20, 36), (36, 20), (24, 24)])
+@pytest.mark.parametrize("form", ["plain", "gram"])
+def test_pieces_in_and_out_give_the_bits_of_the_stacked_call(rows, cols, form):
+    """A list of pieces is read as their concatenation, and ``out`` may be pieces of another dtype
+    or the input itself: the same bits as one call on the stack, cast once."""
+    torch.manual_seed(0)
+    pieces = [torch.randn(2, rows, cols), torch.randn(rows, cols), torch.randn(0, rows, cols), torch.randn(3, rows, cols)]
+    cfg = NSConfig(dtype=torch.float32, form=form)
+    stacked = newton_schulz(torch.cat([p.view(-1, rows, cols) for p in pieces]), cfg)
+    assert torch.equal(newton_schulz(pieces, cfg), stacked)
+    into = [torch.empty_like(p, dtype=torch.bfloat16) for p in pieces]
+    assert newton_schulz(pieces, cfg, out=into) is into
+    assert torch.equal(torch.cat([t.view(-1, rows, cols) for t in into]), stacked.bfloat16())
+    own = [p.clone() for p in pieces]
+    newton_schulz(own, cfg, out=own)  # over its own input
+    assert torch.equal(torch.cat([t.view(-1, rows, cols) for t in own]), stacked)
+
+
+@pytest.mark.parametrize("budget_matrices", [1, 2, 4])
+def test_runner_overwrites_its_pieces_chunk_by_chunk(budget_matrices):
+    """``Overwrite`` pieces get the result in place, with chunks cut across the pieces' borders,
+    and allocate no output: the same bits as one call on the stack."""
+    torch.manual_seed(1)
+    pieces = [torch.randn(3, 36, 20), torch.randn(1, 36, 20), torch.randn(2, 36, 20)]
+    cfg = NSConfig(dtype=torch.float32)
+    expected = newton_schulz(torch.cat(pieces), cfg)
+    runner = NewtonSchulzRunner(budget_matrices * 4 * (4 * 20 * 36 + 2 * 20 * 20))
+    ptrs = [p.data_ptr() for p in pieces]
+    result = runner(Overwrite(pieces), cfg)
+    assert [p.data_ptr() for p in result] == ptrs
+    assert torch.equal(torch.cat(pieces), expected)
 
 
 def test_max_batch_matrices_fits_the_budget_and_is_at_least_one():

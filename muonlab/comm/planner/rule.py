@@ -119,14 +119,19 @@ class RulePlanner:
 
     def _within_budget(self, idx: list[int]) -> list[list[int]]:
         """A bucket of whole matrices as runs of parameters whose matrices per rank fit
-        ``max_local_matrices`` (a parameter larger than that alone is still one run)."""
+        ``max_local_matrices`` (a parameter larger than that alone is still one run), as even as
+        the parameters allow: 24 matrices under a limit of 7 run as 6+6+6+6, not 7+7+7+3 (each
+        distinct batch size is another shape for the matmul library to plan and cache kernels for;
+        on a CPU each costs memory)."""
         if self.max_local_matrices is None:
             return [idx]
         spec = self.specs[idx[0]]
         limit = self.max_local_matrices(spec.matrix_shape, self.configs[idx[0]])
+        held_by = [max(Counter(self.sources_of(i)).values()) for i in idx]  # each parameter's most on one rank
+        total = sum(held_by)
+        limit = -(-total // -(-total // limit)) if total else limit  # total over the fewest runs, rounded up
         runs, run, held = [], [], 0
-        for i in idx:
-            here = max(Counter(self.sources_of(i)).values())  # this parameter's most on one rank
+        for i, here in zip(idx, held_by):
             if run and held + here > limit:
                 runs.append(run)
                 run, held = [], 0
