@@ -41,6 +41,7 @@ from _report import md_table, results_path, text_table, write_report  # noqa: E4
 
 import muonlab  # noqa: E402
 from muonlab.kernels.newton_schulz import plain_flops_per_iter  # noqa: E402
+from muonlab.kernels.runner import default_budget  # noqa: E402
 
 SETS = {
     "1b": [(6144, 2048), (2048, 2048), (8192, 2048), (2048, 8192)] * 24,
@@ -68,6 +69,19 @@ def configs(cuda: bool) -> dict:
         out["muonlab torch plain + graphs"] = muonlab_opt(ns_backend="torch", ns_graphs=True)
         out["muonlab triton plain + graphs"] = muonlab_opt(ns_backend="triton", ns_graphs=True)
     return out
+
+
+def budget_label(mib: float) -> str:
+    return f"muonlab workspace {mib:g} MiB"
+
+
+def factory_of(label: str):
+    """The optimizer factory of a configuration label, budget sweep labels included."""
+    if label.startswith("muonlab workspace "):
+        mib = float(label.split()[2])
+        return lambda ps: muonlab.Muon(ps, lr=LR, momentum=MOMENTUM, nonfinite="ignore",
+                                       workspace_bytes=int(mib * 2**20))
+    return configs(False)[label]
 
 
 def scaled(shapes, factor: int):
@@ -139,11 +153,11 @@ def _timed_steps(opt, device, repeats) -> list[float]:
     return times
 
 
-def speed_table(set_name, shapes, dtype, device, args):
+def speed_table(set_name, shapes, dtype, device, args, factories=None):
     """On CPU every round steps every configuration once in a rotating order (load hits them
     alike); on a GPU, where a 1B set of fp32 parameters per configuration would not all fit, each
     configuration is built, measured (memory, then time) and freed in turn."""
-    factories = configs(device.type == "cuda")
+    factories = factories or configs(device.type == "cuda")
     n = 8192 if device.type == "cuda" else 1024
     probe, runs = [], []
     for label, factory in factories.items():
@@ -222,27 +236,46 @@ def memory_child(set_name: str, label: str, dtype_name: str, factor: int) -> Non
     import muonlab.kernels.newton_schulz  # noqa: F401 - imports are not what a step adds
     shapes = scaled(SETS[set_name], factor)
     dtype = getattr(torch, dtype_name)
-    factory = configs(False)[label]
-    params, opt = make_optimizer(label, factory, shapes, dtype, torch.device("cpu"))
+    params, opt = make_optimizer(label, factory_of(label), shapes, dtype, torch.device("cpu"))
     before = _settle()
     for _ in range(3):
         opt.step()
     print(json.dumps(dict(added_kib=_rss_kib("VmHWM") - before)))
 
 
-def cpu_memory_rows(set_names, args):
+def memory_added(set_name, label, args) -> float:
+    """Bytes a step adds, the median of ``args.memory_runs`` fresh processes (the RSS peak moves by
+    a few MiB from run to run with what the allocator keeps)."""
+    runs = []
+    for _ in range(args.memory_runs):
+        out = subprocess.run([sys.executable, __file__, "--memory-child", set_name, label, "bfloat16",
+                              str(args.factor)], capture_output=True, text=True, check=True)
+        runs.append(json.loads(out.stdout.strip().splitlines()[-1])["added_kib"] * 1024)
+    return statistics.median(runs)
+
+
+def cpu_memory_rows(set_names, args, labels=None):
     rows = []
     for set_name in set_names:
         param_bytes = sum(torch.Size(s).numel() for s in scaled(SETS[set_name], args.factor)) * 2
-        added = {}
-        for label in configs(False):
-            out = subprocess.run([sys.executable, __file__, "--memory-child", set_name, label, "bfloat16",
-                                  str(args.factor)], capture_output=True, text=True, check=True)
-            added[label] = json.loads(out.stdout.strip().splitlines()[-1])["added_kib"] * 1024
+        added = {label: memory_added(set_name, label, args) for label in (labels or configs(False))}
         ref = added["torch.optim.Muon"]
         for label, b in added.items():
             rows.append([set_name, label, f"{param_bytes / 2**20:.1f}", f"{b / 2**20:.1f}", f"{b / ref:.2f}x"])
     return rows
+
+
+def budget_sweep(args, dtype=torch.bfloat16):
+    """CPU: the workspace budget's trade-off on the first set: speed (rotating rounds with
+    torch.optim.Muon) and the memory a step adds, per budget."""
+    set_name = args.sets.split(",")[0]
+    labels = ["torch.optim.Muon"] + [budget_label(float(b)) for b in args.budgets.split(",")]
+    factories = {label: (None if label == "torch.optim.Muon" else factory_of(label)) for label in labels}
+    speed, _ = speed_table(set_name, scaled(SETS[set_name], args.factor), dtype, torch.device("cpu"), args, factories)
+    memory = cpu_memory_rows([set_name], args, labels)
+    head = ["set", "configuration", "median step ms", "speed-up vs torch.optim.Muon",
+            "memory a step adds MiB", "memory vs torch.optim.Muon"]
+    return head, [[s[0], s[2], s[3], s[4], m[3], m[4]] for s, m in zip(speed, memory)]
 
 
 def main(argv=None):
@@ -255,6 +288,9 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=None)
     ap.add_argument("--memory-only", action="store_true", help="CPU: only the memory table (it is not load-sensitive)")
+    ap.add_argument("--memory-runs", type=int, default=3, help="CPU: fresh processes per memory figure (median)")
+    ap.add_argument("--budgets", default="2,4,8,16,32",
+                    help="CPU: workspace budgets (MiB) for the trade-off table on the first set; '' for none")
     ap.add_argument("--memory-child", nargs=4, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.memory_child:
@@ -288,8 +324,16 @@ def main(argv=None):
                     "vs torch.optim.Muon"]
         mem_rows = cpu_memory_rows(set_names, args)
         print(text_table(mem_head, mem_rows))
-        body += ["", "## Memory a step adds on this CPU (bf16 parameters, a fresh process per configuration)", "",
-                 md_table(mem_head, mem_rows)]
+        body += ["", "## Memory a step adds on this CPU (bf16 parameters, a fresh process per configuration, "
+                 f"median of {args.memory_runs})", "", md_table(mem_head, mem_rows)]
+        if args.budgets and not args.memory_only:
+            sweep_head, sweep_rows = budget_sweep(args)
+            print(text_table(sweep_head, sweep_rows))
+            body += ["", "## The workspace budget's trade-off on this CPU (bf16 parameters)", "",
+                     "`workspace_bytes` caps a step's transient memory; more matrices per batched call run "
+                     "faster on this CPU and cost memory. The defaults' budget here is "
+                     f"{default_budget(0, 'cpu') / 2**20:g} MiB (the CPU floor; 5% of parameter bytes above "
+                     "it).", "", md_table(sweep_head, sweep_rows)]
     note = (f"GPU: {torch.cuda.get_device_name()}." if cuda else "No GPU: the CPU proxy.") + \
         f" Load average {load_start} at the start, {load()} at the end; {time.perf_counter() - t_start:.0f} s."
     out = args.out or results_path("gpu_step" if cuda else "gpu_step_cpu_proxy")

@@ -8,7 +8,9 @@ the engine by yielding it, and gets the result back from the ``yield``:
     def run(batch, inputs, ctx):
         received = yield <out collective>      # a Pending: the engine counts its bytes, starts the
                                                # next batch, then waits and sends the tensor in
-        ortho = yield <whole matrices or None> # the engine runs Newton-Schulz (batch.ns_config)
+        ortho = yield <whole matrices or None> # the engine runs Newton-Schulz (batch.ns_config) on
+                                               # a (k, A, B) stack, a list of such pieces, or an
+                                               # Overwrite list (the result replaces the pieces)
         returned = yield <back collective>     # a Pending again
         return [this rank's output for each parameter of the batch, in input order]
 
