@@ -139,31 +139,28 @@ def _normalise_into(out: torch.Tensor, X: torch.Tensor, eps: float, scale: float
     return torch.div(X, norms.clamp(min=eps).to(X.dtype), out=out)
 
 
-def _plain_iterations(X: torch.Tensor, coeffs: Coefficients, gram: torch.Tensor, poly: torch.Tensor,
-                      spare: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-    """The plain iteration on a batch X, written into preallocated buffers: ``gram`` and ``poly``
-    (B, m, m), ``spare`` like X; the last iterate into ``out`` (like X) when given. Returns the
-    tensor holding the last iterate.
+def _plain_iterations(X: torch.Tensor, spare: torch.Tensor, coeffs: Coefficients, gram: torch.Tensor,
+                      poly: torch.Tensor) -> torch.Tensor:
+    """The plain iteration on a batch X, in preallocated buffers: ``gram`` and ``poly`` (B, m, m),
+    ``spare`` like X. X and ``spare`` take turns holding the iterate (X is overwritten); the last
+    iterate lands in X after an even number of steps, in ``spare`` after an odd one, and is returned.
 
     X may be wide (B, m, n) or tall (B, n, m), as the matrices are stored: a tall X iterates as
     X' = a X + X (b A + c A^2) with A = X^T X, the transpose of the wide iteration on X^T, so a
     tall matrix is never transposed in memory (on a CPU a transposing copy of the batch costs
-    about as much as one whole iteration). X and ``spare`` take turns holding the iterate, so X is
-    overwritten."""
+    about as much as one whole iteration)."""
     tall = X.shape[-2] > X.shape[-1]
-    last = len(coeffs) - 1
-    for k, (a, b, c) in enumerate(coeffs):
-        dest = out if k == last and out is not None else spare
+    for a, b, c in coeffs:
         if tall:
             torch.bmm(X.mT, X, out=gram)                                # A = X^T X
         else:
             torch.bmm(X, X.mT, out=gram)                                # A = X X^T
         torch.baddbmm(gram, gram, gram, beta=b, alpha=c, out=poly)      # B = b A + c A A
         if tall:
-            torch.baddbmm(X, X, poly, beta=a, out=dest)                 # X' = a X + X B (B is symmetric)
+            torch.baddbmm(X, X, poly, beta=a, out=spare)                # X' = a X + X B (B is symmetric)
         else:
-            torch.baddbmm(X, poly, X, beta=a, out=dest)                 # X' = a X + B X
-        X, spare = dest, X
+            torch.baddbmm(X, poly, X, beta=a, out=spare)                # X' = a X + B X
+        X, spare = spare, X
     return X
 
 
@@ -287,9 +284,8 @@ def newton_schulz(G: torch.Tensor | Sequence[torch.Tensor], config: NSConfig | N
                          f"like G; got {[tuple(t.shape) for t in targets]} of {targets[0].dtype} on {targets[0].device}")
     if num == 0 or rows == 0 or cols == 0:
         return out
-    # written by the last iteration itself, without a copy: one contiguous tensor of the compute dtype
-    direct = out.view(num, rows, cols) if isinstance(out, torch.Tensor) and out.dtype == dtype \
-        and out.is_contiguous() else None
+    # one contiguous tensor in the compute dtype: the iterations write it directly, no copy
+    direct = targets[0] if len(targets) == 1 and targets[0].dtype == dtype and targets[0].is_contiguous() else None
     m, n = sorted((rows, cols))
     tall = rows > cols
     form = _form(cfg, m, n)
@@ -312,12 +308,18 @@ def newton_schulz(G: torch.Tensor | Sequence[torch.Tensor], config: NSConfig | N
         _load_normalised(buffers[0].mT if tall else buffers[0], pieces, cfg.eps, scale)
         result = newton_schulz_triton(buffers[0], coeffs, workspace=NSWorkspace(*buffers[1:]))
         _store(result.mT if tall else result, targets)
+    elif form == "plain" and direct is not None:
+        # ``out`` is one of the two iterate buffers (its bytes are dead until the result), the
+        # other is the workspace's; the input goes into the one that makes the last iterate land
+        # in ``out``. ``out`` may be G itself: then G is normalised in place or read first.
+        S, gram, poly = workspace.take(device, [stored, square, square])
+        first, second = (direct, S) if cfg.steps % 2 == 0 else (S, direct)
+        _load_normalised(first, pieces, cfg.eps, scale)
+        _plain_iterations(first, second, coeffs, gram, poly)
     elif form == "plain":
-        X, gram, poly, spare = workspace.take(device, [stored, square, square, stored])
+        X, spare, gram, poly = workspace.take(device, [stored, stored, square, square])
         _load_normalised(X, pieces, cfg.eps, scale)
-        result = _plain_iterations(X, coeffs, gram, poly, spare, direct)
-        if direct is None:
-            _store(result, targets)
+        _store(_plain_iterations(X, spare, coeffs, gram, poly), targets)
     else:  # the gram form allocates its own temporaries
         (X,) = workspace.take(device, [stored])
         _load_normalised(X, pieces, cfg.eps, scale)
@@ -332,11 +334,13 @@ def _store(result: torch.Tensor, targets: list[torch.Tensor]) -> None:
 
 
 def _pieces(G, name: str = "G") -> list[torch.Tensor]:
-    """``G`` as a list of (k, A, B) views (k may be 0), checked: one device, equal last two dims."""
+    """``G`` as a list of (k, A, B) tensors, checked: one device and dtype, equal last two dims;
+    empty pieces dropped, pieces back to back in one buffer joined. ``out`` pieces are views (a
+    reshape that had to copy would take the result away)."""
     if isinstance(G, torch.Tensor):
         if G.ndim < 2:
             raise ValueError(f"newton_schulz needs {name} with at least 2 dims, got shape {tuple(G.shape)}")
-        return [_as_batch(G)]
+        return [_as_batch(G, name)]
     pieces = list(G) if isinstance(G, Sequence) else None
     if not pieces or not all(isinstance(p, torch.Tensor) for p in pieces):
         raise TypeError(f"newton_schulz needs {name} as a tensor or a non-empty list of tensors, got {type(G).__name__}")
@@ -346,12 +350,36 @@ def _pieces(G, name: str = "G") -> list[torch.Tensor]:
             raise ValueError(f"newton_schulz's list {name} needs tensors of one device and dtype with equal last two "
                              f"dims; tensor {i} is {tuple(p.shape)} {p.dtype} on {p.device}, tensor 0 "
                              f"{tuple(first.shape)} {first.dtype} on {first.device}")
-    return [_as_batch(p) for p in pieces]
+    return _joined([_as_batch(p, name) for p in pieces])
 
 
-def _as_batch(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as (k, A, B) (a view where possible); an empty tensor as (0, A, B)."""
-    return t.reshape(-1, *t.shape[-2:]) if t.numel() else t.new_empty((0, *t.shape[-2:]))
+def _joined(pieces: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Pieces that lie back to back in one buffer (a batch's momentum inputs, see
+    ``muonlab.optim.functional.muon_momentum_``) as one (k, A, B) view of it; else as they are."""
+    pieces = [p for p in pieces if p.shape[0]] or pieces[:1]
+    first = pieces[0]
+    if len(pieces) == 1 or not all(p.is_contiguous() for p in pieces):
+        return pieces
+    storage, end = first.untyped_storage().data_ptr(), first.data_ptr()
+    for p in pieces:
+        if p.data_ptr() != end or p.untyped_storage().data_ptr() != storage:
+            return pieces
+        end += p.numel() * p.element_size()
+    rows, cols = first.shape[-2:]
+    return [first.as_strided((sum(p.shape[0] for p in pieces), rows, cols), (rows * cols, cols, 1))]
+
+
+def _as_batch(t: torch.Tensor, name: str) -> torch.Tensor:
+    """``t`` as (k, A, B): a view for ``out``, a view where possible for G; empty as (0, A, B)."""
+    if not t.numel():
+        return t.new_empty((0, *t.shape[-2:]))
+    if name != "out":
+        return t.reshape(-1, *t.shape[-2:])
+    try:
+        return t.view(-1, *t.shape[-2:])
+    except RuntimeError:
+        raise ValueError(f"newton_schulz's out of shape {tuple(t.shape)} and strides {t.stride()} can't be "
+                         "viewed as a batch of matrices; pass a contiguous tensor") from None
 
 
 def _load_normalised(X: torch.Tensor, pieces: list[torch.Tensor], eps: float, scale: float) -> None:

@@ -97,9 +97,10 @@ class NewtonSchulzRunner:
         self.workspace = Workspace()
         self._graphed: dict[tuple, _Graphed] = {}
 
-    def chunk_size(self, shape: tuple[int, int], dtype: torch.dtype, output: bool = True) -> int:
-        """Matrices per call within the budget; ``output=False`` when results overwrite the inputs."""
-        return max_batch_matrices(shape, dtype.itemsize, self.budget_bytes, output)
+    def chunk_size(self, shape: tuple[int, int], dtype: torch.dtype, reuses_input: bool = False) -> int:
+        """Matrices per call within the budget (``reuses_input``: results overwrite inputs of the
+        compute dtype, see ``batch_bytes_per_matrix``)."""
+        return max_batch_matrices(shape, dtype.itemsize, self.budget_bytes, reuses_input)
 
     def __call__(self, mats: torch.Tensor | list[torch.Tensor], cfg: NSConfig):
         """Orthogonalize ``mats``: one (k, A, B) stack, or a list of (k_i, A, B) pieces taken as
@@ -113,7 +114,7 @@ class NewtonSchulzRunner:
         if not isinstance(mats, Overwrite):
             total = sum(p.shape[0] for p in pieces)
             out = torch.empty((total, *first.shape[-2:]), dtype=dtype, device=first.device)
-        step = self.chunk_size(first.shape[-2:], dtype, output=out is not None)
+        step = self.chunk_size(first.shape[-2:], dtype, reuses_input=out is None and first.dtype == dtype)
         for start, chunk in _chunks(pieces, step):
             dest = chunk if out is None else out[start:start + sum(p.shape[0] for p in chunk)]
             if self.graphs and first.is_cuda:

@@ -54,16 +54,17 @@ class Workspace:
         self._arenas = {}
 
 
-def batch_bytes_per_matrix(m: int, n: int, itemsize: int, output: bool = True) -> int:
-    """Transient bytes one m x n matrix (m <= n) adds to a Newton-Schulz batch, for any backend and
-    form: its input, the workspace (the cast and normalised matrix, a spare iterate, two m x m
-    products; the gram form's temporaries are fewer) and, with ``output``, a result buffer (none
-    when the result overwrites the input, see ``muonlab.kernels.runner.Overwrite``)."""
-    return itemsize * ((4 if output else 3) * m * n + 2 * m * m)
+def batch_bytes_per_matrix(m: int, n: int, itemsize: int, reuses_input: bool = False) -> int:
+    """Transient bytes one m x n matrix (m <= n) adds to a Newton-Schulz batch: its input, the
+    workspace's iterate and two m x m products, and the output, which doubles as the second
+    iterate (see ``newton_schulz``): 3 m n + 2 m^2 elements. ``reuses_input``: the result
+    overwrites an input already in the compute dtype (``muonlab.kernels.runner.Overwrite``), which
+    is then the output too: 2 m n + 2 m^2. The gram form's temporaries are fewer."""
+    return itemsize * ((2 if reuses_input else 3) * m * n + 2 * m * m)
 
 
-def max_batch_matrices(shape: tuple[int, int], itemsize: int, budget_bytes: int, output: bool = True) -> int:
+def max_batch_matrices(shape: tuple[int, int], itemsize: int, budget_bytes: int, reuses_input: bool = False) -> int:
     """How many matrices of ``shape`` one Newton-Schulz call may take within ``budget_bytes``
     (at least one: a single matrix larger than the budget still has to be orthogonalized)."""
     m, n = sorted(int(d) for d in shape)
-    return max(1, budget_bytes // batch_bytes_per_matrix(m, n, itemsize, output))
+    return max(1, budget_bytes // batch_bytes_per_matrix(m, n, itemsize, reuses_input))

@@ -44,13 +44,14 @@ def muon_momentum_(
     form: str,
 ) -> list[torch.Tensor]:
     """Update momentum buffers in place; return the Newton-Schulz inputs (the buffers' dtype,
-    grad-shaped).
+    grad-shaped), back to back in one new buffer where the buffers share a dtype and device (a
+    batch's Newton-Schulz then reads them as one tensor, without a stacking copy).
 
     "ema" (torch.optim.Muon): m <- lerp(m, g, 1 - mu); input lerp(g, m, mu) or m.
     "sum" (Moonlight, Dion): M <- mu M + g; input g + mu M or M.
-    One ``torch._foreach_*`` call per stage over the whole list (the same elementwise arithmetic
-    as a loop of ``lerp_``/``add_``, in one launch per chunk of tensors instead of one per tensor:
-    on a GPU a step of small matrices is otherwise bound by the host).
+    The buffers' update is one ``torch._foreach_*`` call per stage over the whole list (the same
+    elementwise arithmetic as a loop of ``lerp_``/``add_``, in one launch per chunk of tensors
+    instead of one per tensor: on a GPU a step of small matrices is otherwise bound by the host).
     """
     if form not in MOMENTUM_FORMS:
         raise ValueError(f"unknown momentum_form {form!r}; choose one of {MOMENTUM_FORMS}")
@@ -59,10 +60,35 @@ def muon_momentum_(
     grads = [g.to(buf.dtype) for g, buf in zip(grads, bufs)]
     if form == "ema":
         torch._foreach_lerp_(bufs, grads, 1 - momentum)
-        return torch._foreach_lerp(grads, bufs, momentum) if nesterov else [buf.clone() for buf in bufs]
-    torch._foreach_mul_(bufs, momentum)
-    torch._foreach_add_(bufs, grads)
-    return torch._foreach_add(grads, bufs, alpha=momentum) if nesterov else [buf.clone() for buf in bufs]
+    else:
+        torch._foreach_mul_(bufs, momentum)
+        torch._foreach_add_(bufs, grads)
+    outs = _packed_like(bufs)
+    if not nesterov:
+        torch._foreach_copy_(outs, bufs)
+    elif outs[0].is_cuda:  # few launches: copy g, then the same arithmetic in place (the same bits)
+        torch._foreach_copy_(outs, grads)
+        if form == "ema":
+            torch._foreach_lerp_(outs, bufs, momentum)
+        else:
+            torch._foreach_add_(outs, bufs, alpha=momentum)
+    else:  # one pass per tensor, straight into its place
+        for o, g, buf in zip(outs, grads, bufs):
+            if form == "ema":
+                torch.lerp(g, buf, momentum, out=o)
+            else:
+                torch.add(g, buf, alpha=momentum, out=o)
+    return outs
+
+
+def _packed_like(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """New tensors shaped like ``tensors``: views of one buffer, in order, where all share a dtype
+    and device; else separate tensors."""
+    first = tensors[0]
+    if any(t.dtype != first.dtype or t.device != first.device for t in tensors):
+        return [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
+    flat = torch.empty(sum(t.numel() for t in tensors), dtype=first.dtype, device=first.device)
+    return [v.view(t.shape) for v, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
 
 
 def muon_apply_(

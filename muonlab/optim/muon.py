@@ -854,10 +854,12 @@ class Muon(Optimizer):
         return self._runner
 
     def _max_local_matrices(self, shape: tuple[int, int], cfg: NSConfig) -> int:
-        """Matrices of ``shape`` one batch of the local path may hold within the budget (its
-        results overwrite its inputs: no output buffer)."""
+        """Matrices of ``shape`` one batch of the local path may hold within the budget: its
+        results overwrite its momentum inputs, whose bytes serve as an iterate when their dtype
+        is the compute dtype (the first Muon parameter's momentum dtype stands for all)."""
         dtype = resolve_dtype(cfg.dtype, self._device()) or torch.float32
-        return self._ns_runner().chunk_size(shape, dtype, output=False)
+        momentum = self._offload.dtype(self._muon_entries()[0][1], "momentum_buffer")
+        return self._ns_runner().chunk_size(shape, dtype, reuses_input=momentum == dtype)
 
     def _ns_config(self, group: dict) -> NSConfig:
         """A Muon group's Newton-Schulz settings with the optimizer-wide dtype, form and backend."""

@@ -73,6 +73,28 @@ def test_pieces_in_and_out_give_the_bits_of_the_stacked_call(rows, cols, form):
     assert torch.equal(torch.cat([t.view(-1, rows, cols) for t in own]), stacked)
 
 
+@pytest.mark.parametrize("steps", [4, 5])
+@pytest.mark.parametrize("rows, cols", [(20, 36), (36, 20)])
+def test_out_as_an_iterate_buffer_gives_the_same_bits(steps, rows, cols):
+    """A contiguous ``out`` in the compute dtype is one of the two iterate buffers (the input goes
+    into the one that makes an odd or even number of steps end in ``out``), and it may be G
+    itself, given as pieces that lie back to back in one buffer: the same bits as a plain call."""
+    torch.manual_seed(2)
+    flat = torch.randn(5 * rows * cols)
+    cfg = NSConfig(dtype=torch.float32, steps=steps)
+    expected = newton_schulz(flat.view(5, rows, cols).clone(), cfg)
+    separate = torch.empty(5, rows, cols)
+    assert newton_schulz(flat.view(5, rows, cols), cfg, out=separate) is separate
+    assert torch.equal(separate, expected)
+    pieces = [flat[: 2 * rows * cols].view(2, rows, cols), flat[2 * rows * cols:].view(3, rows, cols)]
+    newton_schulz(pieces, cfg, out=pieces)  # joined into one view of `flat`, overwritten in place
+    assert torch.equal(flat.view(5, rows, cols), expected)
+    strided = torch.empty(rows, cols, 5).permute(2, 0, 1)  # not contiguous: the result is copied in
+    assert torch.equal(newton_schulz(expected, cfg, out=strided), newton_schulz(expected, cfg))
+    with pytest.raises(ValueError, match="can't be viewed as a batch of matrices"):
+        newton_schulz(torch.randn(2, 3, rows, cols), cfg, out=torch.empty(3, 2, rows, cols).transpose(0, 1))
+
+
 @pytest.mark.parametrize("budget_matrices", [1, 2, 4])
 def test_runner_overwrites_its_pieces_chunk_by_chunk(budget_matrices):
     """``Overwrite`` pieces get the result in place, with chunks cut across the pieces' borders,
@@ -81,7 +103,8 @@ def test_runner_overwrites_its_pieces_chunk_by_chunk(budget_matrices):
     pieces = [torch.randn(3, 36, 20), torch.randn(1, 36, 20), torch.randn(2, 36, 20)]
     cfg = NSConfig(dtype=torch.float32)
     expected = newton_schulz(torch.cat(pieces), cfg)
-    runner = NewtonSchulzRunner(budget_matrices * 4 * (4 * 20 * 36 + 2 * 20 * 20))
+    runner = NewtonSchulzRunner(budget_matrices * 4 * (2 * 20 * 36 + 2 * 20 * 20))
+    assert runner.chunk_size((36, 20), torch.float32, reuses_input=True) == budget_matrices
     ptrs = [p.data_ptr() for p in pieces]
     result = runner(Overwrite(pieces), cfg)
     assert [p.data_ptr() for p in result] == ptrs
@@ -89,10 +112,12 @@ def test_runner_overwrites_its_pieces_chunk_by_chunk(budget_matrices):
 
 
 def test_max_batch_matrices_fits_the_budget_and_is_at_least_one():
-    per = 2 * (4 * 64 * 256 + 2 * 64 * 64)  # bf16: input, two iterates, output 64 x 256, two 64 x 64 products
+    per = 2 * (3 * 64 * 256 + 2 * 64 * 64)  # bf16: input, an iterate, the output 64 x 256, two 64 x 64 products
     assert max_batch_matrices((256, 64), 2, 10 * per) == 10
     assert max_batch_matrices((64, 256), 2, 10 * per + per - 1) == 10
     assert max_batch_matrices((64, 256), 2, 1) == 1
+    reused = 2 * (2 * 64 * 256 + 2 * 64 * 64)  # the input is the output too
+    assert max_batch_matrices((64, 256), 2, 10 * reused, reuses_input=True) == 10
     assert default_budget(0) == 256 * 2**20 and default_budget(100 * 2**30) == 5 * 2**30
     assert default_budget(0, "cpu") == 16 * 2**20 and default_budget(100 * 2**30, "cpu") == 5 * 2**30
 
@@ -101,7 +126,7 @@ def test_max_batch_matrices_fits_the_budget_and_is_at_least_one():
 def test_chunked_runner_matches_one_call(budget_matrices):
     mats = torch.randn(7, 20, 36)
     cfg = NSConfig(dtype=torch.float32)
-    runner = NewtonSchulzRunner(budget_matrices * 4 * (4 * 20 * 36 + 2 * 20 * 20))
+    runner = NewtonSchulzRunner(budget_matrices * 4 * (3 * 20 * 36 + 2 * 20 * 20))
     assert runner.chunk_size((20, 36), torch.float32) == budget_matrices
     assert torch.equal(runner(mats, cfg), newton_schulz(mats, cfg))
 
@@ -216,3 +241,15 @@ def test_graphed_and_auto_optimizer_steps_match_eager_torch():
         _, got = _run(params, grads, **kw)
         for a, b in zip(ref, got):
             torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3, msg=str(kw))
+
+
+def test_pieces_back_to_back_in_one_buffer_are_read_as_one_tensor():
+    from muonlab.kernels.newton_schulz import _joined
+
+    flat = torch.randn(6 * 4 * 5)
+    pieces = [flat[:40].view(2, 4, 5), flat[40:40].view(0, 4, 5), flat[40:].view(4, 4, 5)]
+    (one,) = _joined(pieces)
+    assert one.shape == (6, 4, 5) and one.data_ptr() == flat.data_ptr() and torch.equal(one.flatten(), flat)
+    apart = [torch.randn(2, 4, 5), torch.randn(4, 4, 5)]
+    assert _joined(apart) == apart
+    assert len(_joined([flat[40:].view(4, 4, 5), flat[:40].view(2, 4, 5)])) == 2  # out of order

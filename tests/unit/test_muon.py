@@ -7,6 +7,7 @@ import torch.optim._muon as torch_muon
 from muonlab import Muon, muon_param_groups
 from muonlab.models import GPT, GPTConfig
 from muonlab.kernels.reference import reference_newton_schulz
+from muonlab.optim import functional as F
 from muonlab.optim.reference import reference_muon_step
 
 SHAPES = [(24, 64), (64, 24), (40, 40)]  # wide, tall, square
@@ -653,3 +654,27 @@ def test_matrix_views_for_adamw_or_not_a_dict_are_refused():
         Muon([{"params": [("w", w)]}, {"params": [("b", b)], "algorithm": "adamw"}], matrix_views={"b": "matrix"})
     with pytest.raises(TypeError, match="matrix_views must be a dict"):
         Muon([("w", w)], matrix_views=["w"])
+
+
+@pytest.mark.parametrize("form", ["ema", "sum"])
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_momentum_inputs_lie_back_to_back_with_the_bits_of_the_plain_formulas(form, nesterov):
+    """muon_momentum_ writes the Newton-Schulz inputs into one buffer, in order (a batch then reads
+    them as one tensor), with the same bits as torch's out-of-place formulas; buffers of mixed
+    dtypes get separate inputs."""
+    torch.manual_seed(0)
+    shapes = [(6, 4), (6, 4), (2, 6, 4)]
+    grads = [torch.randn(s) for s in shapes]
+    bufs = [torch.randn(s) for s in shapes]
+    ref_bufs = [b.clone() for b in bufs]
+    outs = F.muon_momentum_(grads, bufs, momentum=0.9, nesterov=nesterov, form=form)
+    for g, b, o in zip(grads, ref_bufs, outs):
+        b.lerp_(g, 0.1) if form == "ema" else b.mul_(0.9).add_(g)
+        want = (torch.lerp(g, b, 0.9) if form == "ema" else torch.add(g, b, alpha=0.9)) if nesterov else b
+        assert torch.equal(o, want)
+    assert all(torch.equal(b, r) for b, r in zip(bufs, ref_bufs))
+    ends = [o.data_ptr() + o.nbytes for o in outs]
+    assert [o.data_ptr() for o in outs[1:]] == ends[:-1]  # back to back
+    mixed = F.muon_momentum_(grads[:2], [bufs[0], bufs[1].double()], momentum=0.9,
+                             nesterov=nesterov, form=form)
+    assert [o.dtype for o in mixed] == [torch.float32, torch.float64]
