@@ -17,16 +17,17 @@ import torch
 from .newton_schulz import NSConfig, newton_schulz, resolve_dtype
 from .workspace import Workspace, max_batch_matrices
 
-MIN_BUDGET = {"cuda": 256 * 2**20, "cpu": 16 * 2**20}
+MIN_BUDGET = {"cuda": 256 * 2**20, "cpu": 8 * 2**20}
 """The workspace budget's floor per device type (see ``default_budget``)."""
 BUDGET_SHARE = 0.05
 
 
 def default_budget(param_bytes: int, device_type: str = "cuda") -> int:
     """``max(floor, 5% of the parameters' bytes)``. On a GPU the floor is 256 MiB: enough matrices
-    per chunk to keep it busy (one 2048 x 8192 matrix already does). A CPU gains nothing from wide
-    batches (on this 2-core machine a 1B/8 step ran as fast with 16 MiB as with 256 MiB, 142 vs
-    144 ms), so its floor is 16 MiB and a step adds little beyond the momentum itself."""
+    per chunk to keep it busy (one 2048 x 8192 matrix already does). On a 2-core CPU with bf16
+    matmul units a 1B/8 step (benchmarks/bench_gpu_step.py) ran as fast with 8 MiB as with 16 MiB
+    and added 1.2x torch.optim.Muon's memory instead of 1.5x; below 8 MiB it slowed down (fewer
+    matrices per batched call), so the CPU floor is 8 MiB."""
     return max(MIN_BUDGET.get(device_type, MIN_BUDGET["cpu"]), int(BUDGET_SHARE * param_bytes))
 
 

@@ -131,7 +131,7 @@ class Muon(Optimizer):
             from it.
         workspace_bytes: the most transient memory one Newton-Schulz call may take (its inputs,
             iterates and output). A batch of same-shape matrices that needs more runs in chunks
-            that fit, into one reused workspace; None: max(256 MiB on a GPU or 16 MiB on a CPU, 5% of
+            that fit, into one reused workspace; None: max(256 MiB on a GPU or 8 MiB on a CPU, 5% of
             this rank's Muon parameter bytes). Smaller saves memory; too small (below one matrix)
             runs one matrix at a time.
         ns_graphs: on CUDA, capture each chunk shape's Newton-Schulz chain in a CUDA graph once

@@ -119,7 +119,7 @@ def test_max_batch_matrices_fits_the_budget_and_is_at_least_one():
     reused = 2 * (2 * 64 * 256 + 2 * 64 * 64)  # the input is the output too
     assert max_batch_matrices((64, 256), 2, 10 * reused, reuses_input=True) == 10
     assert default_budget(0) == 256 * 2**20 and default_budget(100 * 2**30) == 5 * 2**30
-    assert default_budget(0, "cpu") == 16 * 2**20 and default_budget(100 * 2**30, "cpu") == 5 * 2**30
+    assert default_budget(0, "cpu") == 8 * 2**20 and default_budget(100 * 2**30, "cpu") == 5 * 2**30
 
 
 @pytest.mark.parametrize("budget_matrices", [1, 2, 3, 7])
