@@ -64,21 +64,29 @@ def muon_momentum_(
         torch._foreach_mul_(bufs, momentum)
         torch._foreach_add_(bufs, grads)
     outs = _packed_like(bufs)
-    if not nesterov:
+    if nesterov:
+        _nesterov_into(outs, grads, bufs, momentum=momentum, form=form, foreach=outs[0].is_cuda)
+    else:
         torch._foreach_copy_(outs, bufs)
-    elif outs[0].is_cuda:  # few launches: copy g, then the same arithmetic in place (the same bits)
+    return outs
+
+
+def _nesterov_into(outs, grads, bufs, *, momentum: float, form: str, foreach: bool) -> None:
+    """outs <- lerp(g, m, mu) ("ema") or g + mu M ("sum"). ``foreach`` (for a GPU, where a step of
+    small matrices is bound by launches): copy g, then the same arithmetic in place, in a few
+    launches and with the same bits; else one pass per tensor straight into its place."""
+    if foreach:
         torch._foreach_copy_(outs, grads)
         if form == "ema":
             torch._foreach_lerp_(outs, bufs, momentum)
         else:
             torch._foreach_add_(outs, bufs, alpha=momentum)
-    else:  # one pass per tensor, straight into its place
-        for o, g, buf in zip(outs, grads, bufs):
-            if form == "ema":
-                torch.lerp(g, buf, momentum, out=o)
-            else:
-                torch.add(g, buf, alpha=momentum, out=o)
-    return outs
+        return
+    for o, g, buf in zip(outs, grads, bufs):
+        if form == "ema":
+            torch.lerp(g, buf, momentum, out=o)
+        else:
+            torch.add(g, buf, alpha=momentum, out=o)
 
 
 def _packed_like(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:

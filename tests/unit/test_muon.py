@@ -675,6 +675,10 @@ def test_momentum_inputs_lie_back_to_back_with_the_bits_of_the_plain_formulas(fo
     assert all(torch.equal(b, r) for b, r in zip(bufs, ref_bufs))
     ends = [o.data_ptr() + o.nbytes for o in outs]
     assert [o.data_ptr() for o in outs[1:]] == ends[:-1]  # back to back
+    if nesterov:  # the GPU's few-launch variant, run here on the CPU: the same bits
+        again = [torch.empty_like(o) for o in outs]
+        F._nesterov_into(again, grads, ref_bufs, momentum=0.9, form=form, foreach=True)
+        assert all(torch.equal(a, o) for a, o in zip(again, outs))
     mixed = F.muon_momentum_(grads[:2], [bufs[0], bufs[1].double()], momentum=0.9,
                              nesterov=nesterov, form=form)
     assert [o.dtype for o in mixed] == [torch.float32, torch.float64]
