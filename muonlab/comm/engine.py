@@ -15,6 +15,12 @@ the whole model. The order on every rank (the plan is identical everywhere, so c
 so batch i+1's transfer travels while batch i's Newton-Schulz runs, and batch i's way back travels
 while batch i+1's runs (async collectives). A batch without a way back is applied at once.
 
+An optional ``gate()`` runs right after out(0) is issued, before out(1): the caller's commit point
+(e.g. waiting for a non-finite flag whose all-reduce travelled with out(0), then committing batch
+0's momentum). Until then ``prepare(batch 0)`` must have changed nothing. A gate that returns False
+or raises stops the step there on every rank alike (the gate's decision must be the same on every
+rank): out(0) is waited for first, so no collective is left pending and the next step's line up.
+
 Times are the tracer's marks (muonlab.trace): wall clock on CPU, CUDA events on the compute stream
 on a GPU, so nothing here synchronises; ``phase_seconds(tracer)`` reads the totals after the step.
 """
@@ -70,6 +76,16 @@ class BatchRun:
         self._start = tracer.mark()
         self._item = self._advance(None, "out")
         tracer.tally(COMMUNICATION, self._start, tracer.mark())
+
+    def abandon(self) -> None:
+        """Wait for the way out in flight, then drop the batch without computing or applying it."""
+        t0 = self._tracer.mark()
+        item, self._item = self._item, None
+        if isinstance(item, Pending):
+            item.wait()
+        self._gen.close()
+        self._tracer.tally(COMMUNICATION, t0, self._tracer.mark())
+        self.done = True
 
     def compute(self) -> None:
         """Wait for the way out, orthogonalize, issue the way back (or apply, without one)."""
@@ -141,14 +157,18 @@ def execute_plan(
     wire_dtype: torch.dtype,
     tracer: Tracer,
     counter: CommCounter,
-) -> None:
+    gate: Callable[[], bool] | None = None,
+) -> bool:
     """Run every batch of ``plan`` on this rank, recording its spans and communication time in
-    ``tracer`` (read them with ``phase_seconds(tracer)``; the callbacks time themselves).
+    ``tracer`` (read them with ``phase_seconds(tracer)``; the callbacks time themselves). Returns
+    False when ``gate`` stopped the step, else True.
 
     ``groups``: {GroupKey: (torch ProcessGroup, this rank's index in it)} for every batch's group.
     ``prepare(batch)``: this rank's input per parameter of the batch (None where it has none).
     ``apply(batch, outputs)``: consume this rank's orthogonalized output per parameter.
     ``orthogonalize(mats, ns_config)``: Newton-Schulz on a stack of whole matrices.
+    ``gate()``: called once, after batch 0's way out is issued and before anything else; False (or
+    an exception, re-raised) stops the step after batch 0's way out has been waited for.
     """
     runs = []
     for i, batch in enumerate(plan):
@@ -157,6 +177,17 @@ def execute_plan(
                              orthogonalize=orthogonalize, tracer=tracer, counter=counter))
     if runs:
         runs[0].start()
+    if gate is not None:
+        try:
+            go = gate()
+        except BaseException:
+            if runs:
+                runs[0].abandon()
+            raise
+        if not go:
+            if runs:
+                runs[0].abandon()
+            return False
     for i, run in enumerate(runs):
         if i + 1 < len(runs):
             runs[i + 1].start()
@@ -165,3 +196,4 @@ def execute_plan(
             runs[i - 1].finish()  # its way back travelled behind this batch's Newton-Schulz
     if runs:
         runs[-1].finish()
+    return True
