@@ -20,3 +20,42 @@ def test_dtensor_grads_nonfinite_on_the_last_rank_only():
             assert out["subgroup"] == ([last], ["grad 0 of shape (3,)"] if rank == last else []), rank
         else:
             assert "subgroup" not in out
+
+
+@pytest.mark.timeout(300)
+def test_deferred_commit_steps_bit_identical_to_the_check_off():
+    results = launch(W.deferred_commit_is_bit_identical, 2, timeout_s=240)
+    for rank, out in results.items():
+        assert out["batches"] >= 3, out  # batch 0's drafts and the later batches' in-place updates
+        for case in range(5):
+            assert out[case] == [True, True, True], (rank, case)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("state_offload", [None, "cpu"])  # "cpu": the check resolves before the first batch
+def test_nan_on_one_rank_skips_everywhere_and_leaves_no_trace(state_offload):
+    results = launch(W.skipped_steps_leave_no_trace, 2, state_offload, timeout_s=240)
+    for rank, out in results.items():
+        assert out["first"] != out["last"]
+        names = [out["first"], out["first"], out["last"], "bias"]
+        for k, (skip, name) in enumerate(zip(out["skips"], names)):
+            assert skip["unchanged"] and skip["skipped"] and skip["ranks"] == [1], (rank, k, skip)
+            assert skip["names"] == ([name] if rank == 1 else []), (rank, k, skip)
+        assert out["skips"][0]["state"] == 0  # a skipped first step makes no state
+        assert out["skipped_steps"] == 4
+        # stopped at the gate after batch 0's way out (resident momentum), which was waited for
+        assert out["drained"] == ([True] * 4 if state_offload is None else []), (rank, out["drained"])
+        assert out["equal_to_clean_run"], rank
+
+
+@pytest.mark.timeout(300)
+def test_raise_on_one_rank_raises_everywhere_before_any_change():
+    results = launch(W.raise_changes_nothing, 2, timeout_s=240)
+    for rank, out in results.items():
+        assert len(out["raised"]) == 2, (rank, out)
+        for k, raised in enumerate(out["raised"]):
+            assert raised["message"].startswith("non-finite gradient on rank(s) [1]"), (rank, raised)
+            assert (out["first"] in raised["message"]) == (rank == 1), (rank, raised)
+            assert raised["unchanged"], (rank, k)
+        assert out["raised"][0]["state"] == 0
+        assert out["equal_to_clean_run"], rank
