@@ -17,7 +17,7 @@ from torch.optim import Optimizer
 
 from ..comm.collectives import CommCounter
 from ..comm.cost import HardwareProfile, get_profile
-from ..comm.engine import execute_plan, phase_seconds
+from ..comm.engine import BEFORE_GATE, execute_plan, phase_seconds
 from ..comm.paths.subgroup import ranks_per_expert, subgroups_for
 from ..comm.planner import REMAINDER_PATHS, STRATEGIES, plan_batches
 from ..comm.records import BatchPlan, Plan
@@ -541,11 +541,10 @@ class Muon(Optimizer):
                     self._adamw_group(group, params)
             return True
 
-        # The flags' all-reduce travels with the first batch's way out, and the engine calls
-        # commit_point() after issuing it: the wait overlaps batch 0's momentum and absorbs the ranks'
-        # skew where the first collective's wait would anyway. Offloaded momentum is written back
-        # as soon as it is fetched, so there (and without a group or a Muon batch) the check
-        # resolves before anything.
+        # The flags' all-reduce travels while the first batches' momentum is drafted, moved and
+        # orthogonalized; the engine calls commit_point() after batch 0's Newton-Schulz, before
+        # anything is written (see _muon_step). Offloaded momentum is written back as soon as it
+        # is fetched, so there (and without a group or a Muon batch) the check resolves first.
         if planned and check is not None and check.collective and self._offload.place_of("momentum_buffer") is None:
             done = self._muon_step(indices, planned, counter, gate=commit_point)
         else:
@@ -573,7 +572,7 @@ class Muon(Optimizer):
             mine = f"; here: {', '.join(bad_names)}" if bad_names else ""
             raise ValueError(f"non-finite gradient on rank(s) {bad_ranks}{mine}")
         self.skipped_steps += 1
-        # bytes: what moved before the decision (the first batch's way out, drained)
+        # bytes: what moved before the decision (the batches started before the gate, drained)
         self._stats = dict(bytes_sent=dict(counter.sent), bytes_recv=dict(counter.recv), calls=dict(counter.calls),
                            seconds=None, skipped=True, skipped_steps=self.skipped_steps, nonfinite_ranks=bad_ranks,
                            nonfinite_params=bad_names, nonfinite_seconds=seconds)
@@ -826,15 +825,16 @@ class Muon(Optimizer):
         """Batch by batch (see muonlab.comm.engine): momentum on the local shards, move,
         orthogonalize, move back, update; only the batches in flight hold inputs and outputs.
 
-        With ``gate`` (the step's commit point, called by the engine once batch 0's way out is
-        issued), batch 0's momentum is computed on copies of its buffers (drafts: the same
-        arithmetic, so the same bits) and written into them only if the gate lets the step go on;
-        False: the gate stopped the step, and no buffer was written. Resident momentum only.
+        With ``gate`` (the step's commit point, called by the engine after batch 0's
+        Newton-Schulz), the momentum of the batches started before it (engine.BEFORE_GATE) is
+        computed on copies of their buffers (drafts: the same arithmetic, so the same bits) and
+        written into them only if the gate lets the step go on; False: the gate stopped the step
+        and no buffer was written. Resident momentum only.
         """
         entries = self._muon_entries()
         plan, specs, groups, owners = planned
-        drafts: list[tuple[int, torch.Tensor]] = []  # batch 0's (parameter index, updated copy)
-        deferring = gate is not None
+        drafts: list[tuple[int, torch.Tensor]] = []  # (parameter index, updated copy) until the gate
+        to_draft = BEFORE_GATE if gate is not None else 0  # batches whose momentum waits for the gate
 
         def on_this_rank(i: int) -> bool:
             # a replicated matrix's momentum and Newton-Schulz run on its owner rank only
@@ -850,14 +850,15 @@ class Muon(Optimizer):
 
         def prepare(batch) -> list[torch.Tensor | None]:
             """1. momentum on the local shard (replicated matrices: on their owner only)."""
-            nonlocal deferring
+            nonlocal to_draft
             inputs = dict.fromkeys(batch.param_indices)
             with self._tracer.span("momentum", batch=batch.index):
                 mine = [i for i in batch.param_indices if on_this_rank(i)]
-                if deferring:  # the step may still be skipped: this batch writes no buffer
-                    deferring = False
-                    drafts.extend((i, draft(i)) for i in mine)
-                    runs = [[(i, (buf,)) for i, buf in drafts]]
+                if to_draft:  # the step may still be skipped: this batch writes no buffer
+                    to_draft -= 1
+                    copies = [(i, draft(i)) for i in mine]
+                    drafts.extend(copies)
+                    runs = [[(i, (buf,)) for i, buf in copies]]
                 else:
                     items = [(i, entries[i][1], self._state_for(entries[i][1], "muon")) for i in mine]
                     # the store hands out each momentum on the device (fetching the next meanwhile);
@@ -873,7 +874,7 @@ class Muon(Optimizer):
             return [inputs[i] for i in batch.param_indices]
 
         def commit() -> bool:
-            """The gate, then batch 0's drafts written into its momentum buffers (made now if new)."""
+            """The gate, then the drafts written into their momentum buffers (made now if new)."""
             if not gate():
                 return False
             bufs = [local_shard(self._state_for(entries[i][1], "muon")["momentum_buffer"]) for i, _ in drafts]

@@ -95,8 +95,8 @@ def _equal(a: dict, b: dict) -> bool:
 
 
 def deferred_commit_is_bit_identical() -> dict:
-    """With the check on ("skip": the flags' wait moved to the gate, batch 0's momentum drafted and
-    committed after it) and off ("ignore": momentum written in place, no gate), every momentum
+    """With the check on ("skip": the flags' wait moved to the gate, the first batches' momentum
+    drafted and committed after it) and off ("ignore": momentum written in place, no gate), every momentum
     form and bf16 momentum of fp32 parameters, from fresh state on: after each step,
     parameters and state are equal bit for bit."""
     mesh = _mesh()
@@ -124,7 +124,7 @@ def skipped_steps_leave_no_trace(state_offload: str | None = None) -> dict:
     from muonlab.comm import engine
     from muonlab.comm.collectives import Pending
 
-    drained = []  # per stopped step: was batch 0's way out complete when the engine returned?
+    drained = []  # per batch dropped at a gate: was its collective in flight complete when dropped?
     abandon = engine.BatchRun.abandon
 
     def watched(run):

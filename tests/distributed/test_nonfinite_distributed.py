@@ -2,6 +2,7 @@
 
 import pytest
 
+from muonlab.comm.engine import BEFORE_GATE
 from muonlab.distributed import launch
 
 from . import _workers_nonfinite as W
@@ -43,8 +44,9 @@ def test_nan_on_one_rank_skips_everywhere_and_leaves_no_trace(state_offload):
             assert skip["names"] == ([name] if rank == 1 else []), (rank, k, skip)
         assert out["skips"][0]["state"] == 0  # a skipped first step makes no state
         assert out["skipped_steps"] == 4
-        # stopped at the gate after batch 0's way out (resident momentum), which was waited for
-        assert out["drained"] == ([True] * 4 if state_offload is None else []), (rank, out["drained"])
+        # resident momentum: each skip stopped at the gate, the batches started before it completed
+        expected = [True] * 4 * BEFORE_GATE if state_offload is None else []
+        assert out["drained"] == expected, (rank, out["drained"])
         assert out["equal_to_clean_run"], rank
 
 
