@@ -9,6 +9,8 @@ import torch.distributed as dist
 from muonlab import Muon
 from muonlab.optim import nonfinite
 
+from muonlab.comm.specs import local_shard
+
 from ._common import full
 
 
@@ -43,8 +45,9 @@ def check_dtensor_grads():
 
 # ---------------------------------------------------------------- Muon's deferred commit
 
-SHAPES = [(8, 16), (8, 16), (8, 16), (16, 8), (16, 8), (12, 12), (5, 7)]
-"""Several same-shape batches (a multi-batch plan), and rows that don't divide by 2 (uneven shards)."""
+SHAPES = [(8, 16), (8, 16), (8, 16), (16, 8), (16, 8), (12, 12), (5, 7), (4, 6, 8)]
+"""Several same-shape batches (a multi-batch plan), rows that don't divide by 2 (uneven shards),
+and a bank of 4 matrices (whole matrices on each rank: a path without a way out or back)."""
 HYPER = dict(lr=0.02, weight_decay=0.01, momentum=0.9, adamw_weight_decay=0.01)
 
 
@@ -55,14 +58,19 @@ def _mesh():
     return init_device_mesh("cpu", (dist.get_world_size(),))
 
 
-def _params(mesh) -> list[tuple[str, torch.nn.Parameter]]:
-    """FSDP2-style Shard(0) DTensor parameters: the matrices of SHAPES and one AdamW vector."""
+def _params(mesh, bank: bool = True) -> list[tuple[str, torch.nn.Parameter]]:
+    """FSDP2-style Shard(0) DTensor parameters (the matrices of SHAPES), one replicated plain
+    matrix (DDP-style: its owner rank orthogonalizes it, then broadcasts) and one AdamW vector, last."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    shapes = [(f"w{i}", s) for i, s in enumerate(SHAPES)] + [("bias", (16,))]
-    return [(name, torch.nn.Parameter(distribute_tensor(
-        torch.randn(s, generator=torch.Generator().manual_seed(i)), mesh, [Shard(0)])))
-        for i, (name, s) in enumerate(shapes)]
+    def init(i, shape):
+        return torch.randn(shape, generator=torch.Generator().manual_seed(i))
+
+    out = [(f"w{i}", torch.nn.Parameter(distribute_tensor(init(i, s), mesh, [Shard(0)])))
+           for i, s in enumerate(SHAPES) if bank or len(s) == 2]
+    out.append(("replicated", torch.nn.Parameter(init(50, (10, 6)))))
+    out.append(("bias", torch.nn.Parameter(distribute_tensor(init(51, (16,)), mesh, [Shard(0)]))))
+    return out
 
 
 def _muon(params, **kwargs) -> Muon:
@@ -76,9 +84,9 @@ def _set_grads(params, mesh, step: int, bad: str | None = None) -> None:
 
     for i, (name, p) in enumerate(params):
         full_grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(100 * step + i))
-        p.grad = distribute_tensor(full_grad, mesh, [Shard(0)])
+        p.grad = distribute_tensor(full_grad, mesh, [Shard(0)]) if hasattr(p, "to_local") else full_grad
         if name == bad and dist.get_rank() == dist.get_world_size() - 1:
-            p.grad.to_local().view(-1)[0] = float("nan")
+            local_shard(p.grad).view(-1)[0] = float("nan")
 
 
 def _snapshot(params, opt) -> dict:
@@ -96,13 +104,14 @@ def _equal(a: dict, b: dict) -> bool:
 
 def deferred_commit_is_bit_identical() -> dict:
     """With the check on ("skip": the flags' wait moved to the gate, the first batches' momentum
-    drafted and committed after it) and off ("ignore": momentum written in place, no gate), every momentum
-    form and bf16 momentum of fp32 parameters, from fresh state on: after each step,
-    parameters and state are equal bit for bit."""
+    drafted and committed after it) and off ("ignore": momentum written in place, no gate), every
+    momentum form, bf16 momentum of fp32 parameters, and the redundant strategy (paths without a
+    way back), from fresh state on: after each step, parameters and state are equal bit for bit."""
     mesh = _mesh()
     out = {}
     cases = [dict(momentum_form=form, nesterov=nesterov) for form in ("ema", "sum") for nesterov in (True, False)]
     cases.append(dict(momentum_dtype=torch.bfloat16))
+    cases.append(dict(strategy="redundant"))  # every batch gathered whole: no way back
     for k, case in enumerate(cases):
         runs = {policy: _params(mesh) for policy in ("skip", "ignore")}
         opts = {policy: _muon(runs[policy], nonfinite=policy, **case) for policy in runs}
@@ -113,11 +122,11 @@ def deferred_commit_is_bit_identical() -> dict:
                 opts[policy].step()
             equal.append(_equal(_snapshot(runs["skip"], opts["skip"]), _snapshot(runs["ignore"], opts["ignore"])))
         out[k] = equal
-    out["batches"] = len(opts["skip"].plan())
+        out[f"paths{k}"] = [b.path for b in opts["skip"].plan()]
     return out
 
 
-def skipped_steps_leave_no_trace(state_offload: str | None = None) -> dict:
+def skipped_steps_leave_no_trace(state_offload: str | None = None, bank: bool = True) -> dict:
     """A NaN on the last rank only, in the first step (no state yet), in a parameter of the plan's
     first batch, of its last batch, and in the AdamW vector: every rank skips each of them with
     parameters and state unchanged, and the run ends equal to one that never saw them."""
@@ -134,11 +143,11 @@ def skipped_steps_leave_no_trace(state_offload: str | None = None) -> dict:
 
     engine.BatchRun.abandon = watched
     mesh = _mesh()
-    ref_params, params = _params(mesh), _params(mesh)
+    ref_params, params = _params(mesh, bank), _params(mesh, bank)
     ref, opt = _muon(ref_params, state_offload=state_offload), _muon(params, state_offload=state_offload)
     plan = opt.plan()
     first, last = plan[0].names[0], plan[-1].names[-1]
-    out = dict(first=first, last=last, skips=[])
+    out = dict(first=first, last=last, skips=[], paths=[b.path for b in plan])
     good = iter(range(4))
     for bad in (first, None, first, None, last, "bias", None):
         before = _snapshot(params, opt)

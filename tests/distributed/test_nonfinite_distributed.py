@@ -27,16 +27,25 @@ def test_dtensor_grads_nonfinite_on_the_last_rank_only():
 def test_deferred_commit_steps_bit_identical_to_the_check_off():
     results = launch(W.deferred_commit_is_bit_identical, 2, timeout_s=240)
     for rank, out in results.items():
-        assert out["batches"] >= 3, out  # batch 0's drafts and the later batches' in-place updates
-        for case in range(5):
+        for case in range(6):
             assert out[case] == [True, True, True], (rank, case)
+        # drafted batches (before the gate) and in-place ones after it; paths with and without a
+        # way out or a way back; batch 0 without a way back (its outputs held until the gate)
+        assert len(out["paths0"]) >= 4 and {"all_to_all", "owner", "local"} <= set(out["paths0"]), out["paths0"]
+        assert set(out["paths5"]) == {"gather_all", "local"}, out["paths5"]
+        assert out["paths0"][0] == out["paths5"][0] == "local"
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("state_offload", [None, "cpu"])  # "cpu": the check resolves before the first batch
-def test_nan_on_one_rank_skips_everywhere_and_leaves_no_trace(state_offload):
-    results = launch(W.skipped_steps_leave_no_trace, 2, state_offload, timeout_s=240)
+@pytest.mark.parametrize("state_offload, bank", [
+    (None, True),  # batch 0 on the local path: out(1) in flight at the gate
+    (None, False),  # batch 0 on all_to_all: back(0) and out(1) in flight at the gate
+    ("cpu", True),  # offloaded momentum: the check resolves before the first batch
+])
+def test_nan_on_one_rank_skips_everywhere_and_leaves_no_trace(state_offload, bank):
+    results = launch(W.skipped_steps_leave_no_trace, 2, state_offload, bank, timeout_s=240)
     for rank, out in results.items():
+        assert out["paths"][0] == ("local" if bank else "all_to_all"), out["paths"]
         assert out["first"] != out["last"]
         names = [out["first"], out["first"], out["last"], "bias"]
         for k, (skip, name) in enumerate(zip(out["skips"], names)):
