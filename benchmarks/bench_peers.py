@@ -141,8 +141,8 @@ def main(argv=None):
             "per-rank medians over the rounds, the largest rank's; % of muonlab's median step): "
             f"start() (fused check, flags, all-reduce launched) {1e3 * check['start_s']:.2f} ms "
             f"({100 * check['start_s'] / check['step_s']:.1f}%); the wait for the flags at the commit point "
-            f"(after the first batch's momentum and way out are issued; it also absorbs the ranks' skew, "
-            f"which the first batch's wait would absorb otherwise) {1e3 * check['wait_s']:.2f} ms "
+            f"(after the first two batches' momentum and way out and batch 0's Newton-Schulz; the first "
+            f"batch's wait has absorbed the ranks' skew by then) {1e3 * check['wait_s']:.2f} ms "
             f"({100 * check['wait_s'] / check['step_s']:.1f}%); the check it replaced, alone (an isfinite per "
             f"grad, then a blocking all-reduce) {1e3 * check['before_s']:.2f} ms "
             f"({100 * check['before_s'] / check['step_s']:.1f}%).",

@@ -157,7 +157,9 @@ class Muon(Optimizer):
         nonfinite: an inf or NaN in any gradient on any rank makes every rank "skip" the step
             (decided together by one all-reduce; parameters and state untouched, counted in
             ``skipped_steps`` and ``last_step_stats()``), "raise" a ValueError naming the
-            parameter and rank, or is "ignore"d.
+            parameter and rank, or is "ignore"d. The all-reduce travels while the first batches
+            are moved and orthogonalized; nothing is written before it resolves (their momentum
+            is computed on copies until then, see ``_muon_step``).
         strategy: "muonlab" (the planner) or "redundant" (every rank gathers and orthogonalizes
             every matrix: the baseline, for benchmarks and parity).
         state_offload: None (state on the parameters' device), "cpu" (momentum and AdamW moments
@@ -736,7 +738,9 @@ class Muon(Optimizer):
         """Bytes counted at each collective (per path) and seconds per phase, for the last step.
 
         The seconds come from the step's spans (``phase_seconds``): on CUDA they are GPU time, and
-        the first read after a step synchronises the device once."""
+        the first read after a step synchronises the device once. ``nonfinite_seconds``: the
+        non-finite check's host seconds, "check" (its start: the fused pass, the flags'
+        all-reduce launched) and "wait" (for the flags, at the commit point); None when off."""
         stats = dict(self._stats)
         if stats.get("seconds", {}) is None:
             stats["seconds"] = self._stats["seconds"] = self._phase_seconds()
