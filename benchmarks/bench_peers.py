@@ -137,13 +137,14 @@ def main(argv=None):
             "",
             md_table(phase_header, phase_rows),
             "",
-            "The safety check alone, on the same 36 DTensor grads (per-rank medians over the rounds, the "
-            "largest rank's; % of muonlab's median step): "
+            "The safety check inside muonlab's steps (last_step_stats()['nonfinite_seconds'], host clock; "
+            "per-rank medians over the rounds, the largest rank's; % of muonlab's median step): "
             f"start() (fused check, flags, all-reduce launched) {1e3 * check['start_s']:.2f} ms "
-            f"({100 * check['start_s'] / check['step_s']:.1f}%); result() (the wait, which also absorbs "
-            f"the ranks' skew after a barrier) {1e3 * check['wait_s']:.2f} ms "
-            f"({100 * check['wait_s'] / check['step_s']:.1f}%); the check it replaced (an isfinite per grad, "
-            f"then a blocking all-reduce) {1e3 * check['before_s']:.2f} ms "
+            f"({100 * check['start_s'] / check['step_s']:.1f}%); the wait for the flags at the commit point "
+            f"(after the first two batches' momentum and way out and batch 0's Newton-Schulz; the first "
+            f"batch's wait has absorbed the ranks' skew by then) {1e3 * check['wait_s']:.2f} ms "
+            f"({100 * check['wait_s'] / check['step_s']:.1f}%); the check it replaced, alone (an isfinite per "
+            f"grad, then a blocking all-reduce) {1e3 * check['before_s']:.2f} ms "
             f"({100 * check['before_s'] / check['step_s']:.1f}%).",
             "",
             f"muonlab's plan (batches per path): {check['plan']}.",

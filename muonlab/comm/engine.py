@@ -15,6 +15,15 @@ the whole model. The order on every rank (the plan is identical everywhere, so c
 so batch i+1's transfer travels while batch i's Newton-Schulz runs, and batch i's way back travels
 while batch i+1's runs (async collectives). A batch without a way back is applied at once.
 
+An optional ``gate()`` is the caller's commit point (e.g. the wait for a non-finite flag whose
+all-reduce travelled meanwhile). It runs after [wait out(0), NS(0), back(0)], before anything is
+applied and before batch 2's inputs are taken: ``prepare`` of the first BEFORE_GATE batches must
+change nothing (the caller commits their momentum once the gate passes), and batch 0's outputs
+are held until then even on a path without a way back. A gate that returns False or raises stops
+the step there; its decision must be the same on every rank, so every rank stops at the same
+point: the collectives in flight (out(1), back(0)) are waited for first, so none is left pending
+and the next step's line up.
+
 Times are the tracer's marks (muonlab.trace): wall clock on CPU, CUDA events on the compute stream
 on a GPU, so nothing here synchronises; ``phase_seconds(tracer)`` reads the totals after the step.
 """
@@ -31,6 +40,9 @@ from .collectives import CommCounter, Pending
 from .paths import PATHS, PathContext
 from .records import BatchPlan, Plan
 from .specs import GroupKey
+
+BEFORE_GATE = 2
+"""Batches whose inputs are taken before the gate: 0 and 1 (batch 1's way out travels behind NS(0))."""
 
 COMMUNICATION = "communication"
 """The tracer tally of the time a rank spends issuing, waiting for and (un)packing collectives."""
@@ -51,6 +63,7 @@ class BatchRun:
         self._tracer, self._counter = tracer, counter
         self._bytes = {"out": (0, 0), "back": (0, 0)}
         self._item = None
+        self._held = None  # outputs ready but not yet applied (a held batch without a way back)
         self.done = False
 
     def _advance(self, value, direction: str):
@@ -71,8 +84,19 @@ class BatchRun:
         self._item = self._advance(None, "out")
         tracer.tally(COMMUNICATION, self._start, tracer.mark())
 
-    def compute(self) -> None:
-        """Wait for the way out, orthogonalize, issue the way back (or apply, without one)."""
+    def abandon(self) -> None:
+        """Wait for its collective in flight, if any, then drop the batch without applying it."""
+        t0 = self._tracer.mark()
+        item, self._item, self._held = self._item, None, None
+        if isinstance(item, Pending):
+            item.wait()
+        self._gen.close()
+        self._tracer.tally(COMMUNICATION, t0, self._tracer.mark())
+        self.done = True
+
+    def compute(self, hold: bool = False) -> None:
+        """Wait for the way out, orthogonalize, issue the way back (or apply, without one; with
+        ``hold``, keep the outputs for ``finish`` instead)."""
         tracer = self._tracer
         t0 = tracer.mark()
         mats, self._item = self._item, None
@@ -95,13 +119,20 @@ class BatchRun:
         except StopIteration as done:  # no way back: the outputs are ready
             outputs = done.value
         tracer.tally(COMMUNICATION, self._back_start, tracer.mark())
-        if outputs is not None:
+        if outputs is not None and hold:
+            self._held = outputs
+        elif outputs is not None:
             self._apply(self.batch, outputs)
             self.done = True
 
     def finish(self) -> None:
         """Wait for the way back, then apply this rank's output per parameter of the batch."""
         if self.done:
+            return
+        if self._held is not None:
+            outputs, self._held = self._held, None
+            self._apply(self.batch, outputs)
+            self.done = True
             return
         tracer = self._tracer
         t0 = tracer.mark()
@@ -141,27 +172,49 @@ def execute_plan(
     wire_dtype: torch.dtype,
     tracer: Tracer,
     counter: CommCounter,
-) -> None:
+    gate: Callable[[], bool] | None = None,
+) -> bool:
     """Run every batch of ``plan`` on this rank, recording its spans and communication time in
-    ``tracer`` (read them with ``phase_seconds(tracer)``; the callbacks time themselves).
+    ``tracer`` (read them with ``phase_seconds(tracer)``; the callbacks time themselves). Returns
+    False when ``gate`` stopped the step, else True.
 
     ``groups``: {GroupKey: (torch ProcessGroup, this rank's index in it)} for every batch's group.
     ``prepare(batch)``: this rank's input per parameter of the batch (None where it has none).
     ``apply(batch, outputs)``: consume this rank's orthogonalized output per parameter.
     ``orthogonalize(mats, ns_config)``: Newton-Schulz on a stack of whole matrices.
+    ``gate()``: called once, after batch 0's Newton-Schulz (see the module's docstring); False
+    (or an exception, re-raised) stops the step once the collectives in flight have completed.
     """
     runs = []
     for i, batch in enumerate(plan):
         pg, group_rank = groups[batch.group]
         runs.append(BatchRun(i, batch, PathContext(pg, group_rank, wire_dtype), prepare=prepare, apply=apply,
                              orthogonalize=orthogonalize, tracer=tracer, counter=counter))
-    if runs:
-        runs[0].start()
+    if not runs:
+        return gate is None or gate()
+    runs[0].start()
     for i, run in enumerate(runs):
         if i + 1 < len(runs):
             runs[i + 1].start()
-        run.compute()
+        run.compute(hold=gate is not None and i == 0)
+        if i == 0 and gate is not None and not _passes(gate, runs[:BEFORE_GATE]):
+            return False
         if i >= 1:
             runs[i - 1].finish()  # its way back travelled behind this batch's Newton-Schulz
-    if runs:
-        runs[-1].finish()
+    runs[-1].finish()
+    return True
+
+
+def _passes(gate: Callable[[], bool], started: list[BatchRun]) -> bool:
+    """Call the gate; if it stops the step (False or an exception), first complete and drop the
+    batches already started."""
+    try:
+        passed = gate()
+    except BaseException:
+        for run in started:
+            run.abandon()
+        raise
+    if not passed:
+        for run in started:
+            run.abandon()
+    return passed

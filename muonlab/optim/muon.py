@@ -7,6 +7,7 @@ orthogonalizing them lives in ``muonlab.comm`` (plan + paths). This file only wi
 from __future__ import annotations
 
 import copy
+import time
 from collections.abc import Iterable
 from typing import Any, NamedTuple
 
@@ -16,7 +17,7 @@ from torch.optim import Optimizer
 
 from ..comm.collectives import CommCounter
 from ..comm.cost import HardwareProfile, get_profile
-from ..comm.engine import execute_plan, phase_seconds
+from ..comm.engine import BEFORE_GATE, execute_plan, phase_seconds
 from ..comm.paths.subgroup import ranks_per_expert, subgroups_for
 from ..comm.planner import REMAINDER_PATHS, STRATEGIES, plan_batches
 from ..comm.records import BatchPlan, Plan
@@ -155,7 +156,9 @@ class Muon(Optimizer):
         nonfinite: an inf or NaN in any gradient on any rank makes every rank "skip" the step
             (decided together by one all-reduce; parameters and state untouched, counted in
             ``skipped_steps`` and ``last_step_stats()``), "raise" a ValueError naming the
-            parameter and rank, or is "ignore"d.
+            parameter and rank, or is "ignore"d. The all-reduce travels while the first batches
+            are moved and orthogonalized; nothing is written before it resolves (their momentum
+            is computed on copies until then, see ``_muon_step``).
         strategy: "muonlab" (the planner) or "redundant" (every rank gathers and orthogonalizes
             every matrix: the baseline, for benchmarks and parity).
         state_offload: None (state on the parameters' device), "cpu" (momentum and AdamW moments
@@ -524,41 +527,69 @@ class Muon(Optimizer):
             self._tracer, self._spare_tracer = self._spare_tracer, self._tracer
         self._tracer.reset(self._trace_device())
         counter = CommCounter()
-        check = self._nonfinite_check(work) if self.nonfinite != "ignore" else None
+        seconds: dict[str, float] = {}  # the check's host seconds: start, and the wait for its flags
+        check = self._nonfinite_check(work, seconds) if self.nonfinite != "ignore" else None
         # plan first: it may raise (ranks disagree), and nothing may have changed by then
         indices = self._muon_indices(work["muon"])
         planned = self._plan_for(indices) if indices else None
-        if check is not None:  # its flags' all-reduce ran during the plan; nothing is modified before this
-            bad_ranks, bad_names = check.result()
-            if bad_ranks:
-                if self.nonfinite == "raise":
-                    mine = f"; here: {', '.join(bad_names)}" if bad_names else ""
-                    raise ValueError(f"non-finite gradient on rank(s) {bad_ranks}{mine}")
-                self.skipped_steps += 1
-                self._stats = dict(bytes_sent={}, bytes_recv={}, calls={}, seconds=None, skipped=True,
-                                   skipped_steps=self.skipped_steps, nonfinite_ranks=bad_ranks,
-                                   nonfinite_params=bad_names)
-                self._stats_tracer = self._tracer
-                return loss
-        with self._tracer.span("adamw"):
-            for group, params in work["adamw"]:
-                self._adamw_group(group, params)
-        if planned:
-            self._muon_step(indices, planned, counter)
+
+        def commit_point() -> bool:
+            """The step's commit point: the check decides (go on, skip or raise), then AdamW."""
+            if check is not None and self._skips(check, counter, seconds):
+                return False
+            with self._tracer.span("adamw"):
+                for group, params in work["adamw"]:
+                    self._adamw_group(group, params)
+            return True
+
+        # The flags' all-reduce travels while the first batches' momentum is drafted, moved and
+        # orthogonalized; the engine calls commit_point() after batch 0's Newton-Schulz, before
+        # anything is written (see _muon_step). Offloaded momentum is written back as soon as it
+        # is fetched, so there (and without a group or a Muon batch) the check resolves first.
+        if planned and check is not None and check.collective and self._offload.place_of("momentum_buffer") is None:
+            done = self._muon_step(indices, planned, counter, gate=commit_point)
+        else:
+            done = commit_point()
+            if done and planned:
+                self._muon_step(indices, planned, counter)
+        if not done:
+            return loss
         # seconds=None: filled from the spans when read (on CUDA, reading them synchronises)
         self._stats = dict(
             bytes_sent=dict(counter.sent), bytes_recv=dict(counter.recv), calls=dict(counter.calls),
-            seconds=None, skipped=False, skipped_steps=self.skipped_steps,
+            seconds=None, skipped=False, skipped_steps=self.skipped_steps, nonfinite_seconds=seconds or None,
         )
         self._stats_tracer = self._tracer
         return loss
 
-    def _nonfinite_check(self, work) -> nonfinite.NonfiniteCheck:
-        """Started: ranks whose gradients hold an inf or NaN (all ranks agree), and this rank's culprits."""
+    def _skips(self, check: nonfinite.NonfiniteCheck, counter: CommCounter, seconds: dict) -> bool:
+        """Wait for the check; True (stats recorded) if this step is skipped, raise under "raise"."""
+        t0 = time.perf_counter()
+        bad_ranks, bad_names = check.result()
+        seconds["wait"] = time.perf_counter() - t0
+        if not bad_ranks:
+            return False
+        if self.nonfinite == "raise":
+            mine = f"; here: {', '.join(bad_names)}" if bad_names else ""
+            raise ValueError(f"non-finite gradient on rank(s) {bad_ranks}{mine}")
+        self.skipped_steps += 1
+        # bytes: what moved before the decision (the batches started before the gate, drained)
+        self._stats = dict(bytes_sent=dict(counter.sent), bytes_recv=dict(counter.recv), calls=dict(counter.calls),
+                           seconds=None, skipped=True, skipped_steps=self.skipped_steps, nonfinite_ranks=bad_ranks,
+                           nonfinite_params=bad_names, nonfinite_seconds=seconds)
+        self._stats_tracer = self._tracer
+        return True
+
+    def _nonfinite_check(self, work, seconds: dict) -> nonfinite.NonfiniteCheck:
+        """Started: ranks whose gradients hold an inf or NaN (all ranks agree), and this rank's
+        culprits; ``seconds["check"]``: the host seconds it took to start."""
+        t0 = time.perf_counter()
         params = [p for kind in ("muon", "adamw") for _, ps in work[kind] for p in ps]
         group = self._replicate_group() if self.process_group is None else self.process_group
-        return nonfinite.start([p.grad for p in params], group,
-                               lambda i: self._names.get(params[i], f"of shape {fmt_shape(params[i].shape)}"))
+        check = nonfinite.start([p.grad for p in params], group,
+                                lambda i: self._names.get(params[i], f"of shape {fmt_shape(params[i].shape)}"))
+        seconds["check"] = time.perf_counter() - t0
+        return check
 
     def _collect(self) -> dict[str, list]:
         """Parameters with grads, per group; every grad, and the shape of each one's state, is
@@ -706,7 +737,9 @@ class Muon(Optimizer):
         """Bytes counted at each collective (per path) and seconds per phase, for the last step.
 
         The seconds come from the step's spans (``phase_seconds``): on CUDA they are GPU time, and
-        the first read after a step synchronises the device once."""
+        the first read after a step synchronises the device once. ``nonfinite_seconds``: the
+        non-finite check's host seconds, "check" (its start: the fused pass, the flags'
+        all-reduce launched) and "wait" (for the flags, at the commit point); None when off."""
         stats = dict(self._stats)
         if stats.get("seconds", {}) is None:
             stats["seconds"] = self._stats["seconds"] = self._phase_seconds()
@@ -790,32 +823,68 @@ class Muon(Optimizer):
         position = {id(p): i for i, (_, p) in enumerate(self._muon_entries())}
         return tuple(position[id(p)] for _, params in work for p in params)
 
-    def _muon_step(self, indices: tuple[int, ...], planned: "_Planned", counter: CommCounter) -> None:
+    def _muon_step(self, indices: tuple[int, ...], planned: "_Planned", counter: CommCounter,
+                   gate=None) -> bool:
         """Batch by batch (see muonlab.comm.engine): momentum on the local shards, move,
-        orthogonalize, move back, update; only the batches in flight hold inputs and outputs."""
+        orthogonalize, move back, update; only the batches in flight hold inputs and outputs.
+
+        With ``gate`` (the step's commit point, called by the engine after batch 0's
+        Newton-Schulz), the momentum of the batches started before it (engine.BEFORE_GATE) is
+        computed on copies of their buffers (drafts: the same arithmetic, so the same bits) and
+        written into them only if the gate lets the step go on; False: the gate stopped the step
+        and no buffer was written. Resident momentum only.
+        """
         entries = self._muon_entries()
         plan, specs, groups, owners = planned
+        drafts: list[tuple[int, torch.Tensor]] = []  # (parameter index, updated copy) until the gate
+        to_draft = BEFORE_GATE if gate is not None else 0  # batches whose momentum waits for the gate
 
         def on_this_rank(i: int) -> bool:
             # a replicated matrix's momentum and Newton-Schulz run on its owner rank only
             return i not in owners or owners[i][2]
 
+        def draft(i: int) -> torch.Tensor:
+            """A copy of parameter i's momentum buffer; zeros (its state to be) where it has none."""
+            p = entries[i][1]
+            state = self.state.get(p)  # .get: a skipped step must not even create empty state
+            if state:
+                return local_shard(state["momentum_buffer"]).clone()
+            return torch.zeros_like(local_shard(p), dtype=self._offload.dtype(p, "momentum_buffer"))
+
         def prepare(batch) -> list[torch.Tensor | None]:
             """1. momentum on the local shard (replicated matrices: on their owner only)."""
+            nonlocal to_draft
             inputs = dict.fromkeys(batch.param_indices)
             with self._tracer.span("momentum", batch=batch.index):
                 mine = [i for i in batch.param_indices if on_this_rank(i)]
-                items = [(i, entries[i][1], self._state_for(entries[i][1], "muon")) for i in mine]
-                # the store hands out each momentum on the device (fetching the next meanwhile);
-                # resident buffers are the state itself, so they can be updated all at once
-                fetched = self._offload.each(items, ("momentum_buffer",))
-                runs = [list(fetched)] if self._offload.place_of("momentum_buffer") is None else ([f] for f in fetched)
+                if to_draft:  # the step may still be skipped: this batch writes no buffer
+                    to_draft -= 1
+                    copies = [(i, draft(i)) for i in mine]
+                    drafts.extend(copies)
+                    runs = [[(i, (buf,)) for i, buf in copies]]
+                else:
+                    items = [(i, entries[i][1], self._state_for(entries[i][1], "muon")) for i in mine]
+                    # the store hands out each momentum on the device (fetching the next meanwhile);
+                    # resident buffers are the state itself, so they can be updated all at once
+                    fetched = self._offload.each(items, ("momentum_buffer",))
+                    resident = self._offload.place_of("momentum_buffer") is None
+                    runs = [list(fetched)] if resident else ([f] for f in fetched)
                 for run in runs:
                     for settings, members in _by_settings(run, lambda i: _momentum_settings(entries[i][0])):
                         outs = F.muon_momentum_([local_shard(entries[i][1].grad) for i, _ in members],
                                                 [buf for _, (buf,) in members], **dict(settings))
                         inputs.update(zip((i for i, _ in members), outs))
             return [inputs[i] for i in batch.param_indices]
+
+        def commit() -> bool:
+            """The gate, then the drafts written into their momentum buffers (made now if new)."""
+            if not gate():
+                return False
+            bufs = [local_shard(self._state_for(entries[i][1], "muon")["momentum_buffer"]) for i, _ in drafts]
+            if bufs:
+                torch._foreach_copy_(bufs, [d for _, d in drafts])
+            drafts.clear()
+            return True
 
         def apply(batch, outputs: list[torch.Tensor]) -> None:
             """3. update, with the lr ratio from each matrix's GLOBAL shape."""
@@ -833,9 +902,10 @@ class Muon(Optimizer):
                     )
 
         # 2. move, orthogonalize, move back
-        execute_plan(
+        return execute_plan(
             plan, groups, prepare=prepare, apply=apply, orthogonalize=self._ns_runner(),
             wire_dtype=self.comm_dtype, tracer=self._tracer, counter=counter,
+            gate=commit if gate is not None else None,
         )
 
     def _device(self) -> torch.device:

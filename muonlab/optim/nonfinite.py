@@ -4,7 +4,8 @@
 non-finite check with an inverse scale of 1.0: it rewrites each value as itself and raises a flag
 on an inf or NaN), writes the flag into this rank's slot of a per-rank vector without a host sync,
 and starts the vector's all-reduce with ``async_op=True``. The caller does work that commits
-nothing meanwhile and calls ``result()`` before it modifies anything. Names of the culprits are
+nothing meanwhile and calls ``result()`` before it modifies anything (Muon: at the engine's gate,
+after its first batches' momentum drafts, way out and Newton-Schulz; see muonlab.comm.engine). Names of the culprits are
 looked for only when this rank's flag is up, so the common path does no per-gradient work beyond
 grouping and the fused call.
 """
@@ -38,6 +39,11 @@ class NonfiniteCheck:
         self._grads, self._flags, self._me, self._work = grads, flags, me, work
         self._group, self._name_of = group, name_of
         self._result: tuple[list[int], list[str]] | None = None
+
+    @property
+    def collective(self) -> bool:
+        """Whether ``result()`` waits for an all-reduce (False without a group: nothing to overlap)."""
+        return self._work is not None
 
     def result(self) -> tuple[list[int], list[str]]:
         """(global ranks whose grads hold an inf or NaN, the same on every rank; names of this

@@ -1,11 +1,17 @@
-"""Worker for test_nonfinite_distributed.py: muonlab.optim.nonfinite on DTensor grads."""
+"""Workers for test_nonfinite_distributed.py: muonlab.optim.nonfinite on DTensor grads, and Muon's
+step with the check deferred to the commit point (skip, raise, and bit-identical otherwise)."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
+from muonlab import Muon
 from muonlab.optim import nonfinite
+
+from muonlab.comm.specs import local_shard
+
+from ._common import full
 
 
 def check_dtensor_grads():
@@ -34,4 +40,155 @@ def check_dtensor_grads():
         if rank == world - 1:
             g[1] = float("-inf")
         out["subgroup"] = nonfinite.start([g], sub).result()
+    return out
+
+
+# ---------------------------------------------------------------- Muon's deferred commit
+
+SHAPES = [(8, 16), (8, 16), (8, 16), (16, 8), (16, 8), (12, 12), (5, 7), (4, 6, 8)]
+"""Several same-shape batches (a multi-batch plan), rows that don't divide by 2 (uneven shards),
+and a bank of 4 matrices (whole matrices on each rank: a path without a way out or back)."""
+HYPER = dict(lr=0.02, weight_decay=0.01, momentum=0.9, adamw_weight_decay=0.01)
+
+
+def _mesh():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_num_threads(1)
+    return init_device_mesh("cpu", (dist.get_world_size(),))
+
+
+def _params(mesh, bank: bool = True) -> list[tuple[str, torch.nn.Parameter]]:
+    """FSDP2-style Shard(0) DTensor parameters (the matrices of SHAPES), one replicated plain
+    matrix (DDP-style: its owner rank orthogonalizes it, then broadcasts) and one AdamW vector, last."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    def init(i, shape):
+        return torch.randn(shape, generator=torch.Generator().manual_seed(i))
+
+    out = [(f"w{i}", torch.nn.Parameter(distribute_tensor(init(i, s), mesh, [Shard(0)])))
+           for i, s in enumerate(SHAPES) if bank or len(s) == 2]
+    out.append(("replicated", torch.nn.Parameter(init(50, (10, 6)))))
+    out.append(("bias", torch.nn.Parameter(distribute_tensor(init(51, (16,)), mesh, [Shard(0)]))))
+    return out
+
+
+def _muon(params, **kwargs) -> Muon:
+    return Muon([{"params": params[:-1]}, {"params": params[-1:], "algorithm": "adamw"}], **HYPER, **kwargs)
+
+
+def _set_grads(params, mesh, step: int, bad: str | None = None) -> None:
+    """The same global grads on every rank (seeded by step); ``bad``: the last rank plants a NaN
+    in that parameter's shard of its grad."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    for i, (name, p) in enumerate(params):
+        full_grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(100 * step + i))
+        p.grad = distribute_tensor(full_grad, mesh, [Shard(0)]) if hasattr(p, "to_local") else full_grad
+        if name == bad and dist.get_rank() == dist.get_world_size() - 1:
+            local_shard(p.grad).view(-1)[0] = float("nan")
+
+
+def _snapshot(params, opt) -> dict:
+    """Every parameter and state tensor in full (a collective: the same order on every rank)."""
+    out = {name: full(p) for name, p in params}
+    for name, p in params:
+        for key, value in opt.state.get(p, {}).items():  # .get: looking must not create state
+            out[(name, key)] = full(value) if torch.is_tensor(value) else value
+    return out
+
+
+def _equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def deferred_commit_is_bit_identical() -> dict:
+    """With the check on ("skip": the flags' wait moved to the gate, the first batches' momentum
+    drafted and committed after it) and off ("ignore": momentum written in place, no gate), every
+    momentum form, bf16 momentum of fp32 parameters, and the redundant strategy (paths without a
+    way back), from fresh state on: after each step, parameters and state are equal bit for bit."""
+    mesh = _mesh()
+    out = {}
+    cases = [dict(momentum_form=form, nesterov=nesterov) for form in ("ema", "sum") for nesterov in (True, False)]
+    cases.append(dict(momentum_dtype=torch.bfloat16))
+    cases.append(dict(strategy="redundant"))  # every batch gathered whole: no way back
+    for k, case in enumerate(cases):
+        runs = {policy: _params(mesh) for policy in ("skip", "ignore")}
+        opts = {policy: _muon(runs[policy], nonfinite=policy, **case) for policy in runs}
+        equal = []
+        for step in range(3):
+            for policy in runs:
+                _set_grads(runs[policy], mesh, step)
+                opts[policy].step()
+            equal.append(_equal(_snapshot(runs["skip"], opts["skip"]), _snapshot(runs["ignore"], opts["ignore"])))
+        out[k] = equal
+        out[f"paths{k}"] = [b.path for b in opts["skip"].plan()]
+    return out
+
+
+def skipped_steps_leave_no_trace(state_offload: str | None = None, bank: bool = True) -> dict:
+    """A NaN on the last rank only, in the first step (no state yet), in a parameter of the plan's
+    first batch, of its last batch, and in the AdamW vector: every rank skips each of them with
+    parameters and state unchanged, and the run ends equal to one that never saw them."""
+    from muonlab.comm import engine
+    from muonlab.comm.collectives import Pending
+
+    drained = []  # per batch dropped at a gate: was its collective in flight complete when dropped?
+    abandon = engine.BatchRun.abandon
+
+    def watched(run):
+        item = run._item
+        abandon(run)
+        drained.append(not isinstance(item, Pending) or item.work.is_completed())
+
+    engine.BatchRun.abandon = watched
+    mesh = _mesh()
+    ref_params, params = _params(mesh, bank), _params(mesh, bank)
+    ref, opt = _muon(ref_params, state_offload=state_offload), _muon(params, state_offload=state_offload)
+    plan = opt.plan()
+    first, last = plan[0].names[0], plan[-1].names[-1]
+    out = dict(first=first, last=last, skips=[], paths=[b.path for b in plan])
+    good = iter(range(4))
+    for bad in (first, None, first, None, last, "bias", None):
+        before = _snapshot(params, opt)
+        step = 90 if bad else next(good)
+        _set_grads(params, mesh, step, bad)
+        opt.step()
+        if bad:
+            stats = opt.last_step_stats()
+            out["skips"].append(dict(unchanged=_equal(before, _snapshot(params, opt)), skipped=stats["skipped"],
+                                     ranks=stats["nonfinite_ranks"], names=stats["nonfinite_params"],
+                                     state=len(opt.state)))
+        else:
+            _set_grads(ref_params, mesh, step)
+            ref.step()
+    out["skipped_steps"] = opt.skipped_steps
+    out["drained"] = drained
+    out["equal_to_clean_run"] = _equal(_snapshot(params, opt), _snapshot(ref_params, ref))
+    return out
+
+
+def raise_changes_nothing() -> dict:
+    """nonfinite="raise" with a NaN on the last rank, first in a step with no state yet, then in a
+    parameter of the first batch: every rank raises naming the rank (the last rank also the
+    parameter) before anything changes, and the next steps run on, equal to a run without them."""
+    mesh = _mesh()
+    ref_params, params = _params(mesh), _params(mesh)
+    ref, opt = _muon(ref_params, nonfinite="raise"), _muon(params, nonfinite="raise")
+    first = opt.plan()[0].names[0]
+    out = dict(first=first, raised=[])
+    good = iter(range(3))
+    for bad in (first, None, first, None, None):
+        before = _snapshot(params, opt)
+        step = 90 if bad else next(good)
+        _set_grads(params, mesh, step, bad)
+        try:
+            opt.step()
+        except ValueError as e:
+            out["raised"].append(dict(message=str(e), unchanged=_equal(before, _snapshot(params, opt)),
+                                      state=len(opt.state)))
+        else:
+            _set_grads(ref_params, mesh, step)
+            ref.step()
+    out["equal_to_clean_run"] = _equal(_snapshot(params, opt), _snapshot(ref_params, ref))
     return out

@@ -2,6 +2,7 @@
 
 import pytest
 
+from muonlab.comm.engine import BEFORE_GATE
 from muonlab.distributed import launch
 
 from . import _workers_nonfinite as W
@@ -20,3 +21,52 @@ def test_dtensor_grads_nonfinite_on_the_last_rank_only():
             assert out["subgroup"] == ([last], ["grad 0 of shape (3,)"] if rank == last else []), rank
         else:
             assert "subgroup" not in out
+
+
+@pytest.mark.timeout(300)
+def test_deferred_commit_steps_bit_identical_to_the_check_off():
+    results = launch(W.deferred_commit_is_bit_identical, 2, timeout_s=240)
+    for rank, out in results.items():
+        for case in range(6):
+            assert out[case] == [True, True, True], (rank, case)
+        # drafted batches (before the gate) and in-place ones after it; paths with and without a
+        # way out or a way back; batch 0 without a way back (its outputs held until the gate)
+        assert len(out["paths0"]) >= 4 and {"all_to_all", "owner", "local"} <= set(out["paths0"]), out["paths0"]
+        assert set(out["paths5"]) == {"gather_all", "local"}, out["paths5"]
+        assert out["paths0"][0] == out["paths5"][0] == "local"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("state_offload, bank", [
+    (None, True),  # batch 0 on the local path: out(1) in flight at the gate
+    (None, False),  # batch 0 on all_to_all: back(0) and out(1) in flight at the gate
+    ("cpu", True),  # offloaded momentum: the check resolves before the first batch
+])
+def test_nan_on_one_rank_skips_everywhere_and_leaves_no_trace(state_offload, bank):
+    results = launch(W.skipped_steps_leave_no_trace, 2, state_offload, bank, timeout_s=240)
+    for rank, out in results.items():
+        assert out["paths"][0] == ("local" if bank else "all_to_all"), out["paths"]
+        assert out["first"] != out["last"]
+        names = [out["first"], out["first"], out["last"], "bias"]
+        for k, (skip, name) in enumerate(zip(out["skips"], names)):
+            assert skip["unchanged"] and skip["skipped"] and skip["ranks"] == [1], (rank, k, skip)
+            assert skip["names"] == ([name] if rank == 1 else []), (rank, k, skip)
+        assert out["skips"][0]["state"] == 0  # a skipped first step makes no state
+        assert out["skipped_steps"] == 4
+        # resident momentum: each skip stopped at the gate, the batches started before it completed
+        expected = [True] * 4 * BEFORE_GATE if state_offload is None else []
+        assert out["drained"] == expected, (rank, out["drained"])
+        assert out["equal_to_clean_run"], rank
+
+
+@pytest.mark.timeout(300)
+def test_raise_on_one_rank_raises_everywhere_before_any_change():
+    results = launch(W.raise_changes_nothing, 2, timeout_s=240)
+    for rank, out in results.items():
+        assert len(out["raised"]) == 2, (rank, out)
+        for k, raised in enumerate(out["raised"]):
+            assert raised["message"].startswith("non-finite gradient on rank(s) [1]"), (rank, raised)
+            assert (out["first"] in raised["message"]) == (rank == 1), (rank, raised)
+            assert raised["unchanged"], (rank, k)
+        assert out["raised"][0]["state"] == 0
+        assert out["equal_to_clean_run"], rank
