@@ -13,16 +13,18 @@ the whole model. The order on every rank (the plan is identical everywhere, so c
     [wait back(0), apply(0)], out(3), [wait out(2), NS(2), back(2)], [wait back(1), apply(1)], ...
 
 so batch i+1's transfer travels while batch i's Newton-Schulz runs, and batch i's way back travels
-while batch i+1's runs (async collectives). A batch without a way back is applied at once.
+while batch i+1's runs (async collectives). A batch without a way back is applied at once. A batch
+without a way out (the local and owner paths) starts only after the previous batch's Newton-Schulz:
+taking its inputs early would overlap nothing and hold two batches' inputs at once.
 
 An optional ``gate()`` is the caller's commit point (e.g. the wait for a non-finite flag whose
 all-reduce travelled meanwhile). It runs after [wait out(0), NS(0), back(0)], before anything is
-applied and before batch 2's inputs are taken: ``prepare`` of the first BEFORE_GATE batches must
-change nothing (the caller commits their momentum once the gate passes), and batch 0's outputs
-are held until then even on a path without a way back. A gate that returns False or raises stops
-the step there; its decision must be the same on every rank, so every rank stops at the same
-point: the collectives in flight (out(1), back(0)) are waited for first, so none is left pending
-and the next step's line up.
+applied and before batch 2's inputs are taken: ``prepare`` of the batches started before it (0,
+and 1 when it has a way out) must change nothing (the caller commits their momentum once the gate
+passes), and batch 0's outputs are held until then even on a path without a way back. A gate that
+returns False or raises stops the step there; its decision must be the same on every rank, so
+every rank stops at the same point: the collectives in flight (out(1), back(0)) are waited for
+first, so none is left pending and the next step's line up.
 
 Times are the tracer's marks (muonlab.trace): wall clock on CPU, CUDA events on the compute stream
 on a GPU, so nothing here synchronises; ``phase_seconds(tracer)`` reads the totals after the step.
@@ -40,9 +42,6 @@ from .collectives import CommCounter, Pending
 from .paths import PATHS, PathContext
 from .records import BatchPlan, Plan
 from .specs import GroupKey
-
-BEFORE_GATE = 2
-"""Batches whose inputs are taken before the gate: 0 and 1 (batch 1's way out travels behind NS(0))."""
 
 COMMUNICATION = "communication"
 """The tracer tally of the time a rank spends issuing, waiting for and (un)packing collectives."""
@@ -64,7 +63,7 @@ class BatchRun:
         self._bytes = {"out": (0, 0), "back": (0, 0)}
         self._item = None
         self._held = None  # outputs ready but not yet applied (a held batch without a way back)
-        self.done = False
+        self.started = self.done = False
 
     def _advance(self, value, direction: str):
         """Resume the generator with ``value``; a collective it yields is counted here, once."""
@@ -76,6 +75,7 @@ class BatchRun:
 
     def start(self) -> None:
         """Take the batch's inputs and issue the way out (a path with none yields its matrices at once)."""
+        self.started = True
         inputs = self._prepare(self.batch)
         self._gen = PATHS[self.path].run(self.batch, inputs, self._ctx)
         del inputs  # the path holds what it still needs
@@ -194,13 +194,16 @@ def execute_plan(
         return gate is None or gate()
     runs[0].start()
     for i, run in enumerate(runs):
-        if i + 1 < len(runs):
-            runs[i + 1].start()
+        following = runs[i + 1] if i + 1 < len(runs) else None
+        if following is not None and PATHS[following.path].out_share > 0:
+            following.start()  # its way out travels behind this batch's Newton-Schulz
         run.compute(hold=gate is not None and i == 0)
-        if i == 0 and gate is not None and not _passes(gate, runs[:BEFORE_GATE]):
+        if i == 0 and gate is not None and not _passes(gate, [r for r in runs[:2] if r.started]):
             return False
         if i >= 1:
             runs[i - 1].finish()  # its way back travelled behind this batch's Newton-Schulz
+        if following is not None and not following.started:
+            following.start()
     runs[-1].finish()
     return True
 

@@ -49,44 +49,48 @@ def muon_momentum_(
 
     "ema" (torch.optim.Muon): m <- lerp(m, g, 1 - mu); input lerp(g, m, mu) or m.
     "sum" (Moonlight, Dion): M <- mu M + g; input g + mu M or M.
-    The buffers' update is one ``torch._foreach_*`` call per stage over the whole list (the same
-    elementwise arithmetic as a loop of ``lerp_``/``add_``, in one launch per chunk of tensors
-    instead of one per tensor: on a GPU a step of small matrices is otherwise bound by the host).
+    On a GPU each stage is one ``torch._foreach_*`` call over the whole list (one launch per chunk
+    of tensors instead of one per tensor: a step of small matrices is otherwise bound by the
+    host). On a CPU each tensor is updated and read into its input at once, while its grad and
+    buffer are still in cache (staged over the whole list, the second stage read them from memory
+    again: about 10% of a 1B/8 step). The arithmetic, and so the bits, are the same either way.
     """
     if form not in MOMENTUM_FORMS:
         raise ValueError(f"unknown momentum_form {form!r}; choose one of {MOMENTUM_FORMS}")
     if not bufs:
         return []
     grads = [g.to(buf.dtype) for g, buf in zip(grads, bufs)]
+    outs = _packed_like(bufs)
+    if outs[0].is_cuda:
+        _momentum_foreach(outs, grads, bufs, momentum=momentum, nesterov=nesterov, form=form)
+        return outs
+    for o, g, buf in zip(outs, grads, bufs):
+        if form == "ema":
+            buf.lerp_(g, 1 - momentum)
+        else:
+            buf.mul_(momentum).add_(g)
+        if not nesterov:
+            o.copy_(buf)
+        elif form == "ema":
+            torch.lerp(g, buf, momentum, out=o)
+        else:
+            torch.add(g, buf, alpha=momentum, out=o)
+    return outs
+
+
+def _momentum_foreach(outs, grads, bufs, *, momentum: float, nesterov: bool, form: str) -> None:
+    """``muon_momentum_``'s stages as a few foreach launches (the GPU's way): the buffers, then the
+    inputs as a copy of g and the same arithmetic in place (the same bits as out of place)."""
     if form == "ema":
         torch._foreach_lerp_(bufs, grads, 1 - momentum)
     else:
         torch._foreach_mul_(bufs, momentum)
         torch._foreach_add_(bufs, grads)
-    outs = _packed_like(bufs)
-    if nesterov:
-        _nesterov_into(outs, grads, bufs, momentum=momentum, form=form, foreach=outs[0].is_cuda)
-    else:
-        torch._foreach_copy_(outs, bufs)
-    return outs
-
-
-def _nesterov_into(outs, grads, bufs, *, momentum: float, form: str, foreach: bool) -> None:
-    """outs <- lerp(g, m, mu) ("ema") or g + mu M ("sum"). ``foreach`` (for a GPU, where a step of
-    small matrices is bound by launches): copy g, then the same arithmetic in place, in a few
-    launches and with the same bits; else one pass per tensor straight into its place."""
-    if foreach:
-        torch._foreach_copy_(outs, grads)
-        if form == "ema":
-            torch._foreach_lerp_(outs, bufs, momentum)
-        else:
-            torch._foreach_add_(outs, bufs, alpha=momentum)
-        return
-    for o, g, buf in zip(outs, grads, bufs):
-        if form == "ema":
-            torch.lerp(g, buf, momentum, out=o)
-        else:
-            torch.add(g, buf, alpha=momentum, out=o)
+    torch._foreach_copy_(outs, grads if nesterov else bufs)
+    if nesterov and form == "ema":
+        torch._foreach_lerp_(outs, bufs, momentum)
+    elif nesterov:
+        torch._foreach_add_(outs, bufs, alpha=momentum)
 
 
 def _packed_like(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:

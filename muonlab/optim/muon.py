@@ -17,7 +17,7 @@ from torch.optim import Optimizer
 
 from ..comm.collectives import CommCounter
 from ..comm.cost import HardwareProfile, get_profile
-from ..comm.engine import BEFORE_GATE, execute_plan, phase_seconds
+from ..comm.engine import execute_plan, phase_seconds
 from ..comm.paths.subgroup import ranks_per_expert, subgroups_for
 from ..comm.planner import REMAINDER_PATHS, STRATEGIES, plan_batches
 from ..comm.records import BatchPlan, Plan
@@ -829,15 +829,15 @@ class Muon(Optimizer):
         orthogonalize, move back, update; only the batches in flight hold inputs and outputs.
 
         With ``gate`` (the step's commit point, called by the engine after batch 0's
-        Newton-Schulz), the momentum of the batches started before it (engine.BEFORE_GATE) is
-        computed on copies of their buffers (drafts: the same arithmetic, so the same bits) and
+        Newton-Schulz), the momentum of the batches started before it is computed on copies of
+        their buffers (drafts: the same arithmetic, so the same bits) and
         written into them only if the gate lets the step go on; False: the gate stopped the step
         and no buffer was written. Resident momentum only.
         """
         entries = self._muon_entries()
         plan, specs, groups, owners = planned
         drafts: list[tuple[int, torch.Tensor]] = []  # (parameter index, updated copy) until the gate
-        to_draft = BEFORE_GATE if gate is not None else 0  # batches whose momentum waits for the gate
+        before_gate = [gate is not None]  # until the gate passes, momentum is drafted
 
         def on_this_rank(i: int) -> bool:
             # a replicated matrix's momentum and Newton-Schulz run on its owner rank only
@@ -853,12 +853,10 @@ class Muon(Optimizer):
 
         def prepare(batch) -> list[torch.Tensor | None]:
             """1. momentum on the local shard (replicated matrices: on their owner only)."""
-            nonlocal to_draft
             inputs = dict.fromkeys(batch.param_indices)
             with self._tracer.span("momentum", batch=batch.index):
                 mine = [i for i in batch.param_indices if on_this_rank(i)]
-                if to_draft:  # the step may still be skipped: this batch writes no buffer
-                    to_draft -= 1
+                if before_gate[0]:  # the step may still be skipped: this batch writes no buffer
                     copies = [(i, draft(i)) for i in mine]
                     drafts.extend(copies)
                     runs = [[(i, (buf,)) for i, buf in copies]]
@@ -880,6 +878,7 @@ class Muon(Optimizer):
             """The gate, then the drafts written into their momentum buffers (made now if new)."""
             if not gate():
                 return False
+            before_gate[0] = False
             bufs = [local_shard(self._state_for(entries[i][1], "muon")["momentum_buffer"]) for i, _ in drafts]
             if bufs:
                 torch._foreach_copy_(bufs, [d for _, d in drafts])

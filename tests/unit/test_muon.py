@@ -666,6 +666,7 @@ def test_momentum_inputs_lie_back_to_back_with_the_bits_of_the_plain_formulas(fo
     shapes = [(6, 4), (6, 4), (2, 6, 4)]
     grads = [torch.randn(s) for s in shapes]
     bufs = [torch.randn(s) for s in shapes]
+    start = [b.clone() for b in bufs]
     ref_bufs = [b.clone() for b in bufs]
     outs = F.muon_momentum_(grads, bufs, momentum=0.9, nesterov=nesterov, form=form)
     for g, b, o in zip(grads, ref_bufs, outs):
@@ -675,10 +676,11 @@ def test_momentum_inputs_lie_back_to_back_with_the_bits_of_the_plain_formulas(fo
     assert all(torch.equal(b, r) for b, r in zip(bufs, ref_bufs))
     ends = [o.data_ptr() + o.nbytes for o in outs]
     assert [o.data_ptr() for o in outs[1:]] == ends[:-1]  # back to back
-    if nesterov:  # the GPU's few-launch variant, run here on the CPU: the same bits
-        again = [torch.empty_like(o) for o in outs]
-        F._nesterov_into(again, grads, ref_bufs, momentum=0.9, form=form, foreach=True)
-        assert all(torch.equal(a, o) for a, o in zip(again, outs))
+    # the GPU's few-launch variant, run here on the CPU: the same bits
+    again, again_bufs = [torch.empty_like(o) for o in outs], [b.clone() for b in start]
+    F._momentum_foreach(again, grads, again_bufs, momentum=0.9, nesterov=nesterov, form=form)
+    assert all(torch.equal(a, o) for a, o in zip(again, outs))
+    assert all(torch.equal(a, b) for a, b in zip(again_bufs, bufs))
     mixed = F.muon_momentum_(grads[:2], [bufs[0], bufs[1].double()], momentum=0.9,
                              nesterov=nesterov, form=form)
     assert [o.dtype for o in mixed] == [torch.float32, torch.float64]
