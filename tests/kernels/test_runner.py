@@ -253,3 +253,15 @@ def test_pieces_back_to_back_in_one_buffer_are_read_as_one_tensor():
     apart = [torch.randn(2, 4, 5), torch.randn(4, 4, 5)]
     assert _joined(apart) == apart
     assert len(_joined([flat[40:].view(4, 4, 5), flat[:40].view(2, 4, 5)])) == 2  # out of order
+
+
+def test_chunks_are_as_even_as_can_be_across_pieces():
+    from muonlab.kernels.runner import _chunks
+
+    def sizes(counts, size):
+        pieces = [torch.zeros(k, 2, 3) for k in counts]
+        return [(start, sum(p.shape[0] for p in chunk)) for start, chunk in _chunks(pieces, size)]
+
+    assert sizes([64], 30) == [(0, 22), (22, 21), (43, 21)]
+    assert sizes([3, 0, 21], 7) == [(0, 6), (6, 6), (12, 6), (18, 6)]
+    assert sizes([5], 8) == [(0, 5)] and sizes([0], 4) == []

@@ -228,3 +228,20 @@ def test_changing_a_setting_the_plan_depends_on_replans():
         plan = plan_after_step()
         assert len(opt._plans) == cached + 1, f"changing {attr} kept the cached plan"
     assert plan[0].ns_config.form == "gram"
+
+
+def test_local_batches_split_evenly_within_the_workspace_budget():
+    """24 matrices under a budget of 7 per batch run as 6+6+6+6 (one batch shape for the matmul
+    library), not 7+7+7+3."""
+    import torch
+
+    import muonlab
+
+    params = [torch.nn.Parameter(torch.randn(64, 32)) for _ in range(24)]
+    per_matrix = 4 * (2 * 32 * 64 + 2 * 32 * 32)  # fp32: the input (also the output), an iterate, two products
+    opt = muonlab.Muon(params, ns_dtype=torch.float32, workspace_bytes=7 * per_matrix)
+    assert [len(b.param_indices) for b in opt.plan()] == [6, 6, 6, 6]
+    opt = muonlab.Muon(params, ns_dtype=torch.float32, workspace_bytes=7 * per_matrix - 1)
+    assert [len(b.param_indices) for b in opt.plan()] == [6, 6, 6, 6]  # a limit of 6: 24 / 6
+    opt = muonlab.Muon(params[:23], ns_dtype=torch.float32, workspace_bytes=7 * per_matrix)
+    assert sorted(len(b.param_indices) for b in opt.plan()) == [5, 6, 6, 6]
