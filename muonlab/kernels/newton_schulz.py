@@ -7,7 +7,7 @@ towards 1 without an SVD (Keller Jordan, "Muon: An optimizer for hidden layers",
 Two algebraically equal forms are offered:
 
 * ``form="plain"``: the iteration above, 4 m^2 n + 2 m^3 FLOPs per step for an m x n matrix
-  (m <= n after transposing tall inputs).
+  (m <= n: a tall matrix iterates on its transpose, algebraically, without a copy).
 * ``form="gram"``: iterate on the m x m Gram matrix R = X X^T instead of on X. With X_k = Q_k X_0,
   Z_k = a I + b R_k + c R_k^2 gives Q_{k+1} = Z_k Q_k and R_{k+1} = Z_k R_k Z_k = Z_k^2 R_k
   (Z_k is a polynomial in R_k, so they commute). X is touched only twice (R_0 = X_0 X_0^T and
@@ -261,9 +261,9 @@ def newton_schulz(G: torch.Tensor | Sequence[torch.Tensor], config: NSConfig | N
         workspace: a ``muonlab.kernels.workspace.Workspace`` whose buffers hold the iterates, so
             repeated calls reuse memory instead of allocating; None allocates per call.
         out: where to write the result: a tensor or a list of tensors holding as many matrices as
-            G (any float dtype: the result is cast into it). It may be G itself: G is read into
-            the workspace before anything is written. A contiguous tensor in the compute dtype is
-            written by the last iteration directly. None: a new tensor.
+            G (any float dtype: the result is cast into it). It may be G itself: G is read before
+            anything is written. A contiguous tensor in the compute dtype serves as one of the two
+            iterate buffers (the plain torch form), so the result needs no copy. None: a new tensor.
 
     Returns:
         ``out``, or a new contiguous tensor of G's shape ((total, A, B) for a list) in the
