@@ -122,8 +122,11 @@ class BatchRun:
         if outputs is not None and hold:
             self._held = outputs
         elif outputs is not None:
-            self._apply(self.batch, outputs)
-            self.done = True
+            self._apply_outputs(outputs)
+
+    def _apply_outputs(self, outputs: list) -> None:
+        self._apply(self.batch, outputs)
+        self.done = True
 
     def finish(self) -> None:
         """Wait for the way back, then apply this rank's output per parameter of the batch."""
@@ -131,8 +134,7 @@ class BatchRun:
             return
         if self._held is not None:
             outputs, self._held = self._held, None
-            self._apply(self.batch, outputs)
-            self.done = True
+            self._apply_outputs(outputs)
             return
         tracer = self._tracer
         t0 = tracer.mark()
@@ -150,8 +152,7 @@ class BatchRun:
         sent, recv = self._bytes["back"]
         tracer.add("comm_back", self._back_start, t1, path=self.path, batch=self.index,
                    bytes_sent=sent, bytes_recv=recv)
-        self._apply(self.batch, outputs)
-        self.done = True
+        self._apply_outputs(outputs)
 
 
 def phase_seconds(tracer: Tracer) -> dict[str, float]:
@@ -181,7 +182,8 @@ def execute_plan(
     ``groups``: {GroupKey: (torch ProcessGroup, this rank's index in it)} for every batch's group.
     ``prepare(batch)``: this rank's input per parameter of the batch (None where it has none).
     ``apply(batch, outputs)``: consume this rank's orthogonalized output per parameter.
-    ``orthogonalize(mats, ns_config)``: Newton-Schulz on a stack of whole matrices.
+    ``orthogonalize(mats, ns_config)``: Newton-Schulz on what a path yields, a stack of whole
+    matrices or a list of pieces (``Overwrite`` pieces take the result in place).
     ``gate()``: called once, after batch 0's Newton-Schulz (see the module's docstring); False
     (or an exception, re-raised) stops the step once the collectives in flight have completed.
     """
@@ -211,13 +213,11 @@ def execute_plan(
 def _passes(gate: Callable[[], bool], started: list[BatchRun]) -> bool:
     """Call the gate; if it stops the step (False or an exception), first complete and drop the
     batches already started."""
+    passed = False
     try:
         passed = gate()
-    except BaseException:
-        for run in started:
-            run.abandon()
-        raise
-    if not passed:
-        for run in started:
-            run.abandon()
+    finally:
+        if not passed:
+            for run in started:
+                run.abandon()
     return passed

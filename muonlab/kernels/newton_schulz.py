@@ -263,7 +263,8 @@ def newton_schulz(G: torch.Tensor | Sequence[torch.Tensor], config: NSConfig | N
         out: where to write the result: a tensor or a list of tensors holding as many matrices as
             G (any float dtype: the result is cast into it). It may be G itself: G is read before
             anything is written. A contiguous tensor in the compute dtype serves as one of the two
-            iterate buffers (the plain torch form), so the result needs no copy. None: a new tensor.
+            iterate buffers (the plain torch form), so the result needs no copy. None: G itself
+            when G is an ``Overwrite`` list, else a new tensor.
 
     Returns:
         ``out``, or a new contiguous tensor of G's shape ((total, A, B) for a list) in the
@@ -276,8 +277,9 @@ def newton_schulz(G: torch.Tensor | Sequence[torch.Tensor], config: NSConfig | N
     rows, cols = pieces[0].shape[-2:]
     num = sum(p.shape[0] for p in pieces)
     if out is None:
-        out = torch.empty(G.shape if isinstance(G, torch.Tensor) else (num, rows, cols), dtype=dtype, device=device)
-    targets = _pieces(out, "out")
+        out = G if isinstance(G, Overwrite) else torch.empty(
+            G.shape if isinstance(G, torch.Tensor) else (num, rows, cols), dtype=dtype, device=device)
+    targets = _pieces(out, "out", writable=True)
     if sum(t.shape[0] for t in targets) != num or targets[0].shape[-2:] != pieces[0].shape[-2:] \
             or targets[0].device != device or not targets[0].is_floating_point():
         raise ValueError(f"out must hold {num} matrices of shape {(rows, cols)} on {device} in a float dtype, "
@@ -307,7 +309,7 @@ def newton_schulz(G: torch.Tensor | Sequence[torch.Tensor], config: NSConfig | N
         buffers = workspace.take(device, [wide, square, square, wide, wide])
         _load_normalised(buffers[0].mT if tall else buffers[0], pieces, cfg.eps, scale)
         result = newton_schulz_triton(buffers[0], coeffs, workspace=NSWorkspace(*buffers[1:]))
-        _store(result.mT if tall else result, targets)
+        store_pieces(result.mT if tall else result, targets)
     elif form == "plain" and direct is not None:
         # ``out`` is one of the two iterate buffers (its bytes are dead until the result), the
         # other is the workspace's; the input goes into the one that makes the last iterate land
@@ -319,28 +321,39 @@ def newton_schulz(G: torch.Tensor | Sequence[torch.Tensor], config: NSConfig | N
     elif form == "plain":
         X, spare, gram, poly = workspace.take(device, [stored, stored, square, square])
         _load_normalised(X, pieces, cfg.eps, scale)
-        _store(_plain_iterations(X, spare, coeffs, gram, poly), targets)
+        store_pieces(_plain_iterations(X, spare, coeffs, gram, poly), targets)
     else:  # the gram form allocates its own temporaries
         (X,) = workspace.take(device, [stored])
         _load_normalised(X, pieces, cfg.eps, scale)
         result = _gram_iterations(X.mT if tall else X, coeffs, cfg.gram_restarts)
-        _store(result.mT if tall else result, targets)
+        store_pieces(result.mT if tall else result, targets)
     return out
 
 
-def _store(result: torch.Tensor, targets: list[torch.Tensor]) -> None:
-    """Copy (and cast) the (num, A, B) result into the target pieces, in order."""
-    torch._foreach_copy_(targets, list(result.split([t.shape[0] for t in targets])))
+class Overwrite(list):
+    """Matrices, a list of (k_i, A, B) tensors, that their owner lets Newton-Schulz overwrite with
+    the result (cast to their dtype), so that no output buffer is allocated: the local path hands
+    over the step's own momentum temporaries this way (``newton_schulz`` and the runner honour it)."""
 
 
-def _pieces(G, name: str = "G") -> list[torch.Tensor]:
+def load_pieces(stack: torch.Tensor, pieces: list[torch.Tensor]) -> None:
+    """Copy (and cast) the (k_i, A, B) pieces into consecutive matrices of ``stack``, in order."""
+    torch._foreach_copy_(list(stack.split([p.shape[0] for p in pieces])), pieces)
+
+
+def store_pieces(stack: torch.Tensor, pieces: list[torch.Tensor]) -> None:
+    """Copy (and cast) consecutive matrices of ``stack`` into the (k_i, A, B) pieces, in order."""
+    torch._foreach_copy_(pieces, list(stack.split([p.shape[0] for p in pieces])))
+
+
+def _pieces(G, name: str = "G", writable: bool = False) -> list[torch.Tensor]:
     """``G`` as a list of (k, A, B) tensors, checked: one device and dtype, equal last two dims;
-    empty pieces dropped, pieces back to back in one buffer joined. ``out`` pieces are views (a
-    reshape that had to copy would take the result away)."""
+    empty pieces dropped, pieces back to back in one buffer joined. ``writable`` pieces (``out``)
+    are views: a reshape that had to copy would take the result away."""
     if isinstance(G, torch.Tensor):
         if G.ndim < 2:
             raise ValueError(f"newton_schulz needs {name} with at least 2 dims, got shape {tuple(G.shape)}")
-        return [_as_batch(G, name)]
+        return [_as_batch(G, writable)]
     pieces = list(G) if isinstance(G, Sequence) else None
     if not pieces or not all(isinstance(p, torch.Tensor) for p in pieces):
         raise TypeError(f"newton_schulz needs {name} as a tensor or a non-empty list of tensors, got {type(G).__name__}")
@@ -350,7 +363,7 @@ def _pieces(G, name: str = "G") -> list[torch.Tensor]:
             raise ValueError(f"newton_schulz's list {name} needs tensors of one device and dtype with equal last two "
                              f"dims; tensor {i} is {tuple(p.shape)} {p.dtype} on {p.device}, tensor 0 "
                              f"{tuple(first.shape)} {first.dtype} on {first.device}")
-    return _joined([_as_batch(p, name) for p in pieces])
+    return _joined([_as_batch(p, writable) for p in pieces])
 
 
 def _joined(pieces: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -369,11 +382,11 @@ def _joined(pieces: list[torch.Tensor]) -> list[torch.Tensor]:
     return [first.as_strided((sum(p.shape[0] for p in pieces), rows, cols), (rows * cols, cols, 1))]
 
 
-def _as_batch(t: torch.Tensor, name: str) -> torch.Tensor:
-    """``t`` as (k, A, B): a view for ``out``, a view where possible for G; empty as (0, A, B)."""
+def _as_batch(t: torch.Tensor, writable: bool) -> torch.Tensor:
+    """``t`` as (k, A, B): a view if ``writable``, else a view where possible; empty as (0, A, B)."""
     if not t.numel():
         return t.new_empty((0, *t.shape[-2:]))
-    if name != "out":
+    if not writable:
         return t.reshape(-1, *t.shape[-2:])
     try:
         return t.view(-1, *t.shape[-2:])
@@ -390,11 +403,7 @@ def _load_normalised(X: torch.Tensor, pieces: list[torch.Tensor], eps: float, sc
     if len(pieces) == 1 and pieces[0].dtype == X.dtype:
         _normalise_into(X, pieces[0], eps, scale)
         return
-    views, offset = [], 0
-    for p in pieces:
-        views.append(X[offset:offset + p.shape[0]])
-        offset += p.shape[0]
-    torch._foreach_copy_(views, pieces)
+    load_pieces(X, pieces)
     _normalise_into(X, X, eps, scale)
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .newton_schulz import NSConfig, newton_schulz, resolve_dtype
+from .newton_schulz import NSConfig, Overwrite, load_pieces, newton_schulz, resolve_dtype, store_pieces
 from .workspace import Workspace, max_batch_matrices
 
 MIN_BUDGET = {"cuda": 256 * 2**20, "cpu": 8 * 2**20}
@@ -30,12 +30,6 @@ def default_budget(param_bytes: int, device_type: str = "cuda") -> int:
     against 1.24x; with 4 MiB (fewer matrices per batched call) it ran at 1.79x. So the CPU floor
     is 8 MiB."""
     return max(MIN_BUDGET.get(device_type, MIN_BUDGET["cpu"]), int(BUDGET_SHARE * param_bytes))
-
-
-class Overwrite(list):
-    """Matrices, a list of (k_i, A, B) tensors, that their owner lets Newton-Schulz overwrite with
-    the result (cast to their dtype), so that no output buffer is allocated: the local path hands
-    over the step's own momentum temporaries this way."""
 
 
 def _chunks(pieces: list[torch.Tensor], size: int):
@@ -68,7 +62,7 @@ class _Graphed:
         self.input = torch.empty(shape, dtype=first.dtype, device=first.device)
         self.output = torch.empty(shape, dtype=dtype, device=first.device)
         self.workspace = Workspace()  # its own: graph buffers must not move
-        self._load(chunk)
+        load_pieces(self.input, chunk)
         side = torch.cuda.Stream(first.device)
         side.wait_stream(torch.cuda.current_stream(first.device))
         with torch.cuda.stream(side):  # warm-up off the capture (autotune, backend choice, allocator)
@@ -78,16 +72,10 @@ class _Graphed:
         with torch.cuda.graph(self.graph):
             newton_schulz(self.input, cfg, workspace=self.workspace, out=self.output)
 
-    def _load(self, chunk: list[torch.Tensor]) -> None:
-        torch._foreach_copy_(list(self.input.split([p.shape[0] for p in chunk])), chunk)
-
     def __call__(self, chunk: list[torch.Tensor], out: torch.Tensor | list[torch.Tensor]) -> None:
-        self._load(chunk)
+        load_pieces(self.input, chunk)
         self.graph.replay()
-        if isinstance(out, torch.Tensor):
-            out.copy_(self.output)
-        else:
-            torch._foreach_copy_(out, list(self.output.split([t.shape[0] for t in out])))
+        store_pieces(self.output, [out] if isinstance(out, torch.Tensor) else out)
 
 
 class NewtonSchulzRunner:

@@ -58,7 +58,7 @@ def batch_bytes_per_matrix(m: int, n: int, itemsize: int, reuses_input: bool = F
     """Transient bytes one m x n matrix (m <= n) adds to a Newton-Schulz batch: its input, the
     workspace's iterate and two m x m products, and the output, which doubles as the second
     iterate (see ``newton_schulz``): 3 m n + 2 m^2 elements. ``reuses_input``: the result
-    overwrites an input already in the compute dtype (``muonlab.kernels.runner.Overwrite``), which
+    overwrites an input already in the compute dtype (``muonlab.kernels.newton_schulz.Overwrite``), which
     is then the output too: 2 m n + 2 m^2. The gram form's temporaries are fewer."""
     return itemsize * ((2 if reuses_input else 3) * m * n + 2 * m * m)
 

@@ -53,7 +53,8 @@ def muon_momentum_(
     of tensors instead of one per tensor: a step of small matrices is otherwise bound by the
     host). On a CPU each tensor is updated and read into its input at once, while its grad and
     buffer are still in cache (staged over the whole list, the second stage read them from memory
-    again: about 10% of a 1B/8 step). The arithmetic, and so the bits, are the same either way.
+    again; a 1B/8 step went from 110 to 108 ms). The arithmetic, and so the bits, are the same
+    either way.
     """
     if form not in MOMENTUM_FORMS:
         raise ValueError(f"unknown momentum_form {form!r}; choose one of {MOMENTUM_FORMS}")

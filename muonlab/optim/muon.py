@@ -552,14 +552,8 @@ class Muon(Optimizer):
             done = commit_point()
             if done and planned:
                 self._muon_step(indices, planned, counter)
-        if not done:
-            return loss
-        # seconds=None: filled from the spans when read (on CUDA, reading them synchronises)
-        self._stats = dict(
-            bytes_sent=dict(counter.sent), bytes_recv=dict(counter.recv), calls=dict(counter.calls),
-            seconds=None, skipped=False, skipped_steps=self.skipped_steps, nonfinite_seconds=seconds or None,
-        )
-        self._stats_tracer = self._tracer
+        if done:
+            self._record_stats(counter, seconds, skipped=False)
         return loss
 
     def _skips(self, check: nonfinite.NonfiniteCheck, counter: CommCounter, seconds: dict) -> bool:
@@ -574,11 +568,16 @@ class Muon(Optimizer):
             raise ValueError(f"non-finite gradient on rank(s) {bad_ranks}{mine}")
         self.skipped_steps += 1
         # bytes: what moved before the decision (the batches started before the gate, drained)
-        self._stats = dict(bytes_sent=dict(counter.sent), bytes_recv=dict(counter.recv), calls=dict(counter.calls),
-                           seconds=None, skipped=True, skipped_steps=self.skipped_steps, nonfinite_ranks=bad_ranks,
-                           nonfinite_params=bad_names, nonfinite_seconds=seconds)
-        self._stats_tracer = self._tracer
+        self._record_stats(counter, seconds, skipped=True, nonfinite_ranks=bad_ranks, nonfinite_params=bad_names)
         return True
+
+    def _record_stats(self, counter: CommCounter, seconds: dict, skipped: bool, **nonfinite) -> None:
+        """What ``last_step_stats()`` reports for this step; seconds=None: filled from the spans
+        when read (on CUDA, reading them synchronises)."""
+        self._stats = dict(bytes_sent=dict(counter.sent), bytes_recv=dict(counter.recv), calls=dict(counter.calls),
+                           seconds=None, skipped=skipped, skipped_steps=self.skipped_steps, **nonfinite,
+                           nonfinite_seconds=seconds or None)
+        self._stats_tracer = self._tracer
 
     def _nonfinite_check(self, work, seconds: dict) -> nonfinite.NonfiniteCheck:
         """Started: ranks whose gradients hold an inf or NaN (all ranks agree), and this rank's
@@ -837,7 +836,7 @@ class Muon(Optimizer):
         entries = self._muon_entries()
         plan, specs, groups, owners = planned
         drafts: list[tuple[int, torch.Tensor]] = []  # (parameter index, updated copy) until the gate
-        before_gate = [gate is not None]  # until the gate passes, momentum is drafted
+        before_gate = gate is not None  # until the gate passes, momentum is drafted
 
         def on_this_rank(i: int) -> bool:
             # a replicated matrix's momentum and Newton-Schulz run on its owner rank only
@@ -856,7 +855,7 @@ class Muon(Optimizer):
             inputs = dict.fromkeys(batch.param_indices)
             with self._tracer.span("momentum", batch=batch.index):
                 mine = [i for i in batch.param_indices if on_this_rank(i)]
-                if before_gate[0]:  # the step may still be skipped: this batch writes no buffer
+                if before_gate:  # the step may still be skipped: this batch writes no buffer
                     copies = [(i, draft(i)) for i in mine]
                     drafts.extend(copies)
                     runs = [[(i, (buf,)) for i, buf in copies]]
@@ -876,9 +875,10 @@ class Muon(Optimizer):
 
         def commit() -> bool:
             """The gate, then the drafts written into their momentum buffers (made now if new)."""
+            nonlocal before_gate
             if not gate():
                 return False
-            before_gate[0] = False
+            before_gate = False
             bufs = [local_shard(self._state_for(entries[i][1], "muon")["momentum_buffer"]) for i, _ in drafts]
             if bufs:
                 torch._foreach_copy_(bufs, [d for _, d in drafts])

@@ -5,9 +5,9 @@ non-finite check with an inverse scale of 1.0: it rewrites each value as itself 
 on an inf or NaN), writes the flag into this rank's slot of a per-rank vector without a host sync,
 and starts the vector's all-reduce with ``async_op=True``. The caller does work that commits
 nothing meanwhile and calls ``result()`` before it modifies anything (Muon: at the engine's gate,
-after its first batches' momentum drafts, way out and Newton-Schulz; see muonlab.comm.engine). Names of the culprits are
-looked for only when this rank's flag is up, so the common path does no per-gradient work beyond
-grouping and the fused call.
+after its first batches' momentum drafts, way out and Newton-Schulz; see muonlab.comm.engine).
+Names of the culprits are looked for only when this rank's flag is up, so the common path does no
+per-gradient work beyond grouping and the fused call.
 """
 
 from __future__ import annotations

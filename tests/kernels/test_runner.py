@@ -13,8 +13,8 @@ import torch
 
 import muonlab
 from muonlab.kernels import backend_choice
-from muonlab.kernels.newton_schulz import NSConfig, cpu_has_native_bf16, newton_schulz, resolve_dtype
-from muonlab.kernels.runner import NewtonSchulzRunner, Overwrite, default_budget
+from muonlab.kernels.newton_schulz import NSConfig, Overwrite, cpu_has_native_bf16, newton_schulz, resolve_dtype
+from muonlab.kernels.runner import NewtonSchulzRunner, default_budget
 from muonlab.kernels.workspace import ALIGN, Workspace, max_batch_matrices
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (graphs, backend='auto' measurement)")
@@ -93,6 +93,16 @@ def test_out_as_an_iterate_buffer_gives_the_same_bits(steps, rows, cols):
     assert torch.equal(newton_schulz(expected, cfg, out=strided), newton_schulz(expected, cfg))
     with pytest.raises(ValueError, match="can't be viewed as a batch of matrices"):
         newton_schulz(torch.randn(2, 3, rows, cols), cfg, out=torch.empty(3, 2, rows, cols).transpose(0, 1))
+
+
+def test_newton_schulz_itself_honours_overwrite():
+    torch.manual_seed(3)
+    pieces = [torch.randn(2, 20, 36), torch.randn(1, 20, 36)]
+    cfg = NSConfig(dtype=torch.float32)
+    expected = newton_schulz(torch.cat(pieces), cfg)
+    handed = Overwrite(pieces)
+    assert newton_schulz(handed, cfg) is handed  # no output of its own: the pieces hold the result
+    assert torch.equal(torch.cat(pieces), expected)
 
 
 @pytest.mark.parametrize("budget_matrices", [1, 2, 4])
