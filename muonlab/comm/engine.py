@@ -17,6 +17,10 @@ while batch i+1's runs (async collectives). A batch without a way back is applie
 without a way out (the local and owner paths) starts only after the previous batch's Newton-Schulz:
 taking its inputs early would overlap nothing and hold two batches' inputs at once.
 
+An optional ``overlap()`` is work of the caller's that needs no result of the step (e.g. starting
+that check): it runs once, right after out(0) and out(1) are issued, so it fills the time their
+transfer takes instead of adding to it.
+
 An optional ``gate()`` is the caller's commit point (e.g. the wait for a non-finite flag whose
 all-reduce travelled meanwhile). It runs after [wait out(0), NS(0), back(0)], before anything is
 applied and before batch 2's inputs are taken: ``prepare`` of the batches started before it (0,
@@ -174,6 +178,7 @@ def execute_plan(
     tracer: Tracer,
     counter: CommCounter,
     gate: Callable[[], bool] | None = None,
+    overlap: Callable[[], None] | None = None,
 ) -> bool:
     """Run every batch of ``plan`` on this rank, recording its spans and communication time in
     ``tracer`` (read them with ``phase_seconds(tracer)``; the callbacks time themselves). Returns
@@ -186,6 +191,7 @@ def execute_plan(
     matrices or a list of pieces (``Overwrite`` pieces take the result in place).
     ``gate()``: called once, after batch 0's Newton-Schulz (see the module's docstring); False
     (or an exception, re-raised) stops the step once the collectives in flight have completed.
+    ``overlap()``: called once, behind the first batches' way out, before ``gate``.
     """
     runs = []
     for i, batch in enumerate(plan):
@@ -193,12 +199,16 @@ def execute_plan(
         runs.append(BatchRun(i, batch, PathContext(pg, group_rank, wire_dtype), prepare=prepare, apply=apply,
                              orthogonalize=orthogonalize, tracer=tracer, counter=counter))
     if not runs:
+        if overlap is not None:
+            overlap()
         return gate is None or gate()
     runs[0].start()
     for i, run in enumerate(runs):
         following = runs[i + 1] if i + 1 < len(runs) else None
         if following is not None and PATHS[following.path].out_share > 0:
             following.start()  # its way out travels behind this batch's Newton-Schulz
+        if i == 0 and overlap is not None:
+            overlap()
         run.compute(hold=gate is not None and i == 0)
         if i == 0 and gate is not None and not _passes(gate, [r for r in runs[:2] if r.started]):
             return False

@@ -44,8 +44,17 @@ VIEWS = ("matrix", "transpose", "flatten", "bank")
 
 
 def local_shard(t: torch.Tensor) -> torch.Tensor:
-    """The tensor this rank holds: a DTensor's local shard (aliasing its storage), else ``t``."""
-    return t.to_local() if hasattr(t, "to_local") else t
+    """The tensor this rank holds: a DTensor's local shard (aliasing its storage), else ``t``.
+
+    Outside autograd (an optimizer step) the shard is read directly: ``to_local()`` goes through
+    an autograd Function, about 5 us a call, and a step calls this a few times per parameter
+    (0.17 ms of a 36-parameter step's 0.6 ms non-finite check, measured on 2 gloo ranks here).
+    """
+    if DTensor is None or not isinstance(t, DTensor):
+        return t
+    if torch.is_grad_enabled() and t.requires_grad:
+        return t.to_local()  # keeps the autograd link back to the DTensor
+    return t._local_tensor
 
 
 def default_view(shape: tuple[int, ...]) -> str:

@@ -528,27 +528,36 @@ class Muon(Optimizer):
         self._tracer.reset(self._trace_device())
         counter = CommCounter()
         seconds: dict[str, float] = {}  # the check's host seconds: start, and the wait for its flags
-        check = self._nonfinite_check(work, seconds) if self.nonfinite != "ignore" else None
+        check_group = self._check_group()
+        started: list[nonfinite.NonfiniteCheck] = []  # the check, once started
+
+        def start_check() -> None:
+            if self.nonfinite != "ignore":
+                started.append(self._nonfinite_check(work, check_group, seconds))
+
         # plan first: it may raise (ranks disagree), and nothing may have changed by then
         indices = self._muon_indices(work["muon"])
         planned = self._plan_for(indices) if indices else None
 
         def commit_point() -> bool:
             """The step's commit point: the check decides (go on, skip or raise), then AdamW."""
-            if check is not None and self._skips(check, counter, seconds):
+            if started and self._skips(started[0], counter, seconds):
                 return False
             with self._tracer.span("adamw"):
                 for group, params in work["adamw"]:
                     self._adamw_group(group, params)
             return True
 
-        # The flags' all-reduce travels while the first batches' momentum is drafted, moved and
-        # orthogonalized; the engine calls commit_point() after batch 0's Newton-Schulz, before
-        # anything is written (see _muon_step). Offloaded momentum is written back as soon as it
-        # is fetched, so there (and without a group or a Muon batch) the check resolves first.
-        if planned and check is not None and check.collective and self._offload.place_of("momentum_buffer") is None:
-            done = self._muon_step(indices, planned, counter, gate=commit_point)
+        # The check starts once the first batches' way out is in flight (it fills the wait for
+        # them), its flags' all-reduce travels while batch 0 is orthogonalized, and the engine
+        # calls commit_point() after batch 0's Newton-Schulz, before anything is written (see
+        # _muon_step). Offloaded momentum is written back as soon as it is fetched, so there (and
+        # without a group or a Muon batch) the check resolves first.
+        if (planned and self.nonfinite != "ignore" and check_group is not None
+                and self._offload.place_of("momentum_buffer") is None):
+            done = self._muon_step(indices, planned, counter, gate=commit_point, overlap=start_check)
         else:
+            start_check()
             done = commit_point()
             if done and planned:
                 self._muon_step(indices, planned, counter)
@@ -579,12 +588,15 @@ class Muon(Optimizer):
                            nonfinite_seconds=seconds or None)
         self._stats_tracer = self._tracer
 
-    def _nonfinite_check(self, work, seconds: dict) -> nonfinite.NonfiniteCheck:
-        """Started: ranks whose gradients hold an inf or NaN (all ranks agree), and this rank's
-        culprits; ``seconds["check"]``: the host seconds it took to start."""
+    def _check_group(self):
+        """The process group whose ranks decide a skip together (None: this process alone)."""
+        return self._replicate_group() if self.process_group is None else self.process_group
+
+    def _nonfinite_check(self, work, group, seconds: dict) -> nonfinite.NonfiniteCheck:
+        """Started: ranks of ``group`` whose gradients hold an inf or NaN (all ranks agree), and
+        this rank's culprits; ``seconds["check"]``: the host seconds it took to start."""
         t0 = time.perf_counter()
         params = [p for kind in ("muon", "adamw") for _, ps in work[kind] for p in ps]
-        group = self._replicate_group() if self.process_group is None else self.process_group
         check = nonfinite.start([p.grad for p in params], group,
                                 lambda i: self._names.get(params[i], f"of shape {fmt_shape(params[i].shape)}"))
         seconds["check"] = time.perf_counter() - t0
@@ -823,7 +835,7 @@ class Muon(Optimizer):
         return tuple(position[id(p)] for _, params in work for p in params)
 
     def _muon_step(self, indices: tuple[int, ...], planned: "_Planned", counter: CommCounter,
-                   gate=None) -> bool:
+                   gate=None, overlap=None) -> bool:
         """Batch by batch (see muonlab.comm.engine): momentum on the local shards, move,
         orthogonalize, move back, update; only the batches in flight hold inputs and outputs.
 
@@ -831,7 +843,8 @@ class Muon(Optimizer):
         Newton-Schulz), the momentum of the batches started before it is computed on copies of
         their buffers (drafts: the same arithmetic, so the same bits) and
         written into them only if the gate lets the step go on; False: the gate stopped the step
-        and no buffer was written. Resident momentum only.
+        and no buffer was written. Resident momentum only. ``overlap()`` (the check's start) runs
+        once the first batches' way out is in flight.
         """
         entries = self._muon_entries()
         plan, specs, groups, owners = planned
@@ -904,7 +917,7 @@ class Muon(Optimizer):
         return execute_plan(
             plan, groups, prepare=prepare, apply=apply, orthogonalize=self._ns_runner(),
             wire_dtype=self.comm_dtype, tracer=self._tracer, counter=counter,
-            gate=commit if gate is not None else None,
+            gate=commit if gate is not None else None, overlap=overlap,
         )
 
     def _device(self) -> torch.device:

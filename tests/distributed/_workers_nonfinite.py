@@ -142,6 +142,18 @@ def skipped_steps_leave_no_trace(state_offload: str | None = None, bank: bool = 
         drained.append(not isinstance(item, Pending) or item.work.is_completed())
 
     engine.BatchRun.abandon = watched
+    events = []  # per step: batches started and the check's start, in order
+    start_batch, start_check = engine.BatchRun.start, nonfinite.start
+
+    def started_batch(run):
+        events[-1].append(run.index)
+        start_batch(run)
+
+    def started_check(*args, **kwargs):
+        events[-1].append("check")
+        return start_check(*args, **kwargs)
+
+    engine.BatchRun.start, nonfinite.start = started_batch, started_check
     mesh = _mesh()
     ref_params, params = _params(mesh, bank), _params(mesh, bank)
     ref, opt = _muon(ref_params, state_offload=state_offload), _muon(params, state_offload=state_offload)
@@ -153,8 +165,10 @@ def skipped_steps_leave_no_trace(state_offload: str | None = None, bank: bool = 
         before = _snapshot(params, opt)
         step = 90 if bad else next(good)
         _set_grads(params, mesh, step, bad)
+        events.append([])
         opt.step()
         if bad:
+            out.setdefault("order", []).append(events[-1])
             stats = opt.last_step_stats()
             out["skips"].append(dict(unchanged=_equal(before, _snapshot(params, opt)), skipped=stats["skipped"],
                                      ranks=stats["nonfinite_ranks"], names=stats["nonfinite_params"],

@@ -58,6 +58,9 @@ def test_nan_on_one_rank_skips_everywhere_and_leaves_no_trace(state_offload, ban
         started = 1 + (len(out["paths"]) > 1 and PATHS[out["paths"][1]].out_share > 0)
         expected = [True] * 4 * started if state_offload is None else []
         assert out["drained"] == expected, (rank, out["drained"])
+        # the check starts behind the way out of those batches (resident), or before any batch
+        order = [*range(started), "check"] if state_offload is None else ["check"]
+        assert out["order"] == [order] * 4, (rank, out["order"])
         assert out["equal_to_clean_run"], rank
 
 
