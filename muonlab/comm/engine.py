@@ -18,8 +18,8 @@ without a way out (the local and owner paths) starts only after the previous bat
 taking its inputs early would overlap nothing and hold two batches' inputs at once.
 
 An optional ``overlap()`` is work of the caller's that needs no result of the step (e.g. starting
-that check): it runs once, right after out(0) and out(1) are issued, so it fills the time their
-transfer takes instead of adding to it.
+that check): it runs once, right after out(0) and out(1) are issued, so that on a GPU their
+transfer is not queued behind it.
 
 An optional ``gate()`` is the caller's commit point (e.g. the wait for a non-finite flag whose
 all-reduce travelled meanwhile). It runs after [wait out(0), NS(0), back(0)], before anything is

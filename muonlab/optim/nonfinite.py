@@ -40,11 +40,6 @@ class NonfiniteCheck:
         self._group, self._name_of = group, name_of
         self._result: tuple[list[int], list[str]] | None = None
 
-    @property
-    def collective(self) -> bool:
-        """Whether ``result()`` waits for an all-reduce (False without a group: nothing to overlap)."""
-        return self._work is not None
-
     def result(self) -> tuple[list[int], list[str]]:
         """(global ranks whose grads hold an inf or NaN, the same on every rank; names of this
         rank's non-finite grads). Without a group, this rank counts as rank 0."""
