@@ -208,6 +208,10 @@ class NSConfig:
     measured faster on this device (muonlab.kernels.backend_choice); torch off CUDA."""
     gram_restarts: tuple[int, ...] = (2,)
     """Iterations after which the gram form recomputes R from X."""
+    gram_min_saving: float | None = None
+    """With form "gram": take it only on shapes where it saves at least this share of the plain
+    form's FLOPs, the plain form elsewhere (None: on every rectangular shape). Muon's
+    ``ns_form="auto"`` sets it on a GPU (see ``resolve_form``)."""
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -230,6 +234,9 @@ class NSConfig:
         # triple equals the same triple in a list (one batch key)
         object.__setattr__(self, "coefficients", coefficient_table(self.coefficients))
         object.__setattr__(self, "gram_restarts", tuple(int(k) for k in self.gram_restarts))
+        if self.gram_min_saving is not None and not (is_number(self.gram_min_saving)
+                                                     and 0 <= self.gram_min_saving < 1):
+            raise ValueError(f"gram_min_saving must be None or a share in [0, 1), got {self.gram_min_saving!r}")
 
     def resolved_coefficients(self) -> Coefficients:
         return resolve_coefficients(self.coefficients, self.steps)
@@ -408,8 +415,39 @@ def _load_normalised(X: torch.Tensor, pieces: list[torch.Tensor], eps: float, sc
 
 
 def _form(cfg: NSConfig, m: int, n: int) -> str:
-    """The form that runs: gram only pays off on rectangular matrices (see NSConfig.form)."""
-    return "plain" if m == n else cfg.form
+    """The form that runs on m x n matrices (m <= n): gram only on rectangular ones (see
+    NSConfig.form), and with ``gram_min_saving`` only where it saves that share of the FLOPs."""
+    if cfg.form == "plain" or m == n:
+        return "plain"
+    if cfg.gram_min_saving is not None and \
+            _gram_flops(m, n, cfg) > (1 - cfg.gram_min_saving) * cfg.steps * plain_flops_per_iter(m, n):
+        return "plain"
+    return "gram"
+
+
+AUTO_GRAM_SAVING = 0.2
+"""Where ``ns_form="auto"`` takes the gram form on a GPU: shapes on which it saves at least 20% of
+the plain form's FLOPs. On an H100 (benchmarks/results/gpu_step.md, bf16, torch backend) the gram
+form ran the 1B set (2048 x 6144 and 2048 x 8192: 26% and 33% fewer FLOPs) 1.29x faster than the
+plain form, the GPT-2 set 1.17x and the (128, 768, 2048) bank (22% fewer) 1.18x, each also faster
+than the plain form on Triton; but the (64, 1408, 2048) bank, where it saves nothing (-1%), 5%
+slower."""
+
+FORM_CHOICES = ("auto", *FORMS)
+
+
+def resolve_form(form: str, device: torch.device | str) -> dict:
+    """NSConfig settings for Muon's ``ns_form`` on ``device``: "plain" and "gram" as they are;
+    "auto" the gram form on a GPU where it saves ``AUTO_GRAM_SAVING`` of the FLOPs, the plain form
+    on a CPU (on this project's 2-core CPU with bf16 units the gram form ran the 1B/8 and GPT-2/8
+    sets 1.3x and 1.1x slower in bf16, benchmarks/results/gpu_step_cpu_proxy.md)."""
+    if form not in FORM_CHOICES:
+        raise ValueError(f"unknown Newton-Schulz form {form!r} (Muon's ns_form); choose one of {FORM_CHOICES}")
+    if form != "auto":
+        return dict(form=form)
+    if torch.device(device).type == "cuda":
+        return dict(form="gram", gram_min_saving=AUTO_GRAM_SAVING)
+    return dict(form="plain")
 
 
 def triton_usable(X: torch.Tensor) -> bool:
@@ -520,17 +558,22 @@ def ns_flops(shape: Sequence[int], config: NSConfig | None = None, **settings) -
     if _form(cfg, m, n) == "plain":
         per_iter = symmetric_flops_per_iter(m, n) if cfg.backend == "triton" else plain_flops_per_iter(m, n)
         return batch * steps * per_iter
+    return batch * _gram_flops(m, n, cfg)
+
+
+def _gram_flops(m: int, n: int, cfg: NSConfig) -> int:
+    """FLOPs of the gram form on one m x n matrix (m <= n); see ``_gram_iterations``."""
     gram_x = 2 * m * m * n  # one X X^T or one Q X
     mm = 2 * m**3
     total = gram_x  # R_0
     restarts = set(cfg.gram_restarts)
     q_is_identity = True
-    for k in range(steps):
+    for k in range(cfg.steps):
         total += mm  # R @ R
         if not q_is_identity:
             total += mm  # Z @ Q
         q_is_identity = False
-        if k == steps - 1:
+        if k == cfg.steps - 1:
             break
         if k in restarts:
             total += 2 * gram_x  # Q X, then X X^T
@@ -539,4 +582,4 @@ def ns_flops(shape: Sequence[int], config: NSConfig | None = None, **settings) -
             total += 2 * mm  # Z (Z R)
     if not q_is_identity:
         total += gram_x  # final Q X_0
-    return batch * total
+    return total

@@ -52,6 +52,18 @@ def test_parity_with_torch_muon_bf16(monkeypatch):
     assert _run_pair(monkeypatch, torch.bfloat16, fp32_torch=False) <= 3e-2
 
 
+def test_ns_form_auto_is_plain_on_a_cpu_and_picky_gram_on_a_gpu(monkeypatch):
+    from muonlab.kernels.newton_schulz import AUTO_GRAM_SAVING
+
+    p = torch.nn.Parameter(torch.randn(16, 64))
+    p.grad = torch.randn(16, 64)
+    opt = Muon([p])
+    assert opt.ns_form == "auto" and opt.plan()[0].ns_config.form == "plain"
+    monkeypatch.setattr(Muon, "_device", lambda self: torch.device("cuda"))
+    cfg = opt._ns_config(opt.param_groups[0])
+    assert (cfg.form, cfg.gram_min_saving) == ("gram", AUTO_GRAM_SAVING)
+
+
 def test_parity_with_torch_muon_fp32_is_tight(monkeypatch):
     # both in fp32: measured ~1e-7; the bound leaves room for BLAS differences only
     assert _run_pair(monkeypatch, torch.float32, fp32_torch=True) <= 1e-5

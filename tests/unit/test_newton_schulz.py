@@ -86,6 +86,42 @@ def test_flop_counts():
     assert sym <= (3 * m * m * n + m**3) / (4 * m * m * n + 2 * m**3) + 1e-12
 
 
+@pytest.mark.parametrize("shape, saving, gram", [
+    ((2048, 8192), 0.33, True), ((768, 2048), 0.22, True),  # the gram form saves that share
+    ((1408, 2048), -0.01, False), ((1024, 2048), 0.12, False),  # saves under 20%: plain
+])
+def test_gram_min_saving_takes_gram_only_where_it_saves_that_much(shape, saving, gram):
+    plain = ns_flops(shape)
+    assert 1 - ns_flops(shape, form="gram") / plain == pytest.approx(saving, abs=0.005)
+    chosen = ns_flops(shape, form="gram", gram_min_saving=0.2)
+    assert chosen == (ns_flops(shape, form="gram") if gram else plain)
+
+
+def test_gram_min_saving_runs_the_form_it_counts():
+    gen = torch.Generator().manual_seed(4)
+    near_square, wide = torch.randn(2, 48, 64, generator=gen), torch.randn(2, 16, 64, generator=gen)
+    for G, gram in ((near_square, False), (wide, True)):
+        picky = newton_schulz(G, form="gram", gram_min_saving=0.2, dtype=torch.float32)
+        same_as = newton_schulz(G, form="gram" if gram else "plain", dtype=torch.float32)
+        assert torch.equal(picky, same_as)
+    assert not torch.equal(newton_schulz(wide, form="gram", dtype=torch.float32),
+                           newton_schulz(wide, dtype=torch.float32))  # the forms differ in bits
+
+
+def test_resolve_form():
+    from muonlab.kernels.newton_schulz import AUTO_GRAM_SAVING, resolve_form
+
+    assert resolve_form("auto", "cpu") == dict(form="plain")
+    assert resolve_form("auto", "cuda") == dict(form="gram", gram_min_saving=AUTO_GRAM_SAVING)
+    assert resolve_form("gram", "cpu") == dict(form="gram") and resolve_form("plain", "cuda") == dict(form="plain")
+    with pytest.raises(ValueError, match=r"unknown Newton-Schulz form 'fast' \(Muon's ns_form\); choose one of "
+                                         r"\('auto', 'plain', 'gram'\)"):
+        resolve_form("fast", "cpu")
+    for bad in (1.0, -0.1, "x"):
+        with pytest.raises(ValueError, match="gram_min_saving must be None or a share in"):
+            NSConfig(form="gram", gram_min_saving=bad)
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(coefficients="nope"), "unknown Newton-Schulz preset 'nope'"),
     (dict(coefficients=[(1.0, 2.0)]), "list of \\(a, b, c\\)"),
