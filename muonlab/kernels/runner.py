@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .newton_schulz import NSConfig, Overwrite, load_pieces, newton_schulz, resolve_dtype, store_pieces
+from .newton_schulz import NSConfig, Overwrite, form_for, load_pieces, newton_schulz, resolve_dtype, store_pieces
 from .workspace import Workspace, max_batch_matrices
 
 MIN_BUDGET = {"cuda": 256 * 2**20, "cpu": 8 * 2**20}
@@ -87,10 +87,11 @@ class NewtonSchulzRunner:
         self.workspace = Workspace()
         self._graphed: dict[tuple, _Graphed] = {}
 
-    def chunk_size(self, shape: tuple[int, int], dtype: torch.dtype, reuses_input: bool = False) -> int:
+    def chunk_size(self, shape: tuple[int, int], dtype: torch.dtype, reuses_input: bool = False,
+                   form: str = "plain") -> int:
         """Matrices per call within the budget (``reuses_input``: results overwrite inputs of the
-        compute dtype, see ``batch_bytes_per_matrix``)."""
-        return max_batch_matrices(shape, dtype.itemsize, self.budget_bytes, reuses_input)
+        compute dtype; ``form``: the one that runs on this shape; see ``batch_bytes_per_matrix``)."""
+        return max_batch_matrices(shape, dtype.itemsize, self.budget_bytes, reuses_input, form)
 
     def __call__(self, mats: torch.Tensor | list[torch.Tensor], cfg: NSConfig):
         """Orthogonalize ``mats``: one (k, A, B) stack, or a list of (k_i, A, B) pieces taken as
@@ -104,7 +105,8 @@ class NewtonSchulzRunner:
         if not isinstance(mats, Overwrite):
             total = sum(p.shape[0] for p in pieces)
             out = torch.empty((total, *first.shape[-2:]), dtype=dtype, device=first.device)
-        step = self.chunk_size(first.shape[-2:], dtype, reuses_input=out is None and first.dtype == dtype)
+        step = self.chunk_size(first.shape[-2:], dtype, reuses_input=out is None and first.dtype == dtype,
+                               form=form_for(cfg, first.shape[-2:]))
         for start, chunk in _chunks(pieces, step):
             dest = chunk if out is None else out[start:start + sum(p.shape[0] for p in chunk)]
             if self.graphs and first.is_cuda:

@@ -128,6 +128,8 @@ def test_max_batch_matrices_fits_the_budget_and_is_at_least_one():
     assert max_batch_matrices((64, 256), 2, 1) == 1
     reused = 2 * (2 * 64 * 256 + 2 * 64 * 64)  # the input is the output too
     assert max_batch_matrices((64, 256), 2, 10 * reused, reuses_input=True) == 10
+    gram = 2 * (3 * 64 * 256 + 6 * 64 * 64)  # the gram form: up to six 64 x 64 products
+    assert max_batch_matrices((64, 256), 2, 10 * gram, form="gram") == 10
     assert default_budget(0) == 256 * 2**20 and default_budget(100 * 2**30) == 5 * 2**30
     assert default_budget(0, "cpu") == 8 * 2**20 and default_budget(100 * 2**30, "cpu") == 5 * 2**30
 
@@ -139,6 +141,22 @@ def test_chunked_runner_matches_one_call(budget_matrices):
     runner = NewtonSchulzRunner(budget_matrices * 4 * (3 * 20 * 36 + 2 * 20 * 20))
     assert runner.chunk_size((20, 36), torch.float32) == budget_matrices
     assert torch.equal(runner(mats, cfg), newton_schulz(mats, cfg))
+
+
+@pytest.mark.parametrize("form, chunks", [("gram", [2, 2, 2, 1]), ("plain", [3, 2, 2])])
+def test_runner_budgets_the_form_that_runs(form, chunks, monkeypatch):
+    # 16 x 64: the gram form saves 40% of the FLOPs, so it runs there even under gram_min_saving
+    import muonlab.kernels.runner as runner_module
+
+    cfg = NSConfig(dtype=torch.float32, form=form, gram_min_saving=0.2)
+    seen = []
+    real = runner_module.newton_schulz
+    monkeypatch.setattr(runner_module, "newton_schulz",
+                        lambda mats, c, **kw: seen.append(sum(p.shape[0] for p in mats)) or real(mats, c, **kw))
+    runner = NewtonSchulzRunner(3 * 4 * (3 * 16 * 64 + 2 * 16 * 16))  # three plain matrices, two gram
+    mats = torch.randn(7, 16, 64)
+    assert torch.equal(runner(mats, cfg), newton_schulz(mats, cfg))
+    assert seen == chunks
 
 
 def _bf16_model_and_grads(seed=0):

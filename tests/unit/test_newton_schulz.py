@@ -212,3 +212,33 @@ def test_bad_coefficients_name_the_option(coefficients, exc):
 def test_bad_eps_is_refused(eps, exc):
     with pytest.raises(exc, match="eps"):
         NSConfig(eps=eps)
+
+
+@pytest.mark.parametrize("shape", [(4, 32, 256), (4, 256, 32)])
+@pytest.mark.parametrize("into_g", [False, True])
+def test_gram_form_allocates_only_m_by_m_products(shape, into_g):
+    # the iterates live in the workspace (and in ``out`` where it can be one): a step allocates
+    # R, Z, Q and their products, never a batch-sized tensor
+    from torch.profiler import ProfilerActivity, profile
+
+    from muonlab.kernels.newton_schulz import Overwrite
+    from muonlab.kernels.workspace import Workspace
+
+    ws = Workspace()
+    G = torch.randn(shape, generator=torch.Generator().manual_seed(5))
+
+    def run():  # its output buffer made before the profiler looks
+        if into_g:
+            mats = G.clone()
+            return lambda: newton_schulz(Overwrite([mats]), form="gram", dtype=torch.float32, workspace=ws)[0]
+        out = torch.empty(shape)
+        return lambda: newton_schulz(G, form="gram", dtype=torch.float32, workspace=ws, out=out)
+
+    expected = run()()  # warms the workspace
+    call = run()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        got = call()
+    assert torch.equal(got, expected)
+    m = min(shape[1:])
+    largest = max(e.cpu_memory_usage for e in prof.events())
+    assert largest <= shape[0] * m * m * 4, (largest, G.numel() * 4)
