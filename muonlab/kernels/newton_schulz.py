@@ -470,8 +470,9 @@ FORM_CHOICES = ("auto", *FORMS)
 def resolve_form(form: str, device: torch.device | str) -> dict:
     """NSConfig settings for Muon's ``ns_form`` on ``device``: "plain" and "gram" as they are;
     "auto" the gram form on a GPU where it saves ``AUTO_GRAM_SAVING`` of the FLOPs, the plain form
-    on a CPU (on this project's 2-core CPU with bf16 units the gram form ran the 1B/8 and GPT-2/8
-    sets 1.3x and 1.1x slower in bf16, benchmarks/results/gpu_step_cpu_proxy.md)."""
+    on a CPU: on this project's 2-core CPU with bf16 units the two forms ran within 6% of each
+    other (benchmarks/results/gpu_step_cpu_proxy.md: gram 4% faster on the 1B/8 set, 6% slower
+    on GPT-2/8), and the plain form keeps the bits of torch.optim.Muon's iteration."""
     if form not in FORM_CHOICES:
         raise ValueError(f"unknown Newton-Schulz form {form!r} (Muon's ns_form); choose one of {FORM_CHOICES}")
     if form != "auto":
