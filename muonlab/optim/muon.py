@@ -555,8 +555,8 @@ class Muon(Optimizer):
         # runs while they transfer instead of delaying them; on 2 gloo ranks sharing 2 cores the
         # step measured the same either way), its flags' all-reduce travels while batch 0 is
         # orthogonalized, and the engine calls commit_point() after batch 0's Newton-Schulz,
-        # before anything is written (see _muon_step). Offloaded momentum is written back as soon as it is fetched, so there (and
-        # without a group or a Muon batch) the check resolves first.
+        # before anything is written (see _muon_step). Offloaded momentum is written back as soon
+        # as it is fetched, so there (and without a group or a Muon batch) the check resolves first.
         if (planned and self.nonfinite != "ignore" and check_group is not None
                 and self._offload.place_of("momentum_buffer") is None):
             done = self._muon_step(indices, planned, counter, gate=commit_point, overlap=start_check)
