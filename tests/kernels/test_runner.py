@@ -75,13 +75,15 @@ def test_pieces_in_and_out_give_the_bits_of_the_stacked_call(rows, cols, form):
 
 @pytest.mark.parametrize("steps", [4, 5])
 @pytest.mark.parametrize("rows, cols", [(20, 36), (36, 20)])
-def test_out_as_an_iterate_buffer_gives_the_same_bits(steps, rows, cols):
+@pytest.mark.parametrize("form, restarts", [("plain", (2,)), ("gram", (2,)), ("gram", ()), ("gram", (0, 1))])
+def test_out_as_an_iterate_buffer_gives_the_same_bits(steps, rows, cols, form, restarts):
     """A contiguous ``out`` in the compute dtype is one of the two iterate buffers (the input goes
-    into the one that makes an odd or even number of steps end in ``out``), and it may be G
-    itself, given as pieces that lie back to back in one buffer: the same bits as a plain call."""
+    into the one that makes an odd or even number of writes end in ``out``: steps for the plain
+    form, restarts + 1 for the gram form), and it may be G itself, given as pieces that lie back
+    to back in one buffer: the same bits as a call that copies its result out."""
     torch.manual_seed(2)
     flat = torch.randn(5 * rows * cols)
-    cfg = NSConfig(dtype=torch.float32, steps=steps)
+    cfg = NSConfig(dtype=torch.float32, steps=steps, form=form, gram_restarts=restarts)
     expected = newton_schulz(flat.view(5, rows, cols).clone(), cfg)
     separate = torch.empty(5, rows, cols)
     assert newton_schulz(flat.view(5, rows, cols), cfg, out=separate) is separate
