@@ -122,7 +122,7 @@ class Muon(Optimizer):
             a CPU bf16 only with native bf16 matmul, else fp32 (emulated bf16 runs at a third of
             fp32's rate); or a dtype (fp32 for tight parity).
         ns_form: "plain", "gram" (fewer FLOPs on rectangular matrices, see newton_schulz) or
-            "auto": on a GPU the gram form where it saves at least 20% of the FLOPs (1.2-1.3x
+            "auto": on a GPU the gram form where it saves at least 20% of the FLOPs (1.17-1.29x
             faster there on an H100), the plain form elsewhere; on a CPU the plain form (see
             muonlab.kernels.newton_schulz.resolve_form).
         ns_backend: "auto" (per shape, torch or Triton, whichever was measured faster on this
