@@ -59,7 +59,7 @@ def run_one(cfg: GPTConfig, name: str, lr: float, args, seed: int) -> tuple[Hist
     torch.manual_seed(seed)
     model = GPT(cfg)
     if name == "muon":
-        opt = make_optimizer("muon", model, lr=lr, adamw_lr=args.muon_adamw_lr)
+        opt = make_optimizer("muon", model, lr=lr, adamw_lr=args.muon_adamw_lr, ns_form=args.muon_ns_form)
     else:
         opt = make_optimizer("adamw", model, lr=lr)
     t0 = time.perf_counter()
@@ -82,6 +82,7 @@ def main(argv=None) -> None:
     p.add_argument("--muon-adamw-lr", type=float, default=3e-3,
                    help="AdamW lr for the parameters Muon does not take (embeddings, head, norms)")
     p.add_argument("--adamw-lrs", default="1e-3,3e-3,6e-3,1.2e-2")
+    p.add_argument("--muon-ns-form", default="auto", help="Muon's ns_form (e.g. gram, to compare with plain)")
     p.add_argument("--seed", type=int, default=0, help="seed of the lr sweep")
     p.add_argument("--confirm-seeds", default="1,2", help="rerun both best lrs with these seeds")
     p.add_argument("--threads", type=int, default=1)
@@ -181,8 +182,8 @@ byte-level corpus (the Python standard library's source, `muonlab.data`), batch 
 {args.context} tokens, {args.steps} steps at constant lr; for a given seed the initial weights and the
 batches are identical across optimizers. Validation loss every {args.eval_every} steps on the same
 {args.eval_batches} fixed held-out batches ({n_tokens} tokens). Muon: `muonlab.Muon` with its defaults
-(momentum 0.95 Nesterov, 5 Newton-Schulz steps with Keller's coefficients in bf16, lr scaled by
-sqrt(max(1, rows/cols))) on the hidden matrices, AdamW lr {args.muon_adamw_lr:g} betas (0.9, 0.95) on
+(momentum 0.95 Nesterov, 5 Newton-Schulz steps with Keller's coefficients in bf16, `ns_form="{args.muon_ns_form}"`,
+lr scaled by sqrt(max(1, rows/cols))) on the hidden matrices, AdamW lr {args.muon_adamw_lr:g} betas (0.9, 0.95) on
 embeddings, head and norms. AdamW: `torch.optim.AdamW`, betas (0.9, 0.95), no weight decay, on
 everything. Sweep: Muon lr in {{{args.muon_lrs}}}, AdamW lr in {{{args.adamw_lrs}}}, seed {args.seed}; the best
 of each (lowest smoothed final value) rerun with seeds {", ".join(map(str, confirm)) or "(none)"}.
