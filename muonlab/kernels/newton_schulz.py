@@ -165,13 +165,14 @@ def _plain_iterations(X: torch.Tensor, spare: torch.Tensor, coeffs: Coefficients
 
 
 def _gram_iterations(X: torch.Tensor, spare: torch.Tensor, coeffs: Coefficients,
-                     restarts: Sequence[int], tall: bool) -> torch.Tensor:
+                     restarts: Sequence[int]) -> torch.Tensor:
     """The gram form on the normalised batch in ``X``, with ``spare`` (same shape) as the second
     iterate buffer: each restart's Q X and the final one are written into the buffer not being
     read, so only the m x m products are allocated. Returns the buffer that holds the result (see
-    ``_gram_writes``). A ``tall`` batch iterates as stored, on X^T (R = X^T X, X Q^T for Q X): a
+    ``_gram_writes``). A tall batch iterates as stored, on X^T (R = X^T X, X Q^T for Q X): a
     product written into a transposed view ran 2000x slower in bf16 on this project's CPU."""
-    m = X.shape[-1] if tall else X.shape[-2]
+    tall = X.shape[-2] > X.shape[-1]
+    m = min(X.shape[-2:])
     eye = torch.eye(m, dtype=X.dtype, device=X.device)
 
     def gram(X):
@@ -337,26 +338,24 @@ def newton_schulz(G: torch.Tensor | Sequence[torch.Tensor], config: NSConfig | N
         _load_normalised(buffers[0].mT if tall else buffers[0], pieces, cfg.eps, scale)
         result = newton_schulz_triton(buffers[0], coeffs, workspace=NSWorkspace(*buffers[1:]))
         store_pieces(result.mT if tall else result, targets)
-    elif form == "plain" and direct is not None:
-        # ``out`` is one of the two iterate buffers (its bytes are dead until the result), the
-        # other is the workspace's; the input goes into the one that makes the last iterate land
-        # in ``out``. ``out`` may be G itself: then G is normalised in place or read first.
-        S, gram, poly = workspace.take(device, [stored, square, square])
-        first, second = (direct, S) if cfg.steps % 2 == 0 else (S, direct)
-        _load_normalised(first, pieces, cfg.eps, scale)
-        _plain_iterations(first, second, coeffs, gram, poly)
-    elif form == "plain":
-        X, spare, gram, poly = workspace.take(device, [stored, stored, square, square])
-        _load_normalised(X, pieces, cfg.eps, scale)
-        store_pieces(_plain_iterations(X, spare, coeffs, gram, poly), targets)
-    else:  # gram: two iterate buffers as above (``out`` one of them where it can), m x m allocated
+    else:
+        # Two iterate buffers take turns (and the plain form's two m x m products come from the
+        # workspace; the gram form allocates its own). A contiguous ``out`` in the compute dtype is
+        # one of the two (its bytes are dead until the result): the input goes into the one that
+        # makes the last write land in ``out``. ``out`` may be G itself: then G is normalised in
+        # place or read first.
+        writes = cfg.steps if form == "plain" else _gram_writes(cfg.steps, cfg.gram_restarts)
+        products = [square, square] if form == "plain" else []
         if direct is not None:
-            (S,) = workspace.take(device, [stored])
-            first, second = (direct, S) if _gram_writes(cfg.steps, cfg.gram_restarts) % 2 == 0 else (S, direct)
+            S, *products = workspace.take(device, [stored, *products])
+            first, second = (direct, S) if writes % 2 == 0 else (S, direct)
         else:
-            first, second = workspace.take(device, [stored, stored])
+            first, second, *products = workspace.take(device, [stored, stored, *products])
         _load_normalised(first, pieces, cfg.eps, scale)
-        result = _gram_iterations(first, second, coeffs, cfg.gram_restarts, tall)
+        if form == "plain":
+            result = _plain_iterations(first, second, coeffs, *products)
+        else:
+            result = _gram_iterations(first, second, coeffs, cfg.gram_restarts)
         if direct is None:
             store_pieces(result, targets)
     return out
