@@ -265,10 +265,9 @@ def cpu_memory_rows(set_names, args, labels=None):
     return rows
 
 
-def budget_sweep(args, dtype=torch.bfloat16):
-    """CPU: the workspace budget's trade-off on the first set: speed (rotating rounds with
+def budget_sweep(args, set_name: str, dtype=torch.bfloat16):
+    """CPU: the workspace budget's trade-off on one set: speed (rotating rounds with
     torch.optim.Muon) and the memory a step adds, per budget."""
-    set_name = args.sets.split(",")[0]
     labels = ["torch.optim.Muon"] + [budget_label(float(b)) for b in args.budgets.split(",")]
     factories = {label: (None if label == "torch.optim.Muon" else factory_of(label)) for label in labels}
     speed, _ = speed_table(set_name, scaled(SETS[set_name], args.factor), dtype, torch.device("cpu"), args, factories)
@@ -290,7 +289,8 @@ def main(argv=None):
     ap.add_argument("--memory-only", action="store_true", help="CPU: only the memory table (it is not load-sensitive)")
     ap.add_argument("--memory-runs", type=int, default=3, help="CPU: fresh processes per memory figure (median)")
     ap.add_argument("--budgets", default="2,4,8,16,32",
-                    help="CPU: workspace budgets (MiB) for the trade-off table on the first set; '' for none")
+                    help="CPU: workspace budgets (MiB) for the trade-off table; '' for none")
+    ap.add_argument("--sweep-sets", default="1b,bank64", help="CPU: the sets of the trade-off table")
     ap.add_argument("--memory-child", nargs=4, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.memory_child:
@@ -327,7 +327,10 @@ def main(argv=None):
         body += ["", "## Memory a step adds on this CPU (bf16 parameters, a fresh process per configuration, "
                  f"median of {args.memory_runs})", "", md_table(mem_head, mem_rows)]
         if args.budgets and not args.memory_only:
-            sweep_head, sweep_rows = budget_sweep(args)
+            sweep_rows = []
+            for set_name in args.sweep_sets.split(","):
+                sweep_head, got = budget_sweep(args, set_name)
+                sweep_rows += got
             print(text_table(sweep_head, sweep_rows))
             body += ["", "## The workspace budget's trade-off on this CPU (bf16 parameters)", "",
                      "`workspace_bytes` caps a step's transient memory; more matrices per batched call run "

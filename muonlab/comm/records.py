@@ -51,6 +51,11 @@ class BatchPlan:
     """Whole matrices moved for balance (rebalance path): (parameter position in the batch,
     matrix index in that parameter's group-wide matrices, source rank, owner rank)."""
     shard_dim: int = 0
+    part: tuple[int, int] | None = None
+    """(p, P): the batch holds part p of P of its one parameter's matrices (an expert bank whose
+    matrices on a rank exceed the workspace budget): on every rank, run p of the P even runs
+    (``part_range``) of the matrices that rank holds. ``param_shapes``, ``sources`` and ``moves``
+    then describe the part's matrices alone. None: every matrix of each parameter."""
     notes: str = ""
 
     @property
@@ -66,6 +71,13 @@ class BatchPlan:
                     names=", ".join(self.names), ranks=len(self.ranks),
                     max_bytes_sent=max(self.bytes_sent, default=0), total_bytes=self.total_bytes,
                     max_flops=max(self.flops, default=0), notes=self.notes)
+
+
+def part_range(held: int, part: tuple[int, int]) -> tuple[int, int]:
+    """[lo, hi) of run p of P even runs over ``held`` matrices (``BatchPlan.part``); every rank
+    cuts the matrices it holds this way, so the planner and the optimizer agree."""
+    p, parts = part
+    return held * p // parts, held * (p + 1) // parts
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from ..comm.cost import HardwareProfile, get_profile
 from ..comm.engine import execute_plan, phase_seconds
 from ..comm.paths.subgroup import ranks_per_expert, subgroups_for
 from ..comm.planner import REMAINDER_PATHS, STRATEGIES, plan_batches
-from ..comm.records import BatchPlan, Plan
+from ..comm.records import BatchPlan, Plan, part_range
 from ..comm.specs import MatrixSpec, check_view, local_shard, matrix_spec, process_group_for
 from ..kernels.newton_schulz import NSConfig, form_for, resolve_dtype, resolve_form
 from ..kernels.runner import NewtonSchulzRunner, default_budget
@@ -76,6 +76,23 @@ def _by_settings(pairs: list[tuple[int, Any]], settings_of) -> list[tuple[Any, l
     for i, value in pairs:
         out.setdefault(settings_of(i), []).append((i, value))
     return list(out.items())
+
+
+def _part_of(batch: BatchPlan, local: torch.Tensor, read_only: bool = False) -> torch.Tensor:
+    """``local`` (a parameter-shaped local tensor: the shard, its grad or its momentum) or, for a
+    batch holding one part of a bank (``BatchPlan.part``), the view of the part's matrices: the
+    part's run of the matrices this rank holds, the same cut as the planner's. ``read_only``: a
+    copy will do where no view can (a grad)."""
+    if batch.part is None:
+        return local
+    try:
+        mats = local.reshape(-1, *batch.matrix_shape) if read_only else local.view(-1, *batch.matrix_shape)
+    except RuntimeError as err:
+        raise ValueError(f"parameter {batch.names[0]!r}: its local {fmt_shape(local.shape)} tensor is not laid out "
+                         f"as contiguous {fmt_shape(batch.matrix_shape)} matrices, so its bank can't be cut into "
+                         f"parts; make it contiguous or raise workspace_bytes") from err
+    lo, hi = part_range(mats.shape[0], batch.part)
+    return mats[lo:hi]
 
 
 def _checksum(p: torch.Tensor) -> tuple[float, float]:
@@ -136,8 +153,10 @@ class Muon(Optimizer):
         workspace_bytes: the most transient memory one Newton-Schulz call may take (its inputs,
             iterates and output). A batch of same-shape matrices that needs more runs in chunks
             that fit, into one reused workspace; None: max(256 MiB on a GPU or 8 MiB on a CPU, 5% of
-            this rank's Muon parameter bytes). Smaller saves memory; too small (below one matrix)
-            runs one matrix at a time.
+            this rank's Muon parameter bytes). An expert bank with more matrices on a rank than
+            fit runs in parts (``BatchPlan.part``: momentum, Newton-Schulz and update a part at a
+            time), so its momentum inputs are never all alive at once either. Smaller saves
+            memory; too small (below one matrix) runs one matrix at a time.
         ns_graphs: on CUDA, capture each chunk shape's Newton-Schulz chain in a CUDA graph once
             and replay it (one launch per chunk instead of three per iteration: faster below
             width ~4096, where eager launches leave the GPU idle). Costs the static buffers of
@@ -700,6 +719,8 @@ class Muon(Optimizer):
             )
             owners = {}
             for b in plan:
+                if b.part is not None:  # a bank that can't be cut raises here, before anything changes
+                    _part_of(b, local_shard(entries[b.param_indices[0]][1]))
                 if b.path == "subgroup":  # sub-groups are created collectively, here, never mid-step
                     subgroups_for(b.group, ranks_per_expert(b))
                 if b.path == "owner":
@@ -859,13 +880,14 @@ class Muon(Optimizer):
             # a replicated matrix's momentum and Newton-Schulz run on its owner rank only
             return i not in owners or owners[i][2]
 
-        def draft(i: int) -> torch.Tensor:
-            """A copy of parameter i's momentum buffer; zeros (its state to be) where it has none."""
+        def draft(i: int, batch) -> torch.Tensor:
+            """A copy of parameter i's momentum buffer (its part in ``batch``); zeros (its state to
+            be) where it has none."""
             p = entries[i][1]
             state = self.state.get(p)  # .get: a skipped step must not even create empty state
             if state:
-                return local_shard(state["momentum_buffer"]).clone()
-            return torch.zeros_like(local_shard(p), dtype=self._offload.dtype(p, "momentum_buffer"))
+                return _part_of(batch, local_shard(state["momentum_buffer"])).clone()
+            return torch.zeros_like(_part_of(batch, local_shard(p)), dtype=self._offload.dtype(p, "momentum_buffer"))
 
         def prepare(batch) -> list[torch.Tensor | None]:
             """1. momentum on the local shard (replicated matrices: on their owner only)."""
@@ -873,8 +895,8 @@ class Muon(Optimizer):
             with self._tracer.span("momentum", batch=batch.index):
                 mine = [i for i in batch.param_indices if on_this_rank(i)]
                 if before_gate:  # the step may still be skipped: this batch writes no buffer
-                    copies = [(i, draft(i)) for i in mine]
-                    drafts.extend(copies)
+                    copies = [(i, draft(i, batch)) for i in mine]
+                    drafts.extend((i, batch, buf) for i, buf in copies)
                     runs = [[(i, (buf,)) for i, buf in copies]]
                 else:
                     items = [(i, entries[i][1], self._state_for(entries[i][1], "muon")) for i in mine]
@@ -883,10 +905,13 @@ class Muon(Optimizer):
                     fetched = self._offload.each(items, ("momentum_buffer",))
                     resident = self._offload.place_of("momentum_buffer") is None
                     runs = [list(fetched)] if resident else ([f] for f in fetched)
+                    # a part of a bank: its share of the buffer (an offloaded buffer is fetched
+                    # and written back whole, once per part)
+                    runs = ([(i, (_part_of(batch, buf),)) for i, (buf,) in run] for run in runs)
                 for run in runs:
                     for settings, members in _by_settings(run, lambda i: _momentum_settings(entries[i][0])):
-                        outs = F.muon_momentum_([local_shard(entries[i][1].grad) for i, _ in members],
-                                                [buf for _, (buf,) in members], **dict(settings))
+                        grads = [_part_of(batch, local_shard(entries[i][1].grad), read_only=True) for i, _ in members]
+                        outs = F.muon_momentum_(grads, [buf for _, (buf,) in members], **dict(settings))
                         inputs.update(zip((i for i, _ in members), outs))
             return [inputs[i] for i in batch.param_indices]
 
@@ -896,9 +921,10 @@ class Muon(Optimizer):
             if not gate():
                 return False
             before_gate = False
-            bufs = [local_shard(self._state_for(entries[i][1], "muon")["momentum_buffer"]) for i, _ in drafts]
+            bufs = [_part_of(batch, local_shard(self._state_for(entries[i][1], "muon")["momentum_buffer"]))
+                    for i, batch, _ in drafts]
             if bufs:
-                torch._foreach_copy_(bufs, [d for _, d in drafts])
+                torch._foreach_copy_(bufs, [d for _, _, d in drafts])
             drafts.clear()
             return True
 
@@ -912,7 +938,8 @@ class Muon(Optimizer):
                 for (lr, weight_decay), members in _by_settings(
                         pairs, lambda i: (float(entries[i][0]["lr"]), entries[i][0]["weight_decay"])):
                     F.muon_apply_(
-                        [local_shard(entries[i][1]) for i, _ in members], [out for _, out in members], lr=lr,
+                        [_part_of(batch, local_shard(entries[i][1])) for i, _ in members],
+                        [out for _, out in members], lr=lr,
                         weight_decay=weight_decay,
                         ratios=[F.adjust_lr_ratio(specs[i].lr_shape, entries[i][0]["adjust_lr"]) for i, _ in members],
                     )

@@ -33,9 +33,15 @@ def global_batches(world: int, steps: int = STEPS):
     return [shifted(t) for t in token_batches(11, world, MODEL_CFG["context"] + 1, steps)]
 
 
+PARTS = "fp32-parts"
+"""A precision tag: fp32, with a workspace budget of one expert matrix per batch, so that every
+expert bank is cut into parts (``BatchPlan.part``), one matrix per rank each."""
+
+
 def _optimizer(model, precision: str) -> Muon:
-    dtype = DTYPES[precision]
-    return Muon(muon_param_groups(model), ns_dtype=dtype, comm_dtype=dtype, **HYPER)
+    dtype = DTYPES["fp32" if precision == PARTS else precision]
+    budget = dict(workspace_bytes=1) if precision == PARTS else {}
+    return Muon(muon_param_groups(model), ns_dtype=dtype, comm_dtype=dtype, **HYPER, **budget)
 
 
 def single_process(world: int, num_experts: int, precision: str, steps: int = STEPS):
@@ -61,7 +67,7 @@ def _run_case(mesh, ep: int, num_experts: int, precision: str) -> dict:
     ep_group = mesh.get_group("ep")
     return dict(
         params={n: full_ep(p, p, ep_group) for n, p in model.named_parameters()},
-        plan=[(b.path, b.names, b.owners, b.bytes_sent, b.bytes_recv, b.flops, b.moves) for b in plan],
+        plan=[(b.path, b.names, b.owners, b.bytes_sent, b.bytes_recv, b.flops, b.moves, b.part) for b in plan],
         groups=[None if b.group is None else (b.group.axis_name, b.group.size) for b in plan],
         sent=stats["bytes_sent"], recv=stats["bytes_recv"], plan_sent=plan_sent, plan_recv=plan_recv,
         plan_flops=plan_flops, expert_group_ranks_agree=all(r == fsdp_rank for r in expert_ranks.values()),

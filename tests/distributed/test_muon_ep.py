@@ -20,7 +20,10 @@ from ._common import cloned, nonzero, rel_displacement
 NUM_RANKS = 4
 INVALID = [(2, 3, "fp32")]
 CASES = [(ep, e, "fp32") for ep in (1, 2) for e in (3, 4, 6, 8) if e % ep == 0] + [(2, 6, "bf16")]
-TOLERANCE = {"fp32": 1e-5, "bf16": 3e-2}
+# expert banks cut into parts by a workspace budget of one matrix: evenly held (8 on 4 ranks) and
+# rebalanced (6 on 4 ranks: 2,2,2,0)
+PART_CASES = [(1, 8, W.PARTS), (1, 6, W.PARTS)]
+TOLERANCE = {"fp32": 1e-5, "bf16": 3e-2, W.PARTS: 1e-5}
 
 
 def _id(case) -> str:
@@ -30,7 +33,7 @@ def _id(case) -> str:
 
 @pytest.fixture(scope="module")
 def results():
-    return launch(W.everything, NUM_RANKS, INVALID + CASES, timeout_s=300)
+    return launch(W.everything, NUM_RANKS, INVALID + CASES + PART_CASES, timeout_s=300)
 
 
 @pytest.mark.timeout(400)
@@ -44,10 +47,11 @@ def test_experts_not_divisible_by_ep_are_refused(results, case):
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("case", CASES, ids=_id)
+@pytest.mark.parametrize("case", CASES + PART_CASES, ids=_id)
 def test_matches_single_process(results, case):
     ep, num_experts, precision = case
-    ref = W.single_process(NUM_RANKS, num_experts, precision)
+    # banks in parts: against the reference without parts (one process, no budget)
+    ref = W.single_process(NUM_RANKS, num_experts, "fp32" if precision == W.PARTS else precision)
     start = cloned(W.build_model(num_experts).named_parameters())
     tol = TOLERANCE[precision]
     for rank, res in results.items():
@@ -63,7 +67,7 @@ def test_matches_single_process(results, case):
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("case", CASES, ids=_id)
+@pytest.mark.parametrize("case", CASES + PART_CASES, ids=_id)
 def test_plan_identical_and_bytes_measured_equal_plan_bytes(results, case):
     plans = [res[case]["plan"] for res in results.values()]
     assert all(p == plans[0] for p in plans), "ranks planned differently"
@@ -89,7 +93,28 @@ def test_plan_identical_and_bytes_measured_equal_plan_bytes(results, case):
         assert expected <= set(r["spans"]), (rank, r["spans"])
 
 
-SIM_CASES = CASES
+SIM_CASES = CASES  # simulate() plans without a workspace budget: no parts
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("case", PART_CASES, ids=_id)
+def test_banks_over_the_budget_run_in_parts(results, case):
+    """A budget of one matrix: each bank runs as parts holding at most one matrix per rank, every
+    matrix in exactly one part; the bytes are those of the same plan without parts."""
+    ep, num_experts, _ = case
+    plan = results[0][case]["plan"]
+    banks = [row for row in plan if any(n.endswith(("w_in", "w_out")) for n in row[1])]
+    parts = {}
+    for row in banks:
+        assert row[7] is not None, row
+        parts.setdefault(row[1], []).append(row[7])
+    per_rank = -(-num_experts // (NUM_RANKS // ep))  # matrices of a bank a rank holds at most
+    for name, ps in parts.items():
+        assert sorted(ps) == [(p, per_rank) for p in range(per_rank)], (name, ps)
+    def bank_bytes(rows):
+        return sum(sum(r[3]) for r in rows if any(n.endswith(("w_in", "w_out")) for n in r[1]))
+
+    assert bank_bytes(plan) == bank_bytes(results[0][(ep, num_experts, "fp32")]["plan"])
 
 
 @pytest.mark.timeout(400)

@@ -102,6 +102,72 @@ def test_3d_bank_equals_loop_over_2d_slices():
     torch.testing.assert_close(bank.detach(), torch.stack([s.detach() for s in slices]), rtol=1e-6, atol=1e-6)
 
 
+BANK_PER_MATRIX = 4 * (2 * 16 * 48 + 2 * 16 * 16)  # fp32, a 16x48 matrix: input (= output), iterate, two products
+
+
+@pytest.mark.parametrize("offload", [{}, {"state_offload": "cpu"}], ids=["resident", "offloaded"])
+def test_a_bank_over_the_budget_runs_in_parts_with_the_same_bits(offload):
+    # 10 experts under a budget of 4 matrices: parts of 3, 3 and 4 (the 2-D matrix of the same
+    # shape runs whole); every part's momentum, Newton-Schulz and update equal the whole bank's
+    shapes = [(10, 16, 48), (16, 48)]
+    runs = {}
+    for budget in (None, 4 * BANK_PER_MATRIX):
+        params = _params(shapes)
+        opt = Muon(params, ns_dtype=torch.float32, weight_decay=0.1, workspace_bytes=budget, **offload)
+        for grads in _grads(shapes, 3):
+            for p, g in zip(params, grads):
+                p.grad = g.clone()
+            opt.step()
+        runs[budget] = (params, opt)
+    (whole, a), (parted, b) = runs[None], runs[4 * BANK_PER_MATRIX]
+    assert [x.part for x in a.plan()] == [None]
+    assert sorted((x.part, x.num_matrices) for x in b.plan() if x.part) == [((0, 3), 3), ((1, 3), 3), ((2, 3), 4)]
+    assert [x.param_shapes for x in b.plan() if not x.part] == [((16, 48),)]
+    for p, q in zip(whole, parted):
+        assert torch.equal(p, q)
+        assert torch.equal(a.state[p]["momentum_buffer"], b.state[q]["momentum_buffer"])
+
+
+def test_a_bank_in_parts_never_holds_a_bank_sized_tensor():
+    # the point of parts: a step's momentum inputs are taken a part at a time, so nothing the
+    # size of the bank is allocated (a whole-bank Nesterov input was 10 matrices here)
+    from torch.profiler import ProfilerActivity, profile
+
+    bank = _params([(10, 16, 48)])[0]
+    opt = Muon([bank], ns_dtype=torch.float32, workspace_bytes=4 * BANK_PER_MATRIX)
+    bank.grad = torch.randn_like(bank)
+    opt.step()  # state and workspace made
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        opt.step()
+    largest = max(e.cpu_memory_usage for e in prof.events())
+    assert 0 < largest <= 4 * 16 * 48 * 4, (largest, bank.numel() * 4)
+
+
+def test_a_bank_whose_matrices_are_not_one_run_is_named_when_cut():
+    # a 4-D bank whose two leading dims can't be flattened into a view can't be cut into parts
+    bank = torch.nn.Parameter(torch.randn(5, 2, 16, 48).transpose(0, 1))  # (2, 5, 16, 48)
+    opt = Muon([("w", bank)], ns_dtype=torch.float32, workspace_bytes=4 * BANK_PER_MATRIX,
+               matrix_views={"w": "bank"})
+    bank.grad = torch.randn(2, 5, 16, 48)
+    before = bank.detach().clone()
+    with pytest.raises(ValueError, match="'w'.*contiguous"):
+        opt.step()
+    assert torch.equal(bank, before) and not opt.state
+
+
+def test_a_transposed_bank_runs_in_parts_with_the_same_bits():
+    # (E, A, B) with strided matrices: cutting dim 0 is a view all the same
+    results = []
+    for budget in (None, 4 * BANK_PER_MATRIX):
+        bank = torch.nn.Parameter(torch.randn(10, 48, 16, generator=torch.Generator().manual_seed(0)).transpose(1, 2))
+        opt = Muon([bank], ns_dtype=torch.float32, workspace_bytes=budget)
+        for (g,) in _grads([(10, 16, 48)], 2):
+            bank.grad = g
+            opt.step()
+        results.append(bank.detach().clone())
+    assert torch.equal(*results)
+
+
 def _gpt_and_opt(seed=0):
     torch.manual_seed(seed)
     model = GPT(GPTConfig(d_model=32, n_layers=2, context=16))

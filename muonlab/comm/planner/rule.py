@@ -10,6 +10,7 @@ collectives count the same at the call. The search over rules is in ``search.py`
 from __future__ import annotations
 
 import heapq
+import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import replace
@@ -17,7 +18,7 @@ from dataclasses import replace
 from ...kernels.newton_schulz import NSConfig, ns_flops
 from ..cost import batch_seconds
 from ..paths import agrs, all_to_all, gather_all, owner, rebalance, subgroup
-from ..records import BatchPlan, Plan
+from ..records import BatchPlan, Plan, part_range
 from ..specs import GroupKey, MatrixSpec
 from .loads import RankLoads, least_loaded, lpt_makespan
 
@@ -62,16 +63,34 @@ class RulePlanner:
         return self._sources[i]
 
     def make(self, path: str, idx: Sequence[int], group, ranks, owners=(), sent=(), recv=(), flops=(),
-             notes: str = "", **extra) -> BatchPlan:
+             notes: str = "", param_shapes=None, **extra) -> BatchPlan:
+        """A batch of parameters ``idx`` (``param_shapes``: what of each it holds, if not all)."""
         specs = self.specs
         first = specs[idx[0]]
+        shapes = tuple(specs[i].shape for i in idx) if param_shapes is None else tuple(param_shapes)
         return BatchPlan(
             index=len(self.batches), path=path, names=tuple(specs[i].name for i in idx),
             param_indices=tuple(specs[i].index for i in idx), matrix_shape=first.matrix_shape,
-            num_matrices=sum(specs[i].num_matrices for i in idx), group=group, ns_config=self.configs[idx[0]],
+            num_matrices=sum(specs[i].num_matrices for i in idx) if param_shapes is None
+            else sum(math.prod(s[:-2]) for s in shapes), group=group, ns_config=self.configs[idx[0]],
             ranks=tuple(ranks), owners=tuple(owners), bytes_sent=tuple(sent), bytes_recv=tuple(recv),
-            flops=tuple(flops), rows=first.rows, param_shapes=tuple(specs[i].shape for i in idx),
+            flops=tuple(flops), rows=first.rows, param_shapes=shapes,
             shard_dim=first.shard_dim, notes=notes, **extra)
+
+    def part_members(self, i: int, part: tuple[int, int] | None) -> list[int]:
+        """Matrices of parameter i (indices into ``sources_of(i)``) in ``part`` (None: all): on
+        each rank, that part's run of the matrices it holds (``part_range``)."""
+        sources = self.sources_of(i)
+        if part is None:
+            return list(range(len(sources)))
+        held: dict[int, list[int]] = {}
+        for j, src in enumerate(sources):
+            held.setdefault(src, []).append(j)
+        members = []
+        for js in held.values():
+            lo, hi = part_range(len(js), part)
+            members.extend(js[lo:hi])
+        return sorted(members)
 
     def plan(self) -> Plan:
         row_sharded, whole, replicated = self._by_layout()
@@ -96,7 +115,7 @@ class RulePlanner:
         for i, (spec, cfg) in enumerate(zip(self.specs, self.configs)):
             buckets.setdefault((spec.group, spec.layout, spec.matrix_shape, cfg), []).append(i)
         row_sharded: dict[GroupKey, list[int]] = {}
-        whole: dict[GroupKey | None, list[list[int]]] = {}
+        whole: dict[GroupKey | None, list[list[tuple]]] = {}
         replicated: dict[GroupKey, list[int]] = {}
         for (group, layout, _, _), idx in buckets.items():
             if layout == "whole":
@@ -117,14 +136,16 @@ class RulePlanner:
                 raise AssertionError(layout)
         return row_sharded, whole, replicated
 
-    def _within_budget(self, idx: list[int]) -> list[list[int]]:
-        """A bucket of whole matrices as runs of parameters whose matrices per rank fit
-        ``max_local_matrices`` (a parameter larger than that alone is still one run), as even as
-        the parameters allow: 24 matrices under a limit of 7 run as 6+6+6+6, not 7+7+7+3 (each
-        distinct batch size is another shape for the matmul library to plan and cache kernels for;
-        on a CPU each costs memory)."""
+    def _within_budget(self, idx: list[int]) -> list[list[tuple[int, tuple[int, int] | None]]]:
+        """A bucket of whole matrices as runs of (parameter, part) whose matrices per rank fit
+        ``max_local_matrices``, as even as the parameters allow: 24 matrices under a limit of 7 run
+        as 6+6+6+6, not 7+7+7+3 (each distinct batch size is another shape for the matmul library
+        to plan and cache kernels for; on a CPU each costs memory). An expert bank (view "bank")
+        with more matrices on a rank than that is cut into parts (``BatchPlan.part``), so that its
+        momentum inputs too are taken a part at a time; a 2-D parameter (one matrix, or a few
+        fused ones) stays one run. Part None: the whole parameter."""
         if self.max_local_matrices is None:
-            return [idx]
+            return [[(i, None) for i in idx]]
         spec = self.specs[idx[0]]
         limit = self.max_local_matrices(spec.matrix_shape, self.configs[idx[0]])
         held_by = [max(Counter(self.sources_of(i)).values()) for i in idx]  # each parameter's most on one rank
@@ -132,12 +153,16 @@ class RulePlanner:
         limit = -(-total // -(-total // limit)) if total else limit  # total over the fewest runs, rounded up
         runs, run, held = [], [], 0
         for i, here in zip(idx, held_by):
+            if here > limit and self.specs[i].view == "bank":
+                parts = -(-here // limit)
+                runs.extend([(i, (p, parts))] for p in range(parts))
+                continue
             if run and held + here > limit:
                 runs.append(run)
                 run, held = [], 0
-            run.append(i)
+            run.append((i, None))
             held += here
-        return runs + [run]
+        return runs + [run] if run else runs
 
     def _plan_subgroup(self, group: GroupKey, idx: list[int]) -> None:
         """Each of the E experts spans k = W / E ranks; every rank all-gathers its expert within its
@@ -244,35 +269,43 @@ class RulePlanner:
 
     # ------------------------------------------------------------------ whole matrices (experts)
 
-    def _plan_whole(self, group: GroupKey | None, buckets: list[list[int]]) -> None:
+    def _plan_whole(self, group: GroupKey | None, buckets: list[list[tuple[int, tuple[int, int] | None]]]) -> None:
         """Whole matrices stay where they lie unless their rank is overloaded; then the largest ones
         move to the least-loaded ranks (path "rebalance": out to the owner and back), until no rank
         exceeds what an LPT placement would reach. Experts of a MoE layer sharded over more ranks
-        than experts would otherwise leave most ranks idle."""
+        than experts would otherwise leave most ranks idle. A bucket is a run of (parameter, part)."""
         size = group.size if group else 1
-        sources = {i: self.sources_of(i) for idx in buckets for i in idx}
-        owner = self._whole_owners(group, buckets, sources)
-        for idx in buckets:
-            moves, flops = [], [0] * size
-            for pos, i in enumerate(idx):
-                for j, src in enumerate(sources[i]):
-                    o = owner[(i, j)]
+        members = {item: self.part_members(*item) for bucket in buckets for item in bucket}
+        owner = self._whole_owners(group, members)
+        for bucket in buckets:
+            moves, flops, sources = [], [0] * size, []
+            for pos, (i, part) in enumerate(bucket):
+                all_sources = self.sources_of(i)
+                sources.append(tuple(all_sources[j] for j in members[(i, part)]))
+                for k, j in enumerate(members[(i, part)]):  # k: the matrix's place in the part
+                    src, o = all_sources[j], owner[(i, j)]
                     flops[o] += self.flops_of(i)
                     if o != src:
-                        moves.append((pos, j, src, o))
+                        moves.append((pos, k, src, o))
+            idx = [i for i, _ in bucket]
+            part = bucket[0][1]
             A, B = self.specs[idx[0]].matrix_shape
+            notes = [f"part {part[0] + 1} of {part[1]}"] if part else []
+            notes += [f"{len(moves)} matrices moved for balance"] if moves else []
             sent, recv = rebalance.bytes_per_rank(moves, size, A * B * self.itemsize)
             self.batches.append(self.make(
                 "rebalance" if moves else "local", idx, group, [r for r in range(size) if flops[r]] or [0],
-                sent=sent, recv=recv, flops=flops, notes=f"{len(moves)} matrices moved for balance" if moves else "",
-                moves=tuple(moves), sources=tuple(tuple(sources[i]) for i in idx)))
+                sent=sent, recv=recv, flops=flops, notes="; ".join(notes), moves=tuple(moves),
+                sources=tuple(sources), part=part,
+                param_shapes=[(len(s), A, B) for s in sources] if part else None))
 
-    def _whole_owners(self, group, buckets, sources) -> dict[tuple[int, int], int]:
-        """{(parameter, matrix): rank that orthogonalizes it}: where it lies, or a move for balance."""
+    def _whole_owners(self, group, members: dict) -> dict[tuple[int, int], int]:
+        """{(parameter, matrix): rank that orthogonalizes it}: where it lies, or a move for balance.
+        ``members``: {(parameter, part): its matrices}."""
         size = group.size if group else 1
         load = self.loads.view(group)
         flops_of = self.flops_of
-        items = [(i, j, src) for idx in buckets for i in idx for j, src in enumerate(sources[i])]
+        items = [(i, j, self.sources_of(i)[j]) for (i, _), js in members.items() for j in js]
         # the target: the makespan LPT reaches placing these matrices freely on top of the rest
         base = list(load)
         for i, _, src in items:
