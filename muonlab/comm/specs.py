@@ -57,6 +57,19 @@ def local_shard(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor
 
 
+def even_share_bytes(t: torch.Tensor) -> int:
+    """``t``'s bytes divided evenly over the mesh dims that shard it (a plain tensor: all of them).
+    The same number on every rank, where a rank's own shard may be a little larger, smaller or
+    empty: what a rank-independent setting (the default workspace budget, which shapes the plan)
+    is computed from."""
+    n = t.numel() * t.element_size()
+    if DTensor is not None and isinstance(t, DTensor):
+        for dim, placement in enumerate(t.placements):
+            if placement.is_shard():
+                n //= t.device_mesh.size(dim)
+    return n
+
+
 def default_view(shape: tuple[int, ...]) -> str:
     """The view of a parameter nobody declared one for: 2-D "matrix", 3-D "bank", 4-D+ "flatten"
     (a 4-D parameter is far more often a conv kernel than a bank of banks)."""

@@ -21,7 +21,7 @@ from ..comm.engine import execute_plan, phase_seconds
 from ..comm.paths.subgroup import ranks_per_expert, subgroups_for
 from ..comm.planner import REMAINDER_PATHS, STRATEGIES, plan_batches
 from ..comm.records import BatchPlan, Plan, part_range
-from ..comm.specs import MatrixSpec, check_view, local_shard, matrix_spec, process_group_for
+from ..comm.specs import MatrixSpec, check_view, even_share_bytes, local_shard, matrix_spec, process_group_for
 from ..kernels.newton_schulz import NSConfig, form_for, resolve_dtype, resolve_form
 from ..kernels.runner import NewtonSchulzRunner, default_budget
 from ..trace import Span, Tracer
@@ -153,7 +153,8 @@ class Muon(Optimizer):
         workspace_bytes: the most transient memory one Newton-Schulz call may take (its inputs,
             iterates and output). A batch of same-shape matrices that needs more runs in chunks
             that fit, into one reused workspace; None: max(256 MiB on a GPU or 8 MiB on a CPU, 5% of
-            this rank's Muon parameter bytes). An expert bank with more matrices on a rank than
+            a rank's even share of the Muon parameter bytes). Must be the same on every rank (it
+            shapes the plan; checked). An expert bank with more matrices on a rank than
             fit runs in parts (``BatchPlan.part``: momentum, Newton-Schulz and update a part at a
             time), so its momentum inputs are never all alive at once either. Smaller saves
             memory; too small (below one matrix) runs one matrix at a time.
@@ -737,16 +738,20 @@ class Muon(Optimizer):
         parameter, and a checksum of each replicated (plain-tensor) one: a plain tensor under a
         multi-rank group is taken as a replica (DDP), updated from one owner's result, so replicas
         that differ (independent models per rank, parameters listed in another order) would
-        silently train wrong. A mismatch is a ValueError naming the ranks and the parameter.
+        silently train wrong. The workspace budget too: it groups matrices into batches. A
+        mismatch is a ValueError naming the ranks and the parameter (or the budgets).
         """
         if not _dist_on() or dist.get_world_size() == 1:
             return
         mine = [(s.name, s.shape, s.layout, s.num_fused, c, s.view) for s, c in zip(specs, configs)]
         sums = [_checksum(p) if s.layout == "replicated" else None for s, p in zip(specs, params)]
         everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, (mine, sums))
-        first, first_sums = everyone[0]
-        for rank, (theirs, their_sums) in enumerate(everyone):
+        dist.all_gather_object(everyone, (mine, sums, self._ns_runner().budget_bytes))
+        first, first_sums, first_budget = everyone[0]
+        for rank, (theirs, their_sums, their_budget) in enumerate(everyone):
+            if their_budget != first_budget:  # it groups matrices into batches: plans would differ
+                raise ValueError(f"ranks disagree on the Newton-Schulz workspace budget: rank 0 has {first_budget} "
+                                 f"bytes, rank {rank} has {their_budget}; pass the same workspace_bytes on every rank")
             if theirs != first:
                 for a, b in zip(first, theirs):
                     if a != b:
@@ -957,12 +962,15 @@ class Muon(Optimizer):
 
     def _ns_runner(self) -> NewtonSchulzRunner:
         """The Newton-Schulz runner (chunks within the workspace budget, reused buffers, graphs),
-        made at the first step; its ``budget_bytes`` is the one budget the plan and the chunks use."""
+        made at the first step; its ``budget_bytes`` is the one budget the plan and the chunks use.
+        The default is computed from each parameter's even share of its bytes, not from this
+        rank's own shards: it decides how matrices are grouped into batches, so it must be the
+        same on every rank (uneven FSDP2 shards would otherwise give ranks different plans)."""
         if self._runner is None:
             budget = self.workspace_bytes
             if budget is None:
-                local = [local_shard(p) for _, p in self._muon_entries()]
-                budget = default_budget(sum(t.numel() * t.element_size() for t in local), self._device().type)
+                share = sum(even_share_bytes(p) for _, p in self._muon_entries())
+                budget = default_budget(share, self._device().type)
             self._runner = NewtonSchulzRunner(budget, graphs=self.ns_graphs)
         return self._runner
 

@@ -179,6 +179,31 @@ def disagree_case():
     return dict(message=message, untouched=bool((w == 1).all() and (b == 1).all()), state=len(opt.state))
 
 
+def budget_case():
+    """Each rank passes its own workspace_bytes: a clear error on every rank, nothing moves. And the
+    default budget's basis, a parameter's even share of its bytes, is the same on every rank where
+    the shards are not (5 rows on the ranks of the group)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from muonlab.comm.specs import even_share_bytes, local_shard
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    w = torch.nn.Parameter(torch.ones(4, 8))
+    opt = Muon([("w", w)], workspace_bytes=2**20 + rank)
+    w.grad = torch.ones_like(w)
+    try:
+        opt.step()
+        message = None
+    except ValueError as e:
+        message = str(e)
+    mesh = init_device_mesh("cpu", (world,))
+    uneven = distribute_tensor(torch.ones(5, 3), mesh, [Shard(0)])
+    shard = local_shard(uneven)
+    return dict(message=message, untouched=bool((w == 1).all()), state=len(opt.state),
+                share=even_share_bytes(uneven), local=shard.numel() * shard.element_size())
+
+
 def diverged_case():
     """Plain tensors that are not replicas: each rank's own model, and the same two matrices listed
     in another order on the last rank. Both must be refused, naming the parameter, before any change."""
@@ -209,4 +234,5 @@ def everything(world: int, gpt_cases, path_cases):
     return dict(gpt=gpt_runs(gpt_cases), paths=path_runs(world, path_cases),
                 nonfinite=nonfinite_case() if world > 1 else None,
                 disagree=disagree_case() if world > 1 else None,
+                budget=budget_case() if world > 1 else None,
                 diverged=diverged_case() if world > 1 else None)

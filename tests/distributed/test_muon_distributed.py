@@ -159,6 +159,19 @@ def test_ranks_that_disagree_on_a_shape_get_a_clear_error_and_nothing_changes(se
 
 
 @pytest.mark.timeout(600)
+def test_ranks_with_different_workspace_budgets_get_a_clear_error(several_ranks):
+    world, results = several_ranks
+    for rank, res in results.items():
+        r = res["budget"]
+        assert r["message"] == ("ranks disagree on the Newton-Schulz workspace budget: rank 0 has 1048576 bytes, "
+                                "rank 1 has 1048577; pass the same workspace_bytes on every rank"), r
+        assert r["untouched"] and r["state"] == 0
+    # the default budget's basis: equal on every rank, though the shards are not
+    assert {res["budget"]["share"] for res in results.values()} == {5 * 3 * 4 // world}
+    assert len({res["budget"]["local"] for res in results.values()}) > 1
+
+
+@pytest.mark.timeout(600)
 def test_plain_tensors_that_are_not_replicas_are_refused_by_name(several_ranks):
     world, results = several_ranks
     for rank, res in results.items():
