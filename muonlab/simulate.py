@@ -21,8 +21,10 @@ from .comm.planner import REFERENCE_STRATEGIES, plan_batches, reference_plan
 from .comm.records import Plan, per_rank
 from .comm.specs import GroupKey, MatrixSpec, check_view, chunk_sizes, default_view, fused_row_layout
 from .distributed.mesh import MeshAxis
-from .kernels.newton_schulz import NSConfig, ns_flops, resolve_form
+from .kernels.newton_schulz import NSConfig, form_for, ns_flops, resolve_form
+from .kernels.workspace import max_batch_matrices
 from .optim.routing import muon_param_groups
+from .optim.validation import check_workspace_bytes
 
 SIMULATED_STRATEGIES = ("muonlab",) + REFERENCE_STRATEGIES
 LAYOUTS = ("fsdp", "ddp")
@@ -123,6 +125,8 @@ def simulate(
     remainder_path: str = "auto",
     fused_banks: dict[str, int] | None = None,
     matrix_views: dict[str, str] | None = None,
+    workspace_bytes: int | None = None,
+    ns_dtype: torch.dtype = torch.bfloat16,
 ) -> Plan:
     """The plan (records as ``Muon.plan()``) for these Muon matrices on a mesh.
 
@@ -136,9 +140,14 @@ def simulate(
             are GPUs: the gram form where it saves 20% of the FLOPs).
         fused_banks: {name: E} for 2-D parameters stacking E matrices on dim 0 (as in Muon).
         matrix_views: {name: view} overriding a parameter's matrix view (as in Muon).
+        workspace_bytes: Muon's Newton-Schulz budget per rank, which splits buckets of whole
+            matrices into batches and cuts expert banks larger than it into parts, as the run
+            does; None: no budget (one batch per bucket). ``ns_dtype`` (Newton-Schulz, and the
+            momentum as in the parameters' dtype) sizes the matrices against it.
     """
     if strategy not in SIMULATED_STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; choose one of {SIMULATED_STRATEGIES}")
+    check_workspace_bytes(workspace_bytes)
     if not isinstance(mesh_shape, int) and len(mesh_shape) == 1:  # (W,), as init_device_mesh takes it
         (mesh_shape,) = mesh_shape
     expert_mesh = not isinstance(mesh_shape, int)
@@ -154,7 +163,13 @@ def simulate(
     configs = [NSConfig(steps=ns_steps, **resolve_form(ns_form, "cuda"))] * len(specs)
     itemsize = torch.empty(0, dtype=comm_dtype).element_size()
     if strategy == "muonlab":
-        return plan_batches(specs, configs, comm_itemsize=itemsize, remainder_path=remainder_path, profile=profile)
+        limit = None
+        if workspace_bytes is not None:  # what Muon._max_local_matrices gives a run with this budget
+            def limit(shape, cfg):
+                return max_batch_matrices(shape, ns_dtype.itemsize, workspace_bytes, reuses_input=True,
+                                          form=form_for(cfg, shape))
+        return plan_batches(specs, configs, comm_itemsize=itemsize, remainder_path=remainder_path, profile=profile,
+                            max_local_matrices=limit)
     return reference_plan(strategy, specs, configs, comm_itemsize=itemsize)
 
 

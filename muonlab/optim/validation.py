@@ -98,6 +98,14 @@ def check_hyperparameters(values: dict, algorithm: str, prefix: str, where: str)
             f"unknown momentum_form {values['momentum_form']!r}{where}; choose one of {F.MOMENTUM_FORMS}")
 
 
+def check_workspace_bytes(workspace_bytes) -> None:
+    """A Newton-Schulz workspace budget: an int >= 1 (bytes) or None."""
+    if workspace_bytes is not None and (not isinstance(workspace_bytes, int) or isinstance(workspace_bytes, bool)):
+        raise TypeError(f"workspace_bytes must be an int (bytes) or None, got {workspace_bytes!r}")
+    if workspace_bytes is not None and workspace_bytes < 1:
+        raise ValueError(f"workspace_bytes must be >= 1, got {workspace_bytes}")
+
+
 def check_memory_options(momentum_dtype, workspace_bytes, ns_graphs) -> None:
     """Muon's momentum_dtype, workspace_bytes and ns_graphs."""
     if momentum_dtype is not None and not isinstance(momentum_dtype, torch.dtype):
@@ -106,9 +114,6 @@ def check_memory_options(momentum_dtype, workspace_bytes, ns_graphs) -> None:
                                                              torch.float64):
         raise ValueError(f"momentum_dtype must be a floating dtype (float16, bfloat16, float32, float64), "
                          f"got {momentum_dtype}")
-    if workspace_bytes is not None and (not isinstance(workspace_bytes, int) or isinstance(workspace_bytes, bool)):
-        raise TypeError(f"workspace_bytes must be an int (bytes) or None, got {workspace_bytes!r}")
-    if workspace_bytes is not None and workspace_bytes < 1:
-        raise ValueError(f"workspace_bytes must be >= 1, got {workspace_bytes}")
+    check_workspace_bytes(workspace_bytes)
     if not isinstance(ns_graphs, bool):
         raise TypeError(f"ns_graphs must be a bool, got {ns_graphs!r}")

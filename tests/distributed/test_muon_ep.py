@@ -93,7 +93,7 @@ def test_plan_identical_and_bytes_measured_equal_plan_bytes(results, case):
         assert expected <= set(r["spans"]), (rank, r["spans"])
 
 
-SIM_CASES = CASES  # simulate() plans without a workspace budget: no parts
+SIM_CASES = CASES + PART_CASES
 
 
 @pytest.mark.timeout(400)
@@ -124,10 +124,11 @@ def test_simulated_plan_equals_the_runtime_plan(results, case):
     from muonlab.simulate import simulate
 
     ep, num_experts, precision = case
-    sim = simulate(W.build_model(num_experts), (NUM_RANKS // ep, ep), profile="cpu_gloo",
-                   comm_dtype=W.DTYPES[precision])
-    runtime = [row[:4] + row[5:6] for row in results[0][case]["plan"]]
-    assert [(b.path, b.names, b.owners, b.bytes_sent, b.flops) for b in sim] == runtime
+    dtype = W.DTYPES["fp32" if precision == W.PARTS else precision]
+    budget = dict(workspace_bytes=1, ns_dtype=dtype) if precision == W.PARTS else {}
+    sim = simulate(W.build_model(num_experts), (NUM_RANKS // ep, ep), profile="cpu_gloo", comm_dtype=dtype, **budget)
+    runtime = [row[:4] + row[5:6] + row[7:8] for row in results[0][case]["plan"]]
+    assert [(b.path, b.names, b.owners, b.bytes_sent, b.flops, b.part) for b in sim] == runtime
 
 
 @pytest.mark.timeout(400)

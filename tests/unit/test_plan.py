@@ -245,3 +245,28 @@ def test_local_batches_split_evenly_within_the_workspace_budget():
     assert [len(b.param_indices) for b in opt.plan()] == [6, 6, 6, 6]  # a limit of 6: 24 / 6
     opt = muonlab.Muon(params[:23], ns_dtype=torch.float32, workspace_bytes=7 * per_matrix)
     assert sorted(len(b.param_indices) for b in opt.plan()) == [5, 6, 6, 6]
+
+
+def test_simulate_with_a_workspace_budget_plans_the_parts_a_run_takes():
+    """simulate(workspace_bytes=...) cuts a bank as Muon with that budget does (one process here;
+    on 4 gloo ranks with expert parallelism: tests/distributed/test_muon_ep.py)."""
+    import pytest
+    import torch
+
+    import muonlab
+    from muonlab.simulate import simulate
+
+    shapes = [("bank", (10, 16, 48)), ("w", (16, 48))]
+    budget = 4 * 4 * (2 * 16 * 48 + 2 * 16 * 16)  # four fp32 16x48 matrices
+    params = [(n, torch.nn.Parameter(torch.randn(s))) for n, s in shapes]
+    opt = muonlab.Muon(params, ns_dtype=torch.float32, ns_form="plain", workspace_bytes=budget)
+    sim = simulate(shapes, 1, workspace_bytes=budget, ns_dtype=torch.float32)
+
+    def rows(plan):
+        return [(b.names, b.part, b.num_matrices, b.param_shapes) for b in plan]
+
+    assert rows(sim) == rows(opt.plan())
+    assert sum(b.part is not None for b in sim) == 3
+    assert all(b.part is None for b in simulate(shapes, 1))  # no budget: no parts
+    with pytest.raises(ValueError, match="workspace_bytes must be >= 1"):
+        simulate(shapes, 1, workspace_bytes=0)

@@ -45,7 +45,8 @@ def plan_batches(
         rebalance: move whole matrices off overloaded ranks (None: plan both ways under "best").
         max_local_matrices: ``f(matrix shape, config) -> int``, the most matrices per rank one batch
             of whole matrices may hold (the optimizer's workspace budget); a larger bucket becomes
-            several batches of whole parameters. None: one batch per bucket.
+            several batches of whole parameters, and an expert bank larger than it, batches of
+            its parts (``BatchPlan.part``). None: one batch per bucket.
     """
     if row_assignment not in ROW_ASSIGNMENTS:
         raise ValueError(f"row_assignment must be one of {ROW_ASSIGNMENTS}, got {row_assignment!r}")
