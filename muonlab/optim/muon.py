@@ -905,14 +905,12 @@ class Muon(Optimizer):
                     runs = [[(i, (buf,)) for i, buf in copies]]
                 else:
                     items = [(i, entries[i][1], self._state_for(entries[i][1], "muon")) for i in mine]
-                    # the store hands out each momentum on the device (fetching the next meanwhile);
-                    # resident buffers are the state itself, so they can be updated all at once
-                    fetched = self._offload.each(items, ("momentum_buffer",))
+                    # the store hands out each momentum on the device (fetching the next meanwhile;
+                    # of a bank in parts, this batch's part); resident buffers are the state
+                    # itself, so they can be updated all at once
+                    fetched = self._offload.each(items, ("momentum_buffer",), view=lambda t: _part_of(batch, t))
                     resident = self._offload.place_of("momentum_buffer") is None
                     runs = [list(fetched)] if resident else ([f] for f in fetched)
-                    # a part of a bank: its share of the buffer (an offloaded buffer is fetched
-                    # and written back whole, once per part)
-                    runs = ([(i, (_part_of(batch, buf),)) for i, (buf,) in run] for run in runs)
                 for run in runs:
                     for settings, members in _by_settings(run, lambda i: _momentum_settings(entries[i][0])):
                         grads = [_part_of(batch, local_shard(entries[i][1].grad), read_only=True) for i, _ in members]

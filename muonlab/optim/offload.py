@@ -79,10 +79,11 @@ class ResidentStore:
     def check(self) -> None:
         pass
 
-    def each(self, items, keys):
-        """Yield (tag, [local state tensor per key]) for each (tag, param, state) in ``items``."""
+    def each(self, items, keys, view=None):
+        """Yield (tag, [local state tensor per key]) for each (tag, param, state) in ``items``;
+        ``view(local tensor)``: the part of it to hand out (a part of a bank), the rest untouched."""
         for tag, _, state in items:
-            yield tag, [local_shard(state[k]) for k in keys]
+            yield tag, [_viewed(local_shard(state[k]), view) for k in keys]
 
     def close(self) -> None:
         pass
@@ -146,15 +147,15 @@ class _OffloadedStore(ResidentStore):
         job = self._pool.submit(lambda: [torch.empty_like(t, device=device).copy_(t) for t in stored])
         return job.result
 
-    def each(self, items, keys):
+    def each(self, items, keys, view=None):
         items = list(items)
         self.check()
         pending = None
         for k, (tag, p, state) in enumerate(items):
-            stored = [local_shard(state[key]) for key in keys]
+            stored = [_viewed(local_shard(state[key]), view) for key in keys]  # only the part is fetched
             working = (pending or self._fetch(p, stored))()
             # the next parameter's state is read while the caller computes on this one
-            pending = self._fetch(items[k + 1][1], [local_shard(items[k + 1][2][key]) for key in keys]) \
+            pending = self._fetch(items[k + 1][1], [_viewed(local_shard(items[k + 1][2][key]), view) for key in keys]) \
                 if k + 1 < len(items) else None
             yield tag, working
             for dst, src in zip(stored, working):
@@ -378,10 +379,10 @@ class StateStores:
         for s in self.stores():
             s.check()
 
-    def each(self, items, keys):
+    def each(self, items, keys, view=None):
         store = self.by_key[keys[0]]
         assert all(self.by_key[k] is store for k in keys), "one walk reads one store"
-        return store.each(items, keys)
+        return store.each(items, keys, view)
 
     def peak_window_bytes(self) -> int:
         return sum(s.peak_window_bytes for s in self.stores() if s.place is not None)
@@ -389,6 +390,10 @@ class StateStores:
     def close(self) -> None:
         for s in self.stores():
             s.close()
+
+
+def _viewed(t: torch.Tensor, view) -> torch.Tensor:
+    return t if view is None else view(t)
 
 
 def _keys(algorithm: str) -> tuple[str, ...]:

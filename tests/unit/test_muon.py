@@ -126,6 +126,8 @@ def test_a_bank_over_the_budget_runs_in_parts_with_the_same_bits(offload):
     for p, q in zip(whole, parted):
         assert torch.equal(p, q)
         assert torch.equal(a.state[p]["momentum_buffer"], b.state[q]["momentum_buffer"])
+    if offload:  # an offloaded bank's momentum is fetched a part at a time too
+        assert b._offload.peak_window_bytes() == 4 * 16 * 48 * 4
 
 
 def test_a_bank_in_parts_never_holds_a_bank_sized_tensor():
