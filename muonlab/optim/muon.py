@@ -874,7 +874,9 @@ class Muon(Optimizer):
         their buffers (drafts: the same arithmetic, so the same bits) and
         written into them only if the gate lets the step go on; False: the gate stopped the step
         and no buffer was written. Resident momentum only. ``overlap()`` (the check's start) runs
-        once the first batches' way out is in flight.
+        once the first batches' way out is in flight. A batch holding one part of a bank
+        (``BatchPlan.part``) reads and writes that part of its grad, momentum and parameter
+        (``_part_of``), so the stages below never see the rest of the bank.
         """
         entries = self._muon_entries()
         plan, specs, groups, owners = planned
