@@ -1,5 +1,7 @@
 """The planner on metadata alone: no processes, any world size."""
 
+import math
+
 import pytest
 
 from muonlab.comm.planner import plan_batches
@@ -270,3 +272,43 @@ def test_simulate_with_a_workspace_budget_plans_the_parts_a_run_takes():
     assert all(b.part is None for b in simulate(shapes, 1))  # no budget: no parts
     with pytest.raises(ValueError, match="workspace_bytes must be >= 1"):
         simulate(shapes, 1, workspace_bytes=0)
+
+
+@pytest.mark.parametrize("experts, mesh, budget_matrices", [
+    (8, 1, 3), (64, 1, 7), (6, 4, 1), (6, (2, 2), 1), (16, (4, 2), 1), (12, 8, 1), (32, (2, 4), 3), (5, 2, 2)])
+def test_parts_cover_every_matrix_once_within_the_budget_and_change_no_totals(experts, mesh, budget_matrices):
+    """Whatever the mesh and budget: each bank's parts hold its matrices once between them, no
+    rank holds more of a part than the budget allows, and the per-rank FLOPs and bytes are those of
+    the plan without parts (parts only cut the same work into batches)."""
+    from collections import Counter
+
+    import torch
+
+    from muonlab.kernels.workspace import batch_bytes_per_matrix
+    from muonlab.simulate import simulate
+    from muonlab.viz.planner import moe_shapes
+
+    shapes = moe_shapes(layers=2, experts=experts, d=64, hidden=32)
+    world = mesh if isinstance(mesh, int) else mesh[0] * mesh[1]
+    per_matrix = batch_bytes_per_matrix(32, 64, 4, reuses_input=True)
+    budget = budget_matrices * per_matrix
+    whole = simulate(shapes, mesh, profile="h100_node", ns_dtype=torch.float32)
+    parted = simulate(shapes, mesh, profile="h100_node", ns_dtype=torch.float32, workspace_bytes=budget)
+    def matrices_of(plan, name):  # {batch index: (part, matrices of ``name`` in it, their sources)}
+        return {b.index: (b.part, math.prod(b.param_shapes[k][:-2]), b.sources[k])
+                for b in plan for k, n in enumerate(b.names) if n == name}
+
+    cut = 0
+    for name in {n for n, s in shapes if len(s) == 3}:
+        mine, (unparted,) = matrices_of(parted, name), matrices_of(whole, name).values()
+        assert sum(count for _, count, _ in mine.values()) == unparted[1], name
+        parts = [part for part, _, _ in mine.values() if part]
+        if parts:
+            cut += 1
+            assert sorted(parts) == [(p, len(mine)) for p in range(len(mine))], name
+            assert all(max(Counter(src).values(), default=0) <= budget_matrices for _, _, src in mine.values()), name
+        if max(Counter(unparted[2]).values()) > budget_matrices:  # more on a rank than fit: must be cut
+            assert parts, name
+    assert cut
+    for key in ("flops", "sent", "recv"):
+        assert parted.per_rank(world)[key] == whole.per_rank(world)[key], key
