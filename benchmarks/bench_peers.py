@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -83,6 +84,14 @@ def fetch_peers(mirrors: Path) -> dict[str, str]:
     return missing
 
 
+def median_interval(values: list[float], level: float = 0.95, resamples: int = 2000, seed: int = 0):
+    """A percentile-bootstrap interval for the median of ``values`` (resampled with replacement):
+    how far this run's median ratio could move with other rounds of the same noise."""
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples))
+    return medians[int((1 - level) / 2 * resamples)], medians[int((1 + level) / 2 * resamples) - 1]
+
+
 def summarize(res: dict, world: int) -> tuple[list, list, dict]:
     """Rows of the time table and the bytes table from the ranks' results."""
     r0 = res[0]
@@ -94,8 +103,10 @@ def summarize(res: dict, world: int) -> tuple[list, list, dict]:
     time_rows, byte_rows = [], []
     for k in kinds:
         ratios = [t / b for t, b in zip(per_round[k], base)]
+        low, high = median_interval(ratios)
         time_rows.append([k, f"{1e3 * statistics.median(per_round[k]):.1f}", f"{statistics.median(ratios):.3f}",
-                          f"{min(ratios):.2f}-{max(ratios):.2f}", f"{r0['agreement'][k]:.2e}"])
+                          f"{low:.3f}-{high:.3f}", f"{min(ratios):.2f}-{max(ratios):.2f}",
+                          f"{r0['agreement'][k]:.2e}"])
         sent = sum(res[r]["bytes"][k]["sent"] for r in res)
         recv = sum(res[r]["bytes"][k]["recv"] for r in res)
         calls = res[0]["bytes"][k]["calls"]
@@ -127,7 +138,8 @@ def main(argv=None):
         text = "\n".join([
             f"## W = {world}",
             "",
-            md_table(["optimizer", "median step ms", "time / muonlab (median of rounds)", "range of rounds",
+            md_table(["optimizer", "median step ms", "time / muonlab (median of rounds)",
+                      "95% interval of that median (bootstrap)", "range of rounds",
                       "max rel. error vs torch.optim.Muon"], time_rows),
             "",
             md_table(["optimizer", "bytes sent (all ranks)", "bytes received", "calls (rank 0)",

@@ -145,6 +145,25 @@ def test_a_bank_in_parts_never_holds_a_bank_sized_tensor():
     assert 0 < largest <= 4 * 16 * 48 * 4, (largest, bank.numel() * 4)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_bank_in_parts_stays_within_the_budget_on_cuda():
+    # the GPU side of the profiler test above: a 16 MiB bf16 bank under a 4 MiB budget; a step
+    # after the first (state and workspace made) may add its part inputs and products, never a
+    # whole bank's Nesterov input (16 MiB without parts)
+    bank = torch.nn.Parameter(torch.randn(64, 256, 512, device="cuda", dtype=torch.bfloat16))
+    budget = 4 * 2**20
+    opt = Muon([bank], workspace_bytes=budget)
+    bank.grad = torch.randn_like(bank)
+    opt.step()
+    assert all(b.part for b in opt.plan())
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    opt.step()
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - before <= budget
+
+
 def test_a_bank_whose_matrices_are_not_one_run_is_named_when_cut():
     # a 4-D bank whose two leading dims can't be flattened into a view can't be cut into parts
     bank = torch.nn.Parameter(torch.randn(5, 2, 16, 48).transpose(0, 1))  # (2, 5, 16, 48)
