@@ -112,6 +112,7 @@ def deferred_commit_is_bit_identical() -> dict:
     cases = [dict(momentum_form=form, nesterov=nesterov) for form in ("ema", "sum") for nesterov in (True, False)]
     cases.append(dict(momentum_dtype=torch.bfloat16))
     cases.append(dict(strategy="redundant"))  # every batch gathered whole: no way back
+    cases.append(dict(workspace_bytes=1))  # the bank in parts of one matrix per rank: parts drafted
     for k, case in enumerate(cases):
         runs = {policy: _params(mesh) for policy in ("skip", "ignore")}
         opts = {policy: _muon(runs[policy], nonfinite=policy, **case) for policy in runs}
@@ -126,7 +127,8 @@ def deferred_commit_is_bit_identical() -> dict:
     return out
 
 
-def skipped_steps_leave_no_trace(state_offload: str | None = None, bank: bool = True) -> dict:
+def skipped_steps_leave_no_trace(state_offload: str | None = None, bank: bool = True,
+                                 workspace_bytes: int | None = None) -> dict:
     """A NaN on the last rank only, in the first step (no state yet), in a parameter of the plan's
     first batch, of its last batch, and in the AdamW vector: every rank skips each of them with
     parameters and state unchanged, and the run ends equal to one that never saw them."""
@@ -156,10 +158,11 @@ def skipped_steps_leave_no_trace(state_offload: str | None = None, bank: bool = 
     engine.BatchRun.start, nonfinite.start = started_batch, started_check
     mesh = _mesh()
     ref_params, params = _params(mesh, bank), _params(mesh, bank)
-    ref, opt = _muon(ref_params, state_offload=state_offload), _muon(params, state_offload=state_offload)
+    ref = _muon(ref_params, state_offload=state_offload, workspace_bytes=workspace_bytes)
+    opt = _muon(params, state_offload=state_offload, workspace_bytes=workspace_bytes)
     plan = opt.plan()
     first, last = plan[0].names[0], plan[-1].names[-1]
-    out = dict(first=first, last=last, skips=[], paths=[b.path for b in plan])
+    out = dict(first=first, last=last, skips=[], paths=[b.path for b in plan], parts=[b.part for b in plan])
     good = iter(range(4))
     for bad in (first, None, first, None, last, "bias", None):
         before = _snapshot(params, opt)

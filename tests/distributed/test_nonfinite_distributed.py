@@ -27,7 +27,7 @@ def test_dtensor_grads_nonfinite_on_the_last_rank_only():
 def test_deferred_commit_steps_bit_identical_to_the_check_off():
     results = launch(W.deferred_commit_is_bit_identical, 2, timeout_s=240)
     for rank, out in results.items():
-        for case in range(6):
+        for case in range(7):
             assert out[case] == [True, True, True], (rank, case)
         # drafted batches (before the gate) and in-place ones after it; paths with and without a
         # way out or a way back; batch 0 without a way back (its outputs held until the gate)
@@ -37,14 +37,16 @@ def test_deferred_commit_steps_bit_identical_to_the_check_off():
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("state_offload, bank", [
-    (None, True),  # batch 0 on the local path: out(1) in flight at the gate
-    (None, False),  # batch 0 on all_to_all: back(0) and out(1) in flight at the gate
-    ("cpu", True),  # offloaded momentum: the check resolves before the first batch
+@pytest.mark.parametrize("state_offload, bank, workspace_bytes", [
+    (None, True, None),  # batch 0 on the local path: out(1) in flight at the gate
+    (None, False, None),  # batch 0 on all_to_all: back(0) and out(1) in flight at the gate
+    ("cpu", True, None),  # offloaded momentum: the check resolves before the first batch
+    (None, True, 1),  # the bank in parts of one matrix per rank: batch 0 is a drafted part
 ])
-def test_nan_on_one_rank_skips_everywhere_and_leaves_no_trace(state_offload, bank):
-    results = launch(W.skipped_steps_leave_no_trace, 2, state_offload, bank, timeout_s=240)
+def test_nan_on_one_rank_skips_everywhere_and_leaves_no_trace(state_offload, bank, workspace_bytes):
+    results = launch(W.skipped_steps_leave_no_trace, 2, state_offload, bank, workspace_bytes, timeout_s=240)
     for rank, out in results.items():
+        assert (out["parts"][0] is not None) == (workspace_bytes is not None), out["parts"]
         assert out["paths"][0] == ("local" if bank else "all_to_all"), out["paths"]
         assert out["first"] != out["last"]
         names = [out["first"], out["first"], out["last"], "bias"]
