@@ -99,8 +99,9 @@ SIM_CASES = CASES + PART_CASES
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("case", PART_CASES, ids=_id)
 def test_banks_over_the_budget_run_in_parts(results, case):
-    """A budget of one matrix: each bank runs as parts holding at most one matrix per rank, every
-    matrix in exactly one part; the bytes are those of the same plan without parts."""
+    """A budget of one matrix: each bank runs as P parts, P the most matrices of it a rank holds,
+    and moves the bytes of the plan without parts (that the parts cover every matrix once, within
+    the budget on every rank: tests/unit/test_plan.py)."""
     ep, num_experts, _ = case
     plan = results[0][case]["plan"]
     banks = [row for row in plan if any(n.endswith(("w_in", "w_out")) for n in row[1])]
@@ -111,6 +112,7 @@ def test_banks_over_the_budget_run_in_parts(results, case):
     per_rank = -(-num_experts // (NUM_RANKS // ep))  # matrices of a bank a rank holds at most
     for name, ps in parts.items():
         assert sorted(ps) == [(p, per_rank) for p in range(per_rank)], (name, ps)
+
     def bank_bytes(rows):
         return sum(sum(r[3]) for r in rows if any(n.endswith(("w_in", "w_out")) for n in r[1]))
 
