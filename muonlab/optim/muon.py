@@ -156,8 +156,10 @@ class Muon(Optimizer):
             a rank's even share of the Muon parameter bytes). Must be the same on every rank (it
             shapes the plan; checked). An expert bank with more matrices on a rank than
             fit runs in parts (``BatchPlan.part``: momentum, Newton-Schulz and update a part at a
-            time), so its momentum inputs are never all alive at once either. Smaller saves
-            memory; too small (below one matrix) runs one matrix at a time.
+            time), so its momentum inputs are never all alive at once either; replicated (DDP)
+            matrices run in batches whose all-gather, which every rank receives, holds about as
+            many matrices as fit. Smaller saves memory; too small (below one matrix) runs one
+            matrix at a time.
         ns_graphs: on CUDA, capture each chunk shape's Newton-Schulz chain in a CUDA graph once
             and replay it (one launch per chunk instead of three per iteration: faster below
             width ~4096, where eager launches leave the GPU idle). Costs the static buffers of

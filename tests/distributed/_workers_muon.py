@@ -84,7 +84,7 @@ def grads_for(shape, seed, step):
     return torch.randn(shape, generator=torch.Generator().manual_seed(1000 * seed + step))
 
 
-def run_paths(world: int, remainder_path: str, precision: str, steps: int = 3):
+def run_paths(world: int, remainder_path: str, precision: str, workspace_bytes: int | None = None, steps: int = 3):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
@@ -105,7 +105,8 @@ def run_paths(world: int, remainder_path: str, precision: str, steps: int = 3):
             p = torch.nn.Parameter(distribute_tensor(whole, m, pl))
         params.append((name, p))
         layouts.append(placement.get(kind))
-    opt = Muon(params, ns_dtype=dtype, comm_dtype=dtype, remainder_path=remainder_path, fused_banks=FUSED, **HYPER)
+    opt = Muon(params, ns_dtype=dtype, comm_dtype=dtype, remainder_path=remainder_path, fused_banks=FUSED,
+               workspace_bytes=workspace_bytes, **HYPER)
     for step in range(steps):
         for seed, ((name, p), layout) in enumerate(zip(params, layouts)):
             g = grads_for(p.shape, seed, step)
@@ -119,6 +120,7 @@ def run_paths(world: int, remainder_path: str, precision: str, steps: int = 3):
         momentum={n: full(opt.state[p]["momentum_buffer"]) for n, p in params if p in opt.state},
         sent=stats["bytes_sent"], recv=stats["bytes_recv"], plan_sent=plan_sent, plan_recv=plan_recv,
         plan=[(b.path, b.names, b.owners, b.bytes_sent, b.flops) for b in opt.plan()],
+        parts=[b.part for b in opt.plan()],
         spans=[(s.name, s.path, s.bytes_sent) for s in opt.last_step_spans()],
     )
 

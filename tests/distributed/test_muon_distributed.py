@@ -12,7 +12,9 @@ from . import _workers_muon as W
 from ._common import DTYPES, build_gpt, cloned, nonzero, rel_displacement
 
 GPT_CASES = [("fsdp", "fp32"), ("fsdp", "bf16"), ("ddp", "fp32"), ("ddp", "bf16")]
-PATH_CASES = [("all_to_all", "fp32"), ("agrs", "fp32"), ("auto", "bf16")]
+# (remainder_path, precision[, workspace_bytes]); a budget of 1 byte: one matrix per owner in each
+# replicated batch, and the expert banks in parts
+PATH_CASES = [("all_to_all", "fp32"), ("agrs", "fp32"), ("auto", "bf16"), ("auto", "fp32", 1)]
 TOLERANCE = {"fp32": 1e-5, "bf16": 3e-2}
 
 
@@ -68,11 +70,12 @@ def test_gpt_plan_identical_on_every_rank_bytes_match_and_no_padding(world_resul
 @pytest.mark.timeout(600)
 def test_every_path_matches_single_process(world_results):
     world, results = world_results
-    for remainder, precision in PATH_CASES:
-        ref = W.single_process_paths(world, precision)
+    for case in PATH_CASES:
+        remainder, precision = case[:2]
+        ref = W.single_process_paths(world, precision)  # no budget
         start = {n: W.init_tensor(s, seed) for seed, (n, s, _) in enumerate(W.path_params(world))}
         for rank, res in results.items():
-            r = res["paths"][(remainder, precision)]
+            r = res["paths"][case]
             err = rel_displacement(r["params"], ref, start)
             assert err <= TOLERANCE[precision], (world, remainder, precision, rank, err)
             # each matrix individually too: a wrong owner or block order shows up here
@@ -84,8 +87,9 @@ def test_every_path_matches_single_process(world_results):
 @pytest.mark.timeout(600)
 def test_paths_taken_bytes_counted_and_momentum_on_owner_only(world_results):
     world, results = world_results
-    for remainder, precision in PATH_CASES:
-        rows = [res["paths"][(remainder, precision)] for res in results.values()]
+    for case in PATH_CASES:
+        remainder = case[0]
+        rows = [res["paths"][case] for res in results.values()]
         assert all(r["plan"] == rows[0]["plan"] for r in rows)
         paths = {row[0] for row in rows[0]["plan"]}
         if world == 1:
@@ -116,6 +120,23 @@ def test_paths_taken_bytes_counted_and_momentum_on_owner_only(world_results):
             for name, owner in zip(row[1], row[2]):
                 holders = [rank for rank, r in enumerate(rows) if name in r["momentum"]]
                 assert holders == [owner], (name, holders, owner)
+
+
+@pytest.mark.timeout(600)
+def test_a_workspace_budget_splits_replicated_batches_and_cuts_banks_into_parts(world_results):
+    """Under a budget of one matrix the replicated matrices run as batches of one per owner (the
+    all-gather every rank receives stays within it) and the expert banks in parts; the owner and
+    rebalance paths move the bytes of a run without a budget (parameters: the test above)."""
+    world, results = world_results
+    budgeted, unbudgeted = results[0]["paths"][("auto", "fp32", 1)], results[0]["paths"][("all_to_all", "fp32")]
+    assert any(budgeted["parts"]), budgeted["parts"]
+    if world == 1:
+        return
+    owners = [row for row in budgeted["plan"] if row[0] == "owner"]
+    assert len(owners) > 1 and all(len(set(row[2])) == len(row[2]) for row in owners), owners
+    assert sorted(n for row in owners for n in row[1]) == [f"replicated{i}" for i in range(3)]
+    for path in ("owner", "rebalance"):
+        assert budgeted["plan_sent"].get(path) == unbudgeted["plan_sent"].get(path), path
 
 
 @pytest.mark.timeout(600)

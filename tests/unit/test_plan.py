@@ -312,3 +312,28 @@ def test_parts_cover_every_matrix_once_within_the_budget_and_change_no_totals(ex
     assert cut
     for key in ("flops", "sent", "recv"):
         assert parted.per_rank(world)[key] == whole.per_rank(world)[key], key
+
+
+def test_replicated_batches_split_within_the_budget_evenly_over_owners():
+    """DDP: every rank receives a replicated batch's whole all-gather, so a budget of about L
+    matrices gives batches of L / W per owner: 24 matrices on 4 ranks under L = 21 (5 per owner)
+    run as 12 + 12 (3 per owner), not 20 + 4; under L = 4, six batches of one per owner. Bytes
+    and per-rank FLOPs are those of the single batch without a budget."""
+    from collections import Counter
+
+    import torch
+
+    from muonlab.kernels.workspace import batch_bytes_per_matrix
+    from muonlab.simulate import simulate
+
+    shapes = [(f"w{i}", (256, 128)) for i in range(24)]
+    per_matrix = batch_bytes_per_matrix(128, 256, 4, reuses_input=True)
+    whole = simulate(shapes, 4, layout="ddp", ns_dtype=torch.float32, profile="cpu_gloo")
+    assert [len(b.param_indices) for b in whole] == [24]
+    for limit, sizes in ((21, [12, 12]), (4, [4] * 6)):
+        plan = simulate(shapes, 4, layout="ddp", ns_dtype=torch.float32, profile="cpu_gloo",
+                        workspace_bytes=limit * per_matrix)
+        assert [len(b.param_indices) for b in plan] == sizes, limit
+        assert all(set(Counter(b.owners).values()) == {len(b.owners) // 4} for b in plan), limit  # even
+        for key in ("flops", "sent", "recv"):
+            assert plan.per_rank(4)[key] == whole.per_rank(4)[key], (limit, key)

@@ -346,11 +346,34 @@ class RulePlanner:
         by_bucket: dict[tuple, list[int]] = {}
         for i in items:
             by_bucket.setdefault((self.specs[i].matrix_shape, self.configs[i]), []).append(i)
-        for (shape, _), idx in by_bucket.items():
-            payload, flops = [0] * size, [0] * size
-            for i in idx:
-                payload[owner_of[i]] += self.specs[i].num_matrices * shape[0] * shape[1] * self.itemsize
-                flops[owner_of[i]] += cost[i]
-            sent, recv = owner.gather_bytes(payload)
-            self.batches.append(self.make("owner", idx, group, range(size), [owner_of[i] for i in idx],
-                                          sent, recv, flops))
+        for (shape, cfg), bucket in by_bucket.items():
+            for idx in self._owner_runs(bucket, owner_of, shape, cfg, size):
+                payload, flops = [0] * size, [0] * size
+                for i in idx:
+                    payload[owner_of[i]] += self.specs[i].num_matrices * shape[0] * shape[1] * self.itemsize
+                    flops[owner_of[i]] += cost[i]
+                sent, recv = owner.gather_bytes(payload)
+                self.batches.append(self.make("owner", idx, group, range(size), [owner_of[i] for i in idx],
+                                              sent, recv, flops))
+
+    def _owner_runs(self, idx: list[int], owner_of: dict[int, int], shape, cfg, size: int) -> list[list[int]]:
+        """A bucket of replicated parameters as batches within the workspace budget. Every rank
+        receives a batch's whole all-gather, so a batch holds about ``max_local_matrices``
+        matrices in all: k = that / W per owner (at least one), so that each batch still keeps
+        every owner busy, and as even as the owners' loads allow. A parameter larger than k alone
+        is still one owner's share of a batch. Without a budget: the whole bucket, one batch."""
+        if self.max_local_matrices is None:
+            return [idx]
+        per_owner = max(1, self.max_local_matrices(shape, cfg) // size)
+        held = Counter()
+        for i in idx:
+            held[owner_of[i]] += self.specs[i].num_matrices
+        most = max(held.values())
+        per_owner = -(-most // -(-most // per_owner))  # as even as can be: 6 under 5 as 3 + 3
+        taken = [0] * size  # matrices each owner has placed so far
+        runs: dict[int, list[int]] = {}
+        for i in idx:
+            o = owner_of[i]
+            runs.setdefault(taken[o] // per_owner, []).append(i)
+            taken[o] += self.specs[i].num_matrices
+        return [runs[j] for j in sorted(runs)]

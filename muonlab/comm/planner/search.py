@@ -46,7 +46,9 @@ def plan_batches(
         max_local_matrices: ``f(matrix shape, config) -> int``, the most matrices per rank one batch
             of whole matrices may hold (the optimizer's workspace budget); a larger bucket becomes
             several batches of whole parameters, and an expert bank larger than it, batches of
-            its parts (``BatchPlan.part``). None: one batch per bucket.
+            its parts (``BatchPlan.part``); a bucket of replicated parameters, batches of about
+            that many matrices in all (their all-gather reaches every rank). None: one batch
+            per bucket.
     """
     if row_assignment not in ROW_ASSIGNMENTS:
         raise ValueError(f"row_assignment must be one of {ROW_ASSIGNMENTS}, got {row_assignment!r}")
