@@ -21,8 +21,8 @@ from .comm.planner import REFERENCE_STRATEGIES, plan_batches, reference_plan
 from .comm.records import Plan, per_rank
 from .comm.specs import GroupKey, MatrixSpec, check_view, chunk_sizes, default_view, fused_row_layout
 from .distributed.mesh import MeshAxis
-from .kernels.newton_schulz import NSConfig, form_for, ns_flops, resolve_form
-from .kernels.workspace import max_batch_matrices
+from .kernels.newton_schulz import NSConfig, ns_flops, resolve_form
+from .kernels.runner import matrices_within
 from .optim.routing import muon_param_groups
 from .optim.validation import check_workspace_bytes
 
@@ -166,8 +166,7 @@ def simulate(
         limit = None
         if workspace_bytes is not None:  # what Muon._max_local_matrices gives a run with this budget
             def limit(shape, cfg):
-                return max_batch_matrices(shape, ns_dtype.itemsize, workspace_bytes, reuses_input=True,
-                                          form=form_for(cfg, shape))
+                return matrices_within(workspace_bytes, shape, ns_dtype, cfg, reuses_input=True)
         return plan_batches(specs, configs, comm_itemsize=itemsize, remainder_path=remainder_path, profile=profile,
                             max_local_matrices=limit)
     return reference_plan(strategy, specs, configs, comm_itemsize=itemsize)

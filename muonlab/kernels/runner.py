@@ -32,6 +32,16 @@ def default_budget(param_bytes: int, device_type: str = "cuda") -> int:
     return max(MIN_BUDGET.get(device_type, MIN_BUDGET["cpu"]), int(BUDGET_SHARE * param_bytes))
 
 
+def matrices_within(budget_bytes: int, shape, dtype: torch.dtype, cfg: NSConfig | None = None,
+                    reuses_input: bool = False) -> int:
+    """Matrices of ``shape`` one Newton-Schulz call under ``cfg`` (its form on this shape; None:
+    the plain form) may take within ``budget_bytes`` in ``dtype`` (``reuses_input``: results
+    overwrite inputs of the compute dtype; see ``batch_bytes_per_matrix``). The one rule behind
+    the runner's chunks, Muon's plan and ``muonlab.simulate``'s."""
+    form = "plain" if cfg is None else form_for(cfg, shape)
+    return max_batch_matrices(shape, dtype.itemsize, budget_bytes, reuses_input, form)
+
+
 def _chunks(pieces: list[torch.Tensor], size: int):
     """(offset, pieces) per run of at most ``size`` matrices over the concatenation of ``pieces``
     (each (k_i, A, B)), as even as can be (64 under 30 as 22+21+21: fewer distinct shapes for the
@@ -88,10 +98,9 @@ class NewtonSchulzRunner:
         self._graphed: dict[tuple, _Graphed] = {}
 
     def chunk_size(self, shape: tuple[int, int], dtype: torch.dtype, reuses_input: bool = False,
-                   form: str = "plain") -> int:
-        """Matrices per call within the budget (``reuses_input``: results overwrite inputs of the
-        compute dtype; ``form``: the one that runs on this shape; see ``batch_bytes_per_matrix``)."""
-        return max_batch_matrices(shape, dtype.itemsize, self.budget_bytes, reuses_input, form)
+                   cfg: NSConfig | None = None) -> int:
+        """Matrices per call within the budget (``matrices_within``)."""
+        return matrices_within(self.budget_bytes, shape, dtype, cfg, reuses_input)
 
     def __call__(self, mats: torch.Tensor | list[torch.Tensor], cfg: NSConfig):
         """Orthogonalize ``mats``: one (k, A, B) stack, or a list of (k_i, A, B) pieces taken as
@@ -105,8 +114,7 @@ class NewtonSchulzRunner:
         if not isinstance(mats, Overwrite):
             total = sum(p.shape[0] for p in pieces)
             out = torch.empty((total, *first.shape[-2:]), dtype=dtype, device=first.device)
-        step = self.chunk_size(first.shape[-2:], dtype, reuses_input=out is None and first.dtype == dtype,
-                               form=form_for(cfg, first.shape[-2:]))
+        step = self.chunk_size(first.shape[-2:], dtype, reuses_input=out is None and first.dtype == dtype, cfg=cfg)
         for start, chunk in _chunks(pieces, step):
             dest = chunk if out is None else out[start:start + sum(p.shape[0] for p in chunk)]
             if self.graphs and first.is_cuda:

@@ -22,7 +22,7 @@ from ..comm.paths.subgroup import ranks_per_expert, subgroups_for
 from ..comm.planner import REMAINDER_PATHS, STRATEGIES, plan_batches
 from ..comm.records import BatchPlan, Plan, part_range
 from ..comm.specs import MatrixSpec, check_view, even_share_bytes, local_shard, matrix_spec, process_group_for
-from ..kernels.newton_schulz import NSConfig, form_for, resolve_dtype, resolve_form
+from ..kernels.newton_schulz import NSConfig, resolve_dtype, resolve_form
 from ..kernels.runner import NewtonSchulzRunner, default_budget
 from ..trace import Span, Tracer
 from . import functional as F
@@ -982,7 +982,7 @@ class Muon(Optimizer):
         is the compute dtype (the first Muon parameter's momentum dtype stands for all)."""
         dtype = resolve_dtype(cfg.dtype, self._device()) or torch.float32
         momentum = self._offload.dtype(self._muon_entries()[0][1], "momentum_buffer")
-        return self._ns_runner().chunk_size(shape, dtype, reuses_input=momentum == dtype, form=form_for(cfg, shape))
+        return self._ns_runner().chunk_size(shape, dtype, reuses_input=momentum == dtype, cfg=cfg)
 
     def _ns_config(self, group: dict) -> NSConfig:
         """A Muon group's Newton-Schulz settings with the optimizer-wide dtype, form and backend."""

@@ -33,6 +33,13 @@ ROW_RULES = ("structured", "capped", "lpt")
                 <= 4/3 of the optimum, but more, smaller batches)."""
 
 
+def even_limit(total: int, limit: int) -> int:
+    """The smallest per-run cap that still splits ``total`` items into as few runs as ``limit``
+    does: ``total`` over the fewest runs, rounded up (24 under 7 -> 6, so 6+6+6+6; 6 under 5 -> 3,
+    so 3+3). Each distinct run size is another batch shape for the matmul library."""
+    return -(-total // -(-total // limit)) if total else limit
+
+
 class RulePlanner:
     """The state of one plan being made: specs, configs, per-rank loads, the batches so far."""
 
@@ -150,7 +157,7 @@ class RulePlanner:
         limit = self.max_local_matrices(spec.matrix_shape, self.configs[idx[0]])
         held_by = [max(Counter(self.sources_of(i)).values()) for i in idx]  # each parameter's most on one rank
         total = sum(held_by)
-        limit = -(-total // -(-total // limit)) if total else limit  # total over the fewest runs, rounded up
+        limit = even_limit(total, limit)
         runs, run, held = [], [], 0
         for i, here in zip(idx, held_by):
             if here > limit and self.specs[i].view == "bank":
@@ -369,7 +376,7 @@ class RulePlanner:
         for i in idx:
             held[owner_of[i]] += self.specs[i].num_matrices
         most = max(held.values())
-        per_owner = -(-most // -(-most // per_owner))  # as even as can be: 6 under 5 as 3 + 3
+        per_owner = even_limit(most, per_owner)
         taken = [0] * size  # matrices each owner has placed so far
         runs: dict[int, list[int]] = {}
         for i in idx:
