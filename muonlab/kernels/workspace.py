@@ -60,9 +60,9 @@ def batch_bytes_per_matrix(m: int, n: int, itemsize: int, reuses_input: bool = F
     iterate (see ``newton_schulz``): 3 m n + 2 m^2 elements. ``reuses_input``: the result
     overwrites an input already in the compute dtype (``muonlab.kernels.newton_schulz.Overwrite``), which
     is then the output too: 2 m n + 2 m^2. The gram form (``form`` as it runs on this shape) has
-    the same iterates, and up to five m x m products alive at once (R, Q, Z, Z R, the new R) and
-    the identity: counted as six."""
-    squares = 6 if form == "gram" else 2
+    the same iterates and four m x m products (R, Z, Q and one in flight, see
+    ``_gram_iterations``)."""
+    squares = 4 if form == "gram" else 2
     return itemsize * ((2 if reuses_input else 3) * m * n + squares * m * m)
 
 

@@ -130,7 +130,7 @@ def test_max_batch_matrices_fits_the_budget_and_is_at_least_one():
     assert max_batch_matrices((64, 256), 2, 1) == 1
     reused = 2 * (2 * 64 * 256 + 2 * 64 * 64)  # the input is the output too
     assert max_batch_matrices((64, 256), 2, 10 * reused, reuses_input=True) == 10
-    gram = 2 * (3 * 64 * 256 + 6 * 64 * 64)  # the gram form: up to six 64 x 64 products
+    gram = 2 * (3 * 64 * 256 + 4 * 64 * 64)  # the gram form: R, Z, Q and one product in flight
     assert max_batch_matrices((64, 256), 2, 10 * gram, form="gram") == 10
     assert default_budget(0) == 256 * 2**20 and default_budget(100 * 2**30) == 5 * 2**30
     assert default_budget(0, "cpu") == 8 * 2**20 and default_budget(100 * 2**30, "cpu") == 5 * 2**30
