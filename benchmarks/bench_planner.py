@@ -78,6 +78,11 @@ def main():
         "- moe W=128 ep=8 misses the balance goal: each rank holds one expert per bank and the 72 dense",
         "  matrices land on 72 of 128 ranks; evening that out needs moving experts differently in each EP",
         "  slice, while a plan is one pattern repeated over the slices (a known limit).",
+        "- dense W=128 misses the balance goal since Newton-Schulz runs in the gram form (ns_form=\"auto\",",
+        "  the default) where it saves 20% of the FLOPs: 180 MLP matrices at 3.39 TFLOP each, 120 square",
+        "  ones at 2.06 and 120 k/v at 0.06 average 6.76 per rank, and no placement of whole matrices on 128",
+        "  ranks stays within 1.1 of it (some rank then holds one MLP matrix and two square ones: 1.111).",
+        "  In the plain form the same bound was 1.069 (two MLP matrices on a rank), a met row.",
         "- Modelled time replays the engine's pipeline (muonlab.comm.cost.step_seconds): batch i+1's",
         "  transfer is in flight while batch i computes.",
     ]

@@ -121,7 +121,7 @@ def simulate(
     profile="h100_node",
     comm_dtype: torch.dtype = torch.bfloat16,
     ns_steps: int = 5,
-    ns_form: str = "plain",
+    ns_form: str = "auto",
     remainder_path: str = "auto",
     fused_banks: dict[str, int] | None = None,
     matrix_views: dict[str, str] | None = None,
@@ -136,8 +136,8 @@ def simulate(
         layout: "fsdp" (sharded) or "ddp" (replicated) for the dense matrices.
         strategy: "muonlab", or a reference strategy: "padded_all_to_all", "xtuner".
         profile: hardware profile name or HardwareProfile (path choice under "auto").
-        ns_form: "plain", "gram", or "auto" as Muon resolves it on a GPU (the simulated ranks
-            are GPUs: the gram form where it saves 20% of the FLOPs).
+        ns_form: "plain", "gram", or "auto" (Muon's default: the gram form where it saves 20% of
+            the FLOPs), as Muon's ``ns_form``.
         fused_banks: {name: E} for 2-D parameters stacking E matrices on dim 0 (as in Muon).
         matrix_views: {name: view} overriding a parameter's matrix view (as in Muon).
         workspace_bytes: Muon's Newton-Schulz budget per rank, which splits buckets of whole
@@ -160,7 +160,7 @@ def simulate(
         world = ep * fsdp
     specs = mesh_specs(_named_shapes(params_or_shapes, matrix_views), world, ep=ep, layout=layout,
                        expert_mesh=expert_mesh, fused_banks=fused_banks)
-    configs = [NSConfig(steps=ns_steps, **resolve_form(ns_form, "cuda"))] * len(specs)
+    configs = [NSConfig(steps=ns_steps, **resolve_form(ns_form))] * len(specs)
     itemsize = torch.empty(0, dtype=comm_dtype).element_size()
     if strategy == "muonlab":
         limit = None

@@ -170,7 +170,7 @@ def _gram_iterations(X: torch.Tensor, spare: torch.Tensor, coeffs: Coefficients,
     takes each restart's Q X and the final one, and the four (B, m, m) ``squares`` hold R, Z, Q and
     a product in flight, trading roles by name instead of allocating (on this project's 2-core CPU
     a fresh 1.5 MB product per operation, 25 per call, made 12 x 768 x 256 in bf16 take 11.4 ms
-    against 6.5 ms in the workspace: first touches of new pages and a cold cache). Returns the
+    against 7.1 ms in the workspace: first touches of new pages and a cold cache). Returns the
     buffer that holds the result (see ``_gram_writes``). A tall batch iterates as stored, on X^T
     (R = X^T X, X Q^T for Q X): a product written into a transposed view ran 2000x slower in bf16
     on this project's CPU."""
@@ -244,7 +244,7 @@ class NSConfig:
     gram_min_saving: float | None = None
     """With form "gram": take it only on shapes where it saves at least this share of the plain
     form's FLOPs, the plain form elsewhere (None: on every rectangular shape). Muon's
-    ``ns_form="auto"`` sets it on a GPU (see ``resolve_form``)."""
+    ``ns_form="auto"`` sets it (see ``resolve_form``)."""
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -468,33 +468,38 @@ def form_for(cfg: NSConfig, shape: Sequence[int]) -> str:
 
 
 AUTO_GRAM_SAVING = 0.2
-"""Where ``ns_form="auto"`` takes the gram form on a GPU: shapes on which it saves at least 20% of
-the plain form's FLOPs. On an H100 (benchmarks/results/gpu_step.md, bf16, torch backend) the gram
-form ran the 1B set (2048 x 6144 and 2048 x 8192: 26% and 33% fewer FLOPs) 1.29x faster than the
-plain form, the GPT-2 set 1.17x and the (128, 768, 2048) bank (22% fewer) 1.18x, each also faster
-than the plain form on Triton; but the (64, 1408, 2048) bank, where it saves nothing (-1%), 5%
-slower. Numerics in bf16, against the fp32 plain result: on a gradient-like spectrum (a low-rank
-signal over noise) the gram form is closer than the plain form (8.4% against 10.8% at 768 x 2048),
-on flat Gaussian matrices about twice as far (1.9% against 1.1%); training the small GPT
+"""Where ``ns_form="auto"`` takes the gram form: shapes on which it saves at least 20% of the plain
+form's FLOPs. On an H100 (benchmarks/results/gpu_step.md, bf16, torch backend) the gram form ran the
+1B set (2048 x 6144 and 2048 x 8192: 26% and 33% fewer FLOPs) 1.29x faster than the plain form, the
+GPT-2 set 1.17x and the (128, 768, 2048) bank (22% fewer) 1.18x, each also faster than the plain
+form on Triton; but the (64, 1408, 2048) bank, where it saves nothing (-1%), 5% slower. On this
+project's 2-core CPU with bf16 units, once its products lived in the workspace, a whole Muon step
+ran 1.13x faster than with the plain form on the 1B set / 8 in bf16 and 1.27x in fp32, 1.10x on the
+(128, 96, 256) bank (benchmarks/results/gpu_step_cpu_proxy.md), and 1.20x on a width-256 GPT's
+matrices (benchmarks/results/optimizer_step.md); there the CPU matmul library keeps about 5 MiB more
+of per-shape state for the gram form's extra product shapes (the 1B/8 step's added memory 1.21x
+torch.optim.Muon's against 1.09x; torch's own allocations are equal within 0.25 MiB). Numerics in
+bf16, against the fp32 plain result: on a gradient-like spectrum (a low-rank signal over noise) the
+gram form is closer than the plain form (8.4% against 10.8% at 768 x 2048), on flat Gaussian
+matrices about twice as far (1.9% against 1.1%), and with the "polar_express" coefficients about
+2.5x as far (10% against 4% at 64 x 256; from the exact polar factor 12% against 10%, where Keller's
+coefficients stay 22% away in either form). Training the small GPT
 (benchmarks/results/convergence_form_{gram,plain}.md, 3 seeds) ended at 1.998 against 2.003
-validation loss, reaching AdamW's final loss in 193 against 194 steps."""
+validation loss, reaching AdamW's final loss in 193 against 194 steps. The plain form
+(``ns_form="plain"``) keeps the bits of torch.optim.Muon's iteration."""
 
 FORM_CHOICES = ("auto", *FORMS)
 
 
-def resolve_form(form: str, device: torch.device | str) -> dict:
-    """NSConfig settings for Muon's ``ns_form`` on ``device``: "plain" and "gram" as they are;
-    "auto" the gram form on a GPU where it saves ``AUTO_GRAM_SAVING`` of the FLOPs, the plain form
-    on a CPU: on this project's 2-core CPU with bf16 units the two forms ran within 6% of each
-    other (benchmarks/results/gpu_step_cpu_proxy.md: gram 4% faster on the 1B/8 set, 6% slower
-    on GPT-2/8), and the plain form keeps the bits of torch.optim.Muon's iteration."""
+def resolve_form(form: str) -> dict:
+    """NSConfig settings for Muon's ``ns_form``: "plain" and "gram" as they are; "auto" the gram
+    form on shapes where it saves ``AUTO_GRAM_SAVING`` of the FLOPs, the plain form elsewhere (the
+    same rule on every device, so a plan is the same on a CPU test and on the GPU node)."""
     if form not in FORM_CHOICES:
         raise ValueError(f"unknown Newton-Schulz form {form!r} (Muon's ns_form); choose one of {FORM_CHOICES}")
     if form != "auto":
         return dict(form=form)
-    if torch.device(device).type == "cuda":
-        return dict(form="gram", gram_min_saving=AUTO_GRAM_SAVING)
-    return dict(form="plain")
+    return dict(form="gram", gram_min_saving=AUTO_GRAM_SAVING)
 
 
 def triton_usable(X: torch.Tensor) -> bool:

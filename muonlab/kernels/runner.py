@@ -25,10 +25,12 @@ BUDGET_SHARE = 0.05
 def default_budget(param_bytes: int, device_type: str = "cuda") -> int:
     """``max(floor, 5% of the parameters' bytes)``. On a GPU the floor is 256 MiB: enough matrices
     per chunk to keep it busy (one 2048 x 8192 matrix already does). On a 2-core CPU with bf16
-    matmul units a 1B/8 step (benchmarks/results/gpu_step_cpu_proxy.md) ran at 2.15x
-    torch.optim.Muon's speed with 8 MiB against 2.25x with 16 MiB, and added 1.15x its memory
-    against 1.28x; with 4 MiB (fewer matrices per batched call) it ran at 1.74x. So the CPU floor
-    is 8 MiB."""
+    matmul units a 1B/8 step (benchmarks/results/gpu_step_cpu_proxy.md, the gram form where it
+    saves 20%) ran at 2.39x torch.optim.Muon's speed with 8 MiB against 2.60x with 16 MiB, and
+    added 1.23x its memory against 1.32x; with 4 MiB (fewer matrices per batched call) it ran at
+    1.98x and added 1.08x. A width-256 GPT's step with fp32 parameters ran at 2.14x with 8 MiB
+    (benchmarks/results/optimizer_step.md) and 1.84x with the floor at 6 MiB. So the CPU floor is
+    8 MiB."""
     return max(MIN_BUDGET.get(device_type, MIN_BUDGET["cpu"]), int(BUDGET_SHARE * param_bytes))
 
 

@@ -139,9 +139,10 @@ class Muon(Optimizer):
             a CPU bf16 only with native bf16 matmul, else fp32 (emulated bf16 runs at a third of
             fp32's rate); or a dtype (fp32 for tight parity).
         ns_form: "plain", "gram" (fewer FLOPs on rectangular matrices, see newton_schulz) or
-            "auto": on a GPU the gram form where it saves at least 20% of the FLOPs (1.17-1.29x
-            faster there on an H100), the plain form elsewhere; on a CPU the plain form (see
-            muonlab.kernels.newton_schulz.resolve_form).
+            "auto": the gram form where it saves at least 20% of the FLOPs (1.17-1.29x faster on
+            an H100, 1.2-1.5x on a 2-core CPU), the plain form elsewhere (see
+            muonlab.kernels.newton_schulz.AUTO_GRAM_SAVING). "plain" keeps the bits of
+            torch.optim.Muon's iteration.
         ns_backend: "auto" (per shape, torch or Triton, whichever was measured faster on this
             device; see muonlab.kernels.backend_choice), "torch" or "triton".
         momentum_dtype: dtype of Muon's momentum buffers. None (default): the parameter's dtype, as
@@ -238,7 +239,7 @@ class Muon(Optimizer):
         offload_dir=None,
         keep_muon_momentum_in_memory: bool = False,
     ):
-        NSConfig(dtype=ns_dtype, **resolve_form(ns_form, "cpu"), backend=ns_backend)  # raises on a bad ns_*
+        NSConfig(dtype=ns_dtype, **resolve_form(ns_form), backend=ns_backend)  # raises on a bad ns_*
         check_memory_options(momentum_dtype, workspace_bytes, ns_graphs)
         self._muon_defaults = dict(
             lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
@@ -987,4 +988,4 @@ class Muon(Optimizer):
     def _ns_config(self, group: dict) -> NSConfig:
         """A Muon group's Newton-Schulz settings with the optimizer-wide dtype, form and backend."""
         return NSConfig(steps=group["ns_steps"], coefficients=group["ns_coefficients"], eps=group["eps"],
-                        dtype=self.ns_dtype, **resolve_form(self.ns_form, self._device()), backend=self.ns_backend)
+                        dtype=self.ns_dtype, **resolve_form(self.ns_form), backend=self.ns_backend)

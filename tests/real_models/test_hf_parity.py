@@ -37,7 +37,8 @@ def test_llama_matches_torch_muon_and_adamw_bit_for_bit(nesterov):
     # 2 layers x (q, k, v, o, gate, up, down)
     assert len(muon_a) == 14
     a = muonlab.Muon([{"params": muon_a}, {"params": adamw_a, "algorithm": "adamw", **ADAMW}],
-                     adjust_lr="original", ns_dtype=torch.bfloat16, **hyper)  # torch's iteration runs in bf16
+                     adjust_lr="original", ns_dtype=torch.bfloat16, ns_form="plain",  # torch's iteration,
+                     **hyper)                                                           # in bf16
     b_muon = torch.optim.Muon([p for _, p in muon_b], adjust_lr_fn="original", **hyper)
     b_adamw = torch.optim.AdamW([p for _, p in adamw_b], foreach=False, **ADAMW)
     for step in range(STEPS):

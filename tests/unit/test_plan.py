@@ -262,7 +262,7 @@ def test_simulate_with_a_workspace_budget_plans_the_parts_a_run_takes():
     budget = 4 * 4 * (2 * 16 * 48 + 2 * 16 * 16)  # four fp32 16x48 matrices
     params = [(n, torch.nn.Parameter(torch.randn(s))) for n, s in shapes]
     opt = muonlab.Muon(params, ns_dtype=torch.float32, ns_form="plain", workspace_bytes=budget)
-    sim = simulate(shapes, 1, workspace_bytes=budget, ns_dtype=torch.float32)
+    sim = simulate(shapes, 1, workspace_bytes=budget, ns_dtype=torch.float32, ns_form="plain")
 
     def rows(plan):
         return [(b.names, b.part, b.num_matrices, b.param_shapes) for b in plan]
