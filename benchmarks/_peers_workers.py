@@ -140,11 +140,13 @@ def _import_peer(name: str):
 
 def build_optimizer(kind: str, params: list[tuple[str, torch.nn.Parameter]], mesh):
     """Same lr, momentum 0.95, Nesterov, 5 Keller steps in bf16, eps 1e-7, no weight decay, and the
-    same lr adjustment: 0.2 sqrt(max(A, B)) (muonlab/torch "match_rms_adamw", the peers' "rms_norm")."""
+    same lr adjustment: 0.2 sqrt(max(A, B)) (muonlab/torch "match_rms_adamw", the peers' "rms_norm").
+    muonlab runs the plain iteration, as the peers and torch.optim.Muon do: the same FLOPs on every
+    side (its default ``ns_form="auto"`` would take the gram form, with fewer)."""
     if kind.startswith("muonlab"):
         nonfinite = "ignore" if kind.endswith("ignore") else "skip"
         return Muon(params, lr=LR, momentum=MOMENTUM, nesterov=True, weight_decay=0.0, eps=EPS,
-                    adjust_lr="match_rms_adamw", nonfinite=nonfinite)
+                    adjust_lr="match_rms_adamw", nonfinite=nonfinite, ns_form="plain")
     cls = _import_peer(kind)
     tensors = [p for _, p in params]
     kw = dict(lr=LR, mu=MOMENTUM, weight_decay=0.0, epsilon=EPS, nesterov=True, adjust_lr="rms_norm",
