@@ -140,7 +140,7 @@ class Muon(Optimizer):
             fp32's rate); or a dtype (fp32 for tight parity).
         ns_form: "plain", "gram" (fewer FLOPs on rectangular matrices, see newton_schulz) or
             "auto": the gram form where it saves at least 20% of the FLOPs (1.17-1.29x faster on
-            an H100, 1.2-1.5x on a 2-core CPU), the plain form elsewhere (see
+            an H100; a whole step 1.10-1.27x faster on a 2-core CPU), the plain form elsewhere (see
             muonlab.kernels.newton_schulz.AUTO_GRAM_SAVING). "plain" keeps the bits of
             torch.optim.Muon's iteration.
         ns_backend: "auto" (per shape, torch or Triton, whichever was measured faster on this
