@@ -282,8 +282,9 @@ matmuls) slowed down much more than the 4 batched chains in earlier runs of this
 inflates the medians' speed-ups; when the two columns disagree a lot, the run was disturbed.
 "NS GFLOP/step" is `sum(ns_flops(shape, steps={NS_STEPS}, form=...))` over the matrices, with the form
 each configuration runs (torch.optim.Muon's iteration is the plain form; muonlab's defaults take
-`ns_form="auto"`: the gram form where it saves at least 20% of the FLOPs). "Achieved GFLOP/s" divides it by the whole step's median time
-(momentum and the parameter update included), so it is a lower bound on the Newton-Schulz rate.
+`ns_form="auto"`: the gram form where it saves at least 20% of the FLOPs). "Achieved GFLOP/s"
+divides it by the whole step's median time (momentum and the parameter update included), so it is
+a lower bound on the Newton-Schulz rate.
 
 ## Where the time goes
 
