@@ -65,9 +65,10 @@ def configs(cuda: bool) -> dict:
         "muonlab fp32 momentum": muonlab_opt(momentum_dtype=torch.float32),
     }
     if cuda:
-        out["muonlab triton plain"] = muonlab_opt(ns_backend="triton")
-        out["muonlab torch plain + graphs"] = muonlab_opt(ns_backend="torch", ns_graphs=True)
-        out["muonlab triton plain + graphs"] = muonlab_opt(ns_backend="triton", ns_graphs=True)
+        out["muonlab triton plain"] = muonlab_opt(ns_backend="triton", ns_form="plain")
+        out["muonlab triton gram"] = muonlab_opt(ns_backend="triton", ns_form="gram")
+        out["muonlab torch plain + graphs"] = muonlab_opt(ns_backend="torch", ns_form="plain", ns_graphs=True)
+        out["muonlab triton plain + graphs"] = muonlab_opt(ns_backend="triton", ns_form="plain", ns_graphs=True)
     return out
 
 

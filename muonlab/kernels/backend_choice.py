@@ -3,7 +3,7 @@
 Neither backend wins everywhere: on an H100 (torch 2.11, triton 3.6) the Triton kernels, which
 compute only the upper tiles of the symmetric products, beat torch from width 4096 on, while below
 it both are bound by host time per launch and the ranking depends on launch costs. So "auto" does
-not guess from the device: the first time it meets a (batch, m, n, dtype, coefficients) key it
+not guess from the device: the first time it meets a (batch, m, n, dtype, coefficients, form) key it
 times both backends on that shape (one warm-up each, then the median of a few runs, CUDA events)
 and keeps the faster, torch on a tie within 2%. Results are kept in memory and in a JSON file per
 device and versions (``cache_dir()``), so a later process on the same machine, torch and triton
@@ -52,7 +52,12 @@ def cache_file(device: torch.device) -> Path:
 
 
 def _key(batch_shape, dtype, cfg) -> str:
-    return f"{tuple(batch_shape)}|{dtype}|{cfg.resolved_coefficients()}"
+    from .newton_schulz import form_for
+
+    form = form_for(cfg, batch_shape[-2:])
+    if form == "gram":
+        form += f"{cfg.gram_restarts}"
+    return f"{tuple(batch_shape)}|{dtype}|{cfg.resolved_coefficients()}|{form}"
 
 
 def _choices(path: Path) -> dict[str, str]:

@@ -165,7 +165,7 @@ def _plain_iterations(X: torch.Tensor, spare: torch.Tensor, coeffs: Coefficients
 
 
 def _gram_iterations(X: torch.Tensor, spare: torch.Tensor, coeffs: Coefficients, restarts: Sequence[int],
-                     squares: Sequence[torch.Tensor]) -> torch.Tensor:
+                     squares: Sequence[torch.Tensor], kernels: str = "torch") -> torch.Tensor:
     """The gram form on the normalised batch in ``X``, in preallocated buffers: ``spare`` (like X)
     takes each restart's Q X and the final one, and the four (B, m, m) ``squares`` hold R, Z, Q and
     a product in flight, trading roles by name instead of allocating (on this project's 2-core CPU
@@ -173,21 +173,40 @@ def _gram_iterations(X: torch.Tensor, spare: torch.Tensor, coeffs: Coefficients,
     against 7.1 ms in the workspace: first touches of new pages and a cold cache). Returns the
     buffer that holds the result (see ``_gram_writes``). A tall batch iterates as stored, on X^T
     (R = X^T X, X Q^T for Q X): a product written into a transposed view ran 2000x slower in bf16
-    on this project's CPU."""
+    on this project's CPU.
+
+    ``kernels="triton"``: the products run on the Triton kernels (X must be wide), whose X X^T and
+    b R + c R^2 compute only upper tiles (``triton_newton_schulz.gram_form_products``)."""
     tall = X.shape[-2] > X.shape[-1]
     R, Z, Q, T = squares
+    if kernels == "triton":
+        from .triton_newton_schulz import gram_form_products
 
-    def gram(X, out):
-        return torch.bmm(X.mT, X, out=out) if tall else torch.bmm(X, X.mT, out=out)
+        gram, poly, product = gram_form_products(X.dtype)
+    else:
+        def gram(X, out):
+            if tall:
+                torch.bmm(X.mT, X, out=out)
+            else:
+                torch.bmm(X, X.mT, out=out)
+
+        def poly(R, out, b, c):
+            torch.baddbmm(R, R, R, beta=b, alpha=c, out=out)
+
+        def product(A, B, out):
+            torch.bmm(A, B, out=out)
 
     def times_q(Q, X, out):
-        return torch.bmm(X, Q.mT, out=out) if tall else torch.bmm(Q, X, out=out)
+        if tall:
+            product(X, Q.mT, out)
+        else:
+            product(Q, X, out)
 
     gram(X, R)
     identity = True  # Q is the identity, kept implicit until the first iteration
     last = len(coeffs) - 1
     for k, (a, b, c) in enumerate(coeffs):
-        torch.baddbmm(R, R, R, beta=b, alpha=c, out=Z)                 # Z = a I + b R + c R^2
+        poly(R, Z, b, c)                                               # Z = a I + b R + c R^2
         # a rounded to the compute dtype first, as a * I held it: the bits then do not depend on
         # how a device's kernel treats a scalar (on this CPU the two agree)
         Z.diagonal(dim1=-2, dim2=-1).add_(torch.tensor(a, dtype=Z.dtype).item())
@@ -195,7 +214,7 @@ def _gram_iterations(X: torch.Tensor, spare: torch.Tensor, coeffs: Coefficients,
             Q, Z = Z, Q                                                # Q = Z: the buffers swap names
             current = Q                                                # (this step's Z is there now)
         else:
-            torch.bmm(Z, Q, out=T)                                     # Q = Z Q
+            product(Z, Q, T)                                           # Q = Z Q
             Q, T = T, Q
             current = Z
         identity = False
@@ -207,8 +226,8 @@ def _gram_iterations(X: torch.Tensor, spare: torch.Tensor, coeffs: Coefficients,
             gram(X, R)
             identity = True
         else:
-            torch.bmm(current, R, out=T)                               # R = Z (Z R)
-            torch.bmm(current, T, out=R)
+            product(current, R, T)                                     # R = Z (Z R)
+            product(current, T, R)
     times_q(Q, X, spare)
     return spare
 
@@ -332,8 +351,6 @@ def newton_schulz(G: torch.Tensor | Sequence[torch.Tensor], config: NSConfig | N
     tall = rows > cols
     form = _form(cfg, m, n)
     use = _pick_backend(cfg.backend, pieces[0], (num, m, n), dtype, cfg)
-    if use == "triton" and form != "plain":
-        raise ValueError("the triton backend implements form='plain' only")
     if workspace is None:
         from .workspace import Workspace
 
@@ -346,9 +363,14 @@ def newton_schulz(G: torch.Tensor | Sequence[torch.Tensor], config: NSConfig | N
     if use == "triton":
         from .triton_newton_schulz import NSWorkspace, newton_schulz_triton
 
-        buffers = workspace.take(device, [wide, square, square, wide, wide])
-        _load_normalised(buffers[0].mT if tall else buffers[0], pieces, cfg.eps, scale)
-        result = newton_schulz_triton(buffers[0], coeffs, workspace=NSWorkspace(*buffers[1:]))
+        if form == "plain":
+            buffers = workspace.take(device, [wide, square, square, wide, wide])
+            _load_normalised(buffers[0].mT if tall else buffers[0], pieces, cfg.eps, scale)
+            result = newton_schulz_triton(buffers[0], coeffs, workspace=NSWorkspace(*buffers[1:]))
+        else:
+            X, spare, *squares = workspace.take(device, [wide, wide, square, square, square, square])
+            _load_normalised(X.mT if tall else X, pieces, cfg.eps, scale)
+            result = _gram_iterations(X, spare, coeffs, cfg.gram_restarts, squares, kernels="triton")
         store_pieces(result.mT if tall else result, targets)
     else:
         # Two iterate buffers take turns (and the m x m products, two for the plain form and four
@@ -524,9 +546,8 @@ def _pick_backend(backend: str, X: torch.Tensor, batch_shape: tuple[int, int, in
                 "backend='auto' falls back to torch"
             )
         return "triton"
-    # auto: the interpreter is for correctness tests only, never picked automatically; the plain
-    # form only (the Triton kernels implement no other)
-    if not (usable and X.is_cuda) or _form(cfg, batch_shape[1], batch_shape[2]) != "plain":
+    # auto: the interpreter is for correctness tests only, never picked automatically
+    if not (usable and X.is_cuda):
         return "torch"
     from .backend_choice import faster_backend
 
@@ -597,7 +618,7 @@ def ns_flops(shape: Sequence[int], config: NSConfig | None = None, **settings) -
     Plain: ``plain_flops_per_iter`` per iteration with m = min, n = max of the last two dims;
     backend "triton": ``symmetric_flops_per_iter``; "auto" counts as torch (it picks Triton only on
     CUDA, which a plan made from shapes cannot know). Gram: see ``_gram_iterations`` (restarts
-    re-pay the X products).
+    re-pay the X products; on "triton", X X^T and R R count half).
     """
     cfg = _config(config, settings)
     if len(shape) < 2:
@@ -610,25 +631,27 @@ def ns_flops(shape: Sequence[int], config: NSConfig | None = None, **settings) -
     if _form(cfg, m, n) == "plain":
         per_iter = symmetric_flops_per_iter(m, n) if cfg.backend == "triton" else plain_flops_per_iter(m, n)
         return batch * steps * per_iter
-    return batch * _gram_flops(m, n, cfg)
+    return batch * _gram_flops(m, n, cfg, symmetric=cfg.backend == "triton")
 
 
-def _gram_flops(m: int, n: int, cfg: NSConfig) -> int:
-    """FLOPs of the gram form on one m x n matrix (m <= n); see ``_gram_iterations``."""
+def _gram_flops(m: int, n: int, cfg: NSConfig, symmetric: bool = False) -> int:
+    """FLOPs of the gram form on one m x n matrix (m <= n); see ``_gram_iterations``.
+    ``symmetric``: on the Triton kernels, X X^T and R R count half (upper tiles only)."""
     gram_x = 2 * m * m * n  # one X X^T or one Q X
     mm = 2 * m**3
-    total = gram_x  # R_0
+    sym_x, sym_mm = (gram_x // 2, mm // 2) if symmetric else (gram_x, mm)
+    total = sym_x  # R_0
     restarts = set(cfg.gram_restarts)
     q_is_identity = True
     for k in range(cfg.steps):
-        total += mm  # R @ R
+        total += sym_mm  # R @ R
         if not q_is_identity:
             total += mm  # Z @ Q
         q_is_identity = False
         if k == cfg.steps - 1:
             break
         if k in restarts:
-            total += 2 * gram_x  # Q X, then X X^T
+            total += gram_x + sym_x  # Q X, then X X^T
             q_is_identity = True
         else:
             total += 2 * mm  # Z (Z R)

@@ -702,6 +702,33 @@ def batched_matmul_add(
     return out
 
 
+def gram_form_products(dtype: torch.dtype):
+    """The gram form's three kinds of product on these kernels, for ``newton_schulz``'s gram
+    iteration on wide (B, m, n) batches of ``dtype`` (its torch twin uses bmm / baddbmm):
+
+    * ``gram(X, out)``: out = X X^T, upper tiles only (R_0, and R after a restart);
+    * ``poly(R, out, b, c)``: out = c R R^T + b R, upper tiles only; R is symmetric, so this is
+      b R + c R^2 (Z without its a I);
+    * ``product(A, B, out)``: out = A B, every tile (Z Q, Z (Z R) and Q X, whose symmetry would
+      need a two-input symmetric kernel).
+
+    Launches go through the launch cache without the public launchers' checks; the caller's
+    buffers are the workspace's, disjoint by construction."""
+    _require_triton()
+    dot_fp32, precision = _dot_flags(dtype)
+
+    def gram(X, out):
+        _sym_matmul_unchecked(X, None, out, 1.0, 1.0, dot_fp32, precision)
+
+    def poly(R, out, b: float, c: float):
+        _sym_matmul_unchecked(R, R, out, float(c), float(b), dot_fp32, precision)
+
+    def product(A, B, out):
+        _matmul_unchecked(A, B, None, out, 1.0, 1.0, dot_fp32, precision)
+
+    return gram, poly, product
+
+
 # --------------------------------------------------------------------------------------------
 # Newton-Schulz
 # --------------------------------------------------------------------------------------------

@@ -33,8 +33,49 @@ def test_auto_never_picks_the_interpreter_on_cpu():
     from muonlab.kernels.newton_schulz import _pick_backend
 
     assert _pick_backend("auto", torch.zeros(2, 2), (1, 2, 2), torch.float32, NSConfig()) == "torch"
-    with pytest.raises(ValueError, match="form='plain' only"):
-        newton_schulz(torch.randn(4, 8), backend="triton", form="gram")
+    assert _pick_backend("auto", torch.zeros(2, 8), (1, 2, 8), torch.float32, NSConfig(form="gram")) == "torch"
+
+
+@pytest.mark.parametrize("preset", ["keller", "polar_express"])
+@pytest.mark.parametrize("restarts, steps", [((2,), 5), ((), 5), ((0, 1, 2, 3), 5), ((2,), 1), ((2,), 3)])
+def test_triton_gram_form_equals_torch_gram_form_fp32(preset, restarts, steps):
+    # the gram form's products on the Triton kernels (X X^T and b R + c R^2 on upper tiles only)
+    # against the same iteration on bmm / baddbmm; wide, tall and batched
+    from muonlab.kernels.triton_newton_schulz import INTERPRET
+
+    if not (torch.cuda.is_available() or INTERPRET):
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1 (set by tests/conftest.py)")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(1)
+    for shape in [(24, 72), (72, 24), (3, 17, 40)]:
+        G = torch.randn(shape, generator=gen).to(device)
+        settings = dict(coefficients=preset, dtype=torch.float32, form="gram", gram_restarts=restarts, steps=steps)
+        fast = newton_schulz(G, backend="triton", **settings)
+        ref = newton_schulz(G, backend="torch", **settings)
+        plain = newton_schulz(G, backend="torch", **{**settings, "form": "plain"})
+        assert not torch.equal(ref, plain) or steps == 1  # the gram form ran, not the plain one
+        torch.testing.assert_close(fast, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_triton_gram_form_in_a_warm_workspace_allocates_nothing_and_writes_every_element():
+    from torch.profiler import ProfilerActivity, profile
+
+    from muonlab.kernels.triton_newton_schulz import INTERPRET
+    from muonlab.kernels.workspace import Workspace
+
+    if not (torch.cuda.is_available() or INTERPRET) or torch.cuda.is_available():
+        pytest.skip("CPU memory profile under TRITON_INTERPRET=1")
+    G = torch.randn(2, 40, 16, generator=torch.Generator().manual_seed(2))
+    ws = Workspace()
+    settings = dict(dtype=torch.float32, form="gram", backend="triton")
+    first = newton_schulz(G, workspace=ws, **settings)
+    ws.take(torch.device("cpu"), [((ws.nbytes // 4,), torch.float32)])[0].fill_(float("nan"))  # stale bytes
+    out = torch.full_like(G, float("nan"))
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        newton_schulz(G, workspace=ws, out=out, **settings)
+    assert torch.equal(out, first) and not out.isnan().any()
+    largest = max(e.cpu_memory_usage for e in prof.events())
+    assert largest < 16 * 16 * 4, largest
 
 
 def test_muonlab_imports_and_runs_without_triton():
@@ -57,3 +98,13 @@ def test_muonlab_imports_and_runs_without_triton():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("ok")
+
+
+def test_gram_flops_on_triton_count_the_symmetric_products_half():
+    from muonlab import ns_flops
+
+    m, n = 64, 256
+    torch_count = ns_flops((m, n), form="gram")  # 5 steps, a restart after step 2
+    # R_0 and the restart's X X^T (2 m^2 n each) and the five R R (2 m^3 each) run on upper tiles
+    assert ns_flops((m, n), form="gram", backend="triton") == torch_count - 2 * m * m * n - 5 * m**3
+    assert ns_flops((m, n), form="gram", backend="auto") == torch_count  # "auto" counts as torch

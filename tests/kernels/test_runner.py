@@ -244,6 +244,10 @@ def test_backend_choice_is_cached_on_disk_per_device_and_versions(tmp_path, monk
     assert len(calls) == 1
     backend_choice.faster_backend((2, 16, 48), torch.bfloat16, cfg, cpu)  # another shape: measured
     assert len(calls) == 2
+    # the gram form's chain is another chain: its own key, and so are its restarts
+    backend_choice.faster_backend((2, 16, 48), torch.bfloat16, NSConfig(form="gram"), cpu)
+    backend_choice.faster_backend((2, 16, 48), torch.bfloat16, NSConfig(form="gram", gram_restarts=()), cpu)
+    assert len(calls) == 4
 
 
 @cuda
@@ -258,6 +262,18 @@ def test_graphed_runner_matches_eager_and_replays():
         assert len(runner._graphed) == 2
         torch.testing.assert_close(first, eager, rtol=0, atol=0)
         torch.testing.assert_close(again, eager, rtol=2e-2, atol=2e-2)
+
+
+@cuda
+def test_triton_gram_form_is_close_to_torch_gram_in_bf16_and_replays_in_a_graph():
+    mats = torch.randn(5, 64, 192, device="cuda")
+    on = {backend: NSConfig(dtype=torch.bfloat16, form="gram", backend=backend) for backend in ("torch", "triton")}
+    eager = {backend: NewtonSchulzRunner(2**30)(mats, cfg).float() for backend, cfg in on.items()}
+    # two kernels' bf16 roundings of the same iteration (each ~1e-2 from fp32)
+    assert ((eager["triton"] - eager["torch"]).norm() / eager["torch"].norm()).item() < 3e-2
+    runner = NewtonSchulzRunner(2**30, graphs=True)
+    torch.testing.assert_close(runner(mats, on["triton"]).float(), eager["triton"], rtol=0, atol=0)
+    torch.testing.assert_close(runner(mats, on["triton"]).float(), eager["triton"], rtol=0, atol=0)  # replayed
 
 
 @cuda
