@@ -12,13 +12,18 @@ from muonlab import PRESETS, NSConfig, newton_schulz
 triton = pytest.importorskip("triton")
 
 
-@pytest.mark.parametrize("preset", sorted(PRESETS))
-def test_triton_backend_equals_torch_backend_fp32(preset):
+def _triton_device() -> str:
+    """Where the Triton kernels can run here: CUDA, else the CPU under the interpreter (else skip)."""
     from muonlab.kernels.triton_newton_schulz import INTERPRET
 
     if not (torch.cuda.is_available() or INTERPRET):
         pytest.skip("needs CUDA or TRITON_INTERPRET=1 (set by tests/conftest.py)")
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_triton_backend_equals_torch_backend_fp32(preset):
+    device = _triton_device()
     gen = torch.Generator().manual_seed(0)
     for shape in [(40, 72), (72, 40), (2, 33, 33)]:
         G = torch.randn(shape, generator=gen).to(device)
@@ -41,11 +46,7 @@ def test_auto_never_picks_the_interpreter_on_cpu():
 def test_triton_gram_form_equals_torch_gram_form_fp32(preset, restarts, steps):
     # the gram form's products on the Triton kernels (X X^T and b R + c R^2 on upper tiles only)
     # against the same iteration on bmm / baddbmm; wide, tall and batched
-    from muonlab.kernels.triton_newton_schulz import INTERPRET
-
-    if not (torch.cuda.is_available() or INTERPRET):
-        pytest.skip("needs CUDA or TRITON_INTERPRET=1 (set by tests/conftest.py)")
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = _triton_device()
     gen = torch.Generator().manual_seed(1)
     for shape in [(24, 72), (72, 24), (3, 17, 40)]:
         G = torch.randn(shape, generator=gen).to(device)
