@@ -883,7 +883,8 @@ class Muon(Optimizer):
         """
         entries = self._muon_entries()
         plan, specs, groups, owners = planned
-        drafts: list[tuple[int, torch.Tensor]] = []  # (parameter index, updated copy) until the gate
+        # (parameter index, its batch, updated copy of its momentum (part)) until the gate
+        drafts: list[tuple[int, BatchPlan, torch.Tensor]] = []
         before_gate = gate is not None  # until the gate passes, momentum is drafted
 
         def on_this_rank(i: int) -> bool:

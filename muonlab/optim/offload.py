@@ -83,7 +83,7 @@ class ResidentStore:
         """Yield (tag, [local state tensor per key]) for each (tag, param, state) in ``items``;
         ``view(local tensor)``: the part of it to hand out (a part of a bank), the rest untouched."""
         for tag, _, state in items:
-            yield tag, [_viewed(local_shard(state[k]), view) for k in keys]
+            yield tag, _local_states(state, keys, view)
 
     def close(self) -> None:
         pass
@@ -152,10 +152,10 @@ class _OffloadedStore(ResidentStore):
         self.check()
         pending = None
         for k, (tag, p, state) in enumerate(items):
-            stored = [_viewed(local_shard(state[key]), view) for key in keys]  # only the part is fetched
+            stored = _local_states(state, keys, view)  # of a bank in parts, only the part is fetched
             working = (pending or self._fetch(p, stored))()
             # the next parameter's state is read while the caller computes on this one
-            pending = self._fetch(items[k + 1][1], [_viewed(local_shard(items[k + 1][2][key]), view) for key in keys]) \
+            pending = self._fetch(items[k + 1][1], _local_states(items[k + 1][2], keys, view)) \
                 if k + 1 < len(items) else None
             yield tag, working
             for dst, src in zip(stored, working):
@@ -392,8 +392,10 @@ class StateStores:
             s.close()
 
 
-def _viewed(t: torch.Tensor, view) -> torch.Tensor:
-    return t if view is None else view(t)
+def _local_states(state: dict, keys, view) -> list[torch.Tensor]:
+    """The local shards of ``state``'s tensors under ``keys``, each through ``view`` if given."""
+    local = [local_shard(state[k]) for k in keys]
+    return local if view is None else [view(t) for t in local]
 
 
 def _keys(algorithm: str) -> tuple[str, ...]:
