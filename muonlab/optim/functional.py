@@ -42,10 +42,13 @@ def muon_momentum_(
     momentum: float,
     nesterov: bool,
     form: str,
+    write_buffers: bool = True,
 ) -> list[torch.Tensor]:
     """Update momentum buffers in place; return the Newton-Schulz inputs (the buffers' dtype,
     grad-shaped), back to back in one new buffer where the buffers share a dtype and device (a
     batch's Newton-Schulz then reads them as one tensor, without a stacking copy).
+    ``write_buffers=False``: the same inputs, the buffers left as they are (a step that may still
+    be skipped; ``momentum_update_`` writes them later, with the same bits).
 
     "ema" (torch.optim.Muon): m <- lerp(m, g, 1 - mu); input lerp(g, m, mu) or m.
     "sum" (Moonlight, Dion): M <- mu M + g; input g + mu M or M.
@@ -62,14 +65,14 @@ def muon_momentum_(
         return []
     grads = [g.to(buf.dtype) for g, buf in zip(grads, bufs)]
     outs = _packed_like(bufs)
+    if not write_buffers:
+        _inputs_only(outs, grads, bufs, momentum=momentum, nesterov=nesterov, form=form)
+        return outs
     if outs[0].is_cuda:
         _momentum_foreach(outs, grads, bufs, momentum=momentum, nesterov=nesterov, form=form)
         return outs
     for o, g, buf in zip(outs, grads, bufs):
-        if form == "ema":
-            buf.lerp_(g, 1 - momentum)
-        else:
-            buf.mul_(momentum).add_(g)
+        _update_one_(buf, g, momentum, form)
         if not nesterov:
             o.copy_(buf)
         elif form == "ema":
@@ -79,14 +82,51 @@ def muon_momentum_(
     return outs
 
 
+def momentum_update_(grads: Sequence[torch.Tensor], bufs: Sequence[torch.Tensor], *, momentum: float,
+                     form: str) -> None:
+    """``muon_momentum_``'s buffer update alone, with its arithmetic (so its bits): one foreach
+    call per stage on a GPU, a loop over the tensors on a CPU."""
+    if not bufs:
+        return
+    grads = [g.to(buf.dtype) for g, buf in zip(grads, bufs)]
+    if bufs[0].is_cuda:
+        if form == "ema":
+            torch._foreach_lerp_(bufs, grads, 1 - momentum)
+        else:
+            torch._foreach_mul_(bufs, momentum)
+            torch._foreach_add_(bufs, grads)
+        return
+    for g, buf in zip(grads, bufs):
+        _update_one_(buf, g, momentum, form)
+
+
+def _update_one_(buf: torch.Tensor, g: torch.Tensor, momentum: float, form: str) -> None:
+    if form == "ema":
+        buf.lerp_(g, 1 - momentum)
+    else:
+        buf.mul_(momentum).add_(g)
+
+
+def _inputs_only(outs, grads, bufs, *, momentum: float, nesterov: bool, form: str) -> None:
+    """``muon_momentum_``'s inputs with the buffers untouched: each input's place first takes the
+    updated momentum, then the Nesterov input is made from it in place (elementwise, so the same
+    bits as from an updated buffer). One pass less than copying the buffers and updating the
+    copies, and nothing allocated beyond the inputs."""
+    for o, g, buf in zip(outs, grads, bufs):
+        if form == "ema":
+            torch.lerp(buf, g, 1 - momentum, out=o)
+        else:
+            torch.mul(buf, momentum, out=o).add_(g)
+        if nesterov and form == "ema":
+            torch.lerp(g, o, momentum, out=o)
+        elif nesterov:
+            torch.add(g, o, alpha=momentum, out=o)
+
+
 def _momentum_foreach(outs, grads, bufs, *, momentum: float, nesterov: bool, form: str) -> None:
     """``muon_momentum_``'s stages as a few foreach launches (the GPU's way): the buffers, then the
     inputs as a copy of g and the same arithmetic in place (the same bits as out of place)."""
-    if form == "ema":
-        torch._foreach_lerp_(bufs, grads, 1 - momentum)
-    else:
-        torch._foreach_mul_(bufs, momentum)
-        torch._foreach_add_(bufs, grads)
+    momentum_update_(grads, bufs, momentum=momentum, form=form)
     torch._foreach_copy_(outs, grads if nesterov else bufs)
     if nesterov and form == "ema":
         torch._foreach_lerp_(outs, bufs, momentum)

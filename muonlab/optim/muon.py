@@ -180,11 +180,11 @@ class Muon(Optimizer):
             weight stored (in, out): orthogonalized as stored, its lr ratio reads (out, in).
             Overrides the views ``muon_param_groups`` declared.
         nonfinite: an inf or NaN in any gradient on any rank makes every rank "skip" the step
-            (decided together by one all-reduce; parameters and state untouched, counted in
-            ``skipped_steps`` and ``last_step_stats()``), "raise" a ValueError naming the
-            parameter and rank, or is "ignore"d. The all-reduce travels while the first batches
-            are moved and orthogonalized; nothing is written before it resolves (their momentum
-            is computed on copies until then, see ``_muon_step``).
+            (decided together by one exchange of per-rank flags; parameters and state untouched,
+            counted in ``skipped_steps`` and ``last_step_stats()``), "raise" a ValueError naming
+            the parameter and rank, or is "ignore"d. The flags travel while the first batches are
+            moved and orthogonalized; nothing is written before they arrive (those batches read
+            their momentum buffers and write them after, see ``_muon_step``).
         strategy: "muonlab" (the planner) or "redundant" (every rank gathers and orthogonalizes
             every matrix: the baseline, for benchmarks and parity).
         state_offload: None (state on the parameters' device), "cpu" (momentum and AdamW moments
@@ -576,7 +576,7 @@ class Muon(Optimizer):
 
         # The check starts once the first batches' way out is in flight (on a GPU its pass then
         # runs while they transfer instead of delaying them; on 2 gloo ranks sharing 2 cores the
-        # step measured the same either way), its flags' all-reduce travels while batch 0 is
+        # step measured the same either way), its flags travel while batch 0 is
         # orthogonalized, and the engine calls commit_point() after batch 0's Newton-Schulz,
         # before anything is written (see _muon_step). Offloaded momentum is written back as soon
         # as it is fetched, so there (and without a group or a Muon batch) the check resolves first.
@@ -783,7 +783,7 @@ class Muon(Optimizer):
         The seconds come from the step's spans (``phase_seconds``): on CUDA they are GPU time, and
         the first read after a step synchronises the device once. ``nonfinite_seconds``: the
         non-finite check's host seconds, "check" (its start: the fused pass, the flags'
-        all-reduce launched) and "wait" (for the flags, at the commit point); None when off."""
+        exchange launched) and "wait" (for the flags, at the commit point); None when off."""
         stats = dict(self._stats)
         if stats.get("seconds", {}) is None:
             stats["seconds"] = self._stats["seconds"] = self._phase_seconds()
@@ -873,42 +873,44 @@ class Muon(Optimizer):
         orthogonalize, move back, update; only the batches in flight hold inputs and outputs.
 
         With ``gate`` (the step's commit point, called by the engine after batch 0's
-        Newton-Schulz), the momentum of the batches started before it is computed on copies of
-        their buffers (drafts: the same arithmetic, so the same bits) and
-        written into them only if the gate lets the step go on; False: the gate stopped the step
-        and no buffer was written. Resident momentum only. ``overlap()`` (the check's start) runs
+        Newton-Schulz), the batches started before it read their momentum buffers without
+        writing them (their inputs hold the updated momentum, with the same bits) and the buffers
+        are updated only if the gate lets the step go on; False: the gate stopped the step and no
+        buffer was written. Resident momentum only. ``overlap()`` (the check's start) runs
         once the first batches' way out is in flight. A batch holding one part of a bank
         (``BatchPlan.part``) reads and writes that part of its grad, momentum and parameter
         (``_part_of``), so the stages below never see the rest of the bank.
         """
         entries = self._muon_entries()
         plan, specs, groups, owners = planned
-        # (parameter index, its batch, updated copy of its momentum (part)) until the gate
-        drafts: list[tuple[int, BatchPlan, torch.Tensor]] = []
-        before_gate = gate is not None  # until the gate passes, momentum is drafted
+        # (parameter index, its batch) whose momentum buffer (part) is written at the gate
+        deferred: list[tuple[int, BatchPlan]] = []
+        before_gate = gate is not None  # until the gate passes, momentum buffers are only read
 
         def on_this_rank(i: int) -> bool:
             # a replicated matrix's momentum and Newton-Schulz run on its owner rank only
             return i not in owners or owners[i][2]
 
-        def draft(i: int, batch) -> torch.Tensor:
-            """A copy of parameter i's momentum buffer (its part in ``batch``); zeros (its state to
-            be) where it has none."""
+        def momentum_now(i: int, batch) -> torch.Tensor:
+            """Parameter i's momentum buffer (its part in ``batch``), to read; zeros (its state to
+            be) where it has none: a skipped step must not even create empty state."""
             p = entries[i][1]
-            state = self.state.get(p)  # .get: a skipped step must not even create empty state
+            state = self.state.get(p)
             if state:
-                return _part_of(batch, local_shard(state["momentum_buffer"])).clone()
+                return _part_of(batch, local_shard(state["momentum_buffer"]))
             return torch.zeros_like(_part_of(batch, local_shard(p)), dtype=self._offload.dtype(p, "momentum_buffer"))
+
+        def grad_of(i: int, batch) -> torch.Tensor:
+            return _part_of(batch, local_shard(entries[i][1].grad), read_only=True)
 
         def prepare(batch) -> list[torch.Tensor | None]:
             """1. momentum on the local shard (replicated matrices: on their owner only)."""
             inputs = dict.fromkeys(batch.param_indices)
             with self._tracer.span("momentum", batch=batch.index):
                 mine = [i for i in batch.param_indices if on_this_rank(i)]
-                if before_gate:  # the step may still be skipped: this batch writes no buffer
-                    copies = [(i, draft(i, batch)) for i in mine]
-                    drafts.extend((i, batch, buf) for i, buf in copies)
-                    runs = [[(i, (buf,)) for i, buf in copies]]
+                if before_gate:  # the step may still be skipped: the inputs now, the buffers at the gate
+                    deferred.extend((i, batch) for i in mine)
+                    runs = [[(i, (momentum_now(i, batch),)) for i in mine]]
                 else:
                     items = [(i, entries[i][1], self._state_for(entries[i][1], "muon")) for i in mine]
                     # the store hands out each momentum on the device (fetching the next meanwhile;
@@ -919,22 +921,26 @@ class Muon(Optimizer):
                     runs = [list(fetched)] if resident else ([f] for f in fetched)
                 for run in runs:
                     for settings, members in _by_settings(run, lambda i: _momentum_settings(entries[i][0])):
-                        grads = [_part_of(batch, local_shard(entries[i][1].grad), read_only=True) for i, _ in members]
-                        outs = F.muon_momentum_(grads, [buf for _, (buf,) in members], **dict(settings))
+                        outs = F.muon_momentum_([grad_of(i, batch) for i, _ in members],
+                                                [buf for _, (buf,) in members], **dict(settings),
+                                                write_buffers=not before_gate)
                         inputs.update(zip((i for i, _ in members), outs))
             return [inputs[i] for i in batch.param_indices]
 
         def commit() -> bool:
-            """The gate, then the drafts written into their momentum buffers (made now if new)."""
+            """The gate, then the deferred momentum buffers updated (made now if new)."""
             nonlocal before_gate
             if not gate():
                 return False
             before_gate = False
-            bufs = [_part_of(batch, local_shard(self._state_for(entries[i][1], "muon")["momentum_buffer"]))
-                    for i, batch, _ in drafts]
-            if bufs:
-                torch._foreach_copy_(bufs, [d for _, _, d in drafts])
-            drafts.clear()
+            with self._tracer.span("momentum"):  # the buffers of the batches started before the gate
+                for settings, members in _by_settings(deferred, lambda i: _momentum_settings(entries[i][0])):
+                    F.momentum_update_(
+                        [grad_of(i, batch) for i, batch in members],
+                        [_part_of(batch, local_shard(self._state_for(entries[i][1], "muon")["momentum_buffer"]))
+                         for i, batch in members],
+                        momentum=dict(settings)["momentum"], form=dict(settings)["form"])
+            deferred.clear()
             return True
 
         def apply(batch, outputs: list[torch.Tensor]) -> None:

@@ -1,11 +1,12 @@
-"""Is any gradient non-finite, on any rank? One fused check, its flag all-reduced asynchronously.
+"""Is any gradient non-finite, on any rank? One fused check, its flag shared asynchronously.
 
 ``start`` runs one fused pass per (device, dtype) over the local gradients (torch's AMP
 non-finite check with an inverse scale of 1.0: it rewrites each value as itself and raises a flag
 on an inf or NaN), writes the flag into this rank's slot of a per-rank vector without a host sync,
-and starts the vector's all-reduce with ``async_op=True``. The caller does work that commits
-nothing meanwhile and calls ``result()`` before it modifies anything (Muon: at the engine's gate,
-after its first batches' momentum drafts, way out and Newton-Schulz; see muonlab.comm.engine).
+and starts sharing the vector with every rank (``_share``) with ``async_op=True``. The caller does
+work that commits nothing meanwhile and calls ``result()`` before it modifies anything (Muon: at
+the engine's gate, after its first batches' momentum inputs (their buffers not yet written), way
+out and Newton-Schulz; see muonlab.comm.engine).
 Names of the culprits are looked for only when this rank's flag is up, so the common path does no
 per-gradient work beyond grouping and the fused call.
 """
@@ -32,7 +33,7 @@ def _flag_into(found: torch.Tensor, grads: list[torch.Tensor], one: torch.Tensor
 
 
 class NonfiniteCheck:
-    """A started check: ``result()`` waits for the flag's all-reduce (if any) and reads it."""
+    """A started check: ``result()`` waits for the flags' exchange (if any) and reads them."""
 
     def __init__(self, grads: list[torch.Tensor], flags: torch.Tensor, me: int, work, group,
                  name_of: Callable[[int], str]):
@@ -58,9 +59,25 @@ class NonfiniteCheck:
         return self._result
 
 
+def _share(flags: torch.Tensor, me: int, size: int, group):
+    """Start giving every rank of ``group`` every rank's slot of ``flags`` (each rank has written
+    only its own): the work handle; ``flags`` holds them all once it completes.
+
+    gloo: an all_to_all_single of one value to each rank, a single exchange with every peer. Its
+    all-reduce passes the values rank to rank in several rounds, and with W processes sharing a
+    few cores each round waits for a peer's thread to be scheduled: at W = 4 on 2 cores the flags
+    were still in flight at the commit point (2 ms wait) and the check cost 1% more of the step
+    (benchmarks/bench_peers.py). NCCL (and the rest): an all-reduce, logarithmic in W.
+    """
+    if dist.get_backend(group) == "gloo":
+        return dist.all_to_all_single(flags, flags[me:me + 1].expand(size).contiguous(), group=group,
+                                      async_op=True)
+    return dist.all_reduce(flags, group=group, async_op=True)
+
+
 def start(grads: Sequence[torch.Tensor], group=None, name_of: Callable[[int], str] | None = None) -> NonfiniteCheck:
     """Check ``grads`` (plain tensors or DTensors: their local shards) for infs and NaNs and start
-    the all-reduce of the per-rank flags over ``group`` (None: no collective, a single rank).
+    sharing the per-rank flags over ``group`` (None: no collective, a single rank).
     ``name_of(i)`` names the i-th grad in ``result()``'s list; it is called only for culprits."""
     local = [local_shard(g) for g in grads]
     by_device: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = {}
@@ -78,7 +95,7 @@ def start(grads: Sequence[torch.Tensor], group=None, name_of: Callable[[int], st
             _flag_into(found, gs, one)
         if found is not mine:
             mine += found.to(device)
-    work = None if group is None else dist.all_reduce(flags, group=group, async_op=True)
+    work = None if group is None else _share(flags, me, size, group)
     if name_of is None:
         name_of = lambda i: f"grad {i} of shape {tuple(local[i].shape)}"  # noqa: E731
     return NonfiniteCheck(local, flags, me, work, group, name_of)

@@ -766,8 +766,9 @@ def test_matrix_views_for_adamw_or_not_a_dict_are_refused():
 @pytest.mark.parametrize("nesterov", [True, False])
 def test_momentum_inputs_lie_back_to_back_with_the_bits_of_the_plain_formulas(form, nesterov):
     """muon_momentum_ writes the Newton-Schulz inputs into one buffer, in order (a batch then reads
-    them as one tensor), with the same bits as torch's out-of-place formulas; buffers of mixed
-    dtypes get separate inputs."""
+    them as one tensor), with the same bits as torch's out-of-place formulas, also when the buffers
+    are written later (write_buffers=False, then momentum_update_); buffers of mixed dtypes get
+    separate inputs."""
     torch.manual_seed(0)
     shapes = [(6, 4), (6, 4), (2, 6, 4)]
     grads = [torch.randn(s) for s in shapes]
@@ -787,6 +788,14 @@ def test_momentum_inputs_lie_back_to_back_with_the_bits_of_the_plain_formulas(fo
     F._momentum_foreach(again, grads, again_bufs, momentum=0.9, nesterov=nesterov, form=form)
     assert all(torch.equal(a, o) for a, o in zip(again, outs))
     assert all(torch.equal(a, b) for a, b in zip(again_bufs, bufs))
+    # a step that may still be skipped: the inputs without touching the buffers, then the buffers
+    # alone at the commit; the same bits as the one-call update
+    later = [b.clone() for b in start]
+    deferred = F.muon_momentum_(grads, later, momentum=0.9, nesterov=nesterov, form=form, write_buffers=False)
+    assert all(torch.equal(a, o) for a, o in zip(deferred, outs))
+    assert all(torch.equal(a, b) for a, b in zip(later, start))
+    F.momentum_update_(grads, later, momentum=0.9, form=form)
+    assert all(torch.equal(a, b) for a, b in zip(later, bufs))
     mixed = F.muon_momentum_(grads[:2], [bufs[0], bufs[1].double()], momentum=0.9,
                              nesterov=nesterov, form=form)
     assert [o.dtype for o in mixed] == [torch.float32, torch.float64]
