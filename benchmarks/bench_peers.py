@@ -151,9 +151,10 @@ def main(argv=None):
             "",
             "The safety check inside muonlab's steps (last_step_stats()['nonfinite_seconds'], host clock; "
             "per-rank medians over the rounds, the largest rank's; % of muonlab's median step): "
-            f"start() (fused check, flags, all-reduce launched; behind the first two batches' way out) "
+            "start() (fused check, the flags' exchange launched: one all_to_all_single on gloo; behind the "
+            "first two batches' way out) "
             f"{1e3 * check['start_s']:.2f} ms ({100 * check['start_s'] / check['step_s']:.1f}%); the wait for "
-            f"the flags at the commit point (after batch 0's Newton-Schulz; the all-reduce travels behind "
+            f"the flags at the commit point (after batch 0's Newton-Schulz; the flags travel behind "
             f"those two batches' way out) {1e3 * check['wait_s']:.2f} ms "
             f"({100 * check['wait_s'] / check['step_s']:.1f}%); the check it replaced, alone (an isfinite per "
             f"grad, then a blocking all-reduce) {1e3 * check['before_s']:.2f} ms "

@@ -350,7 +350,7 @@ def newton_schulz(G: torch.Tensor | Sequence[torch.Tensor], config: NSConfig | N
     m, n = sorted((rows, cols))
     tall = rows > cols
     form = _form(cfg, m, n)
-    use = _pick_backend(cfg.backend, pieces[0], (num, m, n), dtype, cfg)
+    use = pick_backend(cfg.backend, pieces[0], (num, m, n), dtype, cfg)
     if workspace is None:
         from .workspace import Workspace
 
@@ -363,10 +363,10 @@ def newton_schulz(G: torch.Tensor | Sequence[torch.Tensor], config: NSConfig | N
     if use == "triton":
         from .triton_newton_schulz import NSWorkspace, newton_schulz_triton
 
-        if form == "plain":
-            buffers = workspace.take(device, [wide, square, square, wide, wide])
-            _load_normalised(buffers[0].mT if tall else buffers[0], pieces, cfg.eps, scale)
-            result = newton_schulz_triton(buffers[0], coeffs, workspace=NSWorkspace(*buffers[1:]))
+        if form == "plain":  # the input's buffer is the second iterate (pong): two (B, m, n), as on torch
+            X, gram, poly, ping = workspace.take(device, [wide, square, square, wide])
+            _load_normalised(X.mT if tall else X, pieces, cfg.eps, scale)
+            result = newton_schulz_triton(X, coeffs, workspace=NSWorkspace(gram, poly, ping, pong=X))
         else:
             X, spare, *squares = workspace.take(device, [wide, wide, square, square, square, square])
             _load_normalised(X.mT if tall else X, pieces, cfg.eps, scale)
@@ -533,8 +533,10 @@ def triton_usable(X: torch.Tensor) -> bool:
     return TRITON_AVAILABLE and (X.is_cuda or (INTERPRET and X.device.type == "cpu"))
 
 
-def _pick_backend(backend: str, X: torch.Tensor, batch_shape: tuple[int, int, int], dtype: torch.dtype,
-                  cfg: NSConfig) -> str:
+def pick_backend(backend: str, X: torch.Tensor, batch_shape: tuple[int, int, int], dtype: torch.dtype,
+                 cfg: NSConfig) -> str:
+    """"torch" or "triton": which path ``backend`` runs a (B, m, n) batch on, where X (any tensor on
+    the batch's device) lives; "triton" where Triton can't run raises a ValueError saying so."""
     if backend == "torch" or (backend == "auto" and not X.is_cuda):
         return "torch"  # "auto" off CUDA: not even importing triton (its import alone costs ~80 MB)
     usable = triton_usable(X)

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from .newton_schulz import NSConfig, Overwrite, form_for, load_pieces, newton_schulz, resolve_dtype, store_pieces
+from .newton_schulz import (NSConfig, Overwrite, form_for, load_pieces, newton_schulz, pick_backend, resolve_dtype,
+                            store_pieces)
 from .workspace import Workspace, max_batch_matrices
 
 MIN_BUDGET = {"cuda": 256 * 2**20, "cpu": 8 * 2**20}
@@ -35,13 +36,24 @@ def default_budget(param_bytes: int, device_type: str = "cuda") -> int:
 
 
 def matrices_within(budget_bytes: int, shape, dtype: torch.dtype, cfg: NSConfig | None = None,
-                    reuses_input: bool = False) -> int:
+                    reuses_input: bool = False, device: torch.device | str | None = None) -> int:
     """Matrices of ``shape`` one Newton-Schulz call under ``cfg`` (its form on this shape; None:
     the plain form) may take within ``budget_bytes`` in ``dtype`` (``reuses_input``: results
     overwrite inputs of the compute dtype; see ``batch_bytes_per_matrix``). The one rule behind
-    the runner's chunks, Muon's plan and ``muonlab.simulate``'s."""
+    the runner's chunks, Muon's plan and ``muonlab.simulate``'s.
+
+    On a ``device`` where ``cfg``'s backend runs Triton on a chunk of that many (``"triton"``, or
+    ``"auto"`` choosing it there), the Triton path's bytes count instead: fewer matrices, for
+    which ``newton_schulz`` may pick either backend, both within the budget."""
     form = "plain" if cfg is None else form_for(cfg, shape)
-    return max_batch_matrices(shape, dtype.itemsize, budget_bytes, reuses_input, form)
+    count = max_batch_matrices(shape, dtype.itemsize, budget_bytes, reuses_input, form)
+    if device is None or cfg is None or cfg.backend == "torch":
+        return count
+    m, n = sorted(int(d) for d in shape)
+    probe = torch.empty(0, dtype=dtype, device=device)  # where the chunk would run
+    if pick_backend(cfg.backend, probe, (count, m, n), dtype, cfg) != "triton":
+        return count
+    return max_batch_matrices(shape, dtype.itemsize, budget_bytes, reuses_input, form, backend="triton")
 
 
 def _chunks(pieces: list[torch.Tensor], size: int):
@@ -100,9 +112,9 @@ class NewtonSchulzRunner:
         self._graphed: dict[tuple, _Graphed] = {}
 
     def chunk_size(self, shape: tuple[int, int], dtype: torch.dtype, reuses_input: bool = False,
-                   cfg: NSConfig | None = None) -> int:
+                   cfg: NSConfig | None = None, device: torch.device | str | None = None) -> int:
         """Matrices per call within the budget (``matrices_within``)."""
-        return matrices_within(self.budget_bytes, shape, dtype, cfg, reuses_input)
+        return matrices_within(self.budget_bytes, shape, dtype, cfg, reuses_input, device)
 
     def __call__(self, mats: torch.Tensor | list[torch.Tensor], cfg: NSConfig):
         """Orthogonalize ``mats``: one (k, A, B) stack, or a list of (k_i, A, B) pieces taken as
@@ -116,7 +128,8 @@ class NewtonSchulzRunner:
         if not isinstance(mats, Overwrite):
             total = sum(p.shape[0] for p in pieces)
             out = torch.empty((total, *first.shape[-2:]), dtype=dtype, device=first.device)
-        step = self.chunk_size(first.shape[-2:], dtype, reuses_input=out is None and first.dtype == dtype, cfg=cfg)
+        step = self.chunk_size(first.shape[-2:], dtype, reuses_input=out is None and first.dtype == dtype, cfg=cfg,
+                               device=first.device)
         for start, chunk in _chunks(pieces, step):
             dest = chunk if out is None else out[start:start + sum(p.shape[0] for p in chunk)]
             if self.graphs and first.is_cuda:

@@ -740,7 +740,9 @@ _WORKSPACE_FIELDS = ("gram", "poly", "ping", "pong")
 class NSWorkspace:
     """Buffers for ``newton_schulz_triton(X, ..., workspace=...)``, reusable across calls.
 
-    All four are contiguous, in X's dtype and on X's device, and overlap neither X nor each other.
+    All four are contiguous, in X's dtype and on X's device, and overlap neither X nor each other,
+    except that ``pong`` may be X itself (contiguous): only the first iteration reads X, so the
+    second may overwrite it, and a caller that owns X saves one (B, m, n) buffer.
     Iteration i writes its result to ``ping`` (i even) or ``pong`` (i odd), and the returned
     tensor IS that buffer: consume or copy it before the next call that uses this workspace.
     """
@@ -797,6 +799,8 @@ def _as_workspace(workspace, X: torch.Tensor) -> NSWorkspace:
         if not t.is_contiguous():
             raise ValueError(f"{where}: must be contiguous (strides {t.stride()})")
         lo, hi = _span(t)
+        if name == "pong" and t.data_ptr() == X.data_ptr() and X.is_contiguous():
+            continue  # X itself: overwritten from the second iteration on (see NSWorkspace)
         for other, (olo, ohi) in spans.items():
             if lo < ohi and olo < hi:
                 raise ValueError(f"{where}: overlaps {other if other == 'X' else 'workspace.' + other} in memory")

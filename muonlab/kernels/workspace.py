@@ -54,21 +54,25 @@ class Workspace:
         self._arenas = {}
 
 
-def batch_bytes_per_matrix(m: int, n: int, itemsize: int, reuses_input: bool = False, form: str = "plain") -> int:
+def batch_bytes_per_matrix(m: int, n: int, itemsize: int, reuses_input: bool = False, form: str = "plain",
+                           backend: str = "torch") -> int:
     """Transient bytes one m x n matrix (m <= n) adds to a Newton-Schulz batch: its input, the
     workspace's iterate and two m x m products, and the output, which doubles as the second
     iterate (see ``newton_schulz``): 3 m n + 2 m^2 elements. ``reuses_input``: the result
     overwrites an input already in the compute dtype (``muonlab.kernels.newton_schulz.Overwrite``), which
     is then the output too: 2 m n + 2 m^2. The gram form (``form`` as it runs on this shape) has
     the same iterates and four m x m products (R, Z, Q and one in flight, see
-    ``_gram_iterations``)."""
+    ``_gram_iterations``). ``backend="triton"``: one m n more, as its two iterates are wide
+    buffers of the workspace and the output a copy of the last (the kernels want (B, m, n)
+    contiguous; a tall output can't be one)."""
     squares = 4 if form == "gram" else 2
-    return itemsize * ((2 if reuses_input else 3) * m * n + squares * m * m)
+    iterates = (2 if reuses_input else 3) + (1 if backend == "triton" else 0)
+    return itemsize * (iterates * m * n + squares * m * m)
 
 
 def max_batch_matrices(shape: tuple[int, int], itemsize: int, budget_bytes: int, reuses_input: bool = False,
-                       form: str = "plain") -> int:
+                       form: str = "plain", backend: str = "torch") -> int:
     """How many matrices of ``shape`` one Newton-Schulz call may take within ``budget_bytes``
     (at least one: a single matrix larger than the budget still has to be orthogonalized)."""
     m, n = sorted(int(d) for d in shape)
-    return max(1, budget_bytes // batch_bytes_per_matrix(m, n, itemsize, reuses_input, form))
+    return max(1, budget_bytes // batch_bytes_per_matrix(m, n, itemsize, reuses_input, form, backend))

@@ -990,7 +990,8 @@ class Muon(Optimizer):
         is the compute dtype (the first Muon parameter's momentum dtype stands for all)."""
         dtype = resolve_dtype(cfg.dtype, self._device()) or torch.float32
         momentum = self._offload.dtype(self._muon_entries()[0][1], "momentum_buffer")
-        return self._ns_runner().chunk_size(shape, dtype, reuses_input=momentum == dtype, cfg=cfg)
+        return self._ns_runner().chunk_size(shape, dtype, reuses_input=momentum == dtype, cfg=cfg,
+                                            device=self._device())
 
     def _ns_config(self, group: dict) -> NSConfig:
         """A Muon group's Newton-Schulz settings with the optimizer-wide dtype, form and backend."""

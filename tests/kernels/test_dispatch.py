@@ -35,10 +35,10 @@ def test_triton_backend_equals_torch_backend_fp32(preset):
 def test_auto_never_picks_the_interpreter_on_cpu():
     if torch.cuda.is_available():
         pytest.skip("has CUDA")
-    from muonlab.kernels.newton_schulz import _pick_backend
+    from muonlab.kernels.newton_schulz import pick_backend
 
-    assert _pick_backend("auto", torch.zeros(2, 2), (1, 2, 2), torch.float32, NSConfig()) == "torch"
-    assert _pick_backend("auto", torch.zeros(2, 8), (1, 2, 8), torch.float32, NSConfig(form="gram")) == "torch"
+    assert pick_backend("auto", torch.zeros(2, 2), (1, 2, 2), torch.float32, NSConfig()) == "torch"
+    assert pick_backend("auto", torch.zeros(2, 8), (1, 2, 8), torch.float32, NSConfig(form="gram")) == "torch"
 
 
 @pytest.mark.parametrize("preset", ["keller", "polar_express"])
@@ -109,3 +109,27 @@ def test_gram_flops_on_triton_count_the_symmetric_products_half():
     # R_0 and the restart's X X^T (2 m^2 n each) and the five R R (2 m^3 each) run on upper tiles
     assert ns_flops((m, n), form="gram", backend="triton") == torch_count - 2 * m * m * n - 5 * m**3
     assert ns_flops((m, n), form="gram", backend="auto") == torch_count  # "auto" counts as torch
+
+
+@pytest.mark.parametrize("form", ["plain", "gram"])
+def test_triton_chunks_count_the_triton_bytes_and_stay_within_the_budget(form):
+    """The Triton path holds one m x n more per matrix than the torch path (its iterates are wide
+    workspace buffers, the output a copy), so a runner on Triton cuts smaller chunks; the arena of
+    one chunk, plus that chunk's input and output, stays within the budget."""
+    from muonlab.kernels.runner import NewtonSchulzRunner, matrices_within
+    from muonlab.kernels.workspace import batch_bytes_per_matrix
+
+    device = _triton_device()
+    m, n, item = 8, 64, 4
+    per_matrix = batch_bytes_per_matrix(m, n, item, form=form, backend="triton")
+    assert per_matrix == item * (4 * m * n + (4 if form == "gram" else 2) * m * m)
+    budget = 4 * per_matrix
+    torch_cfg, triton_cfg = (NSConfig(dtype=torch.float32, form=form, backend=b) for b in ("torch", "triton"))
+    assert matrices_within(budget, (m, n), torch.float32, torch_cfg, device=device) == 5
+    assert matrices_within(budget, (m, n), torch.float32, triton_cfg, device=device) == 4
+    mats = torch.randn(9, m, n, generator=torch.Generator().manual_seed(0)).to(device)
+    runner = NewtonSchulzRunner(budget)
+    fast = runner(mats, triton_cfg)
+    assert runner.chunk_size((m, n), torch.float32, cfg=triton_cfg, device=device) == 4
+    assert runner.workspace.nbytes + 2 * 4 * m * n * item <= budget  # arena + a chunk's input and output
+    torch.testing.assert_close(fast, newton_schulz(mats, torch_cfg), rtol=1e-4, atol=1e-4)
