@@ -762,17 +762,18 @@ def test_matrix_views_for_adamw_or_not_a_dict_are_refused():
         Muon([("w", w)], matrix_views=["w"])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("form", ["ema", "sum"])
 @pytest.mark.parametrize("nesterov", [True, False])
-def test_momentum_inputs_lie_back_to_back_with_the_bits_of_the_plain_formulas(form, nesterov):
+def test_momentum_inputs_lie_back_to_back_with_the_bits_of_the_plain_formulas(form, nesterov, dtype):
     """muon_momentum_ writes the Newton-Schulz inputs into one buffer, in order (a batch then reads
     them as one tensor), with the same bits as torch's out-of-place formulas, also when the buffers
     are written later (write_buffers=False, then momentum_update_); buffers of mixed dtypes get
     separate inputs."""
     torch.manual_seed(0)
     shapes = [(6, 4), (6, 4), (2, 6, 4)]
-    grads = [torch.randn(s) for s in shapes]
-    bufs = [torch.randn(s) for s in shapes]
+    grads = [torch.randn(s).to(dtype) for s in shapes]
+    bufs = [torch.randn(s).to(dtype) for s in shapes]
     start = [b.clone() for b in bufs]
     ref_bufs = [b.clone() for b in bufs]
     outs = F.muon_momentum_(grads, bufs, momentum=0.9, nesterov=nesterov, form=form)
@@ -798,4 +799,4 @@ def test_momentum_inputs_lie_back_to_back_with_the_bits_of_the_plain_formulas(fo
     assert all(torch.equal(a, b) for a, b in zip(later, bufs))
     mixed = F.muon_momentum_(grads[:2], [bufs[0], bufs[1].double()], momentum=0.9,
                              nesterov=nesterov, form=form)
-    assert [o.dtype for o in mixed] == [torch.float32, torch.float64]
+    assert [o.dtype for o in mixed] == [dtype, torch.float64]
