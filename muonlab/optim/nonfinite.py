@@ -66,8 +66,9 @@ def _share(flags: torch.Tensor, me: int, size: int, group):
     gloo: an all_to_all_single of one value to each rank, a single exchange with every peer. Its
     all-reduce passes the values rank to rank in several rounds, and with W processes sharing a
     few cores each round waits for a peer's thread to be scheduled: at W = 4 on 2 cores the flags
-    were still in flight at the commit point (2 ms wait) and the check cost 1% more of the step
-    (benchmarks/bench_peers.py). NCCL (and the rest): an all-reduce, logarithmic in W.
+    were still in flight at the commit point (a 2 ms median wait; 0.1 ms with the exchange) and
+    the step took about 1% longer (A/B runs in bench_peers.py's setting, 300 rounds). NCCL (and
+    the rest): an all-reduce, logarithmic in W.
     """
     if dist.get_backend(group) == "gloo":
         return dist.all_to_all_single(flags, flags[me:me + 1].expand(size).contiguous(), group=group,
