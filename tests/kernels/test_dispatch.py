@@ -1,5 +1,6 @@
 """newton_schulz's backend dispatch: Triton (interpreted on CPU) equals the torch path."""
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -133,3 +134,26 @@ def test_triton_chunks_count_the_triton_bytes_and_stay_within_the_budget(form):
     assert runner.chunk_size((m, n), torch.float32, cfg=triton_cfg, device=device) == 4
     assert runner.workspace.nbytes + 2 * 4 * m * n * item <= budget  # arena + a chunk's input and output
     torch.testing.assert_close(fast, newton_schulz(mats, torch_cfg), rtol=1e-4, atol=1e-4)
+
+
+def test_triton_where_it_cant_run_is_refused_at_the_plan_before_any_change():
+    """Chunks are sized for the backend that runs them, so ns_backend="triton" off CUDA (without the
+    interpreter) is refused while the first step plans, naming the device; nothing has changed."""
+    if torch.cuda.is_available():
+        pytest.skip("has CUDA")
+    script = textwrap.dedent("""
+        import torch, muonlab
+        p = torch.nn.Parameter(torch.randn(16, 32)); before = p.detach().clone()
+        opt = muonlab.Muon([p], lr=0.02, ns_backend="triton")
+        p.grad = torch.randn(16, 32)
+        try:
+            opt.step()
+        except ValueError as e:
+            print("refused:", e)
+        print("unchanged:", torch.equal(p.detach(), before), len(opt.state))
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert "refused: backend='triton' needs triton installed and a CUDA tensor" in out.stdout, out.stderr
+    assert "got device cpu" in out.stdout
+    assert out.stdout.strip().endswith("unchanged: True 0")
