@@ -762,14 +762,35 @@ def test_matrix_views_for_adamw_or_not_a_dict_are_refused():
         Muon([("w", w)], matrix_views=["w"])
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA (the foreach path)"))])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("form", ["ema", "sum"])
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_deferred_momentum_has_the_bits_of_the_one_call_update_on_each_device(device, dtype, form, nesterov):
+    """The check's commit point: inputs first with the buffers untouched, the buffers at the gate;
+    the same bits as the step without the check, on each device's own path (CPU loop, GPU foreach)."""
+    gen = torch.Generator().manual_seed(1)
+    shapes = [(64, 48), (64, 48), (3, 16, 40)]
+    grads = [torch.randn(s, generator=gen).to(device, dtype) for s in shapes]
+    start = [torch.randn(s, generator=gen).to(device, dtype) for s in shapes]
+    now = [b.clone() for b in start]
+    outs = F.muon_momentum_(grads, now, momentum=0.95, nesterov=nesterov, form=form)
+    later = [b.clone() for b in start]
+    deferred = F.muon_momentum_(grads, later, momentum=0.95, nesterov=nesterov, form=form, write_buffers=False)
+    assert all(torch.equal(a, b) for a, b in zip(later, start))
+    F.momentum_update_(grads, later, momentum=0.95, form=form)
+    assert all(torch.equal(a, o) for a, o in zip(deferred, outs))
+    assert all(torch.equal(a, b) for a, b in zip(later, now))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("form", ["ema", "sum"])
 @pytest.mark.parametrize("nesterov", [True, False])
 def test_momentum_inputs_lie_back_to_back_with_the_bits_of_the_plain_formulas(form, nesterov, dtype):
     """muon_momentum_ writes the Newton-Schulz inputs into one buffer, in order (a batch then reads
-    them as one tensor), with the same bits as torch's out-of-place formulas, also when the buffers
-    are written later (write_buffers=False, then momentum_update_); buffers of mixed dtypes get
-    separate inputs."""
+    them as one tensor), with the same bits as torch's out-of-place formulas; buffers of mixed
+    dtypes get separate inputs."""
     torch.manual_seed(0)
     shapes = [(6, 4), (6, 4), (2, 6, 4)]
     grads = [torch.randn(s).to(dtype) for s in shapes]
@@ -792,14 +813,6 @@ def test_momentum_inputs_lie_back_to_back_with_the_bits_of_the_plain_formulas(fo
     if dtype == torch.float32 or form == "ema":
         assert all(torch.equal(a, o) for a, o in zip(again, outs))
         assert all(torch.equal(a, b) for a, b in zip(again_bufs, bufs))
-    # a step that may still be skipped: the inputs without touching the buffers, then the buffers
-    # alone at the commit; the same bits as the one-call update
-    later = [b.clone() for b in start]
-    deferred = F.muon_momentum_(grads, later, momentum=0.9, nesterov=nesterov, form=form, write_buffers=False)
-    assert all(torch.equal(a, o) for a, o in zip(deferred, outs))
-    assert all(torch.equal(a, b) for a, b in zip(later, start))
-    F.momentum_update_(grads, later, momentum=0.9, form=form)
-    assert all(torch.equal(a, b) for a, b in zip(later, bufs))
     mixed = F.muon_momentum_(grads[:2], [bufs[0], bufs[1].double()], momentum=0.9,
                              nesterov=nesterov, form=form)
     assert [o.dtype for o in mixed] == [dtype, torch.float64]
