@@ -350,7 +350,7 @@ def newton_schulz(G: torch.Tensor | Sequence[torch.Tensor], config: NSConfig | N
     m, n = sorted((rows, cols))
     tall = rows > cols
     form = _form(cfg, m, n)
-    use = pick_backend(cfg.backend, pieces[0], (num, m, n), dtype, cfg)
+    use = pick_backend(cfg.backend, device, (num, m, n), dtype, cfg)
     if workspace is None:
         from .workspace import Workspace
 
@@ -524,36 +524,37 @@ def resolve_form(form: str) -> dict:
     return dict(form="gram", gram_min_saving=AUTO_GRAM_SAVING)
 
 
-def triton_usable(X: torch.Tensor) -> bool:
-    """Triton kernels can run on X: triton imports and X is on CUDA (or the interpreter is on)."""
+def triton_usable(device: torch.device) -> bool:
+    """Triton kernels can run on ``device``: triton imports and it is CUDA (or the interpreter is on)."""
     try:
         from .triton_newton_schulz import INTERPRET, TRITON_AVAILABLE
     except ImportError:  # the kernel module itself failed to import
         return False
-    return TRITON_AVAILABLE and (X.is_cuda or (INTERPRET and X.device.type == "cpu"))
+    return TRITON_AVAILABLE and (device.type == "cuda" or (INTERPRET and device.type == "cpu"))
 
 
-def pick_backend(backend: str, X: torch.Tensor, batch_shape: tuple[int, int, int], dtype: torch.dtype,
+def pick_backend(backend: str, device: torch.device | str, batch_shape: tuple[int, int, int], dtype: torch.dtype,
                  cfg: NSConfig) -> str:
-    """"torch" or "triton": which path ``backend`` runs a (B, m, n) batch on, where X (any tensor on
-    the batch's device) lives; "triton" where Triton can't run raises a ValueError saying so."""
-    if backend == "torch" or (backend == "auto" and not X.is_cuda):
+    """"torch" or "triton": which path ``backend`` runs a (B, m, n) batch on ``device``; "triton"
+    where Triton can't run raises a ValueError saying so."""
+    device = torch.device(device)
+    if backend == "torch" or (backend == "auto" and device.type != "cuda"):
         return "torch"  # "auto" off CUDA: not even importing triton (its import alone costs ~80 MB)
-    usable = triton_usable(X)
+    usable = triton_usable(device)
     if backend == "triton":
         if not usable:
             raise ValueError(
                 "backend='triton' needs triton installed and a CUDA tensor (or TRITON_INTERPRET=1 "
-                f"set before muonlab is imported, for CPU tests); got device {X.device}. "
+                f"set before muonlab is imported, for CPU tests); got device {device}. "
                 "backend='auto' falls back to torch"
             )
         return "triton"
     # auto: the interpreter is for correctness tests only, never picked automatically
-    if not (usable and X.is_cuda):
+    if not usable:
         return "torch"
     from .backend_choice import faster_backend
 
-    return faster_backend(batch_shape, dtype, cfg, X.device)
+    return faster_backend(batch_shape, dtype, cfg, device)
 
 
 def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype | None:

@@ -50,8 +50,7 @@ def matrices_within(budget_bytes: int, shape, dtype: torch.dtype, cfg: NSConfig 
     if device is None or cfg is None or cfg.backend == "torch":
         return count
     m, n = sorted(int(d) for d in shape)
-    probe = torch.empty(0, dtype=dtype, device=device)  # where the chunk would run
-    if pick_backend(cfg.backend, probe, (count, m, n), dtype, cfg) != "triton":
+    if pick_backend(cfg.backend, device, (count, m, n), dtype, cfg) != "triton":
         return count
     return max_batch_matrices(shape, dtype.itemsize, budget_bytes, reuses_input, form, backend="triton")
 

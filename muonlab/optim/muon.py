@@ -935,11 +935,12 @@ class Muon(Optimizer):
             before_gate = False
             with self._tracer.span("momentum"):  # the buffers of the batches started before the gate
                 for settings, members in _by_settings(deferred, lambda i: _momentum_settings(entries[i][0])):
+                    settings = dict(settings)
                     F.momentum_update_(
                         [grad_of(i, batch) for i, batch in members],
                         [_part_of(batch, local_shard(self._state_for(entries[i][1], "muon")["momentum_buffer"]))
                          for i, batch in members],
-                        momentum=dict(settings)["momentum"], form=dict(settings)["form"])
+                        momentum=settings["momentum"], form=settings["form"])
             deferred.clear()
             return True
 

@@ -38,8 +38,8 @@ def test_auto_never_picks_the_interpreter_on_cpu():
         pytest.skip("has CUDA")
     from muonlab.kernels.newton_schulz import pick_backend
 
-    assert pick_backend("auto", torch.zeros(2, 2), (1, 2, 2), torch.float32, NSConfig()) == "torch"
-    assert pick_backend("auto", torch.zeros(2, 8), (1, 2, 8), torch.float32, NSConfig(form="gram")) == "torch"
+    assert pick_backend("auto", torch.device("cpu"), (1, 2, 2), torch.float32, NSConfig()) == "torch"
+    assert pick_backend("auto", "cpu", (1, 2, 8), torch.float32, NSConfig(form="gram")) == "torch"
 
 
 @pytest.mark.parametrize("preset", ["keller", "polar_express"])
