@@ -19,7 +19,13 @@ over the whole step time give an achieved rate, a lower bound on the Newton-Schu
 Memory, on a GPU: resident (params + grads + state after the first step) and the peak during a step,
 from torch.cuda's allocator. On a CPU: each configuration in a fresh process, the memory a step adds
 (state + transient) = peak RSS over three steps (VmHWM, reset through /proc/self/clear_refs) minus
-the RSS with parameters and gradients only.
+the RSS with parameters and gradients only, after the same configuration has stepped on tiny
+matrices: that warm-up pays the one-time costs (lazy imports, the math libraries' and thread pool's
+start-up, about 10-25 MiB here) which would otherwise count for every configuration and pull every
+ratio towards 1. Beside it, the tensor bytes alone (the allocator's view, as the GPU table has it):
+the peak of the bytes allocated minus freed over the same three steps, from torch.profiler's memory
+events, in another fresh process. RSS also holds what no tensor does, such as the math library's
+cache of per-shape matmul kernels.
 """
 
 from __future__ import annotations
@@ -232,37 +238,74 @@ def _settle() -> int:
     return _rss_kib("VmRSS")
 
 
-def memory_child(set_name: str, label: str, dtype_name: str, factor: int) -> None:
+def _tensor_peak_bytes(run) -> int:
+    """The most tensor bytes live at once during ``run()`` beyond those live before it: the running
+    sum of torch.profiler's allocation (+) and free (-) events, in time order."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]")
+    live = peak = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    return peak
+
+
+def memory_child(set_name: str, label: str, dtype_name: str, factor: int, view: str) -> None:
+    """One fresh process: ``view`` "rss" prints the peak RSS three steps add (KiB), "tensors" the
+    peak tensor bytes they add. Both after a warm-up step of the same configuration on tiny matrices
+    (one of each kind, 2-D and 3-D), so one-time costs don't count."""
     torch.set_num_threads(1)
-    import muonlab.kernels.newton_schulz  # noqa: F401 - imports are not what a step adds
-    shapes = scaled(SETS[set_name], factor)
     dtype = getattr(torch, dtype_name)
-    params, opt = make_optimizer(label, factory_of(label), shapes, dtype, torch.device("cpu"))
+    cpu = torch.device("cpu")
+    tiny = [(64, 32) if ndim == 2 else (2, 64, 32) for ndim in sorted({len(s) for s in SETS[set_name]})]
+    warm_params, warm_opt = make_optimizer(label, factory_of(label), tiny, dtype, cpu)
+    warm_opt.step()
+    del warm_params, warm_opt
+    params, opt = make_optimizer(label, factory_of(label), scaled(SETS[set_name], factor), dtype, cpu)
+
+    def three_steps():
+        for _ in range(3):
+            opt.step()
+
+    if view == "tensors":
+        print(json.dumps(dict(added_kib=_tensor_peak_bytes(three_steps) / 1024)))
+        return
     before = _settle()
-    for _ in range(3):
-        opt.step()
+    three_steps()
     print(json.dumps(dict(added_kib=_rss_kib("VmHWM") - before)))
 
 
-def memory_added(set_name, label, args) -> float:
+def memory_added(set_name, label, args, view="rss") -> float:
     """Bytes a step adds, the median of ``args.memory_runs`` fresh processes (the RSS peak moves by
-    a few MiB from run to run with what the allocator keeps)."""
+    a few MiB from run to run with what the allocator keeps; the tensor bytes don't move: one run)."""
     runs = []
-    for _ in range(args.memory_runs):
+    for _ in range(args.memory_runs if view == "rss" else 1):
         out = subprocess.run([sys.executable, __file__, "--memory-child", set_name, label, "bfloat16",
-                              str(args.factor)], capture_output=True, text=True, check=True)
+                              str(args.factor), view], capture_output=True, text=True, check=True)
         runs.append(json.loads(out.stdout.strip().splitlines()[-1])["added_kib"] * 1024)
     return statistics.median(runs)
 
 
+MEMORY_HEAD = ["set", "configuration", "param MiB (bf16)", "RSS a step adds MiB (state + transient)",
+               "vs torch.optim.Muon", "tensor bytes a step adds MiB", "vs torch.optim.Muon"]
+
+
 def cpu_memory_rows(set_names, args, labels=None):
+    """Rows of ``MEMORY_HEAD``: per set and configuration, the RSS and the tensor bytes a step adds."""
     rows = []
     for set_name in set_names:
         param_bytes = sum(torch.Size(s).numel() for s in scaled(SETS[set_name], args.factor)) * 2
-        added = {label: memory_added(set_name, label, args) for label in (labels or configs(False))}
-        ref = added["torch.optim.Muon"]
-        for label, b in added.items():
-            rows.append([set_name, label, f"{param_bytes / 2**20:.1f}", f"{b / 2**20:.1f}", f"{b / ref:.2f}x"])
+        labels_here = labels or configs(False)
+        rss = {label: memory_added(set_name, label, args) for label in labels_here}
+        tensors = {label: memory_added(set_name, label, args, "tensors") for label in labels_here}
+        for label in labels_here:
+            rows.append([set_name, label, f"{param_bytes / 2**20:.1f}",
+                         f"{rss[label] / 2**20:.1f}", f"{rss[label] / rss['torch.optim.Muon']:.2f}x",
+                         f"{tensors[label] / 2**20:.1f}", f"{tensors[label] / tensors['torch.optim.Muon']:.2f}x"])
     return rows
 
 
@@ -274,8 +317,8 @@ def budget_sweep(args, set_name: str, dtype=torch.bfloat16):
     speed, _ = speed_table(set_name, scaled(SETS[set_name], args.factor), dtype, torch.device("cpu"), args, factories)
     memory = cpu_memory_rows([set_name], args, labels)
     head = ["set", "configuration", "median step ms", "speed-up vs torch.optim.Muon",
-            "memory a step adds MiB", "memory vs torch.optim.Muon"]
-    return head, [[s[0], s[2], s[3], s[4], m[3], m[4]] for s, m in zip(speed, memory)]
+            "RSS a step adds MiB", "RSS vs torch.optim.Muon", "tensor bytes a step adds MiB", "tensors vs torch.optim.Muon"]
+    return head, [[s[0], s[2], s[3], s[4], *m[3:]] for s, m in zip(speed, memory)]
 
 
 def main(argv=None):
@@ -292,11 +335,11 @@ def main(argv=None):
     ap.add_argument("--budgets", default="2,4,8,16,32",
                     help="CPU: workspace budgets (MiB) for the trade-off table; '' for none")
     ap.add_argument("--sweep-sets", default="1b,bank64", help="CPU: the sets of the trade-off table")
-    ap.add_argument("--memory-child", nargs=4, help=argparse.SUPPRESS)
+    ap.add_argument("--memory-child", nargs=5, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.memory_child:
-        set_name, label, dtype_name, factor = args.memory_child
-        return memory_child(set_name, label, dtype_name, int(factor))
+        set_name, label, dtype_name, factor, view = args.memory_child
+        return memory_child(set_name, label, dtype_name, int(factor), view)
     torch.set_num_threads(args.threads)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -321,8 +364,7 @@ def main(argv=None):
         body += [f"bf16 matmul measured in the same rounds: median {statistics.median(rates):.1f} TFLOP/s.", "",
                  "## Step time" + (" and GPU memory" if cuda else ""), "", md_table(head, rows)]
     if not cuda:
-        mem_head = ["set", "configuration", "param MiB (bf16)", "memory a step adds MiB (state + transient)",
-                    "vs torch.optim.Muon"]
+        mem_head = MEMORY_HEAD
         mem_rows = cpu_memory_rows(set_names, args)
         print(text_table(mem_head, mem_rows))
         body += ["", "## Memory a step adds on this CPU (bf16 parameters, a fresh process per configuration, "

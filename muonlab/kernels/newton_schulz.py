@@ -495,12 +495,14 @@ form's FLOPs. On an H100 (benchmarks/results/gpu_step.md, bf16, torch backend) t
 1B set (2048 x 6144 and 2048 x 8192: 26% and 33% fewer FLOPs) 1.29x faster than the plain form, the
 GPT-2 set 1.17x and the (128, 768, 2048) bank (22% fewer) 1.18x, each also faster than the plain
 form on Triton; but the (64, 1408, 2048) bank, where it saves nothing (-1%), 5% slower. On this
-project's 2-core CPU with bf16 units, once its products lived in the workspace, a whole Muon step
-ran 1.13x faster than with the plain form on the 1B set / 8 in bf16 and 1.27x in fp32, 1.10x on the
-(128, 96, 256) bank (benchmarks/results/gpu_step_cpu_proxy.md), and 1.20x on a width-256 GPT's
-matrices (benchmarks/results/optimizer_step.md); there the CPU matmul library keeps about 5 MiB more
-of per-shape state for the gram form's extra product shapes (the 1B/8 step's added memory 1.21x
-torch.optim.Muon's against 1.09x; torch's own allocations are equal within 0.25 MiB). Numerics in
+project's 2-core Intel Xeon with AMX bf16 units, once its products lived in the workspace, a whole
+Muon step ran 1.13x faster than with the plain form on the 1B set / 8 in bf16 and 1.27x in fp32,
+1.10x on the (128, 96, 256) bank, and 1.20x on a width-256 GPT's matrices
+(benchmarks/results/optimizer_step.md); on a 2-core AMD EPYC with AVX512-BF16, 1.29x in bf16 and
+1.28x in fp32 on the 1B set / 8 (benchmarks/results/gpu_step_cpu_proxy.md). There the CPU matmul
+library keeps about 6 MiB more of per-shape state for the gram form's extra product shapes (the
+1B/8 step adds 1.28x torch.optim.Muon's RSS against 1.14x; the tensor bytes are equal within
+0.3 MiB). Numerics in
 bf16, against the fp32 plain result: on a gradient-like spectrum (a low-rank signal over noise) the
 gram form is closer than the plain form (8.4% against 10.8% at 768 x 2048), on flat Gaussian
 matrices about twice as far (1.9% against 1.1%), and with the "polar_express" coefficients about

@@ -25,13 +25,17 @@ BUDGET_SHARE = 0.05
 
 def default_budget(param_bytes: int, device_type: str = "cuda") -> int:
     """``max(floor, 5% of the parameters' bytes)``. On a GPU the floor is 256 MiB: enough matrices
-    per chunk to keep it busy (one 2048 x 8192 matrix already does). On a 2-core CPU with bf16
-    matmul units a 1B/8 step (benchmarks/results/gpu_step_cpu_proxy.md, the gram form where it
+    per chunk to keep it busy (one 2048 x 8192 matrix already does). On a 2-core Intel Xeon with
+    AMX bf16 units a 1B/8 step (benchmarks/bench_gpu_step.py's budget sweep, the gram form where it
     saves 20%) ran at 2.39x torch.optim.Muon's speed with 8 MiB against 2.60x with 16 MiB, and
-    added 1.23x its memory against 1.32x; with 4 MiB (fewer matrices per batched call) it ran at
-    1.98x and added 1.08x. A width-256 GPT's step with fp32 parameters ran at 2.14x with 8 MiB
-    (benchmarks/results/optimizer_step.md) and 1.84x with the floor at 6 MiB. So the CPU floor is
-    8 MiB."""
+    added 1.23x its memory against 1.32x (RSS, one-time library start-up then included); with
+    4 MiB (fewer matrices per batched call) it ran at 1.98x and added 1.08x. A width-256 GPT's
+    step with fp32 parameters ran at 2.14x with 8 MiB (benchmarks/results/optimizer_step.md) and
+    1.84x with the floor at 6 MiB. On a 2-core AMD EPYC with AVX512-BF16, where torch.optim.Muon's
+    one-matrix products already run at about 60% of the bf16 matmul rate, the same sweep
+    (benchmarks/results/gpu_step_cpu_proxy.md, start-up excluded) gave 1.65x at 8 MiB, 1.68x at 16
+    and 1.52x at 4, adding 1.29x / 1.33x / 1.09x the RSS and 1.17x / 1.36x / 1.08x the tensor
+    bytes. So the CPU floor is 8 MiB."""
     return max(MIN_BUDGET.get(device_type, MIN_BUDGET["cpu"]), int(BUDGET_SHARE * param_bytes))
 
 
