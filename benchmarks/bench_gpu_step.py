@@ -19,7 +19,7 @@ over the whole step time give an achieved rate, a lower bound on the Newton-Schu
 Memory, on a GPU: resident (params + grads + state after the first step) and the peak during a step,
 from torch.cuda's allocator. On a CPU: each configuration in a fresh process, the memory a step adds
 (state + transient) = peak RSS over three steps (VmHWM, reset through /proc/self/clear_refs) minus
-the RSS with parameters and gradients only, after the same configuration has stepped on tiny
+the RSS with parameters and gradients only, after the same configuration has stepped twice on tiny
 matrices: that warm-up pays the one-time costs (lazy imports, the math libraries' and thread pool's
 start-up, about 10-25 MiB here) which would otherwise count for every configuration and pull every
 ratio towards 1. Beside it, the tensor bytes alone (the allocator's view, as the GPU table has it):
@@ -256,14 +256,17 @@ def _tensor_peak_bytes(run) -> int:
 
 def memory_child(set_name: str, label: str, dtype_name: str, factor: int, view: str) -> None:
     """One fresh process: ``view`` "rss" prints the peak RSS three steps add (KiB), "tensors" the
-    peak tensor bytes they add. Both after a warm-up step of the same configuration on tiny matrices
-    (one of each kind, 2-D and 3-D), so one-time costs don't count."""
+    peak tensor bytes they add. Both after two warm-up steps of the same configuration on tiny matrices
+    of the set's kinds (2-D, 3-D), so one-time costs don't count."""
     torch.set_num_threads(1)
     dtype = getattr(torch, dtype_name)
     cpu = torch.device("cpu")
-    tiny = [(64, 32) if ndim == 2 else (2, 64, 32) for ndim in sorted({len(s) for s in SETS[set_name]})]
+    # two of each, tall and wide, so the warm-up runs the batched products a step of the set runs
+    tiny = [s for ndim in sorted({len(s) for s in SETS[set_name]})
+            for s in ([(64, 32), (64, 32), (32, 64), (32, 64)] if ndim == 2 else [(2, 64, 32), (2, 32, 64)])]
     warm_params, warm_opt = make_optimizer(label, factory_of(label), tiny, dtype, cpu)
     warm_opt.step()
+    warm_opt.step()  # the second step runs the paths of a step with state
     del warm_params, warm_opt
     params, opt = make_optimizer(label, factory_of(label), scaled(SETS[set_name], factor), dtype, cpu)
 
@@ -279,13 +282,15 @@ def memory_child(set_name: str, label: str, dtype_name: str, factor: int, view: 
     print(json.dumps(dict(added_kib=_rss_kib("VmHWM") - before)))
 
 
-def memory_added(set_name, label, args, view="rss") -> float:
+def memory_added(set_name, label, args, view="rss", env=None) -> float:
     """Bytes a step adds, the median of ``args.memory_runs`` fresh processes (the RSS peak moves by
-    a few MiB from run to run with what the allocator keeps; the tensor bytes don't move: one run)."""
+    a few MiB from run to run with what the allocator keeps; the tensor bytes don't move: one run).
+    ``env``: variables set for the child processes."""
     runs = []
     for _ in range(args.memory_runs if view == "rss" else 1):
         out = subprocess.run([sys.executable, __file__, "--memory-child", set_name, label, "bfloat16",
-                              str(args.factor), view], capture_output=True, text=True, check=True)
+                              str(args.factor), view], capture_output=True, text=True, check=True,
+                             env=None if env is None else {**os.environ, **env})
         runs.append(json.loads(out.stdout.strip().splitlines()[-1])["added_kib"] * 1024)
     return statistics.median(runs)
 
@@ -307,6 +312,19 @@ def cpu_memory_rows(set_names, args, labels=None):
                          f"{rss[label] / 2**20:.1f}", f"{rss[label] / rss['torch.optim.Muon']:.2f}x",
                          f"{tensors[label] / 2**20:.1f}", f"{tensors[label] / tensors['torch.optim.Muon']:.2f}x"])
     return rows
+
+
+def kernel_cache_note(args) -> str:
+    """The 1b set's RSS with oneDNN's primitive cache (its per-shape matmul kernels) off, for
+    torch.optim.Muon and the defaults: how much of the RSS beyond the tensor bytes that cache is."""
+    off = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "0"}
+    ref, ours = (memory_added("1b", label, args, env=off) for label in ("torch.optim.Muon", "muonlab defaults"))
+    return (f"With oneDNN's primitive cache off (`ONEDNN_PRIMITIVE_CACHE_CAPACITY=0`: no per-shape matmul "
+            f"kernels kept), the 1b set's steps add {ref / 2**20:.1f} MiB of RSS with torch.optim.Muon and "
+            f"{ours / 2**20:.1f} MiB with muonlab's defaults ({ours / ref:.2f}x), against the table's RSS "
+            "with it on: the cache is a cost per distinct product shape, not per parameter byte. What RSS "
+            "holds beyond that and the tensor bytes is what the C allocator keeps; it moves by a few MiB "
+            "from run to run.\n")
 
 
 def budget_sweep(args, set_name: str, dtype=torch.bfloat16):
@@ -369,6 +387,8 @@ def main(argv=None):
         print(text_table(mem_head, mem_rows))
         body += ["", "## Memory a step adds on this CPU (bf16 parameters, a fresh process per configuration, "
                  f"median of {args.memory_runs})", "", md_table(mem_head, mem_rows)]
+        if "1b" in set_names:
+            body += ["", kernel_cache_note(args)]
         if args.budgets and not args.memory_only:
             sweep_rows = []
             for set_name in args.sweep_sets.split(","):

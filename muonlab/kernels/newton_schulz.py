@@ -499,10 +499,11 @@ project's 2-core Intel Xeon with AMX bf16 units, once its products lived in the 
 Muon step ran 1.13x faster than with the plain form on the 1B set / 8 in bf16 and 1.27x in fp32,
 1.10x on the (128, 96, 256) bank, and 1.20x on a width-256 GPT's matrices
 (benchmarks/results/optimizer_step.md); on a 2-core AMD EPYC with AVX512-BF16, 1.29x in bf16 and
-1.28x in fp32 on the 1B set / 8 (benchmarks/results/gpu_step_cpu_proxy.md). There the CPU matmul
-library keeps about 6 MiB more of per-shape state for the gram form's extra product shapes (the
-1B/8 step adds 1.28x torch.optim.Muon's RSS against 1.14x; the tensor bytes are equal within
-0.3 MiB). Numerics in
+1.28x in fp32 on the 1B set / 8 (benchmarks/results/gpu_step_cpu_proxy.md). There the gram form's
+1B/8 step adds about 7 MiB more RSS than the plain form's (1.30x torch.optim.Muon's against 1.15x)
+while its tensor bytes are equal within 0.3 MiB: about half of it is the CPU matmul library's cache
+of kernels for the gram form's extra product shapes (3-4 MiB with oneDNN's primitive cache off),
+the rest what the C allocator keeps. Numerics in
 bf16, against the fp32 plain result: on a gradient-like spectrum (a low-rank signal over noise) the
 gram form is closer than the plain form (8.4% against 10.8% at 768 x 2048), on flat Gaussian
 matrices about twice as far (1.9% against 1.1%), and with the "polar_express" coefficients about

@@ -33,9 +33,9 @@ def default_budget(param_bytes: int, device_type: str = "cuda") -> int:
     step with fp32 parameters ran at 2.14x with 8 MiB (benchmarks/results/optimizer_step.md) and
     1.84x with the floor at 6 MiB. On a 2-core AMD EPYC with AVX512-BF16, where torch.optim.Muon's
     one-matrix products already run at about 60% of the bf16 matmul rate, the same sweep
-    (benchmarks/results/gpu_step_cpu_proxy.md, start-up excluded) gave 1.65x at 8 MiB, 1.68x at 16
-    and 1.52x at 4, adding 1.29x / 1.33x / 1.09x the RSS and 1.17x / 1.36x / 1.08x the tensor
-    bytes. So the CPU floor is 8 MiB."""
+    (benchmarks/results/gpu_step_cpu_proxy.md, start-up excluded) gave 1.86x at 8 MiB, 1.91x at 16
+    and 1.70x at 4 (an earlier run on a busier machine: 1.65x, 1.68x, 1.52x), adding 1.28x / 1.30x /
+    1.10x the RSS and 1.17x / 1.36x / 1.08x the tensor bytes. So the CPU floor is 8 MiB."""
     return max(MIN_BUDGET.get(device_type, MIN_BUDGET["cpu"]), int(BUDGET_SHARE * param_bytes))
 
 
