@@ -27,6 +27,8 @@ from .optim.routing import muon_param_groups
 from .optim.validation import check_workspace_bytes
 
 SIMULATED_STRATEGIES = ("muonlab",) + REFERENCE_STRATEGIES
+SIMULATED_BACKENDS = ("torch", "triton")
+"""Newton-Schulz backends a simulation can size batches for (see ``simulate``'s ``ns_backend``)."""
 LAYOUTS = ("fsdp", "ddp")
 
 
@@ -127,6 +129,7 @@ def simulate(
     matrix_views: dict[str, str] | None = None,
     workspace_bytes: int | None = None,
     ns_dtype: torch.dtype = torch.bfloat16,
+    ns_backend: str = "torch",
 ) -> Plan:
     """The plan (records as ``Muon.plan()``) for these Muon matrices on a mesh.
 
@@ -144,10 +147,19 @@ def simulate(
             matrices into batches and cuts expert banks larger than it into parts, as the run
             does; None: no budget (one batch per bucket). ``ns_dtype`` (Newton-Schulz, and the
             momentum as in the parameters' dtype) sizes the matrices against it.
+        ns_backend: "torch" or "triton", the Newton-Schulz backend of the run: under a budget,
+            "triton" holds one more iterate per matrix (``batch_bytes_per_matrix``), so fewer
+            matrices per local batch, as Muon(ns_backend="triton") plans on a GPU. Muon's "auto"
+            picks per batch shape from timings taken on the device itself, which a simulation
+            doesn't have: pass the backend it chose ("torch" off CUDA).
     """
     if strategy not in SIMULATED_STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; choose one of {SIMULATED_STRATEGIES}")
     check_workspace_bytes(workspace_bytes)
+    if ns_backend not in SIMULATED_BACKENDS:
+        raise ValueError(f"simulate's ns_backend must be one of {SIMULATED_BACKENDS}, got {ns_backend!r}"
+                         + ("; 'auto' is timed on the device itself: pass the backend it chose"
+                            if ns_backend == "auto" else ""))
     if not isinstance(mesh_shape, int) and len(mesh_shape) == 1:  # (W,), as init_device_mesh takes it
         (mesh_shape,) = mesh_shape
     expert_mesh = not isinstance(mesh_shape, int)
@@ -160,7 +172,7 @@ def simulate(
         world = ep * fsdp
     specs = mesh_specs(_named_shapes(params_or_shapes, matrix_views), world, ep=ep, layout=layout,
                        expert_mesh=expert_mesh, fused_banks=fused_banks)
-    configs = [NSConfig(steps=ns_steps, **resolve_form(ns_form))] * len(specs)
+    configs = [NSConfig(steps=ns_steps, **resolve_form(ns_form), backend=ns_backend)] * len(specs)
     itemsize = torch.empty(0, dtype=comm_dtype).element_size()
     if strategy == "muonlab":
         limit = None

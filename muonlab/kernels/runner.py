@@ -48,9 +48,14 @@ def matrices_within(budget_bytes: int, shape, dtype: torch.dtype, cfg: NSConfig 
 
     On a ``device`` where ``cfg``'s backend runs Triton on a chunk of that many (``"triton"``, or
     ``"auto"`` choosing it there), the Triton path's bytes count instead: fewer matrices, for
-    which ``newton_schulz`` may pick either backend, both within the budget."""
+    which ``newton_schulz`` may pick either backend, both within the budget. Without a device
+    (``muonlab.simulate``), ``"triton"`` counts the Triton path's bytes, as every run it can
+    make does (where Triton can't run, a run is refused), and ``"auto"`` the torch path's: its
+    choice is timed on the device itself."""
     form = "plain" if cfg is None else form_for(cfg, shape)
     count = max_batch_matrices(shape, dtype.itemsize, budget_bytes, reuses_input, form)
+    if device is None and cfg is not None and cfg.backend == "triton":
+        return max_batch_matrices(shape, dtype.itemsize, budget_bytes, reuses_input, form, backend="triton")
     if device is None or cfg is None or cfg.backend == "torch":
         return count
     m, n = sorted(int(d) for d in shape)

@@ -274,6 +274,36 @@ def test_simulate_with_a_workspace_budget_plans_the_parts_a_run_takes():
         simulate(shapes, 1, workspace_bytes=0)
 
 
+def test_simulate_sizes_batches_for_the_triton_backend_as_a_triton_run_does():
+    """simulate(ns_backend="triton") plans the local batches and bank parts of a run with
+    Muon(ns_backend="triton") under the same budget (Triton's interpreter stands in for a GPU
+    here): one more iterate per matrix than the torch path, so fewer matrices per batch."""
+    import pytest
+    import torch
+
+    import muonlab
+    from muonlab.kernels.newton_schulz import triton_usable
+    from muonlab.simulate import simulate
+
+    if not triton_usable(torch.device("cpu")):
+        pytest.skip("needs triton (its interpreter, TRITON_INTERPRET=1, on a CPU)")
+    shapes = [("bank", (10, 16, 48)), ("w", (16, 48))] + [(f"v{i}", (48, 16)) for i in range(9)]
+    budget = 4 * 4 * (3 * 16 * 48 + 2 * 16 * 16)  # four fp32 16x48 matrices on the Triton path
+    params = [(n, torch.nn.Parameter(torch.randn(s))) for n, s in shapes]
+    opt = muonlab.Muon(params, ns_dtype=torch.float32, ns_form="plain", ns_backend="triton", workspace_bytes=budget)
+
+    def rows(plan):
+        return sorted((b.names, b.part, b.num_matrices, b.param_shapes) for b in plan)
+
+    sim = simulate(shapes, 1, workspace_bytes=budget, ns_dtype=torch.float32, ns_form="plain", ns_backend="triton")
+    assert rows(sim) == rows(opt.plan())
+    assert max(b.num_matrices for b in sim) == 4
+    torch_sim = simulate(shapes, 1, workspace_bytes=budget, ns_dtype=torch.float32, ns_form="plain")
+    assert max(b.num_matrices for b in torch_sim) > 4  # the torch path fits more in the same budget
+    with pytest.raises(ValueError, match="'auto' is timed on the device itself"):
+        simulate(shapes, 1, workspace_bytes=budget, ns_backend="auto")
+
+
 @pytest.mark.parametrize("experts, mesh, budget_matrices", [
     (8, 1, 3), (64, 1, 7), (6, 4, 1), (6, (2, 2), 1), (16, (4, 2), 1), (12, 8, 1), (32, (2, 4), 3), (5, 2, 2)])
 def test_parts_cover_every_matrix_once_within_the_budget_and_change_no_totals(experts, mesh, budget_matrices):
