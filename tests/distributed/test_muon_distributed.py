@@ -16,6 +16,12 @@ GPT_CASES = [("fsdp", "fp32"), ("fsdp", "bf16"), ("ddp", "fp32"), ("ddp", "bf16"
 # replicated batch, and the expert banks in parts
 PATH_CASES = [("all_to_all", "fp32"), ("agrs", "fp32"), ("auto", "bf16"), ("auto", "fp32", 1)]
 TOLERANCE = {"fp32": 1e-5, "bf16": 3e-2}
+# The GPT's whole model in bf16. fp32 is the exactness check; in bf16 the batched products round
+# differently with the batch's composition (which matrices share a call differs between the single
+# process and each rank), by how much depending on the CPU's bf16 kernels: after the steps here the
+# relative displacement stayed under 0.03 on an Intel Xeon with AMX and reached 0.043 on an AMD EPYC
+# with AVX512-BF16. One of the 5 steps skipped moves it by 0.27 (measured here).
+GPT_TOLERANCE = {**TOLERANCE, "bf16": 6e-2}
 
 
 @pytest.fixture(scope="module", params=[1, 2, 3, 4], ids=lambda w: f"world{w}")
@@ -47,7 +53,7 @@ def test_fsdp_and_ddp_match_single_process(world_results):
         for rank, res in results.items():
             got = res["gpt"][(mode, precision)]["params"]
             err = rel_displacement(got, ref, start)
-            assert err <= TOLERANCE[precision], (world, mode, precision, rank, err)
+            assert err <= GPT_TOLERANCE[precision], (world, mode, precision, rank, err)
 
 
 @pytest.mark.timeout(600)
