@@ -96,13 +96,14 @@ SANITIZED = [
     ("saved to /tmp/muonlab_nb05_k2j3/step and /var/folders/x1/T/a.bin.", "saved to <tmp> and <tmp>"),
     ("at 2026-11-22 21:58:56,123 and 2026-11-22T21:58:56Z on Sun Nov 22 21:58:56 2026", "at <date> and <date> on <date>"),
     ("[W1122 21:58:56.680148370 ProcessGroupGloo.cpp:512] Warning", "[<log-time> ProcessGroupGloo.cpp:512] Warning"),
+    # kernel error magnitudes move with the CPU (the OK/FAIL against a tolerance is the fact)
+    ("sym_matmul 127x300 float16        max abs err 4.85e-04", "sym_matmul 127x300 float16        max abs err <error>"),
 ]
 UNCHANGED = [
     "FSDP2, 4 ranks: mean loss over ranks 5.726 -> 5.570 in 2 steps",
     "lr=0.02 mu=0.95 ns=5 keller",
     "  0 all_to_all (256, 64)        2     4       32768       0.0236  blocks.0.mlp.fc.weight",
     "8 experts on mesh (4, 2): rebalance w_in; max-rank NS GFLOP 601",
-    "sym_matmul 127x300 float16                           max abs err 4.85e-04",
     "dense     64  xtuner                  64.000      2.495        29.97",
     "resumed at step 3; rank 1 of 2 failed; 1,024 x 4,096 symmetric 13,958,643,712",
 ]
