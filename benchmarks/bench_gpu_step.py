@@ -262,8 +262,9 @@ def memory_child(set_name: str, label: str, dtype_name: str, factor: int, view: 
     dtype = getattr(torch, dtype_name)
     cpu = torch.device("cpu")
     # two of each, tall and wide, so the warm-up runs the batched products a step of the set runs
-    tiny = [s for ndim in sorted({len(s) for s in SETS[set_name]})
-            for s in ([(64, 32), (64, 32), (32, 64), (32, 64)] if ndim == 2 else [(2, 64, 32), (2, 32, 64)])]
+    kinds = {len(s) for s in SETS[set_name]}
+    tiny = ([(64, 32), (64, 32), (32, 64), (32, 64)] if 2 in kinds else []) + \
+        ([(2, 64, 32), (2, 32, 64)] if 3 in kinds else [])
     warm_params, warm_opt = make_optimizer(label, factory_of(label), tiny, dtype, cpu)
     warm_opt.step()
     warm_opt.step()  # the second step runs the paths of a step with state
@@ -382,11 +383,10 @@ def main(argv=None):
         body += [f"bf16 matmul measured in the same rounds: median {statistics.median(rates):.1f} TFLOP/s.", "",
                  "## Step time" + (" and GPU memory" if cuda else ""), "", md_table(head, rows)]
     if not cuda:
-        mem_head = MEMORY_HEAD
         mem_rows = cpu_memory_rows(set_names, args)
-        print(text_table(mem_head, mem_rows))
+        print(text_table(MEMORY_HEAD, mem_rows))
         body += ["", "## Memory a step adds on this CPU (bf16 parameters, a fresh process per configuration, "
-                 f"median of {args.memory_runs})", "", md_table(mem_head, mem_rows)]
+                 f"median of {args.memory_runs})", "", md_table(MEMORY_HEAD, mem_rows)]
         if "1b" in set_names:
             body += ["", kernel_cache_note(args)]
         if args.budgets and not args.memory_only:

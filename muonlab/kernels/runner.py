@@ -54,12 +54,14 @@ def matrices_within(budget_bytes: int, shape, dtype: torch.dtype, cfg: NSConfig 
     choice is timed on the device itself."""
     form = "plain" if cfg is None else form_for(cfg, shape)
     count = max_batch_matrices(shape, dtype.itemsize, budget_bytes, reuses_input, form)
-    if device is None and cfg is not None and cfg.backend == "triton":
-        return max_batch_matrices(shape, dtype.itemsize, budget_bytes, reuses_input, form, backend="triton")
-    if device is None or cfg is None or cfg.backend == "torch":
+    if cfg is None or cfg.backend == "torch":
         return count
-    m, n = sorted(int(d) for d in shape)
-    if pick_backend(cfg.backend, device, (count, m, n), dtype, cfg) != "triton":
+    if device is None:
+        on_triton = cfg.backend == "triton"
+    else:
+        m, n = sorted(int(d) for d in shape)
+        on_triton = pick_backend(cfg.backend, device, (count, m, n), dtype, cfg) == "triton"
+    if not on_triton:
         return count
     return max_batch_matrices(shape, dtype.itemsize, budget_bytes, reuses_input, form, backend="triton")
 
