@@ -1,6 +1,10 @@
 """muonlab's distributed Muon against Dion's (microsoft/dion) and XTuner's FSDP2 Muon, side by side.
 
-    .venv/bin/python benchmarks/bench_peers.py [--world 2 4] [--rounds 20] [--warmup 3]
+    .venv/bin/python benchmarks/bench_peers.py [--world 2 4] [--rounds 20] [--warmup 3] [--kinds K ...]
+
+``--kinds`` runs a subset (muonlab is always in: the ratios are to it). With muonlab's variants
+alone (``--kinds muonlab muonlab-again muonlab-ignore``) the rounds are short, so many of them fit
+the time of a full run: the A/B of the safety check's cost, written to results/peers_check.md.
 
 The peers are never vendored: they are copied at a pinned commit into benchmarks/_peers/
 (gitignored) from a git mirror of each repository, by this script when the folder lacks them
@@ -112,7 +116,31 @@ def summarize(res: dict, world: int) -> tuple[list, list, dict]:
         calls = res[0]["bytes"][k]["calls"]
         byte_rows.append([k, f"{sent:,}", f"{recv:,}", calls, f"{bound:,.0f}", f"{sent / bound:.3f}"])
     check = {key: max(res[r][key] for r in res) for key in ("start_s", "wait_s", "before_s")}
+    if {"muonlab-again", "muonlab-ignore"} <= set(kinds):
+        # the check off against BOTH check-on copies, per round: the two copies are equally valid
+        # samples of the same step, so their mean halves the check-on side's noise in the ratio
+        both = [i / ((a + b) / 2) for i, a, b in zip(per_round["muonlab-ignore"], base, per_round["muonlab-again"])]
+        check["off_vs_both"] = (statistics.median(both), *median_interval(both))
     return time_rows, byte_rows, r0["phases"], dict(check, step_s=statistics.median(base), plan=r0["plan"])
+
+
+def peers_paragraphs() -> list[str]:
+    """The peers' versions and the settings matched with them (a run with peers only)."""
+    return [
+        f"Peers (eager: TORCHDYNAMO_DISABLE=1; their math is torch.compile-decorated): Dion "
+        f"`{DION['repo']}@{DION['commit'][:12]}` (dion/muon.py, megabatched all_to_all), XTuner "
+        f"`{XTUNER['repo']}@{XTUNER['commit'][:12]}` (xtuner/v1/optim/muon.py, batches of W same-shape "
+        "matrices padded with zero matrices, all_to_all_single; the self-contained FSDP2 file of March 2026 "
+        "- newer versions import xtuner.v1.utils and were not run).",
+        "Settings matched: lr 0.02, momentum 0.95, Nesterov, 5 Newton-Schulz steps with Keller's coefficients "
+        "(3.4445, -4.7750, 2.0315) in bf16 (the peers get the same `newton_schulz_func`; Dion's default is "
+        "Polar Express, turned off), bf16 on the wire, eps 1e-7, no weight decay, lr scaled by 0.2 sqrt(max(A, B)) "
+        "for every optimizer (muonlab and torch `match_rms_adamw`, the peers' `rms_norm`). What differs: the peers "
+        "keep momentum in the sum form (M = 0.95 M + G) where muonlab and torch.optim.Muon keep the EMA "
+        "(M = 0.95 M + 0.05 G); Newton-Schulz normalizes its input, so the updates differ only through eps "
+        "and bf16 rounding. XTuner asserts that the sharded dimension divides by W, so every shape here has "
+        "rows divisible by 4 (no uneven Shard(0) shards in this set).",
+    ]
 
 
 def main(argv=None):
@@ -121,12 +149,16 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--mirrors", default="/work/.mirror")
+    ap.add_argument("--kinds", nargs="+", choices=KINDS, default=KINDS,
+                    help="the optimizers to run (muonlab is always in: the ratios are to it)")
     args = ap.parse_args(argv)
-    missing = fetch_peers(Path(args.mirrors))
+    wanted = ["muonlab"] + [k for k in KINDS if k in args.kinds and k != "muonlab"]
+    peers_wanted = [k for k in ("dion", "xtuner") if k in wanted]
+    missing = fetch_peers(Path(args.mirrors)) if peers_wanted else {}
     for peer, why in missing.items():
         if why:
             print(f"skipping {peer}: {why}")
-    kinds = [k for k in KINDS if not missing.get(k)]
+    kinds = [k for k in wanted if not missing.get(k)]
     os.environ["TORCHDYNAMO_DISABLE"] = "1"  # the peers' torch.compile decorators: eager, like muonlab
     sections = []
     load_before = load()
@@ -159,6 +191,11 @@ def main(argv=None):
             f"({100 * check['wait_s'] / check['step_s']:.1f}%); the check it replaced, alone (an isfinite per "
             f"grad, then a blocking all-reduce) {1e3 * check['before_s']:.2f} ms "
             f"({100 * check['before_s'] / check['step_s']:.1f}%).",
+            *([] if "off_vs_both" not in check else [
+                "",
+                "muonlab-ignore against both check-on copies (per round, its time over the mean of muonlab's and "
+                "muonlab-again's; median and its 95% bootstrap interval): "
+                "{:.3f} ({:.3f}-{:.3f}).".format(*check["off_vs_both"])]),
             "",
             f"muonlab's plan (batches per path): {check['plan']}.",
         ])
@@ -172,19 +209,7 @@ def main(argv=None):
         f"{args.rounds} alternating rounds after {args.warmup} warm-up rounds, one process group; a "
         "round steps every optimizer once, in balanced orders (a Williams design: each optimizer directly follows "
         "every other equally often), barrier to barrier, the slowest rank's time.",
-        f"Peers (eager: TORCHDYNAMO_DISABLE=1; their math is torch.compile-decorated): Dion "
-        f"`{DION['repo']}@{DION['commit'][:12]}` (dion/muon.py, megabatched all_to_all), XTuner "
-        f"`{XTUNER['repo']}@{XTUNER['commit'][:12]}` (xtuner/v1/optim/muon.py, batches of W same-shape "
-        "matrices padded with zero matrices, all_to_all_single; the self-contained FSDP2 file of March 2026 "
-        "- newer versions import xtuner.v1.utils and were not run).",
-        "Settings matched: lr 0.02, momentum 0.95, Nesterov, 5 Newton-Schulz steps with Keller's coefficients "
-        "(3.4445, -4.7750, 2.0315) in bf16 (the peers get the same `newton_schulz_func`; Dion's default is "
-        "Polar Express, turned off), bf16 on the wire, eps 1e-7, no weight decay, lr scaled by 0.2 sqrt(max(A, B)) "
-        "for every optimizer (muonlab and torch `match_rms_adamw`, the peers' `rms_norm`). What differs: the peers "
-        "keep momentum in the sum form (M = 0.95 M + G) where muonlab and torch.optim.Muon keep the EMA "
-        "(M = 0.95 M + 0.05 G); Newton-Schulz normalizes its input, so the updates differ only through eps "
-        "and bf16 rounding. XTuner asserts that the sharded dimension divides by W, so every shape here has "
-        "rows divisible by 4 (no uneven Shard(0) shards in this set).",
+        *(peers_paragraphs() if peers_wanted else []),
         *sections,
         "'time / muonlab' > 1: slower than muonlab with its non-finite check on (goal: >= 1.1 for both peers). "
         "muonlab-ignore is muonlab with nonfinite=\"ignore\": its ratio is the safety check's cost (goal: >= 0.98). "
@@ -193,7 +218,10 @@ def main(argv=None):
         "bytes / bound: goal <= 1.005 for muonlab.",
         *skipped,
     ])
-    write_report(results_path("peers"), "muonlab vs Dion and XTuner distributed Muon (FSDP2, gloo)", body,
+    title = "muonlab vs Dion and XTuner distributed Muon (FSDP2, gloo)"
+    if not peers_wanted:  # muonlab's variants alone: the safety check's A/B
+        title = "muonlab's safety check: its cost in an A/B of muonlab's variants (FSDP2, gloo)"
+    write_report(results_path("peers" if peers_wanted else "peers_check"), title, body,
                  script=__file__, argv=argv,
                  machine_note=f"Gloo, W ranks of 1 thread each sharing {os.cpu_count()} cores. Load average "
                               f"{load_before} before, {load()} after (other work shares this machine).")
