@@ -168,7 +168,14 @@ def muon_apply_(
     if not params:
         return
     if weight_decay != 0:
-        torch._foreach_mul_(list(params), 1 - lr * weight_decay)
+        factor = 1 - lr * weight_decay
+        if params[0].is_cuda:
+            torch._foreach_mul_(list(params), factor)
+        else:
+            # on a CPU _foreach_mul_ rounds its scalar to the tensors' dtype first: in bf16 a factor
+            # of 0.998 became 0.99609375 (twice the decay) and 0.9996 became 1.0 (none); mul_ keeps it
+            for p in params:
+                p.mul_(factor)
     by_ratio: dict[float, tuple[list, list]] = {}
     for p, o, ratio in zip(params, updates, ratios):
         ps, os_ = by_ratio.setdefault(ratio, ([], []))

@@ -7,6 +7,7 @@ orthogonalizing them lives in ``muonlab.comm`` (plan + paths). This file only wi
 from __future__ import annotations
 
 import copy
+import math
 import time
 from collections.abc import Iterable
 from typing import Any, NamedTuple
@@ -33,6 +34,8 @@ from .validation import (check_hyperparameters, check_memory_options, checked_fu
                          state_mismatch)
 
 ALGORITHMS = ("muon", "adamw")
+STATE_KEYS = {"muon": {"momentum_buffer"}, "adamw": {"step", "exp_avg", "exp_avg_sq"}}
+"""The state each parameter of an algorithm holds once it has stepped."""
 NONFINITE_POLICIES = ("skip", "raise", "ignore")
 
 MUON_DEFAULTS = dict(
@@ -95,6 +98,13 @@ def _part_of(batch: BatchPlan, local: torch.Tensor, read_only: bool = False) -> 
     return mats[lo:hi]
 
 
+def _layout(p: torch.Tensor) -> tuple:
+    """What a plan depends on of one parameter: which tensor it is, its global and local shapes,
+    dtype, device and (for a DTensor) placements."""
+    return (id(p), tuple(p.shape), tuple(local_shard(p).shape), p.dtype, p.device,
+            tuple(getattr(p, "placements", ())))
+
+
 def _checksum(p: torch.Tensor) -> tuple[float, float]:
     """Sum and sum of squares in fp64: equal on replicas (bit-identical tensors), cheap, and
     different for another tensor of the same shape (another init, another layer)."""
@@ -142,7 +152,15 @@ class Muon(Optimizer):
             "auto": the gram form where it saves at least 20% of the FLOPs (1.17-1.29x faster on
             an H100; a whole step 1.10-1.27x faster on a 2-core CPU), the plain form elsewhere (see
             muonlab.kernels.newton_schulz.AUTO_GRAM_SAVING). "plain" keeps the bits of
-            torch.optim.Muon's iteration.
+            torch.optim.Muon's iteration, with two exceptions in the update itself. Tall bf16
+            parameters (rows > cols) may differ in the last bf16 bit: torch adds its update as a
+            transposed view, muonlab as a contiguous tensor, and torch's bf16 ``add_`` rounds the
+            two layouts differently. A tensor lr is read as a Python float, so lr * ratio and
+            1 - lr * weight_decay are formed in double precision where torch keeps an fp32 tensor
+            (last-bit differences; the same holds for AdamW groups). And one difference that is
+            torch's: with bf16 parameters and ``nesterov=False`` torch.optim.Muon (2.13) hands its
+            momentum buffer itself to its Newton-Schulz, which divides it by its norm in place;
+            muonlab's buffer follows the documented recurrence.
         ns_backend: "auto" (per shape, torch or Triton, whichever was measured faster on this
             device; see muonlab.kernels.backend_choice), "torch" or "triton".
         momentum_dtype: dtype of Muon's momentum buffers. None (default): the parameter's dtype, as
@@ -356,18 +374,32 @@ class Muon(Optimizer):
         raw = [raw] if isinstance(raw, torch.Tensor) else list(raw)
         if not raw:
             raise ValueError(f"parameter group {gi} has an empty parameter list")
+        names = group.pop("param_names", None)  # torch's named form: names beside the tensors
+        if names is not None and (isinstance(names, str) or not all(isinstance(n, str) for n in names)
+                                  or len(names) != len(raw)):
+            raise ValueError(f"parameter group {gi}: param_names must be a list of {len(raw)} str, one per "
+                             f"parameter, got {names!r}")
+        named: dict[torch.Tensor, str] = {}
         tensors = []
-        for item in raw:
+        for k, item in enumerate(raw):
+            name = None if names is None else names[k]
             if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str):
                 name, p = item
-                self._names[p] = name
             else:
                 p = item
             if not isinstance(p, torch.Tensor):
                 raise TypeError(f"parameter group {gi} holds a {type(p).__name__}, not a Tensor")
+            if name is not None:
+                named[p] = name
             tensors.append(p)
+        # one name, one tensor: matrix_views and fused_banks find parameters by name
+        taken = {n: q for q, n in self._names.items() if q not in named}
+        for q, name in named.items():
+            if taken.get(name, q) is not q:
+                raise ValueError(f"parameter group {gi}: the name {name!r} is given to two different tensors")
+            taken[name] = q
+        self._names.update(named)
         group["params"] = tensors
-        group.pop("param_names", None)
 
     def _check_views(self, declared: dict[str, str]) -> None:
         """Declared views override the groups' ones; each must name a Muon parameter and be able to
@@ -417,8 +449,7 @@ class Muon(Optimizer):
         self.param_groups.append(group)
 
     def _checked_group(self, group: dict, gi: int) -> dict:
-        if not isinstance(group.get("params"), list) or any(isinstance(p, tuple) for p in group["params"]):
-            self._split_names(group, gi)
+        self._split_names(group, gi)  # every item a tensor (or a (name, tensor) pair), the list not empty
         algorithm = group.setdefault("algorithm", "muon")
         if algorithm not in ALGORITHMS:
             raise ValueError(f"unknown algorithm {algorithm!r} in a parameter group; choose one of {ALGORITHMS}")
@@ -464,7 +495,8 @@ class Muon(Optimizer):
         the parameter's dtype torch's loader casts floating state to, which would break exact
         resume of fp32 state for bf16 parameters.
         """
-        pairs = self._saved_pairs(state_dict)  # raises before anything changes
+        pairs = self._saved_pairs(state_dict)  # these two raise before anything changes
+        state_dict = dict(state_dict, param_groups=self._saved_groups(state_dict))
         offloaded = {k for k, store in self._offload.by_key.items() if store.place is not None}
         if offloaded and isinstance(state_dict.get("state"), dict):
             # offloaded tensors go straight to their store, never through the parameter's device
@@ -483,16 +515,31 @@ class Muon(Optimizer):
 
     def _saved_pairs(self, state_dict: dict) -> list[tuple[dict, torch.Tensor]]:
         """(saved state, parameter) in torch's order, each checked against its parameter."""
-        if not isinstance(state_dict, dict) or not isinstance(state_dict.get("param_groups"), list):
+        if not isinstance(state_dict, dict) or not isinstance(state_dict.get("param_groups"), list) \
+                or "state" not in state_dict:
             raise TypeError("state_dict must be a dict with 'state' and 'param_groups', as state_dict() returns")
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups) or any(
                 len(a.get("params", ())) != len(b["params"]) for a, b in zip(saved_groups, self.param_groups)):
             return []  # torch's loader raises its own error for groups that don't line up
+        saved_state = state_dict["state"]
+        if not isinstance(saved_state, dict):
+            raise TypeError(f"state_dict['state'] must be a dict {{param id: state}}, got {type(saved_state).__name__}")
         saved_ids = [i for g in saved_groups for i in g["params"]]
-        params = [p for g in self.param_groups for p in g["params"]]
-        pairs = [(state_dict.get("state", {}).get(pid, {}), p) for pid, p in zip(saved_ids, params)]
-        for saved, p in pairs:
+        params = [(g["algorithm"], p) for g in self.param_groups for p in g["params"]]
+        pairs = [(saved_state.get(pid, {}), p) for pid, (_, p) in zip(saved_ids, params)]
+        for (saved, p), (algorithm, _) in zip(pairs, params):
+            if not isinstance(saved, dict):
+                raise TypeError(f"parameter {self._label(p)} has saved state of type {type(saved).__name__}, "
+                                "not a dict")
+            wanted = STATE_KEYS[algorithm]
+            if saved and set(saved) != wanted:
+                raise ValueError(f"parameter {self._label(p)} ({algorithm}) has saved state keys {sorted(saved)}; "
+                                 f"expected {sorted(wanted)}")
+            for key in wanted - {"step"}:
+                if saved and not torch.is_tensor(saved[key]):
+                    raise TypeError(f"parameter {self._label(p)} has saved {key} of type "
+                                    f"{type(saved[key]).__name__}, not a tensor")
             mismatch = state_mismatch(p, saved)
             if mismatch:
                 raise ValueError(f"parameter {self._label(p)} does not match the saved state: {mismatch} "
@@ -501,13 +548,39 @@ class Muon(Optimizer):
             if not (is_number(step) or torch.is_tensor(step) and step.numel() == 1):
                 raise TypeError(f"parameter {self._label(p)} has a saved AdamW step of {step!r}; "
                                 "expected a number or a one-element tensor")
+            if not 0 <= float(step) < math.inf:
+                raise ValueError(f"parameter {self._label(p)} has a saved AdamW step of {float(step)}; "
+                                 "expected a count >= 0")
         return pairs
+
+    def _saved_groups(self, state_dict: dict) -> list:
+        """The saved parameter groups, which replace this optimizer's settings, checked as groups
+        given to the constructor are: the same algorithm as the group each replaces, settings in
+        range. A setting the saved group lacks (saved before it existed) keeps this group's value."""
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            return saved_groups  # torch's loader raises its own error for groups that don't line up
+        filled = []
+        for gi, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
+            if not isinstance(saved, dict):
+                raise TypeError(f"saved parameter group {gi} is a {type(saved).__name__}, not a dict")
+            algorithm, theirs = group["algorithm"], saved.get("algorithm", "muon")
+            if theirs != algorithm:
+                raise ValueError(f"saved parameter group {gi} is a {theirs!r} group; this optimizer's group {gi} "
+                                 f"is {algorithm!r}")
+            saved = {**{k: v for k, v in group.items() if k != "params"}, **saved}
+            check_hyperparameters(saved, algorithm, "", f" in saved parameter group {gi}")
+            filled.append(saved)
+        return filled
 
     # ------------------------------------------------------------------ copies
 
     def _copied_state(self) -> dict:
-        # torch's copies drop hooks too; the plan cache holds live process groups and is rebuilt
-        return {k: v for k, v in vars(self).items() if k != "_plans" and not k.startswith("_optimizer_")}
+        # torch's copies drop hooks too; the plan cache holds live process groups and is rebuilt.
+        # An instance attribute over a method is a wrapper someone installed (an LR scheduler wraps
+        # step, holding a reference to THIS optimizer): a copy keeps its own method
+        return {k: v for k, v in vars(self).items() if k != "_plans" and not k.startswith("_optimizer_")
+                and not callable(getattr(type(self), k, None))}
 
     def __getstate__(self) -> dict:
         """Everything but hooks and the plan cache, so a pickled Muon keeps its settings and names."""
@@ -633,7 +706,9 @@ class Muon(Optimizer):
         """Parameters with grads, per group; every grad, and the shape of each one's state, is
         checked before anything is modified."""
         work: dict[str, list] = {"muon": [], "adamw": []}
-        for group in self.param_groups:
+        for gi, group in enumerate(self.param_groups):
+            # checked again at every step: a scheduler or a user may have written any value since
+            check_hyperparameters(group, group["algorithm"], "", f" in parameter group {gi}")
             params = []
             for p in group["params"]:
                 g = p.grad
@@ -643,6 +718,9 @@ class Muon(Optimizer):
                     raise ValueError(f"parameter {self._label(p)} has a sparse gradient; Muon needs dense gradients")
                 if torch.is_complex(g):
                     raise ValueError(f"parameter {self._label(p)} has a complex gradient")
+                if not g.is_floating_point():
+                    raise TypeError(f"parameter {self._label(p)} has a gradient of dtype {g.dtype}; "
+                                    "gradients must be floating point")
                 if g.shape != p.shape:
                     raise ValueError(
                         f"parameter {self._label(p)} has a gradient of shape {fmt_shape(g.shape)}"
@@ -703,8 +781,14 @@ class Muon(Optimizer):
         # one config per group (settings may change between steps, so made anew each step)
         by_group = {id(g): self._ns_config(g) for g in self.param_groups if g["algorithm"] == "muon"}
         configs = tuple(by_group[id(entries[i][0])] for i in indices)
-        cache_key = (indices, configs, self.comm_dtype, self.strategy, self.remainder_path, self.hardware_profile)
+        # each parameter's identity and layout too: one may be replaced, resized (p.data = ...) or
+        # resharded between steps, and a plan made for its old shape would update it wrongly
+        layouts = tuple(_layout(entries[i][1]) for i in indices)
+        cache_key = (indices, configs, layouts, self.comm_dtype, self.strategy, self.remainder_path,
+                     self.hardware_profile)
         if cache_key not in self._plans:
+            for i in indices:  # still a matrix Muon can update (it may have changed since construction)
+                self._check_param(entries[i][1], "muon")
             replicate = self._replicate_group()
             specs, groups = [], {None: (None, 0)}
             for i in indices:

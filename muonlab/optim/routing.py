@@ -191,9 +191,15 @@ def _route(module: nn.Module, p: torch.Tensor, full_name: str, ctx: dict) -> tup
 
 
 def _patterns(option: str, patterns) -> tuple[str, ...]:
+    if patterns is None:
+        return ()
     if isinstance(patterns, str):
         patterns = (patterns,)
-    patterns = tuple(patterns)
+    try:
+        patterns = tuple(patterns)
+    except TypeError:
+        raise TypeError(f"{option} must be a pattern (str) or a list of patterns, got "
+                        f"{type(patterns).__name__} {patterns!r}") from None
     for pattern in patterns:
         if not isinstance(pattern, str):
             raise TypeError(f"{option} patterns must be strings, got {type(pattern).__name__} {pattern!r}")
@@ -248,6 +254,9 @@ def muon_param_groups(
         conv: "adamw" (default) or "muon": where convolution kernels go; in Muon each kernel
             (out, in, *k) is orthogonalized as one (out, in * prod(k)) matrix.
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"muon_param_groups needs the model (an nn.Module), got {type(model).__name__}: it "
+                        "routes each parameter by the module that holds it and by its name")
     if conv not in CONV_ROUTES:
         raise ValueError(f"conv must be one of {CONV_ROUTES}, got {conv!r}")
     exclude, include = _patterns("exclude", exclude), _patterns("include", include)

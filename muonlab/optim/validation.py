@@ -59,11 +59,22 @@ def check_betas(betas, prefix: str, where: str) -> None:
         raise ValueError(f"{prefix}betas must be in [0, 1), got {betas!r}{where}")
 
 
+SETTINGS = {"muon": ("lr", "weight_decay", "eps", "momentum", "nesterov", "ns_steps", "ns_coefficients",
+                     "adjust_lr", "momentum_form"),
+            "adamw": ("lr", "weight_decay", "eps", "betas")}
+"""The settings every group of an algorithm holds (a step reads each)."""
+
+
 def check_hyperparameters(values: dict, algorithm: str, prefix: str, where: str) -> None:
     """Types and ranges of a group's (or the constructor's) hyperparameters.
 
     ``prefix`` + key names the option (``adamw_lr``), ``where`` says which group it came from.
     """
+    needed = SETTINGS[algorithm]
+    missing = [key for key in needed if key not in values]
+    if missing:
+        raise ValueError(f"missing setting(s) {[prefix + k for k in missing]}{where}")
+
     def number(key: str, low: float, high: float = math.inf, *, low_open=False, high_open=False) -> None:
         value = values[key]
         if isinstance(value, torch.Tensor) and key == "lr":  # torch takes a one-element tensor lr
@@ -83,14 +94,19 @@ def check_hyperparameters(values: dict, algorithm: str, prefix: str, where: str)
     number("lr", 0)
     number("weight_decay", 0)
     if algorithm == "adamw":
-        number("eps", 0)
+        number("eps", 0, low_open=True)  # 0 turns a zero gradient's update into 0/0
         check_betas(values["betas"], prefix, where)
         return
-    number("eps", 0, low_open=True)
+    # eps is a floor under each matrix's norm before Newton-Schulz: past 1 it swamps the matrix
+    # (and past the compute dtype's range it overflows mid-step)
+    number("eps", 0, 1, low_open=True)
     number("momentum", 0, 1, high_open=True)
     if not isinstance(values["nesterov"], bool):
         raise TypeError(f"nesterov must be a bool, got {values['nesterov']!r}{where}")
-    resolve_coefficients(values["ns_coefficients"], values["ns_steps"])
+    try:
+        resolve_coefficients(values["ns_coefficients"], values["ns_steps"])
+    except (TypeError, ValueError) as err:
+        raise type(err)(f"{err}{where}") from None
     if values["adjust_lr"] not in F.ADJUST_LR_MODES:
         raise ValueError(f"unknown adjust_lr {values['adjust_lr']!r}{where}; choose one of {F.ADJUST_LR_MODES}")
     if values["momentum_form"] not in F.MOMENTUM_FORMS:
