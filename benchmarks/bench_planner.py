@@ -7,11 +7,13 @@ Models (Muon-routed matrices only):
          SwiGLU MLP 10944 x 4096 (gate, up) and 4096 x 10944 (down).
   moe:   24 layers, hidden 2048, 128 experts of hidden 1024 (banks 128 x 1024 x 2048 and
          128 x 2048 x 1024), attention qkv 6144 x 2048, out 2048 x 2048, router 128 x 2048.
-Columns: total bytes / lower bound (each sharded matrix gathered once and scattered back once:
-2 (W-1)/W of its bytes; whole experts count the same), the largest per-rank bytes, max-rank
-Newton-Schulz FLOPs / max(mean, largest single matrix), and modelled optimizer seconds under the
-hardware profile (muonlab.comm.cost). Goal for muonlab in every row: bytes <= 1.05x the bound,
-FLOP imbalance <= 1.1, and a modelled time no worse than the better reference.
+Columns: total bytes / lower bound (muonlab.simulate.lower_bound_bytes: each sharded matrix
+gathered once and scattered back once, 2 (W-1)/W of its bytes; experts already whole on a rank
+count nothing), the bytes of experts moved off overloaded ranks for balance (path rebalance: a
+trade of bytes for balance, beyond any bound), the largest per-rank bytes, max-rank Newton-Schulz
+FLOPs / max(mean, largest single matrix), and modelled optimizer seconds under the hardware
+profile (muonlab.comm.cost). Goal for muonlab in every row: bytes other than those moves <= 1.05x
+the bound, FLOP imbalance <= 1.1, and a modelled time no worse than the better reference.
 """
 
 from __future__ import annotations
@@ -46,22 +48,26 @@ def main():
                     t0 = time.time()
                     plan = simulate(shapes, mesh, strategy=strategy, profile=profile)
                     s = summarize(plan, W, profile)
-                    s.update(model=model, W=W, ep=ep, strategy=strategy, plan_s=time.time() - t0)
+                    # a plan on one axis of a bigger mesh repeats per slice (ep > 1), as summarize counts it
+                    moved = sum(sum(b.bytes_sent) * (len(b.group.mesh_ranks) // b.group.size)
+                                for b in plan if b.path == "rebalance")
+                    s.update(model=model, W=W, ep=ep, strategy=strategy, plan_s=time.time() - t0, moved=moved)
                     rows.append(s)
     planned_s = time.time() - t_start
-    header = ["model", "W", "ep", "strategy", "paths", "bytes / bound", "max-rank MB", "FLOP imbalance",
-              "modelled ms", "goal"]
+    header = ["model", "W", "ep", "strategy", "paths", "bytes / bound", "experts moved for balance MB",
+              "max-rank MB", "FLOP imbalance", "modelled ms", "goal"]
     body = []
     for r in rows:
         goal = ""
         if r["strategy"] == "muonlab":
             refs = [x["modelled_s"] for x in rows if (x["model"], x["W"], x["ep"]) == (r["model"], r["W"], r["ep"])
                     and x["strategy"] != "muonlab"]
-            ok = (r["bytes_over_bound"] <= 1.05, r["flop_imbalance"] <= 1.1, r["modelled_s"] <= min(refs) * 1.0001)
+            beyond = r["total_bytes"] - r["moved"]
+            ok = (beyond <= 1.05 * r["bound_bytes"], r["flop_imbalance"] <= 1.1, r["modelled_s"] <= min(refs) * 1.0001)
             goal = "met" if all(ok) else "MISSED: " + ", ".join(
                 n for n, o in zip(("bytes", "balance", "time"), ok) if not o)
         body.append([r["model"], r["W"], r["ep"], r["strategy"], ",".join(r["paths"]),
-                     f"{r['bytes_over_bound']:.3f}", f"{r['max_rank_bytes'] / 1e6:.1f}",
+                     f"{r['bytes_over_bound']:.3f}", f"{r['moved'] / 1e6:.1f}", f"{r['max_rank_bytes'] / 1e6:.1f}",
                      f"{r['flop_imbalance']:.3f}", f"{1e3 * r['modelled_s']:.2f}", goal])
     lines = [
         f"Profile: {profile.source}",
@@ -70,9 +76,9 @@ def main():
         md_table(header, body),
         "",
         "Notes:",
-        "- Whole experts (a bank sharded on its expert dim) count in the bound like any sharded matrix, but",
-        "  need no bytes when they are orthogonalized where they lie, so MoE rows can sit below 1.0; bytes",
-        "  appear only when the planner moves experts off overloaded ranks (path rebalance).",
+        "- Whole experts (a bank sharded on its expert dim) need no bytes where they lie and count nothing in",
+        "  the bound; bytes for them appear only when the planner moves experts off overloaded ranks (path",
+        "  rebalance), a trade of bytes for balance shown in its own column (MoE rows above 1.0 are those).",
         "- The reference strategies count the zero matrices they pad in as computed FLOPs, so their",
         "  imbalance column compares padded work; muonlab's counts real matrices only.",
         "- moe W=128 ep=8 misses the balance goal: each rank holds one expert per bank and the 72 dense",

@@ -29,6 +29,8 @@ What Muon needs around DCP:
 from __future__ import annotations
 
 import contextlib
+import io
+import operator
 import os
 import warnings
 from typing import Any
@@ -155,12 +157,34 @@ def _check_against(path: str, state: dict, renames: dict[str, str]) -> None:
         shape = _shape(t)
         if shape is None or not isinstance(meta, TensorStorageMetadata):
             continue
+        name = key.split(".", 1)[1] if key.startswith("model.") else key[len("optim.state."):]
         if shape != tuple(meta.size):
-            name = key.split(".", 1)[1] if key.startswith("model.") else key[len("optim.state."):]
             raise ValueError(
                 f"checkpoint {path!r} does not match the model: {name!r} has shape {tuple(meta.size)} "
                 f"in the checkpoint and {shape} in the model"
             )
+        if t.dtype != meta.properties.dtype and t.dtype.itemsize < meta.properties.dtype.itemsize:
+            # loading rounds it to the narrower dtype: bits the checkpoint holds would be lost
+            raise ValueError(
+                f"checkpoint {path!r} holds {name!r} in {meta.properties.dtype}, the model/optimizer in "
+                f"{t.dtype}: loading would round it. Build the model (or momentum_dtype) in "
+                f"{meta.properties.dtype}, or cast the checkpoint yourself"
+            )
+
+
+def _check_files(path: str) -> None:
+    """Every data file holds the bytes the checkpoint's metadata places in it: a file cut short (a
+    copy or a save interrupted) is refused here, before loading writes into any tensor."""
+    needed: dict[str, int] = {}
+    for info in dcp.FileSystemReader(path).read_metadata().storage_data.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        file = os.path.join(path, name)
+        have = os.path.getsize(file) if os.path.exists(file) else None
+        if have is None or have < size:
+            raise ValueError(f"checkpoint {path!r} is damaged: {name} holds "
+                             f"{'nothing' if have is None else f'{have} bytes'}, its metadata needs {size}; "
+                             "nothing was loaded")
 
 
 def save(
@@ -179,6 +203,12 @@ def save(
     (any picklable object, from rank 0) comes back from :func:`read_meta`.
     """
     path = os.fspath(path)
+    # the small part first, on every rank: a bad step, scheduler or extra raises before any byte
+    # is written (over an older checkpoint, its tensors would otherwise sit beside the old step)
+    meta = io.BytesIO()
+    torch.save(dict(step=_step_count(step), scheduler=None if scheduler is None else scheduler.state_dict(),
+                    extra=extra, world_size=dist.get_world_size() if _dist_on() else 1,
+                    tied=_tied_groups(model), torch_version=torch.__version__), meta)
     has_muon_state = hasattr(opt, "consolidate_state")
     if has_muon_state:
         opt.init_state()
@@ -187,24 +217,30 @@ def save(
         msd, osd = get_state_dict(model, opt)
         osd = _strip_param_names(osd)
         msd, osd = _rename(msd, osd, _ep_renames(model))
+        meta_path = os.path.join(path, META_FILE)
+        if _rank() == 0 and os.path.exists(meta_path):
+            os.remove(meta_path)  # over an older checkpoint: a save cut short now reads as incomplete
+        _barrier()
         with _quiet_single_process():
             dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
         if _rank() == 0:
-            meta = dict(
-                step=int(step),
-                scheduler=None if scheduler is None else scheduler.state_dict(),
-                extra=extra,
-                world_size=dist.get_world_size() if _dist_on() else 1,
-                tied=_tied_groups(model),
-                torch_version=torch.__version__,
-            )
-            tmp = os.path.join(path, META_FILE + ".tmp")
-            torch.save(meta, tmp)
-            os.replace(tmp, os.path.join(path, META_FILE))
+            tmp = meta_path + ".tmp"
+            with open(tmp, "wb") as f:
+                f.write(meta.getvalue())
+            os.replace(tmp, meta_path)
         _barrier()
     finally:
         if has_muon_state:
             opt.release_unowned_state()
+
+
+def _step_count(step) -> int:
+    try:
+        if isinstance(step, bool):
+            raise TypeError
+        return operator.index(step)  # ints, numpy ints, one-element integer tensors
+    except TypeError:
+        raise TypeError(f"step must be an int (the training step saved with the checkpoint), got {step!r}") from None
 
 
 def read_meta(path: str | os.PathLike) -> dict:
@@ -249,6 +285,7 @@ def load(
     try:
         state, renames = _state_to_load(model, opt)
         _check_against(path, state, renames)
+        _check_files(path)
         _check_param_groups(path, state["optim"], renames)
     except BaseException:
         opt.state.clear()

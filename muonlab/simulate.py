@@ -12,6 +12,7 @@ code path for the real step and for a 2048-rank plan.
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -24,7 +25,7 @@ from .distributed.mesh import MeshAxis
 from .kernels.newton_schulz import NSConfig, ns_flops, resolve_form
 from .kernels.runner import matrices_within
 from .optim.routing import muon_param_groups
-from .optim.validation import check_workspace_bytes
+from .optim.validation import check_workspace_bytes, checked_fused_banks
 
 SIMULATED_STRATEGIES = ("muonlab",) + REFERENCE_STRATEGIES
 SIMULATED_BACKENDS = ("torch", "triton")
@@ -37,6 +38,19 @@ def muon_shapes(model: torch.nn.Module, **routing) -> list[tuple[str, tuple[int,
     routes to Muon (``routing``: its exclude, include and conv options)."""
     groups = muon_param_groups(model, **routing)
     return [(r.name, r.shape, r.view) for r in groups.routes if r.algorithm == "muon"]
+
+
+def _positive_int(value, what: str) -> int:
+    """``value`` as an int >= 1 (ints, numpy ints); anything else a ValueError/TypeError naming ``what``."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        value = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{what} must be ints, got {value!r}") from None
+    if value < 1:
+        raise ValueError(f"{what} must be >= 1, got {value}")
+    return value
 
 
 def _named_shapes(params_or_shapes, matrix_views: dict[str, str] | None = None
@@ -55,7 +69,7 @@ def _named_shapes(params_or_shapes, matrix_views: dict[str, str] | None = None
     for i, item in enumerate(items):
         named = isinstance(item, tuple) and len(item) in (2, 3) and isinstance(item[0], str)
         name, shape, view = (item + ("",))[:3] if named else (f"param{i}", item, "")
-        shape = tuple(int(d) for d in shape)
+        shape = tuple(_positive_int(d, f"'{name}' has shape {tuple(shape)}: its dims") for d in shape)
         if len(shape) < 2:
             raise ValueError(f"Muon parameters need at least 2 dims; '{name}' has shape {shape}")
         view = views.pop(name, view) or default_view(shape)
@@ -82,7 +96,11 @@ def mesh_specs(named_shapes: Iterable[tuple], world: int, *, ep: int = 1,
     if world < 1 or ep < 1 or world % ep:
         raise ValueError(f"world size {world} must be a positive multiple of ep={ep}")
     fsdp = world // ep
-    fused = dict(fused_banks or {})
+    fused = checked_fused_banks(fused_banks)
+    named_shapes = list(named_shapes)
+    unknown = sorted(set(fused) - {item[0] for item in named_shapes})
+    if unknown:
+        raise ValueError(f"fused_banks names {unknown}, which are not among the Muon parameters")
     ranks = tuple(range(world))
     dense = GroupKey(mesh_ranks=ranks, mesh_shape=(world,), axis_name=MeshAxis.DP)
     expert_mesh = ep > 1 if expert_mesh is None else expert_mesh
@@ -160,15 +178,17 @@ def simulate(
         raise ValueError(f"simulate's ns_backend must be one of {SIMULATED_BACKENDS}, got {ns_backend!r}"
                          + ("; 'auto' is timed on the device itself: pass the backend it chose"
                             if ns_backend == "auto" else ""))
+    if not isinstance(mesh_shape, (int, tuple, list)):
+        raise TypeError(f"mesh_shape must be W, (W,) or (fsdp, ep) like build_ep_mesh, got {mesh_shape!r}")
     if not isinstance(mesh_shape, int) and len(mesh_shape) == 1:  # (W,), as init_device_mesh takes it
         (mesh_shape,) = mesh_shape
     expert_mesh = not isinstance(mesh_shape, int)
     if isinstance(mesh_shape, int):
-        world, ep = mesh_shape, 1
+        world, ep = _positive_int(mesh_shape, "the world size"), 1
     else:
         if len(mesh_shape) != 2:
             raise ValueError(f"mesh_shape must be W, (W,) or (fsdp, ep) like build_ep_mesh, got {tuple(mesh_shape)}")
-        fsdp, ep = (int(d) for d in mesh_shape)
+        fsdp, ep = (_positive_int(d, f"mesh_shape {tuple(mesh_shape)}: its sizes") for d in mesh_shape)
         world = ep * fsdp
     specs = mesh_specs(_named_shapes(params_or_shapes, matrix_views), world, ep=ep, layout=layout,
                        expert_mesh=expert_mesh, fused_banks=fused_banks)
@@ -185,12 +205,15 @@ def simulate(
 
 
 def lower_bound_bytes(plan: Plan, comm_itemsize: int = 2) -> int:
-    """Sharded matrices (row shards and whole experts alike): each gathered once to one rank and
-    scattered back once, 2 (W-1)/W of its bytes; replicated ones: one all-gather of the updates,
-    (W-1)/W of their bytes on each rank. Matrices on a one-rank group count nothing."""
+    """The fewest bytes any plan moves for these matrices. A sharded matrix is gathered to one
+    rank and scattered back: at best to the rank holding its largest shard, 2 (1 - largest/rows)
+    of its bytes (2 (W-1)/W for even shards; less where trailing ranks hold empty shards).
+    Replicated ones: one all-gather of the updates, (W-1)/W of their bytes on each rank. Matrices
+    already whole on a rank (experts in a bank) and on a one-rank group count nothing: a plan
+    that moves them (for balance) moves more than the bound."""
     total = 0.0
     for b in plan:
-        if b.group is None or b.group.size == 1:
+        if b.group is None or b.group.size == 1 or b.sources:  # sources: whole matrices, in place
             continue
         W = b.group.size
         copies = len(b.group.mesh_ranks) // W  # an axis of a bigger mesh repeats per slice
@@ -200,13 +223,19 @@ def lower_bound_bytes(plan: Plan, comm_itemsize: int = 2) -> int:
                 nbytes *= d
             if b.path == "owner":
                 total += copies * (W - 1) * nbytes  # summed over the W ranks
-            else:  # sharded, whole experts included: gathered to one rank and back, at most
-                total += copies * 2 * (W - 1) / W * nbytes
+            else:
+                rows = shape[b.shard_dim]
+                largest = max(chunk_sizes(rows, W))
+                total += copies * 2 * (1 - largest / rows) * nbytes
     return int(round(total))
 
 
 def summarize(plan: Plan, world: int, profile="h100_node", comm_itemsize: int = 2) -> dict:
-    """Totals a researcher compares across strategies: bytes vs bound, balance, modelled time."""
+    """Totals a researcher compares across strategies: bytes vs bound, balance, modelled time.
+    ``world``: the plan's world size (simulate's W, or fsdp * ep)."""
+    spans = max((max(b.group.mesh_ranks) + 1 for b in plan if b.group is not None), default=None)
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1 or spans not in (None, world):
+        raise ValueError(f"summarize: world must be the plan's world size ({spans or 'an int >= 1'}), got {world!r}")
     per = per_rank(plan, world)
     total_flops = sum(per["flops"])
     largest = max((ns_flops(b.matrix_shape, b.ns_config) for b in plan), default=0)

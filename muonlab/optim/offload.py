@@ -14,6 +14,7 @@ and the one being fetched), counted in ``peak_window_bytes``.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -115,11 +116,11 @@ class _OffloadedStore(ResidentStore):
     def adopt(self, p, key, value):
         local = local_shard(value)
         mine = self._stored(p, key)
-        if local.dtype != mine.dtype or local.shape != mine.shape:
-            raise ValueError(f"loaded state {key!r} of shape {tuple(local.shape)} and dtype {local.dtype} can't be "
-                             f"offloaded into a slot of shape {tuple(mine.shape)} and dtype {mine.dtype}")
+        if local.shape != mine.shape:
+            raise ValueError(f"loaded state {key!r} of shape {tuple(local.shape)} can't be offloaded into a slot "
+                             f"of shape {tuple(mine.shape)}")
         if local.data_ptr() != mine.data_ptr():  # DCP may have loaded straight into the stored tensor
-            mine.copy_(local)
+            mine.copy_(local)  # in the slot's dtype, as a resident state is cast to its own
         return _like_param(p, mine)
 
     def _fetch(self, p: torch.Tensor, stored: list[torch.Tensor]):
@@ -277,6 +278,10 @@ class DiskStore(_OffloadedStore):
         return (head + manifest)[:HEADER_BYTES].ljust(HEADER_BYTES, b"\0")
 
     def _create(self) -> None:
+        # a new file, never the old one truncated: an earlier optimizer's state_dict() holds views of
+        # the old file's mapping, and they must keep their values
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
         with open(self.path, "wb") as f:
             f.truncate(self.size)  # zeros: every slot starts as fresh state
             f.seek(0)
