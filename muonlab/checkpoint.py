@@ -271,8 +271,11 @@ def load(
     the save's (DCP reshards). Raises FileNotFoundError for a missing or incomplete checkpoint and
     ValueError for any mismatch the checkpoint's metadata shows (a parameter's or state tensor's
     name or shape, tied against untied parameters, the optimizer's state keys or parameter
-    groups, the expert-parallel size, a scheduler without saved state), all checked before
-    anything is written: after such an error the model, optimizer and scheduler are as before.
+    groups, the expert-parallel size, a scheduler without saved state, a tensor saved in a wider
+    dtype than the one it would load into, a data file shorter than its metadata says), all
+    checked before anything is written: after such an error the model, optimizer and scheduler
+    are as before. Bytes damaged in place (a file of the right size) surface only while loading
+    (DCP keeps no checksums): the tensors read by then are overwritten.
     """
     path = os.fspath(path)
     meta = read_meta(path)
