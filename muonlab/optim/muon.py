@@ -28,10 +28,11 @@ from ..kernels.runner import NewtonSchulzRunner, default_budget
 from ..trace import Span, Tracer
 from . import functional as F
 from . import nonfinite
+from .agreement import Agreement
 from .offload import StateStores
 from .routing import check_not_flat
-from .validation import (check_hyperparameters, check_memory_options, checked_fused_banks, fmt_shape, is_number,
-                         state_mismatch)
+from .validation import (SETTINGS, check_hyperparameters, check_memory_options, checked_fused_banks, fmt_shape,
+                         is_number, state_mismatch)
 
 ALGORITHMS = ("muon", "adamw")
 STATE_KEYS = {"muon": {"momentum_buffer"}, "adamw": {"step", "exp_avg", "exp_avg_sq"}}
@@ -283,6 +284,7 @@ class Muon(Optimizer):
         self._names: dict[torch.Tensor, str] = {}
         self._views: dict[str, str] = {}
         self._plans: dict[tuple, tuple] = {}
+        self._agreement = Agreement()
         self._tracer = Tracer(rank=dist.get_rank() if _dist_on() else 0)  # the step recording or recorded last
         self._spare_tracer = Tracer(rank=self._tracer.rank)
         self._stats: dict = {}
@@ -592,6 +594,7 @@ class Muon(Optimizer):
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)  # also what torch's load_state_dict calls, with state and groups only
         self.__dict__.setdefault("_plans", {})
+        self.__dict__.setdefault("_agreement", Agreement())  # pickled before the per-step agreement
         if "_tracer" in self.__dict__ and "_spare_tracer" not in self.__dict__:  # pickled before GPU spans
             self._spare_tracer = Tracer(rank=self._tracer.rank)
             self._stats_tracer = self._tracer
@@ -627,14 +630,17 @@ class Muon(Optimizer):
         self._tracer.reset(self._trace_device())
         counter = CommCounter()
         seconds: dict[str, float] = {}  # the check's host seconds: start, and the wait for its flags
-        check_group = self._check_group()
         started: list[nonfinite.NonfiniteCheck] = []  # the check, once started
 
         def start_check() -> None:
             if self.nonfinite != "ignore":
                 started.append(self._nonfinite_check(work, check_group, seconds))
 
-        # plan first: it may raise (ranks disagree), and nothing may have changed by then
+        # every rank about to take the same step, then the plan: both may raise (ranks disagree),
+        # and nothing may have changed by then
+        check_group = self._check_group()
+        if check_group is not None:
+            self._agreement.check(check_group, self._step_description(work))
         indices = self._muon_indices(work["muon"])
         planned = self._plan_for(indices) if indices else None
 
@@ -687,6 +693,27 @@ class Muon(Optimizer):
                            seconds=None, skipped=skipped, skipped_steps=self.skipped_steps, **nonfinite,
                            nonfinite_seconds=seconds or None)
         self._stats_tracer = self._tracer
+
+    def _step_description(self, work: dict[str, list]) -> list[tuple]:
+        """What this rank is about to do, for muonlab.optim.agreement: each parameter with a
+        gradient (its name, or its place for an unnamed one; global shape, dtype; its group's
+        settings and Newton-Schulz config), then the step's options."""
+        place = {id(p): f"#{k} of group {gi}"
+                 for gi, g in enumerate(self.param_groups) for k, p in enumerate(g["params"])}
+        items = []
+        for kind in ("muon", "adamw"):
+            for group, params in work[kind]:
+                settings = tuple((k, float(group[k]) if torch.is_tensor(group[k]) else group[k])
+                                 for k in SETTINGS[kind])
+                if kind == "muon":
+                    settings += (("newton_schulz", repr(self._ns_config(group))),)
+                for p in params:
+                    fields = (("shape", tuple(p.shape)), ("dtype", str(p.dtype))) + settings
+                    items.append((kind, self._names.get(p) or place[id(p)], fields))
+        items.append(("options", "", (("nonfinite", self.nonfinite), ("comm_dtype", str(self.comm_dtype)),
+                                      ("workspace budget (workspace_bytes)", self._ns_runner().budget_bytes),
+                                      ("strategy", self.strategy), ("remainder_path", self.remainder_path))))
+        return items
 
     def _check_group(self):
         """The process group whose ranks decide a skip together (None: this process alone)."""
@@ -820,6 +847,8 @@ class Muon(Optimizer):
 
     def _check_ranks_agree(self, specs: list[MatrixSpec], configs: tuple, params: list[torch.Tensor]) -> None:
         """Every rank must plan the same matrices, or collectives would pair up wrongly and hang.
+        (Every step first compares what each rank is about to do, see muonlab.optim.agreement;
+        this check, on a new plan only, adds each spec's layout and the replicas' checksums.)
 
         One all_gather_object, once per new plan, of (name, global shape, layout, settings) per
         parameter, and a checksum of each replicated (plain-tensor) one: a plain tensor under a

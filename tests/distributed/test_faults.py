@@ -25,8 +25,8 @@ FAULTS = {
     "raise_in_step": (2, 60, 1, "injected fault inside Muon.step (newton_schulz)", False),
     # the killed rank is named (see test_sigkilled_rank_is_named_first_with_its_signal for how)
     "sigkill": (4, 60, None, "--- rank 2 ---", False),
-    "shape": (2, 60, None, "ranks disagree on the Muon parameters: rank 0 has 'w' of shape (4, 8) "
-                           "(replicated), rank 1 has 'w' of shape (4, 9) (replicated)", False),
+    "shape": (2, 60, None, "ranks disagree on the step: muon parameter 'w': shape (4, 8) on rank 0, "
+                           "(4, 9) on rank 1", False),
     "hang_in_step": (2, 20, 0, "timed out after 20 s", True),
 }
 SURVIVED: list[str] = []

@@ -180,8 +180,8 @@ def test_ranks_that_disagree_on_a_shape_get_a_clear_error_and_nothing_changes(se
     world, results = several_ranks
     for rank, res in results.items():
         r = res["disagree"]
-        assert r["message"] == (f"ranks disagree on the Muon parameters: rank 0 has 'w' of shape (4, 8) "
-                                f"(replicated), rank {world - 1} has 'w' of shape (4, 9) (replicated)"), r
+        assert r["message"] == (f"ranks disagree on the step: muon parameter 'w': shape (4, 8) on rank 0, "
+                                f"(4, 9) on rank {world - 1}"), r
         assert r["untouched"] and r["state"] == 0
 
 
@@ -190,8 +190,8 @@ def test_ranks_with_different_workspace_budgets_get_a_clear_error(several_ranks)
     world, results = several_ranks
     for rank, res in results.items():
         r = res["budget"]
-        assert r["message"] == ("ranks disagree on the Newton-Schulz workspace budget: rank 0 has 1048576 bytes, "
-                                "rank 1 has 1048577; pass the same workspace_bytes on every rank"), r
+        assert r["message"] == ("ranks disagree on the step: options of the step: workspace budget "
+                                "(workspace_bytes) 1048576 on rank 0, 1048577 on rank 1"), r
         assert r["untouched"] and r["state"] == 0
     # the default budget's basis: equal on every rank, though the shards are not
     assert {res["budget"]["share"] for res in results.values()} == {5 * 3 * 4 // world}

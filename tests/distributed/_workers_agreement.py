@@ -1,0 +1,72 @@
+"""Workers for test_agreement.py: ranks that drift apart after the first step (a gradient on one
+rank only, a setting changed on one rank, an extra parameter) are refused, by name, on every rank,
+before anything changes, instead of hanging in mismatched collectives."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from muonlab import Muon
+
+
+def _setup(layout: str):
+    """Named Muon matrices (and an AdamW bias) the same on every rank: DTensor shards (fsdp) or
+    replicas (ddp: plain tensors under the world group)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    gen = torch.Generator().manual_seed(0)
+    fulls = {"w0": torch.randn(8, 16, generator=gen), "w1": torch.randn(8, 16, generator=gen),
+             "w2": torch.randn(12, 6, generator=gen)}
+    if layout == "fsdp":
+        params = {n: torch.nn.Parameter(distribute_tensor(f, mesh, [Shard(0)])) for n, f in fulls.items()}
+    else:
+        params = {n: torch.nn.Parameter(f.clone()) for n, f in fulls.items()}
+    bias = torch.nn.Parameter(torch.zeros(8))
+    opt = Muon([{"params": list(params.items())}, {"params": [("bias", bias)], "algorithm": "adamw"}],
+               lr=0.02, ns_dtype=torch.float32)
+    return params, bias, opt
+
+
+def _grads(params, bias, seed: int):
+    from torch.distributed.tensor import distribute_tensor
+
+    gen = torch.Generator().manual_seed(seed)
+    for p in params.values():
+        full = torch.randn(p.shape, generator=gen)
+        p.grad = distribute_tensor(full, p.device_mesh, p.placements) if hasattr(p, "placements") else full
+    bias.grad = torch.randn(8, generator=gen)
+
+
+def drift_after_the_first_step(layout: str, drift: str) -> dict:
+    """Step 0 alike everywhere; at step 1 the last rank drifts. Returns the error (on every rank)
+    and whether anything changed on this rank."""
+    params, bias, opt = _setup(layout)
+    _grads(params, bias, 1)
+    opt.step()
+    _grads(params, bias, 2)
+    last = dist.get_rank() == dist.get_world_size() - 1
+    if last and drift == "grad":
+        params["w1"].grad = None
+    elif last and drift == "lr":
+        opt.param_groups[0]["lr"] = 0.04
+    elif last and drift == "adamw_grad":
+        bias.grad = None
+    elif last and drift == "extra":
+        extra = torch.nn.Parameter(torch.randn(4, 4))
+        opt.add_param_group({"params": [("extra", extra)]})
+        extra.grad = torch.randn(4, 4)
+    before = [p.detach().clone() for p in (*params.values(), bias)]
+    state = [s["momentum_buffer"].clone() for p, s in opt.state.items() if "momentum_buffer" in s]
+    error = None
+    try:
+        opt.step()
+    except ValueError as err:
+        error = str(err)
+    unchanged = all(torch.equal(a, p.detach()) for a, p in zip(before, (*params.values(), bias))) and all(
+        torch.equal(a, s["momentum_buffer"]) for a, (p, s) in zip(state, (i for i in opt.state.items()
+                                                                          if "momentum_buffer" in i[1])))
+    return dict(error=error, unchanged=unchanged)
