@@ -631,6 +631,7 @@ class Muon(Optimizer):
         counter = CommCounter()
         seconds: dict[str, float] = {}  # the check's host seconds: start, and the wait for its flags
         started: list[nonfinite.NonfiniteCheck] = []  # the check, once started
+        check_group = self._check_group()
 
         def start_check() -> None:
             if self.nonfinite != "ignore":
@@ -638,7 +639,6 @@ class Muon(Optimizer):
 
         # every rank about to take the same step, then the plan: both may raise (ranks disagree),
         # and nothing may have changed by then
-        check_group = self._check_group()
         if check_group is not None:
             self._agreement.check(check_group, self._step_description(work))
         indices = self._muon_indices(work["muon"])
