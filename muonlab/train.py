@@ -106,12 +106,20 @@ def train(
     ``spectral_every`` > 0 records every 2-D matrix's spectral metrics every that many steps into
     ``History.spectral`` (a SpectralRecorder; its time is inside ``step_time_s``).
     """
-    if steps < 1:
-        raise ValueError(f"steps must be >= 1, got {steps}")
-    if isinstance(spectral_every, bool) or not isinstance(spectral_every, int) or spectral_every < 0:
-        raise ValueError(f"spectral_every must be an integer >= 0 (0: no spectral records), got {spectral_every!r}")
+    longest = getattr(getattr(model, "cfg", None), "context", None)  # the model's context, if it says
+    if context is None and longest is None:
+        raise ValueError("context must be given: the model has no cfg.context to take it from")
+    for name, value, low, what in (("steps", steps, 1, ""), ("batch_size", batch_size, 1, ""),
+                                   ("eval_every", eval_every, 0, " (0: only after the last step)"),
+                                   ("eval_batches", eval_batches, 1, ""),
+                                   ("spectral_every", spectral_every, 0, " (0: no spectral records)"),
+                                   ("context", longest if context is None else context, 1, "")):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be an integer >= {low}{what}, got {value!r}")
+    context = longest if context is None else context
+    if longest is not None and context > longest:
+        raise ValueError(f"context {context} is longer than the model's ({longest})")
     device = torch.device(device) if device is not None else default_device()
-    context = context or model.cfg.context
     train_data, val_data = load_corpus("train"), load_corpus("val")
     gen = torch.Generator().manual_seed(seed)
     model.to(device).train()

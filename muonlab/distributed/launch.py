@@ -486,25 +486,32 @@ def _ranks_in(status_dir: str, kind: str) -> set[int]:
     return ranks
 
 
-def _stop_workers(children_before: set, agent_done: threading.Event) -> None:
+def _stop_workers(children_before: set, agent_done: threading.Event, agent_ends: bool = True) -> None:
     """SIGTERM, then SIGKILL, every worker of this launch, and wait for elastic's agent to end.
 
     The workers are the multiprocessing children started since the launch began (listed, not
     yet reaped, so their pids cannot have been reused). elastic's agent notices them die, joins
-    them and returns, so no worker outlives the launch, not even as a zombie.
+    them and returns, so no worker outlives the launch, not even as a zombie. ``agent_ends=False``
+    (a worker vanished: elastic waits for its result for ever) waits for the workers alone; the
+    agent's thread, a daemon, is left waiting.
     """
+    def workers() -> list:
+        # re-listed each time: the agent may still have been starting processes
+        return [p for p in multiprocessing.active_children() if p not in children_before and p.pid is not None]
+
     for sig in (signal.SIGTERM, signal.SIGKILL):
-        # Re-listed each round: the agent may still have been starting processes.
-        for proc in multiprocessing.active_children():
-            if proc in children_before or proc.pid is None:
-                continue
+        for proc in workers():
             try:
                 os.kill(proc.pid, sig)
             except (ProcessLookupError, PermissionError):
                 pass
-        if agent_done.wait(_TERM_GRACE_S):
+        if agent_ends and agent_done.wait(_TERM_GRACE_S):
             return
-    agent_done.wait(_AGENT_JOIN_S)
+        deadline = time.monotonic() + _TERM_GRACE_S
+        while not agent_ends and workers() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    if agent_ends:
+        agent_done.wait(_AGENT_JOIN_S)
 
 
 def launch(
@@ -562,6 +569,9 @@ def launch(
     _check_importable(fn)
     if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
         raise ValueError(f"nprocs must be a positive int, got {nprocs!r}")
+    if nprocs > MAX_PROCS:  # a typo would otherwise make that many run folders, then processes
+        raise ValueError(f"nprocs={nprocs} is more processes than launch() starts on one machine "
+                         f"(at most {MAX_PROCS}: muonlab.distributed.launch.MAX_PROCS)")
     for keyword, value in (("timeout_s", timeout_s), ("startup_timeout_s", startup_timeout_s)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
             raise ValueError(f"{keyword} must be a positive number of seconds, got {value!r}")
@@ -689,6 +699,11 @@ def _results(fn: Callable[..., Any], nprocs: int, limits: tuple[float, float], o
         with open(unguarded[0]) as f:
             text = f.read()
         raise WorkerError(text, {rank: text for rank in range(nprocs)}, run_dir)
+    if "vanished" in outcome:
+        texts = {rank: f"rank {rank}'s process ended without returning a result or raising (os._exit, or "
+                       "killed by something elastic did not report); the other ranks were stopped"
+                 for rank in outcome["vanished"]}
+        raise _worker_error(fn, nprocs, texts, run_dir)
     if "timed_out" in outcome:
         timed_out = outcome["timed_out"]
         message = _timeout_message(fn, nprocs, limits, timed_out) + "\n" + _logs_line(run_dir)
@@ -705,6 +720,9 @@ def _results(fn: Callable[..., Any], nprocs: int, limits: tuple[float, float], o
         raise _worker_error(fn, nprocs, exited, run_dir)
     return {rank: pickle.loads(blob) for rank, blob in sorted(outcome["values"].items())}
 
+
+MAX_PROCS = max(64, 16 * (os.cpu_count() or 1))
+"""The most workers one launch() starts: one machine's worth, with room to oversubscribe."""
 
 _UNGUARDED_MAIN = "unguarded_main"
 _STATUS_DIR_ENV = "MUONLAB_LAUNCH_STATUS_DIR"
@@ -746,18 +764,64 @@ def _launch_config(nprocs: int, startup_timeout_s: float, run_dir: str) -> Launc
     )
 
 
+_VANISHED_GRACE_S = 10.0
+"""How long a worker may be gone without its "done" mark before the launch calls it vanished:
+time for elastic's agent to report a nonzero exit code or a signal itself, stopping the other
+workers first (it polls every 0.1 s; it reaps the process, so its exit code can't be read here)."""
+
+
+def _process_gone(pid: int) -> bool:
+    """The process has ended (a zombie counts as ended: it runs nothing)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+    except OSError:  # no /proc here: ask the kernel (a zombie then looks alive)
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            pass
+        return False
+
+
+def _vanished(status_dir: str, gone_since: dict[int, float]) -> list[int]:
+    """Ranks whose process ended without writing "done" (os._exit, or a kill elastic did not
+    report) at least ``_VANISHED_GRACE_S`` ago; ``gone_since`` keeps when each was first seen gone."""
+    now, out = time.monotonic(), []
+    for rank in sorted(_ranks_in(status_dir, "pid") - _ranks_in(status_dir, "done")):
+        try:
+            pid = int(_status_text(status_dir, rank, "pid"))
+        except ValueError:
+            continue
+        if not _process_gone(pid):
+            continue
+        if now - gone_since.setdefault(rank, now) >= _VANISHED_GRACE_S:
+            out.append(rank)
+    return out
+
+
 def _wait_for_agent(agent_done: threading.Event, nprocs: int, limits: tuple[float, float],
                     status_dir: str, tick: Callable[[], None]) -> dict[str, Any] | None:
-    """None once the agent is done, or what timed out: {"phase", "ready", "running"}.
+    """None once the agent is done, or what timed out: {"phase", "ready", "running"}, or the
+    ranks whose process vanished: {"vanished": [...]}. elastic's agent waits for a result from a
+    worker that ended with exit code 0 and none (``os._exit(0)``) until the timeout; the launch
+    does not.
 
     ``tick`` (the progress display) runs on this, the caller's, thread between waits."""
     timeout_s, startup_timeout_s = limits
     phase, deadline = "startup", time.monotonic() + startup_timeout_s
+    gone_since: dict[int, float] = {}
     # Short waits, so a Ctrl-C is seen promptly however it arrives.
     while not agent_done.wait(min(0.25, max(0.0, deadline - time.monotonic()))):
         tick()
         if phase == "startup" and len(_ranks_in(status_dir, "ready")) == nprocs:
             phase, deadline = "run", time.monotonic() + timeout_s
+        vanished = _vanished(status_dir, gone_since)
+        if vanished:
+            return {"vanished": vanished}
         if time.monotonic() >= deadline:
             ready = _ranks_in(status_dir, "ready")
             running = sorted(set(range(nprocs)) - _ranks_in(status_dir, "done"))
@@ -797,6 +861,9 @@ def _run_agent(config: LaunchConfig, entry_args: tuple, limits: tuple[float, flo
         except BaseException:  # KeyboardInterrupt in a notebook: take the workers down with us
             _stop_workers(children_before, agent_done)
             raise
+        if timed_out is not None and "vanished" in timed_out:
+            _stop_workers(children_before, agent_done, agent_ends=False)
+            return timed_out
         if timed_out is not None:
             _stop_workers(children_before, agent_done)
             return {"timed_out": timed_out}

@@ -7,6 +7,8 @@ per-rank ``bytes_sent`` / ``flops`` lists that ``muonlab.experiments.train.plan_
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, is_dataclass
 
@@ -33,6 +35,19 @@ under a pixel wide at 2048 ranks."""
 
 def _rows(items: Iterable) -> list[dict]:
     return [asdict(s) if is_dataclass(s) else dict(s) for s in items]
+
+
+def _check_spans(rows: list[dict]) -> None:
+    """Each span has a rank and a finite start and end, end not before start: a ValueError naming
+    the span otherwise (matplotlib would fail on the axis limits, or draw a negative width)."""
+    for i, r in enumerate(rows):
+        missing = [k for k in ("rank", "name", "start", "end") if k not in r]
+        if missing:
+            raise ValueError(f"span {i} ({r}) lacks {missing}")
+        start, end = r["start"], r["end"]
+        if not (math.isfinite(start) and math.isfinite(end)) or end < start:
+            raise ValueError(f"span {i} ({r['name']!r} on rank {r['rank']}) runs from {start} to {end}: "
+                             "start and end must be finite, end not before start")
 
 
 def _path_color(path: str) -> str:
@@ -65,6 +80,7 @@ def plot_timeline(spans, ax=None, *, title: str = "one optimizer step, per rank"
     together overlap; they are stacked on separate tracks. Times are ms from the earliest start.
     """
     rows = _rows(spans)
+    _check_spans(rows)
     if ax is None:
         _, ax = plt.subplots(figsize=(11, 1.0 + 1.1 * max(1, len({r["rank"] for r in rows}))))
     if not rows:
@@ -184,6 +200,9 @@ def plot_rank_distribution(ax, stacks: Mapping[str, list[float]], units, *, what
     ``stacks``: {path: value per global rank}; ``units``: ((factor, name), ...) as ``BYTE_UNITS``.
     Returns the paths drawn and the unit chosen.
     """
+    lengths = {p: len(v) for p, v in stacks.items()}
+    if len(set(lengths.values())) > 1:
+        raise ValueError(f"stacks must hold one value per rank for every path, got lengths {lengths}")
     paths = [p for p in _ordered_paths(stacks) if any(stacks[p])]
     world = max((len(v) for v in stacks.values()), default=0)
     totals = [sum(stacks[p][g] for p in paths) for g in range(world)]
@@ -243,6 +262,10 @@ def plot_plan(plan_rows, ax=None, *, title: str = "plan"):
     ax_bytes, ax_flops = ax
     per_rank = bool(rows) and all(isinstance(r.get("bytes_sent"), (list, tuple)) and
                                   isinstance(r.get("flops"), (list, tuple)) for r in rows)
+    for i, r in enumerate(rows if per_rank else []):
+        if len(r["bytes_sent"]) != len(r["flops"]):
+            raise ValueError(f"plan row {i} (batch {r.get('batch', r.get('index', i))}) has {len(r['bytes_sent'])} "
+                             f"bytes_sent values and {len(r['flops'])} flops values: one of each per rank")
     num_ranks = max((len(r["bytes_sent"]) for r in rows), default=0) if per_rank else 0
     if per_rank and num_ranks > DISTRIBUTION_ABOVE:  # batches summed per path: a segment per rank won't show
         for target, key, units, label, what in ((ax_bytes, "bytes_sent", BYTE_UNITS, "sent per step", "bytes sent"),

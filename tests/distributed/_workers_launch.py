@@ -79,6 +79,15 @@ def exit_on_rank(exiting_rank: int, code, out_dir: str | None = None, linger_s: 
     return rank
 
 
+def vanish_on_rank(vanishing_rank: int) -> int:
+    """``os._exit(0)`` on one rank: its process ends with code 0 and no result, skipping every
+    handler (elastic then waits for that result for ever); the others return their rank."""
+    rank = dist.get_rank()
+    if rank == vanishing_rank:
+        os._exit(0)
+    return rank
+
+
 def _write_time(path: str) -> None:
     with open(path, "w") as f:
         f.write(repr(time.time()))

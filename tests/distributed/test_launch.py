@@ -238,6 +238,19 @@ def test_sys_exit_zero_returns_none_and_fast_ranks_wait_for_slow_ones(tmp_path):
     assert float((tmp_path / "rank0.end").read_text()) >= exit_call
 
 
+@pytest.mark.timeout(180)
+def test_a_worker_that_vanishes_is_named_long_before_the_timeout():
+    """os._exit(0): no result, no error, no signal. The launch names the rank once the process
+    has been gone for _VANISHED_GRACE_S, instead of waiting out timeout_s (then 40 s more). (With
+    peers, a peer's teardown barrier fails first and names the lost connection.)"""
+    started = time.monotonic()
+    with pytest.raises(WorkerError) as info:
+        launch(workers.vanish_on_rank, 1, 0, timeout_s=150)
+    assert time.monotonic() - started < 100
+    assert info.value.ranks == [0], str(info.value)
+    assert "rank 0's process ended without returning a result or raising" in info.value.failures[0]
+
+
 _LAUNCHER_SCRIPT = """
 import sys
 sys.path[:0] = {path!r}
@@ -340,4 +353,6 @@ def test_bad_timeouts_are_refused_before_starting(monkeypatch):
             launch(workers.rank_info, 1, **{name: value})
     with pytest.raises(ValueError, match="nprocs"):
         launch(workers.rank_info, True)
+    with pytest.raises(ValueError, match=r"nprocs=1000000000 is more processes than launch\(\) starts"):
+        launch(workers.rank_info, 10**9)
     assert started == []
