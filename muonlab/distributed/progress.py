@@ -80,6 +80,8 @@ class ProgressState:
     """
 
     def __init__(self, num_ranks: int):
+        if isinstance(num_ranks, bool) or not isinstance(num_ranks, int) or num_ranks < 1:
+            raise ValueError(f"num_ranks must be an int >= 1, got {num_ranks!r}")
         self.num_ranks = num_ranks
         self.last_step: dict[int, int] = {}
         self.losses: dict[int, dict[int, float]] = {}  # step -> {rank: loss}

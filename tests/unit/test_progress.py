@@ -132,3 +132,10 @@ def test_a_broken_display_is_dropped_with_a_warning(tmp_path, monkeypatch):
 
 def test_in_notebook_kernel_is_false_here():
     assert progress.in_notebook_kernel() is False
+
+
+def test_progress_state_wants_at_least_one_rank():
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="num_ranks must be an int >= 1"):
+            ProgressState(bad)
+    assert ProgressState(1).summary("run", 0.0) == "run: 0 steps, 0 s"
