@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import operator
 import os
 import warnings
 from typing import Any
@@ -39,6 +38,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from .optim.validation import whole_number
 
 __all__ = ["save", "load", "read_meta", "META_FILE"]
 
@@ -109,11 +110,11 @@ def _shape(t: Any) -> tuple[int, ...] | None:
     return tuple(t.shape) if torch.is_tensor(t) else None
 
 
-def _check_against(path: str, state: dict, renames: dict[str, str]) -> None:
-    """ValueError naming the first parameter / state tensor whose key or shape differs."""
+def _check_against(path: str, saved: dict, state: dict, renames: dict[str, str]) -> None:
+    """ValueError naming the first parameter / state tensor whose key or shape differs, or whose
+    saved dtype is wider than its own; ``saved``: the checkpoint's state_dict_metadata."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     flat: dict[str, Any] = {}
     for name, t in state["model"].items():
         flat[f"model.{name}"] = t
@@ -172,11 +173,11 @@ def _check_against(path: str, state: dict, renames: dict[str, str]) -> None:
             )
 
 
-def _check_files(path: str) -> None:
+def _check_files(path: str, storage_data: dict) -> None:
     """Every data file holds the bytes the checkpoint's metadata places in it: a file cut short (a
     copy or a save interrupted) is refused here, before loading writes into any tensor."""
     needed: dict[str, int] = {}
-    for info in dcp.FileSystemReader(path).read_metadata().storage_data.values():
+    for info in storage_data.values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
     for name, size in sorted(needed.items()):
         file = os.path.join(path, name)
@@ -235,12 +236,10 @@ def save(
 
 
 def _step_count(step) -> int:
-    try:
-        if isinstance(step, bool):
-            raise TypeError
-        return operator.index(step)  # ints, numpy ints, one-element integer tensors
-    except TypeError:
-        raise TypeError(f"step must be an int (the training step saved with the checkpoint), got {step!r}") from None
+    count = whole_number(step)
+    if count is None:
+        raise TypeError(f"step must be an int (the training step saved with the checkpoint), got {step!r}")
+    return count
 
 
 def read_meta(path: str | os.PathLike) -> dict:
@@ -287,9 +286,10 @@ def load(
     state_before = {p: dict(s) for p, s in opt.state.items()}
     try:
         state, renames = _state_to_load(model, opt)
-        _check_against(path, state, renames)
-        _check_files(path)
-        _check_param_groups(path, state["optim"], renames)
+        metadata = dcp.FileSystemReader(path).read_metadata()  # read once, for the three checks
+        _check_against(path, metadata.state_dict_metadata, state, renames)
+        _check_files(path, metadata.storage_data)
+        _check_param_groups(path, metadata.state_dict_metadata, state["optim"], renames)
     except BaseException:
         opt.state.clear()
         opt.state.update(state_before)
@@ -347,9 +347,8 @@ def _base_name(key: str) -> str:
     return key.split("@ep", 1)[0]
 
 
-def _check_param_groups(path: str, osd: dict, renames: dict[str, str]) -> None:
+def _check_param_groups(path: str, saved_keys: dict, osd: dict, renames: dict[str, str]) -> None:
     """The optimizer's parameter groups hold the same parameters, in the same order, as saved."""
-    saved_keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     num_saved = len({k.split(".")[2] for k in saved_keys if k.startswith("optim.param_groups.")})
     here = [[_base_name(n) for n in g["params"]] for g in osd.get("param_groups", [])]
     if num_saved != len(here):

@@ -12,7 +12,6 @@ code path for the real step and for a 2048-rank plan.
 from __future__ import annotations
 
 import functools
-import operator
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -25,7 +24,7 @@ from .distributed.mesh import MeshAxis
 from .kernels.newton_schulz import NSConfig, ns_flops, resolve_form
 from .kernels.runner import matrices_within
 from .optim.routing import muon_param_groups
-from .optim.validation import check_workspace_bytes, checked_fused_banks
+from .optim.validation import check_workspace_bytes, checked_fused_banks, whole_number
 
 SIMULATED_STRATEGIES = ("muonlab",) + REFERENCE_STRATEGIES
 SIMULATED_BACKENDS = ("torch", "triton")
@@ -41,16 +40,13 @@ def muon_shapes(model: torch.nn.Module, **routing) -> list[tuple[str, tuple[int,
 
 
 def _positive_int(value, what: str) -> int:
-    """``value`` as an int >= 1 (ints, numpy ints); anything else a ValueError/TypeError naming ``what``."""
-    try:
-        if isinstance(value, bool):
-            raise TypeError
-        value = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{what} must be ints, got {value!r}") from None
-    if value < 1:
-        raise ValueError(f"{what} must be >= 1, got {value}")
-    return value
+    """``value`` as an int >= 1 (``whole_number``); anything else a ValueError/TypeError naming ``what``."""
+    number = whole_number(value)
+    if number is None:
+        raise TypeError(f"{what} must be ints, got {value!r}")
+    if number < 1:
+        raise ValueError(f"{what} must be >= 1, got {number}")
+    return number
 
 
 def _named_shapes(params_or_shapes, matrix_views: dict[str, str] | None = None

@@ -505,11 +505,12 @@ def _stop_workers(children_before: set, agent_done: threading.Event, agent_ends:
                 os.kill(proc.pid, sig)
             except (ProcessLookupError, PermissionError):
                 pass
-        if agent_ends and agent_done.wait(_TERM_GRACE_S):
+        if not agent_ends:
+            deadline = time.monotonic() + _TERM_GRACE_S
+            while workers() and time.monotonic() < deadline:
+                time.sleep(0.05)
+        elif agent_done.wait(_TERM_GRACE_S):
             return
-        deadline = time.monotonic() + _TERM_GRACE_S
-        while not agent_ends and workers() and time.monotonic() < deadline:
-            time.sleep(0.05)
     if agent_ends:
         agent_done.wait(_AGENT_JOIN_S)
 

@@ -522,8 +522,9 @@ class Muon(Optimizer):
             raise TypeError("state_dict must be a dict with 'state' and 'param_groups', as state_dict() returns")
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups) or any(
-                len(a.get("params", ())) != len(b["params"]) for a, b in zip(saved_groups, self.param_groups)):
-            return []  # torch's loader raises its own error for groups that don't line up
+                not isinstance(a, dict) or len(a.get("params", ())) != len(b["params"])
+                for a, b in zip(saved_groups, self.param_groups)):
+            return []  # _saved_groups or torch's loader raise their own error for groups that don't line up
         saved_state = state_dict["state"]
         if not isinstance(saved_state, dict):
             raise TypeError(f"state_dict['state'] must be a dict {{param id: state}}, got {type(saved_state).__name__}")
@@ -698,8 +699,16 @@ class Muon(Optimizer):
         """What this rank is about to do, for muonlab.optim.agreement: each parameter with a
         gradient (its name, or its place for an unnamed one; global shape, dtype; its group's
         settings and Newton-Schulz config), then the step's options."""
-        place = {id(p): f"#{k} of group {gi}"
-                 for gi, g in enumerate(self.param_groups) for k, p in enumerate(g["params"])}
+        place: dict[int, str] = {}  # of unnamed parameters, made only if one has a gradient
+
+        def name_of(p: torch.Tensor) -> str:
+            if p in self._names:
+                return self._names[p]
+            if not place:
+                place.update((id(q), f"#{k} of group {gi}")
+                             for gi, g in enumerate(self.param_groups) for k, q in enumerate(g["params"]))
+            return place[id(p)]
+
         items = []
         for kind in ("muon", "adamw"):
             for group, params in work[kind]:
@@ -709,7 +718,7 @@ class Muon(Optimizer):
                     settings += (("newton_schulz", repr(self._ns_config(group))),)
                 for p in params:
                     fields = (("shape", tuple(p.shape)), ("dtype", str(p.dtype))) + settings
-                    items.append((kind, self._names.get(p) or place[id(p)], fields))
+                    items.append((kind, name_of(p), fields))
         items.append(("options", "", (("nonfinite", self.nonfinite), ("comm_dtype", str(self.comm_dtype)),
                                       ("workspace budget (workspace_bytes)", self._ns_runner().budget_bytes),
                                       ("strategy", self.strategy), ("remainder_path", self.remainder_path))))

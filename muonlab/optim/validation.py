@@ -7,12 +7,24 @@ before anything is stored or changed.
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Mapping
 
 import torch
 
 from ..kernels.newton_schulz import is_number, resolve_coefficients
 from . import functional as F
+
+
+def whole_number(value) -> int | None:
+    """``value`` as an int (an int, a numpy int, a one-element integer tensor), or None for anything
+    else: a float, a str, and a bool (an int to Python, but True as a count is a mistake)."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 def fmt_shape(shape) -> str:

@@ -248,3 +248,14 @@ def test_copies_of_a_muon_with_a_scheduler_step_themselves():
         assert torch.equal(w.detach(), before)  # the original did not move
         opt.step()
         assert torch.equal(w.detach(), w2.detach())
+
+
+def test_a_saved_group_that_is_not_a_dict_is_named():
+    w, b, opt = _pair()
+    _step(opt, w, b)
+    sd = copy.deepcopy(opt.state_dict())
+    sd["param_groups"][1] = list(sd["param_groups"][1].items())
+    w2, b2, opt2 = _pair()
+    with pytest.raises(TypeError, match=r"saved parameter group 1 is a list, not a dict"):
+        opt2.load_state_dict(sd)
+    assert not opt2.state
