@@ -41,10 +41,25 @@ def _grads(params, bias, seed: int):
     bias.grad = torch.randn(8, generator=gen)
 
 
-def drift_after_the_first_step(layout: str, drift: str) -> dict:
+def drift_after_the_first_step(layout: str, drift: str, side_group: bool = False) -> dict:
     """Step 0 alike everywhere; at step 1 the last rank drifts. Returns the error (on every rank)
-    and whether anything changed on this rank."""
+    and whether anything changed on this rank.
+
+    ``side_group``: the check runs on its own gloo group over the ranks, as it does under NCCL
+    (the group is gloo here, so without this it would run on the step's own group). Returns too
+    how many side groups were made and whether the one used is a group of its own."""
     params, bias, opt = _setup(layout)
+    used = []  # the groups of every all_to_all_single (the real call still runs)
+    if side_group:
+        agreement = opt._agreement
+        agreement._host_group = agreement._side_group  # the NCCL branch, on gloo
+        real = dist.all_to_all_single
+
+        def spy(*args, group=None, **kwargs):
+            used.append(group)
+            return real(*args, group=group, **kwargs)
+
+        dist.all_to_all_single = spy
     _grads(params, bias, 1)
     opt.step()
     _grads(params, bias, 2)
@@ -69,4 +84,11 @@ def drift_after_the_first_step(layout: str, drift: str) -> dict:
     unchanged = all(torch.equal(a, p.detach()) for a, p in zip(before, (*params.values(), bias))) and all(
         torch.equal(a, s["momentum_buffer"]) for a, (p, s) in zip(state, (i for i in opt.state.items()
                                                                           if "momentum_buffer" in i[1])))
-    return dict(error=error, unchanged=unchanged)
+    out = dict(error=error, unchanged=unchanged)
+    if side_group:
+        made = list(opt._agreement._gloo.values())
+        dist.all_to_all_single = real
+        out.update(side_groups=len(made), own_group=bool(made) and made[0] is not dist.group.WORLD
+                   and dist.get_process_group_ranks(made[0]) == list(range(dist.get_world_size())),
+                   side_used=sum(g is made[0] for g in used) if made else 0)
+    return out

@@ -25,3 +25,22 @@ def test_a_rank_that_drifts_after_the_first_step_is_named_on_every_rank(layout, 
     for rank, out in results.items():
         assert out["error"] is not None and re.search(EXPECTED[drift], out["error"]), (rank, out["error"])
         assert out["unchanged"], rank
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("drift", [None, "lr"])
+def test_the_side_group_used_under_nccl_agrees_and_names_a_drift(drift):
+    """Under NCCL the check runs on a gloo side group made with use_local_synchronization; CI has
+    no NCCL, so this runs that branch over a gloo world: made once, over the same ranks, and it
+    names a drift as the step's own group does."""
+    import re
+
+    results = launch(W.drift_after_the_first_step, 2, "fsdp", drift, True, timeout_s=120)
+    for rank, out in results.items():
+        # made once, over the same ranks, and the digests of both steps went over it
+        assert out["side_groups"] == 1 and out["own_group"] and out["side_used"] == 2, (rank, out)
+        if drift is None:
+            assert out["error"] is None and not out["unchanged"], (rank, out)
+        else:
+            assert out["error"] is not None and re.search(EXPECTED[drift], out["error"]), (rank, out["error"])
+            assert out["unchanged"], rank
