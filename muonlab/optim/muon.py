@@ -31,26 +31,13 @@ from . import nonfinite
 from .agreement import Agreement
 from .offload import StateStores
 from .routing import check_not_flat
-from .validation import (SETTINGS, check_hyperparameters, check_memory_options, checked_fused_banks, fmt_shape,
-                         is_number, state_mismatch)
+from .validation import (ADAMW_DEFAULTS, MUON_DEFAULTS, SETTINGS, check_hyperparameters, check_memory_options,
+                         checked_fused_banks, fmt_shape, is_number, state_mismatch)
 
 ALGORITHMS = ("muon", "adamw")
-STATE_KEYS = {"muon": {"momentum_buffer"}, "adamw": {"step", "exp_avg", "exp_avg_sq"}}
-"""The state each parameter of an algorithm holds once it has stepped."""
+STATE_KEYS = {"muon": ("momentum_buffer",), "adamw": ("step", "exp_avg", "exp_avg_sq")}
+"""The state each parameter of an algorithm holds once it has stepped (made by ``_state_for``)."""
 NONFINITE_POLICIES = ("skip", "raise", "ignore")
-
-MUON_DEFAULTS = dict(
-    lr=0.02,
-    momentum=0.95,
-    nesterov=True,
-    weight_decay=0.0,
-    ns_steps=5,
-    ns_coefficients="keller",
-    eps=1e-7,
-    adjust_lr="original",
-    momentum_form="ema",
-)
-ADAMW_DEFAULTS = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
 
 
 class _Planned(NamedTuple):
@@ -536,11 +523,11 @@ class Muon(Optimizer):
                 raise TypeError(f"parameter {self._label(p)} has saved state of type {type(saved).__name__}, "
                                 "not a dict")
             wanted = STATE_KEYS[algorithm]
-            if saved and set(saved) != wanted:
+            if saved and set(saved) != set(wanted):
                 raise ValueError(f"parameter {self._label(p)} ({algorithm}) has saved state keys {sorted(saved)}; "
                                  f"expected {sorted(wanted)}")
-            for key in wanted - {"step"}:
-                if saved and not torch.is_tensor(saved[key]):
+            for key in wanted:
+                if saved and key != "step" and not torch.is_tensor(saved[key]):
                     raise TypeError(f"parameter {self._label(p)} has saved {key} of type "
                                     f"{type(saved[key]).__name__}, not a tensor")
             mismatch = state_mismatch(p, saved)
@@ -776,12 +763,8 @@ class Muon(Optimizer):
         state = self.state[p]
         if not state:
             # zeros made where they are kept (device, host or the state file), never all on the device
-            if algorithm == "muon":
-                state["momentum_buffer"] = self._offload.new(p, "momentum_buffer")
-            else:
-                state["step"] = torch.tensor(0.0)
-                state["exp_avg"] = self._offload.new(p, "exp_avg")
-                state["exp_avg_sq"] = self._offload.new(p, "exp_avg_sq")
+            for key in STATE_KEYS[algorithm]:
+                state[key] = torch.tensor(0.0) if key == "step" else self._offload.new(p, key)
         return state
 
     def _adamw_group(self, group: dict, params: list[torch.Tensor]) -> None:

@@ -71,10 +71,23 @@ def check_betas(betas, prefix: str, where: str) -> None:
         raise ValueError(f"{prefix}betas must be in [0, 1), got {betas!r}{where}")
 
 
-SETTINGS = {"muon": ("lr", "weight_decay", "eps", "momentum", "nesterov", "ns_steps", "ns_coefficients",
-                     "adjust_lr", "momentum_form"),
-            "adamw": ("lr", "weight_decay", "eps", "betas")}
-"""The settings every group of an algorithm holds (a step reads each)."""
+# Each algorithm's settings and their defaults (muonlab.Muon's keyword arguments; AdamW's take
+# the prefix adamw_). Kept here, with the checks of their values, as validation reads the keys.
+MUON_DEFAULTS = dict(
+    lr=0.02,
+    momentum=0.95,
+    nesterov=True,
+    weight_decay=0.0,
+    ns_steps=5,
+    ns_coefficients="keller",
+    eps=1e-7,
+    adjust_lr="original",
+    momentum_form="ema",
+)
+ADAMW_DEFAULTS = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+
+SETTINGS = {"muon": tuple(MUON_DEFAULTS), "adamw": tuple(ADAMW_DEFAULTS)}
+"""The settings every group of an algorithm holds (a step reads each): the defaults' keys."""
 
 
 def check_hyperparameters(values: dict, algorithm: str, prefix: str, where: str) -> None:
