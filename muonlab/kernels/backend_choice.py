@@ -64,7 +64,8 @@ def _choices(path: Path) -> dict[str, str]:
     """The known choices of one cache file, read from disk the first time."""
     if path not in _memory:
         try:
-            _memory[path] = dict(json.loads(path.read_text()))
+            # entries other than a backend name (a hand-edited or damaged file) are measured again
+            _memory[path] = {k: v for k, v in dict(json.loads(path.read_text())).items() if v in ("torch", "triton")}
         except (OSError, ValueError, TypeError):
             _memory[path] = {}  # no file yet, or a damaged one: measure again and rewrite it
     return _memory[path]

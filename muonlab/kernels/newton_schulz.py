@@ -25,7 +25,7 @@ import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
-from numbers import Real
+from numbers import Integral, Real
 
 import torch
 
@@ -129,14 +129,18 @@ def _normalise_into(out: torch.Tensor, X: torch.Tensor, eps: float, scale: float
 
     The norm accumulates in fp32 inside the reduction either way; for bf16 it is returned in bf16,
     exactly torch.optim.Muon's ``norm()`` (asking for an fp32 result instead made an fp32 copy of
-    the batch on CPU: 12 ms instead of 0.4 ms for 24 x 256 x 768). fp16 keeps an fp32 result,
-    since a large matrix's norm can pass fp16's range.
+    the batch on CPU: 12 ms instead of 0.4 ms for 24 x 256 x 768). fp16 keeps an fp32 norm and
+    divides by it in fp32: a matrix of finite fp16 values can have a norm past fp16's range
+    (65504), which cast back to fp16 would be inf and turn the matrix into zeros. In fp32 and
+    bf16 the sum of squares overflows only for entries near 1e19 (then the result is zeros, as
+    torch.optim.Muon's): not guarded, since a guard costs a pass or a host sync per call.
     """
-    norms = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True,
-                                     dtype=torch.float32 if X.dtype == torch.float16 else None)
-    if scale != 1.0:
-        norms = norms.float() * scale
-    return torch.div(X, norms.clamp(min=eps).to(X.dtype), out=out)
+    half = X.dtype == torch.float16
+    norms = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=torch.float32 if half else None)
+    if scale != 1.0:  # scaled in at least fp32 (a bf16 norm times 1.02 would round), fp64 kept
+        norms = norms.to(torch.promote_types(norms.dtype, torch.float32)) * scale
+    divisor = norms.clamp(min=eps)
+    return torch.div(X, divisor if half else divisor.to(X.dtype), out=out)
 
 
 def _plain_iterations(X: torch.Tensor, spare: torch.Tensor, coeffs: Coefficients, gram: torch.Tensor,
@@ -285,13 +289,24 @@ class NSConfig:
         # explicit coefficients become a tuple of triples: the config stays hashable, and one bare
         # triple equals the same triple in a list (one batch key)
         object.__setattr__(self, "coefficients", coefficient_table(self.coefficients))
-        object.__setattr__(self, "gram_restarts", tuple(int(k) for k in self.gram_restarts))
+        object.__setattr__(self, "gram_restarts", _checked_restarts(self.gram_restarts))
         if self.gram_min_saving is not None and not (is_number(self.gram_min_saving)
                                                      and 0 <= self.gram_min_saving < 1):
             raise ValueError(f"gram_min_saving must be None or a share in [0, 1), got {self.gram_min_saving!r}")
 
     def resolved_coefficients(self) -> Coefficients:
         return resolve_coefficients(self.coefficients, self.steps)
+
+
+def _checked_restarts(restarts) -> tuple[int, ...]:
+    """``gram_restarts`` as a tuple of ints: a sequence of whole numbers (iteration indices)."""
+    if isinstance(restarts, (str, bytes)) or not isinstance(restarts, Sequence):
+        raise TypeError(f"gram_restarts must be a sequence of iteration indices (ints), e.g. (2,), "
+                        f"got {restarts!r}")
+    bad = [k for k in restarts if isinstance(k, bool) or not isinstance(k, Integral)]
+    if bad:
+        raise TypeError(f"gram_restarts must hold iteration indices (ints), got {bad[0]!r} in {restarts!r}")
+    return tuple(int(k) for k in restarts)
 
 
 def _config(config: NSConfig | None, settings: dict) -> NSConfig:
@@ -306,6 +321,7 @@ def _config(config: NSConfig | None, settings: dict) -> NSConfig:
     return replace(config, **settings) if settings else config
 
 
+@torch.no_grad()  # an optimizer's transform, written in place: no autograd graph, a Parameter reads as data
 def newton_schulz(G: torch.Tensor | Sequence[torch.Tensor], config: NSConfig | None = None, *, workspace=None,
                   out: torch.Tensor | Sequence[torch.Tensor] | None = None, **settings):
     """Approximately orthogonalize the last two dims of ``G`` (batched over leading dims).
@@ -333,6 +349,9 @@ def newton_schulz(G: torch.Tensor | Sequence[torch.Tensor], config: NSConfig | N
     cfg = _config(config, settings)
     device = pieces[0].device
     dtype = resolve_dtype(cfg.dtype, device) or pieces[0].dtype
+    if dtype not in NS_DTYPES:  # dtype=None computes in G's dtype
+        raise TypeError(f"G has dtype {pieces[0].dtype}; with dtype=None Newton-Schulz computes in G's dtype, "
+                        f"which must be one of {list(NS_DTYPES)} (or pass dtype=)")
     rows, cols = pieces[0].shape[-2:]
     num = sum(p.shape[0] for p in pieces)
     if out is None:

@@ -31,6 +31,9 @@ def reference_newton_schulz(M: torch.Tensor, steps: int = 5, coefficients="kelle
     transposed = X.shape[0] > X.shape[1]
     if transposed:
         X = X.T
-    X = X / (X.float().norm() * norm_scale(coefficients)).clamp(min=eps).to(dtype)
+    wide = X.to(torch.promote_types(dtype, torch.float32))  # the norm in fp32, or fp64 for fp64
+    norm = (wide.norm() * norm_scale(coefficients)).clamp(min=eps)
+    # fp16 divides in fp32: a finite fp16 matrix's norm can pass fp16's range (65504)
+    X = (wide / norm).to(dtype) if dtype == torch.float16 else X / norm.to(dtype)
     X = plain_iterations(X, resolve_coefficients(coefficients, steps))
     return X.T if transposed else X

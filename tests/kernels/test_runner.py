@@ -311,3 +311,15 @@ def test_chunks_are_as_even_as_can_be_across_pieces():
     assert sizes([64], 30) == [(0, 22), (22, 21), (43, 21)]
     assert sizes([3, 0, 21], 7) == [(0, 6), (6, 6), (12, 6), (18, 6)]
     assert sizes([5], 8) == [(0, 5)] and sizes([0], 4) == []
+
+
+def test_a_backend_choice_cache_entry_that_names_no_backend_is_measured_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("MUONLAB_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(backend_choice, "_memory", {})
+    calls = []
+    monkeypatch.setattr(backend_choice, "_measure", lambda *a: calls.append(a) or "torch")
+    cfg, cpu = NSConfig(), torch.device("cpu")
+    path = backend_choice.cache_file(cpu)
+    path.write_text(json.dumps({backend_choice._key((2, 16, 32), torch.bfloat16, cfg): 5}))
+    assert backend_choice.faster_backend((2, 16, 32), torch.bfloat16, cfg, cpu) == "torch"
+    assert len(calls) == 1 and list(json.loads(path.read_text()).values()) == ["torch"]

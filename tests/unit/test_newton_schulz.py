@@ -280,3 +280,47 @@ def test_gram_in_bf16_with_polar_express_stays_near_the_polar_factor(m, n):
                          - polar).norm() / polar.norm())
             for form in ("plain", "gram")}
     assert dist["gram"] <= 1.3 * dist["plain"], dist
+
+
+@pytest.mark.parametrize("form", ["plain", "gram"])
+def test_fp16_matrix_whose_norm_passes_fp16_range_is_not_zeroed(form):
+    """Every entry a finite fp16 (600 times a normal draw), the norm 77k: past fp16's 65504. Cast back to fp16
+    the norm was inf, and the result all zeros."""
+    G = (600 * torch.randn(64, 256, generator=torch.Generator().manual_seed(0))).half()
+    assert torch.isfinite(G).all() and G.float().norm() > 65504
+    want = newton_schulz(G.float(), dtype=torch.float32, form=form)
+    for got in (newton_schulz(G, dtype=torch.float16, form=form), reference_newton_schulz(G, dtype=torch.float16)):
+        assert (got.float() - want).norm() / want.norm() < 1e-2
+
+
+def test_a_scaled_norm_keeps_fp64():
+    """polar_express scales the norm by 1.02: in fp64 the scaled norm stays fp64 (it was rounded
+    to fp32, and the first coefficients magnified that to ~1e-6)."""
+    from muonlab.kernels.reference import plain_iterations
+
+    G = torch.randn(16, 48, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    want = plain_iterations(G / (G.norm() * 1.02), resolve_coefficients("polar_express", 5))  # all fp64
+    for got in (newton_schulz(G, dtype=torch.float64, coefficients="polar_express"),
+                reference_newton_schulz(G, coefficients="polar_express", dtype=torch.float64)):
+        assert (got - want).abs().max() < 1e-12
+
+
+@pytest.mark.parametrize("restarts, match", [(None, "sequence of iteration indices"), (2, "sequence"),
+                                             ("2", "sequence"), ((1.5,), "got 1.5"), ((True,), "got True")])
+def test_bad_gram_restarts_name_the_option(restarts, match):
+    with pytest.raises(TypeError, match=f"gram_restarts.*{match}"):
+        NSConfig(form="gram", gram_restarts=restarts)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bool])
+def test_a_non_float_input_computed_in_its_own_dtype_is_named(dtype):
+    with pytest.raises(TypeError, match=f"G has dtype {dtype}; with dtype=None"):
+        newton_schulz(torch.ones(4, 8, dtype=dtype), dtype=None)
+
+
+def test_a_parameter_that_requires_grad_is_read_as_data():
+    w = torch.nn.Linear(32, 8).weight  # requires grad, outside no_grad
+    got = newton_schulz(w, dtype=torch.float32)
+    assert not got.requires_grad
+    ref = reference_newton_schulz(w.detach(), dtype=torch.float32)
+    assert (got - ref).abs().max() < 1e-5
