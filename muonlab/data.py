@@ -15,7 +15,11 @@ from pathlib import Path
 
 import torch
 
+from .optim.validation import whole_number
+
 DEFAULT_MAX_BYTES = 4 << 20
+MIN_BYTES = 100_000
+"""The smallest corpus worth training on (both splits need room for many windows)."""
 VAL_FRACTION = 0.1
 
 
@@ -43,6 +47,8 @@ def _stdlib_files() -> list[Path]:
 
 def prepare_corpus(cache_dir: str | Path | None = None, max_bytes: int = DEFAULT_MAX_BYTES) -> Path:
     """Build (or reuse) the cached corpus; returns the path of the byte file."""
+    if whole_number(max_bytes) is None or max_bytes < MIN_BYTES:
+        raise ValueError(f"max_bytes must be a whole number >= {MIN_BYTES}, got {max_bytes!r}")
     cache = Path(cache_dir) if cache_dir else default_cache_dir()
     out, meta_path = cache / "corpus.bin", cache / "corpus.meta.json"
     if out.exists() and meta_path.exists():
@@ -59,7 +65,7 @@ def prepare_corpus(cache_dir: str | Path | None = None, max_bytes: int = DEFAULT
         if total >= max_bytes:
             break
     data = b"".join(chunks)[:max_bytes]
-    if len(data) < 100_000:
+    if len(data) < MIN_BYTES:
         raise RuntimeError(f"the standard library at {root} gave only {len(data)} bytes of source")
     cache.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")
@@ -82,10 +88,14 @@ def load_corpus(split: str = "train", cache_dir: str | Path | None = None) -> to
 
 
 def get_batch(data: torch.Tensor, batch_size: int, context: int, generator: torch.Generator | None = None):
-    """Random windows: inputs (batch, context) and next-byte targets, as int64."""
-    if len(data) <= context + 1:
-        raise ValueError(f"corpus of {len(data)} bytes is too short for context {context}")
-    starts = torch.randint(0, len(data) - context - 1, (batch_size,), generator=generator)
+    """Random windows: inputs (batch, context) and next-byte targets, as int64. A window of
+    context + 1 bytes starts anywhere it fits, so every byte but the first is some window's target."""
+    for name, value in (("batch_size", batch_size), ("context", context)):
+        if whole_number(value) is None or value < 1:
+            raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
+    if len(data) < context + 1:
+        raise ValueError(f"corpus of {len(data)} bytes is too short for context {context} (needs {context + 1})")
+    starts = torch.randint(0, len(data) - context, (batch_size,), generator=generator)
     x = torch.stack([data[s : s + context] for s in starts.tolist()]).long()
     y = torch.stack([data[s + 1 : s + 1 + context] for s in starts.tolist()]).long()
     return x, y

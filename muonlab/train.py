@@ -58,16 +58,21 @@ def default_device() -> torch.device:
     return rank_device()
 
 
+OPTIMIZERS = ("muon", "adamw")
+
+
 def make_optimizer(name: str, model: torch.nn.Module, *, lr: float | None = None,
-                   adamw_lr: float = 3e-3, weight_decay: float = 0.0, **muon_kwargs):
-    """"muon": Muon on hidden matrices + AdamW on the rest; "adamw": torch.optim.AdamW on all."""
+                   adamw_lr: float = 3e-3, weight_decay: float = 0.0, **kwargs):
+    """"muon": Muon on hidden matrices + AdamW on the rest; "adamw": torch.optim.AdamW on all,
+    betas (0.9, 0.95) unless given. The other keywords go to muonlab.Muon or torch.optim.AdamW,
+    which refuse what they don't take (ns_steps for AdamW, say)."""
     if name == "muon":
         groups = muon_param_groups(model, adamw_lr=adamw_lr)
-        return Muon(groups, lr=0.02 if lr is None else lr, weight_decay=weight_decay, **muon_kwargs)
+        return Muon(groups, lr=0.02 if lr is None else lr, weight_decay=weight_decay, **kwargs)
     if name == "adamw":
         return torch.optim.AdamW(model.parameters(), lr=adamw_lr if lr is None else lr,
-                                 betas=(0.9, 0.95), weight_decay=weight_decay)
-    raise ValueError(f"unknown optimizer {name!r}; choose 'muon' or 'adamw'")
+                                 weight_decay=weight_decay, **{"betas": (0.9, 0.95), **kwargs})
+    raise ValueError(f"unknown optimizer {name!r}; choose one of {OPTIMIZERS}")
 
 
 @torch.no_grad()
@@ -185,8 +190,18 @@ def _step_bar(desc: str, steps: int, progress: bool):
 
 def compare_optimizers(cfg: GPTConfig, *, steps: int, seed: int = 0, names=("muon", "adamw"),
                        optimizer_kwargs: dict | None = None, **train_kwargs) -> dict[str, History]:
-    """Train the same initial model with each optimizer on the same batches."""
+    """Train the same initial model with each optimizer on the same batches; ``optimizer_kwargs``
+    maps some of ``names`` to their make_optimizer keywords."""
+    if isinstance(names, str):
+        raise TypeError(f"names must be a sequence of optimizer names, e.g. ({names!r},), not a str")
+    names = tuple(names)
+    unknown = [n for n in names if n not in OPTIMIZERS]
+    if unknown or len(set(names)) != len(names):
+        raise ValueError(f"names must be distinct, each one of {OPTIMIZERS}; got {names}")
     optimizer_kwargs = optimizer_kwargs or {}
+    stray = sorted(set(optimizer_kwargs) - set(names))
+    if stray:
+        raise ValueError(f"optimizer_kwargs names {stray}, which is not in names {names}: its settings would go unused")
     out = {}
     for name in names:
         torch.manual_seed(seed)

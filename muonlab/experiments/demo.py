@@ -24,7 +24,7 @@ from ..distributed import launch
 from ..trace import Span, write_chrome_trace
 from .train import train_worker
 
-__all__ = ["DEMO_MODEL", "run", "run_distributed", "run_single"]
+__all__ = ["DEMO_MODEL", "check_out_dir", "run", "run_distributed", "run_single"]
 
 # 5 blocks on 4 ranks: 5 matrices per shape do not split evenly, so the plan shows full and
 # remainder batches.
@@ -41,9 +41,17 @@ def run(out_dir="runs/demo", *, steps: int = 150, width: int = 128, layers: int 
         run_distributed(out_dir, nprocs=nprocs, device=device)
 
 
+def check_out_dir(out_dir) -> None:
+    """Refuse an output folder that can't be one (an existing file), before any training."""
+    path = Path(out_dir)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"out_dir {str(path)!r} is an existing file, not a folder: pass a folder for the figures")
+
+
 def run_single(out_dir="runs/demo", *, steps: int = 150, width: int = 128, layers: int = 2) -> dict:
     """Muon vs AdamW on the small GPT in this process: print a table, write loss_curves.png; return
     the histories."""
+    check_out_dir(out_dir)
     from matplotlib.figure import Figure
 
     from ..models import GPTConfig
@@ -81,6 +89,7 @@ def run_distributed(out_dir="runs/demo", steps: int = 5, nprocs: int = 4, mode: 
 
     from ..viz.timeline import plot_timeline
 
+    check_out_dir(out_dir)
     t0 = time.time()
     results = launch(train_worker, nprocs, mode=mode, steps=steps, timeout_s=timeout_s, device=device,
                      name=f"demo-{mode}", progress=sys.stderr.isatty(), **DEMO_MODEL)

@@ -58,7 +58,8 @@ class SpectralRecord:
     """One matrix at one recorded step."""
 
     step: int
-    """Optimizer step (1-based) after which it was measured."""
+    """The step after which it was measured, counted by the recorder: 1 is the first step it saw
+    (a recorder attached after k steps labels the optimizer's step k + 1 as 1)."""
     name: str
     weight_sigma: float
     """Top singular value of the weight after the step."""
@@ -237,15 +238,20 @@ class SpectralRecorder:
         by_name = dict(named_parameters)
         in_optimizer = {id(p) for g in optimizer.param_groups for p in g["params"]}
         if names is None:
-            names = [n for n, p in by_name.items() if p.ndim == 2 and id(p) in in_optimizer]
+            names = [n for n, p in by_name.items() if p.ndim == 2 and p.numel() and id(p) in in_optimizer]
+        if isinstance(names, str):
+            raise TypeError(f"names must be a list of parameter names, e.g. [{names!r}], not a str")
         names = list(names)
+        if len(set(names)) != len(names):
+            raise ValueError(f"names lists a parameter twice: {sorted(n for n in set(names) if names.count(n) > 1)}")
         unknown = [n for n in names if n not in by_name]
         if unknown:
             raise ValueError(f"unknown parameter name(s) {unknown} for spectral records; known: {sorted(by_name)}")
         for n in names:
             p = by_name[n]
-            if p.ndim != 2:
-                raise ValueError(f"spectral records need 2-D matrices; parameter '{n}' has shape {tuple(p.shape)}")
+            if p.ndim != 2 or not p.numel():
+                raise ValueError(f"spectral records need non-empty 2-D matrices; parameter '{n}' has shape "
+                                 f"{tuple(p.shape)}")
             if id(p) not in in_optimizer:
                 raise ValueError(f"parameter '{n}' is not in the optimizer's parameter groups")
         self._world, self._rank = (dist.get_world_size(), dist.get_rank()) if _dist_on() else (1, 0)

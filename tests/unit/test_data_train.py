@@ -30,3 +30,87 @@ def test_both_optimizers_train_the_small_gpt():
         assert len(h.train_loss) == 30 and h.val_steps == [10, 20, 30]
         assert h.val_loss[-1] < 4.5 < h.train_loss[0], name  # ln(256) = 5.55 at init
         assert h.summary()["opt_step_ms"] > 0
+
+
+def test_every_window_start_is_drawn_so_the_last_byte_is_a_target():
+    import pytest
+
+    data = torch.arange(20, dtype=torch.uint8)
+    _, y = get_batch(data, 2000, 4, torch.Generator().manual_seed(0))
+    assert int(y.max()) == 19  # the window starting at 15 holds the last byte as its last target
+    x, y = get_batch(data, 1, 19)  # exactly context + 1 bytes: one window
+    assert x.tolist() == [list(range(19))] and y.tolist() == [list(range(1, 20))]
+    with pytest.raises(ValueError, match="too short for context 20"):
+        get_batch(data, 1, 20)
+    for bad in (dict(batch_size=0, context=4), dict(batch_size=2, context=0), dict(batch_size=2.0, context=4)):
+        with pytest.raises(ValueError, match="must be a whole number >= 1"):
+            get_batch(data, **bad)
+
+
+def test_a_corpus_smaller_than_the_minimum_is_refused_naming_max_bytes(tmp_path):
+    import pytest
+
+    for bad in (50_000, 0, -5, 1e6):
+        with pytest.raises(ValueError, match=f"max_bytes must be a whole number >= 100000, got {bad!r}"):
+            prepare_corpus(tmp_path, max_bytes=bad)
+    assert not any(tmp_path.iterdir())  # refused before anything was written
+
+
+def test_make_optimizer_passes_adamw_settings_on_and_refuses_others():
+    import pytest
+
+    from muonlab import make_optimizer
+
+    model = torch.nn.Linear(4, 4)
+    opt = make_optimizer("adamw", model, betas=(0.9, 0.999), eps=1e-6)
+    assert opt.defaults["betas"] == (0.9, 0.999) and opt.defaults["eps"] == 1e-6
+    assert make_optimizer("adamw", model).defaults["betas"] == (0.9, 0.95)
+    with pytest.raises(TypeError, match="ns_steps"):
+        make_optimizer("adamw", model, ns_steps=3)
+
+
+def test_compare_optimizers_refuses_names_it_would_misread_before_training():
+    import pytest
+
+    cfg = GPTConfig(d_model=16, n_layers=1, context=8)
+    with pytest.raises(TypeError, match=r"names must be a sequence of optimizer names, e.g. \('muon',\)"):
+        compare_optimizers(cfg, steps=1, names="muon")
+    with pytest.raises(ValueError, match="names must be distinct"):
+        compare_optimizers(cfg, steps=1, names=("muon", "muon"))
+    with pytest.raises(ValueError, match="names must be distinct"):
+        compare_optimizers(cfg, steps=1, names=("sgd",))
+    with pytest.raises(ValueError, match=r"optimizer_kwargs names \['AdamW'\]"):
+        compare_optimizers(cfg, steps=1, names=("adamw",), optimizer_kwargs={"AdamW": {"lr": 1.0}})
+
+
+def test_gpt_config_refuses_sizes_that_build_no_model():
+    import pytest
+
+    for field, bad in (("n_heads", 0), ("n_heads", -4), ("n_layers", -1), ("n_layers", 0), ("d_model", 0),
+                       ("vocab_size", 0), ("context", 0), ("mlp_ratio", 0), ("num_experts", -1), ("d_model", 64.0)):
+        with pytest.raises(ValueError, match=f"GPTConfig.{field} must be a whole number"):
+            GPTConfig(**{field: bad})
+
+
+def test_the_demo_command_refuses_bad_arguments_before_training(tmp_path, monkeypatch, capsys):
+    import pytest
+
+    from muonlab import cli
+
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    cases = [(["demo", "--steps", "0"], "argument --steps: invalid positive_int value: '0'"),
+             (["demo", "--layers", "-1"], "argument --layers: invalid positive_int value: '-1'"),
+             (["demo", "--width", "6"], "--width must be a multiple of 4"),
+             (["demo", "--out", str(afile)], "is an existing file, not a folder")]
+    for argv, message in cases:
+        with pytest.raises(SystemExit) as stop:
+            cli.main(argv)
+        assert stop.value.code == 2 and message in capsys.readouterr().err
+    monkeypatch.setenv("MUONLAB_DEMO_STEPS", "abc")
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["--help"])  # help still works
+    assert stop.value.code == 0
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["demo"])
+    assert stop.value.code == 2 and "$MUONLAB_DEMO_STEPS must be a whole number >= 1, got 'abc'" in capsys.readouterr().err

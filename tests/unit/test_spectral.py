@@ -295,3 +295,23 @@ def test_plots_and_panel_draw_what_was_recorded():
         panel.update(name="blocks.7.mlp.fc.weight")
     with pytest.raises(ValueError, match="unknown spectral metric 'rms'"):
         plot_spectral(runs, "blocks.0.attn.qkv.weight", "rms")
+
+
+def test_empty_matrices_are_left_out_or_refused_and_names_are_a_list():
+    """An empty (0, n) matrix (a zero-width layer) has no spectrum: left out by default, refused by
+    name (it divided by its numel of 0 inside the step, after the weights had moved)."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8, bias=False), torch.nn.Linear(8, 0, bias=False))
+    opt = Muon(muon_param_groups(model), ns_dtype=torch.float32)
+    rec = SpectralRecorder(opt, model, every=1)
+    assert rec.names == ["0.weight"]
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    assert [r.name for r in rec.records] == ["0.weight"]
+    rec.detach()
+    with pytest.raises(ValueError, match=r"non-empty 2-D matrices; parameter '1.weight' has shape \(0, 8\)"):
+        SpectralRecorder(opt, model, every=1, names=["1.weight"])
+    with pytest.raises(TypeError, match=r"names must be a list of parameter names, e.g. \['0.weight'\], not a str"):
+        SpectralRecorder(opt, model, every=1, names="0.weight")
+    with pytest.raises(ValueError, match=r"names lists a parameter twice: \['0.weight'\]"):
+        SpectralRecorder(opt, model, every=1, names=["0.weight", "0.weight"])
