@@ -122,16 +122,21 @@ def per_rank(batches: Iterable[BatchPlan], world: int, *, by_path: bool = False)
     {"flops", "sent", "recv": list}, or with ``by_path`` {path: that dict}.
 
     A group-local rank of an axis stands for every global rank at that index of the axis (one
-    per slice of a bigger mesh), so each of them is charged its batch's entry.
+    per slice of a bigger mesh), so each of them is charged its batch's entry. A ``world`` smaller
+    than the plan's mesh is refused: the ranks past it would be left out of every total.
     """
     batches = list(batches)
     maps = group_rank_maps(batches)
+    needed = 1 + max(g for ranks in maps.values() for g in ranks)
+    if world < needed:
+        raise ValueError(f"world={world} is smaller than the plan, which spans {needed} ranks (global ranks "
+                         f"0..{needed - 1}): pass world >= {needed}")
     out: dict = {}
     for b in batches:
         key = b.path if by_path else None
         totals = out.setdefault(key, {"flops": [0] * world, "sent": [0] * world, "recv": [0] * world})
         for g, r in maps[b.group].items():
-            if g >= world or r >= len(b.flops):
+            if r >= len(b.flops):  # no entry for this rank (a batch without per-rank lists): nothing to charge
                 continue
             totals["flops"][g] += b.flops[r]
             totals["sent"][g] += b.bytes_sent[r] if b.bytes_sent else 0

@@ -28,9 +28,11 @@ for kernel-level detail (tests/unit/test_gpu_spans.py checks the two agree on Ne
 from __future__ import annotations
 
 import json
+import math
 import time
+from collections.abc import Iterable
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, is_dataclass
 from typing import NamedTuple, Union
 
 import torch
@@ -224,27 +226,53 @@ def gather_spans(spans: list[Span], group=None, dst: int = 0) -> list[Span] | No
     return [Span(**row) for rank_rows in out for row in rank_rows]
 
 
-def to_chrome_trace(spans: list[Span]) -> dict:
-    """Chrome trace-event JSON: one process per rank; compute on one thread, and each batch's
-    communication on a thread of its own (batches overlap, and a thread's events must nest)."""
-    t0 = min((s.start for s in spans), default=0.0)
+_OPTIONAL = dict(path="", batch=-1, bytes_sent=0, bytes_recv=0)
+"""Span fields a row may leave out, with Span's defaults."""
+
+
+def span_rows(spans: Iterable) -> list[dict]:
+    """``Span``s or their ``asdict`` rows (``train_worker(...)["spans"]``) as dicts with every Span
+    field, checked: what the timeline and the Chrome-trace export read. A ValueError names the
+    first span without a rank, name, start or end, or whose times are not finite with end not
+    before start (a plot would fail on its axis limits, a trace be invalid JSON)."""
+    rows = [dict(_OPTIONAL, **(asdict(s) if is_dataclass(s) else s)) for s in spans]
+    for i, r in enumerate(rows):
+        missing = [k for k in ("rank", "name", "start", "end") if k not in r]
+        if missing:
+            raise ValueError(f"span {i} ({r}) lacks {missing}")
+        start, end = r["start"], r["end"]
+        if not (math.isfinite(start) and math.isfinite(end)) or end < start:
+            raise ValueError(f"span {i} ({r['name']!r} on rank {r['rank']}) runs from {start} to {end}: "
+                             "start and end must be finite, end not before start")
+    return rows
+
+
+def to_chrome_trace(spans: Iterable) -> dict:
+    """Chrome trace-event JSON of ``Span``s or their rows (see ``span_rows``): one process per rank;
+    compute on one thread, and each batch's communication on a thread of its own (batches overlap,
+    and a thread's events must nest)."""
+    rows = span_rows(spans)
+    t0 = min((s["start"] for s in rows), default=0.0)
     events = []
-    for s in spans:
-        lane = LANES.get(s.name, "compute")
+    for s in rows:
+        lane = LANES.get(s["name"], "compute")
         events.append(dict(
-            name=f"{s.name}[{s.path}]" if s.path else s.name, ph="X", pid=s.rank,
-            tid=2 + max(s.batch, 0) if lane == "comm" else 1, ts=(s.start - t0) * 1e6, dur=max(s.duration, 0.0) * 1e6,
-            args=dict(path=s.path, batch=s.batch, bytes_sent=s.bytes_sent, bytes_recv=s.bytes_recv),
+            name=f"{s['name']}[{s['path']}]" if s["path"] else s["name"], ph="X", pid=s["rank"],
+            tid=2 + max(s["batch"], 0) if lane == "comm" else 1, ts=(s["start"] - t0) * 1e6,
+            dur=(s["end"] - s["start"]) * 1e6,
+            args={k: s[k] for k in ("path", "batch", "bytes_sent", "bytes_recv")},
         ))
-    for r in sorted({s.rank for s in spans}):
+    for r in sorted({s["rank"] for s in rows}):
         events.append(dict(name="process_name", ph="M", pid=r, args=dict(name=f"rank {r}")))
         events.append(dict(name="thread_name", ph="M", pid=r, tid=1, args=dict(name="compute")))
-        for b in sorted({s.batch for s in spans if s.rank == r and LANES.get(s.name) == "comm"}):
+        for b in sorted({s["batch"] for s in rows if s["rank"] == r and LANES.get(s["name"]) == "comm"}):
             events.append(dict(name="thread_name", ph="M", pid=r, tid=2 + max(b, 0),
                                args=dict(name=f"comm batch {b}")))
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
-def write_chrome_trace(spans: list[Span], path) -> None:
+def write_chrome_trace(spans: Iterable, path) -> None:
+    """``to_chrome_trace`` of ``spans`` written to ``path``; a bad span is refused before the file is opened."""
+    text = json.dumps(to_chrome_trace(spans), allow_nan=False)  # strict JSON: Perfetto rejects NaN
     with open(path, "w") as f:
-        json.dump(to_chrome_trace(spans), f)
+        f.write(text)

@@ -10,6 +10,11 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 def plot_loss_curves(histories: dict, *, ax=None, title: str = "loss"):
     """Train (thin) and validation (markers) loss for each named History, on one axis."""
+    for name, h in histories.items():  # matplotlib's own error names neither the run nor the lists
+        for xs, ys in (("steps", "train_loss"), ("val_steps", "val_loss")):
+            if len(getattr(h, xs)) != len(getattr(h, ys)):
+                raise ValueError(f"run {name!r} has {len(getattr(h, xs))} {xs} but {len(getattr(h, ys))} {ys}: "
+                                 "one loss per step")
     if ax is None:
         _, ax = plt.subplots(figsize=(6, 3.5))
     for i, (name, h) in enumerate(histories.items()):

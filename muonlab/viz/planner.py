@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import html
 import inspect
+import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import matplotlib.pyplot as plt
@@ -22,7 +23,7 @@ from matplotlib.patches import Patch
 
 from ..comm.records import per_rank
 from ..simulate import SIMULATED_STRATEGIES, simulate, summarize
-from .panel_output import show_figure
+from .panel_output import check_choice, check_range, show_figure
 from .timeline import (BYTE_UNITS, DISTRIBUTION_ABOVE, FLOP_UNITS, _ordered_paths, _path_color,
                        plot_rank_distribution, scale_for)
 
@@ -96,10 +97,10 @@ def plot_plan_per_rank(plan, world: int, ax=None, *, title: str = "plan"):
     if world < 1:
         raise ValueError(f"world must be >= 1, got {world}")
     batches = list(plan)
+    per = per_rank(batches, world, by_path=True)  # refuses a world the plan doesn't fit: before any figure
     if ax is None:
         _, ax = plt.subplots(1, 2, figsize=(11, 3.4))
     ax_bytes, ax_flops = ax
-    per = per_rank(batches, world, by_path=True)
     seen = _stacked(ax_bytes, per, "sent", world, BYTE_UNITS)
     seen += [p for p in _stacked(ax_flops, per, "flops", world, FLOP_UNITS) if p not in seen]
     ax_bytes.set_ylabel(ax_bytes.get_ylabel() + " sent per step")
@@ -323,16 +324,23 @@ class PlannerPanel:
             raise ValueError(f"world={world} is not among the panel's world sizes {worlds}")
         if ep not in eps:
             raise ValueError(f"ep={ep} is not among the panel's ep choices {list(eps)}")
+        takes_experts = _takes_experts(shapes_fn)
+        # before any widget exists: a slider would clamp these silently, a dropdown raise a TraitError
+        # naming neither the argument nor the choices
+        check_range("layers", layers, 1, max_layers, integer=True, what="the layers slider (1 to max_layers)")
+        if takes_experts:  # a shapes_fn without experts is never passed it: any value is fine there
+            check_range("experts", experts, 1, math.inf, integer=True, what="the expert counts a model can have")
+        check_choice("profile", profile, sorted(PROFILES))
+        check_choice("strategy", strategy, SIMULATED_STRATEGIES)
         self.shapes_fn = shapes_fn
         self.model = model or getattr(shapes_fn, "__name__", "model")
         self.sweep_worlds = tuple(sweep_worlds or worlds)
-        takes_experts = _takes_experts(shapes_fn)
         style = {"description_width": "90px"}
         self.world = w.SelectionSlider(options=worlds, value=world, description="world size", style=style,
                                        continuous_update=False)
         self.ep = w.Dropdown(options=list(eps), value=ep, description="ep", style=style)
-        expert_choices = sorted({2 ** k for k in range(1, 10)} | ({experts} if experts else set()))
-        self.experts = w.Dropdown(options=expert_choices, value=experts if takes_experts and experts else 64,
+        expert_choices = sorted({2 ** k for k in range(1, 10)} | ({experts} if takes_experts else set()))
+        self.experts = w.Dropdown(options=expert_choices, value=experts if takes_experts else 64,
                                   description="experts", style=style, disabled=not takes_experts)
         self.layers = w.IntSlider(value=layers, min=1, max=max_layers, description="layers", style=style,
                                   continuous_update=False)

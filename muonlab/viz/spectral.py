@@ -98,7 +98,10 @@ def plot_spectral_layers(run, metric: str, *, ax=None, title: str = "", names: S
     ax.set_xlabel("step")
     ax.set_ylabel(LABELS[metric])
     ax.set_title(title or LABELS[metric], fontsize=11)
-    if ax.lines and legend:
+    if not ax.lines:  # e.g. ortho_error of an AdamW run: say so rather than leave a blank axis
+        ax.text(0.5, 0.5, "no values for this metric", transform=ax.transAxes, ha="center", va="center",
+                color="0.4")
+    elif legend:
         ax.legend(fontsize=8, loc="best")
     ax.grid(alpha=0.3)
     return ax
@@ -118,8 +121,8 @@ class SpectralPanel:
         names = matrix_names(runs)
         if not names:
             raise ValueError("the runs hold no spectral records (train with spectral_every=k)")
-        if name is not None and name not in names:
-            raise ValueError(f"no spectral records of matrix {name!r}; recorded: {names}")
+        if name is not None and name not in (ALL, *names):
+            raise ValueError(f"no spectral records of matrix {name!r}; choose {ALL!r} or one of {names}")
         self.runs = dict(runs)
         style = {"description_width": "70px"}
         self.name = w.Dropdown(options=[ALL, *names], value=name or names[0], description="matrix", style=style,
@@ -142,13 +145,15 @@ class SpectralPanel:
             for ax, (label, run) in zip(axes[0], self.runs.items()):
                 plot_spectral_layers(run, metric, ax=ax, title=label, legend=False)
                 handles.update({line.get_label(): line for line in ax.lines if not line.get_label().startswith("_")})
+            if not handles:  # no run has a value of this metric: each axis says so, no legend to place
+                fig.tight_layout()
+                return fig
             # one legend for all panels, under them: inside an axis it would hide curves
             fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=min(len(handles), 4), fontsize=9)
             fig.tight_layout(rect=(0, 0.06 * (1 + (len(handles) - 1) // 4), 1, 1))
             return fig
-        else:
-            fig, ax = plt.subplots(figsize=(7, 3.6))
-            plot_spectral(self.runs, name, metric, ax=ax)
+        fig, ax = plt.subplots(figsize=(7, 3.6))
+        plot_spectral(self.runs, name, metric, ax=ax)
         fig.tight_layout()
         return fig
 
@@ -157,7 +162,7 @@ class SpectralPanel:
         if metric is not None:
             _check_metric(metric)
         if name is not None and name not in self.name.options:
-            raise ValueError(f"no spectral records of matrix {name!r}; recorded: {list(self.name.options[1:])}")
+            raise ValueError(f"no spectral records of matrix {name!r}; choose one of {list(self.name.options)}")
         # setting a dropdown fires its observer, which draws: draw once, after both are set
         if self._drawing:
             return None

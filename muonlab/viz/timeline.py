@@ -7,10 +7,7 @@ per-rank ``bytes_sent`` / ``flops`` lists that ``muonlab.experiments.train.plan_
 
 from __future__ import annotations
 
-import math
-
-from collections.abc import Iterable, Mapping
-from dataclasses import asdict, is_dataclass
+from collections.abc import Mapping
 
 import matplotlib
 
@@ -19,7 +16,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
 from ..comm.paths import PATHS  # noqa: E402
-from ..trace.spans import LANES  # noqa: E402
+from ..trace.spans import LANES, span_rows  # noqa: E402
 
 __all__ = ["BYTE_UNITS", "DISTRIBUTION_ABOVE", "FLOP_UNITS", "PATH_COLORS", "PHASE_COLORS", "plot_bytes_by_path",
            "plot_plan", "plot_rank_distribution", "plot_timeline", "scale_for"]
@@ -31,23 +28,6 @@ _HATCH = {"comm_out": "", "comm_back": "////"}
 DISTRIBUTION_ABOVE = 64
 """Per-rank views of more ranks than this are drawn as a distribution: a bar per rank would be
 under a pixel wide at 2048 ranks."""
-
-
-def _rows(items: Iterable) -> list[dict]:
-    return [asdict(s) if is_dataclass(s) else dict(s) for s in items]
-
-
-def _check_spans(rows: list[dict]) -> None:
-    """Each span has a rank and a finite start and end, end not before start: a ValueError naming
-    the span otherwise (matplotlib would fail on the axis limits, or draw a negative width)."""
-    for i, r in enumerate(rows):
-        missing = [k for k in ("rank", "name", "start", "end") if k not in r]
-        if missing:
-            raise ValueError(f"span {i} ({r}) lacks {missing}")
-        start, end = r["start"], r["end"]
-        if not (math.isfinite(start) and math.isfinite(end)) or end < start:
-            raise ValueError(f"span {i} ({r['name']!r} on rank {r['rank']}) runs from {start} to {end}: "
-                             "start and end must be finite, end not before start")
 
 
 def _path_color(path: str) -> str:
@@ -79,8 +59,7 @@ def plot_timeline(spans, ax=None, *, title: str = "one optimizer step, per rank"
     A comm span lasts from the collective's start to the end of its wait, so batches in flight
     together overlap; they are stacked on separate tracks. Times are ms from the earliest start.
     """
-    rows = _rows(spans)
-    _check_spans(rows)
+    rows = span_rows(spans)
     if ax is None:
         _, ax = plt.subplots(figsize=(11, 1.0 + 1.1 * max(1, len({r["rank"] for r in rows}))))
     if not rows:
@@ -267,6 +246,9 @@ def plot_plan(plan_rows, ax=None, *, title: str = "plan"):
             raise ValueError(f"plan row {i} (batch {r.get('batch', r.get('index', i))}) has {len(r['bytes_sent'])} "
                              f"bytes_sent values and {len(r['flops'])} flops values: one of each per rank")
     num_ranks = max((len(r["bytes_sent"]) for r in rows), default=0) if per_rank else 0
+    # empty per-rank lists (a plan of local batches, that move nothing) have no rank to draw a bar
+    # for: the per-batch view, from the rows' max_bytes_sent / max_flops, instead
+    per_rank = per_rank and num_ranks > 0
     if per_rank and num_ranks > DISTRIBUTION_ABOVE:  # batches summed per path: a segment per rank won't show
         for target, key, units, label, what in ((ax_bytes, "bytes_sent", BYTE_UNITS, "sent per step", "bytes sent"),
                                                 (ax_flops, "flops", FLOP_UNITS, "Newton-Schulz per step", "FLOPs")):

@@ -14,7 +14,7 @@ from ..kernels.newton_schulz import PRESETS
 from ..models import GPT, GPTConfig
 from ..train import History, make_optimizer, train
 from .curves import plot_loss_curves
-from .panel_output import show_figure
+from .panel_output import check_range, show_figure
 
 
 def plot_val_loss_vs_time(histories: dict, *, ax=None, title: str = "validation loss vs wall time"):
@@ -61,6 +61,11 @@ def muon_trainer(cfg: GPTConfig, *, steps: int, batch_size: int = 16, seed: int 
     return run
 
 
+# the momentum and Newton-Schulz-steps sliders' limits (lr's are the panel's lr_range argument)
+MOMENTUM_RANGE = (0.0, 0.99)
+NS_STEPS_RANGE = (1, 10)
+
+
 class TrainingPanel:
     """Sliders (lr, momentum, ns_steps), a preset dropdown and a button that reruns and redraws.
 
@@ -79,15 +84,22 @@ class TrainingPanel:
             raise ValueError(f"preset {preset!r} is not among the panel's presets {presets}")
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
+        # refused, not clamped (as a slider would, silently: the first run would train with settings
+        # nobody asked for) nor widened to fit: a slider's range is what one can pick back after moving
+        # it, so it stays what the caller chose (lr_range) or the panel's fixed limits
+        check_range("lr", lr, *lr_range, what="lr_range")
+        check_range("momentum", momentum, *MOMENTUM_RANGE)
+        check_range("ns_steps", ns_steps, *NS_STEPS_RANGE, integer=True)
         self.run_fn = run_fn
         self.keep = keep
         self.runs: dict[str, History] = {}
         style = {"description_width": "110px"}
         self.lr = w.FloatLogSlider(value=lr, base=10, min=_log10(lr_range[0]), max=_log10(lr_range[1]),
                                    step=0.05, description="Muon lr", readout_format=".4f", style=style)
-        self.momentum = w.FloatSlider(value=momentum, min=0.0, max=0.99, step=0.01,
+        self.momentum = w.FloatSlider(value=momentum, min=MOMENTUM_RANGE[0], max=MOMENTUM_RANGE[1], step=0.01,
                                       description="momentum", style=style)
-        self.ns_steps = w.IntSlider(value=ns_steps, min=1, max=10, description="NS steps", style=style)
+        self.ns_steps = w.IntSlider(value=ns_steps, min=NS_STEPS_RANGE[0], max=NS_STEPS_RANGE[1],
+                                    description="NS steps", style=style)
         self.preset = w.Dropdown(options=presets, value=preset, description="coefficients", style=style)
         self.button = w.Button(description="train", button_style="primary", icon="play")
         self.clear = w.Button(description="clear runs")
