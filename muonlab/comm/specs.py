@@ -156,6 +156,9 @@ class MatrixSpec:
     """Matrices stacked along dim 0 of a 2-D parameter (a fused expert bank (E*M, N)), else 1."""
     view: str = ""
     """How the tensor reads as matrices (one of ``VIEWS``; empty: ``default_view(shape)``)."""
+    dtype: str = ""
+    """The parameter's dtype (``str(p.dtype)``; empty: unknown). A batch holds one: its matrices are
+    read into one workspace, from momentum in the parameter's dtype by default."""
 
     def __post_init__(self):
         if not self.view:
@@ -256,7 +259,7 @@ def matrix_spec(index: int, name: str, p: torch.Tensor, replicate_group=None, nu
     view = view or default_view(shape)
     check_view(name, shape, view, num_fused)
     layout, group, rows, shard_dim = _layout(name, p, shape, replicate_group, num_fused, view)
-    return MatrixSpec(index, name, shape, layout, group, rows, shard_dim, num_fused, view)
+    return MatrixSpec(index, name, shape, layout, group, rows, shard_dim, num_fused, view, str(p.dtype))
 
 
 def _layout(name: str, p: torch.Tensor, shape: tuple[int, ...], replicate_group, num_fused: int,

@@ -271,6 +271,9 @@ class Muon(Optimizer):
         self._names: dict[torch.Tensor, str] = {}
         self._views: dict[str, str] = {}
         self._plans: dict[tuple, tuple] = {}
+        # Muon entry index -> global rank holding a replicated matrix's momentum (see
+        # _relocate_momentum); absent: no rank yet, or every rank holding it has the current value
+        self._replica_home: dict[int, int] = {}
         self._agreement = Agreement()
         self._tracer = Tracer(rank=dist.get_rank() if _dist_on() else 0)  # the step recording or recorded last
         self._spare_tracer = Tracer(rank=self._tracer.rank)
@@ -492,6 +495,7 @@ class Muon(Optimizer):
             state_dict = dict(state_dict, state={
                 pid: {k: v for k, v in s.items() if k not in offloaded} for pid, s in state_dict["state"].items()})
         super().load_state_dict(state_dict)
+        self._replica_home.clear()  # what was loaded is current wherever it was loaded
         for saved, p in pairs:
             for key, value in saved.items():
                 if key in offloaded and torch.is_tensor(value):
@@ -582,6 +586,7 @@ class Muon(Optimizer):
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)  # also what torch's load_state_dict calls, with state and groups only
         self.__dict__.setdefault("_plans", {})
+        self.__dict__.setdefault("_replica_home", {})  # pickled before momentum followed its owner
         self.__dict__.setdefault("_agreement", Agreement())  # pickled before the per-step agreement
         if "_tracer" in self.__dict__ and "_spare_tracer" not in self.__dict__:  # pickled before GPU spans
             self._spare_tracer = Tracer(rank=self._tracer.rank)
@@ -631,6 +636,8 @@ class Muon(Optimizer):
             self._agreement.check(check_group, self._step_description(work))
         indices = self._muon_indices(work["muon"])
         planned = self._plan_for(indices) if indices else None
+        if planned and planned.owners:
+            self._relocate_momentum(planned.owners)  # moves values, changes none: safe before the check
 
         def commit_point() -> bool:
             """The step's commit point: the check decides (go on, skip or raise), then AdamW."""
@@ -793,9 +800,13 @@ class Muon(Optimizer):
             return self.process_group
         return dist.group.WORLD if _dist_on() and dist.get_world_size() > 1 else None
 
-    def _plan_for(self, indices: tuple[int, ...]) -> "_Planned":
+    def _plan_for(self, indices: tuple[int, ...], collective: bool = True) -> "_Planned":
         """The plan for these Muon parameters. Cached: it depends only on metadata and on the
-        settings below (part of the key, so changing one re-plans)."""
+        settings below (part of the key, so changing one re-plans).
+
+        A new plan is first checked against the other ranks' and its sub-groups made, both
+        collectives. ``collective=False`` (``plan()``, which one rank may call alone) skips them
+        and leaves the plan uncached, so the step still checks it."""
         entries = self._muon_entries()
         # one config per group (settings may change between steps, so made anew each step)
         by_group = {id(g): self._ns_config(g) for g in self.param_groups if g["algorithm"] == "muon"}
@@ -817,8 +828,8 @@ class Muon(Optimizer):
                 specs.append(spec)
                 if spec.group not in groups:
                     groups[spec.group] = process_group_for(p, spec, replicate)
-            # before planning: disagreeing ranks can't plan alike
-            self._check_ranks_agree(specs, configs, [entries[i][1] for i in indices])
+            if collective:  # before planning: disagreeing ranks can't plan alike
+                self._check_ranks_agree(specs, configs, [entries[i][1] for i in indices])
             plan = plan_batches(
                 specs, configs, comm_itemsize=torch.empty(0, dtype=self.comm_dtype).element_size(),
                 remainder_path=self.remainder_path, strategy=self.strategy, profile=self.hardware_profile,
@@ -828,13 +839,16 @@ class Muon(Optimizer):
             for b in plan:
                 if b.part is not None:  # a bank that can't be cut raises here, before anything changes
                     _part_of(b, local_shard(entries[b.param_indices[0]][1]))
-                if b.path == "subgroup":  # sub-groups are created collectively, here, never mid-step
+                if b.path == "subgroup" and collective:  # sub-groups are made collectively, here, never mid-step
                     subgroups_for(b.group, ranks_per_expert(b))
                 if b.path == "owner":
                     pg, me = groups[b.group]
                     owners.update({i: (pg, dist.get_global_rank(pg, o), o == me)
                                    for i, o in zip(b.param_indices, b.owners)})
-            self._plans[cache_key] = _Planned(plan, {s.index: s for s in specs}, groups, owners)
+            planned = _Planned(plan, {s.index: s for s in specs}, groups, owners)
+            if not collective:
+                return planned
+            self._plans[cache_key] = planned
         return self._plans[cache_key]
 
     def _check_ranks_agree(self, specs: list[MatrixSpec], configs: tuple, params: list[torch.Tensor]) -> None:
@@ -849,29 +863,32 @@ class Muon(Optimizer):
         silently train wrong. The workspace budget too: it groups matrices into batches. A
         mismatch is a ValueError naming the ranks and the parameter (or the budgets).
         """
-        if not _dist_on() or dist.get_world_size() == 1:
+        group = self._check_group()  # the ranks that step together (a group of one: nothing to compare)
+        if group is None or dist.get_world_size(group) == 1:
             return
         mine = [(s.name, s.shape, s.layout, s.num_fused, c, s.view) for s, c in zip(specs, configs)]
         sums = [_checksum(p) if s.layout == "replicated" else None for s, p in zip(specs, params)]
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, (mine, sums, self._ns_runner().budget_bytes))
+        everyone = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, (mine, sums, self._ns_runner().budget_bytes), group=group)
+        ranks = dist.get_process_group_ranks(group)
         first, first_sums, first_budget = everyone[0]
-        for rank, (theirs, their_sums, their_budget) in enumerate(everyone):
+        for rank, (theirs, their_sums, their_budget) in zip(ranks, everyone):
             if their_budget != first_budget:  # it groups matrices into batches: plans would differ
-                raise ValueError(f"ranks disagree on the Newton-Schulz workspace budget: rank 0 has {first_budget} "
-                                 f"bytes, rank {rank} has {their_budget}; pass the same workspace_bytes on every rank")
+                raise ValueError(f"ranks disagree on the Newton-Schulz workspace budget: rank {ranks[0]} has "
+                                 f"{first_budget} bytes, rank {rank} has {their_budget}; pass the same "
+                                 "workspace_bytes on every rank")
             if theirs != first:
                 for a, b in zip(first, theirs):
                     if a != b:
                         raise ValueError(
-                            f"ranks disagree on the Muon parameters: rank 0 has {a[0]!r} of shape {a[1]} "
+                            f"ranks disagree on the Muon parameters: rank {ranks[0]} has {a[0]!r} of shape {a[1]} "
                             f"({a[2]}), rank {rank} has {b[0]!r} of shape {b[1]} ({b[2]})")
-                raise ValueError(f"ranks disagree on the Muon parameters: rank 0 has {len(first)} "
+                raise ValueError(f"ranks disagree on the Muon parameters: rank {ranks[0]} has {len(first)} "
                                  f"with gradients, rank {rank} has {len(theirs)}")
             for spec, a, b in zip(specs, first_sums, their_sums):
                 if a != b:
                     raise ValueError(
-                        f"replicated parameter {spec.name!r} of shape {spec.shape} differs between rank 0 "
+                        f"replicated parameter {spec.name!r} of shape {spec.shape} differs between rank {ranks[0]} "
                         f"and rank {rank} (checksums {a} vs {b}): a plain tensor under a process group of "
                         "several ranks is taken as a replica (DDP). Wrap the model in DDP or FSDP2 "
                         "(muonlab.distributed.parallelize) so replicas start equal, or give a model of "
@@ -879,7 +896,7 @@ class Muon(Optimizer):
 
     def plan(self) -> list[BatchPlan]:
         """One record per batch (names, shape, path, ranks, bytes, FLOPs), from global metadata only."""
-        plan = self._plan_for(tuple(range(len(self._muon_entries())))).plan
+        plan = self._plan_for(tuple(range(len(self._muon_entries()))), collective=False).plan
         return list(plan)
 
     def last_step_stats(self) -> dict:
@@ -925,28 +942,60 @@ class Muon(Optimizer):
             for p in group["params"]:
                 self._state_for(p, group["algorithm"])
 
-    def _owned(self) -> list[tuple[torch.Tensor, object, int, bool]]:
-        """(param, process group, owner's global rank, owned here) for replicated (DDP) matrices."""
+    def _owned(self) -> list[tuple[int, torch.Tensor, object, int]]:
+        """(entry index, param, process group, global rank holding its momentum) for replicated
+        (DDP) matrices: where its last step left it, else its owner in the plan of all of them."""
         entries = self._muon_entries()
         owners = self._plan_for(tuple(range(len(entries)))).owners
-        return [(entries[i][1], pg, owner, mine) for i, (pg, owner, mine) in owners.items()]
+        return [(i, entries[i][1], pg, self._replica_home.get(i, owner)) for i, (pg, owner, _) in owners.items()]
+
+    def _relocate_momentum(self, owners: dict) -> None:
+        """Collective: move replicated matrices' momentum to their owners in this step's plan.
+
+        A replicated matrix's momentum lives on the rank that orthogonalizes it, and the planner
+        balances owners over the matrices that have a gradient: when that set changes (or a
+        setting changes the balance) a matrix can get a new owner, which would start from zero
+        momentum (or read the stale buffer of an earlier turn) while the current one sits on its
+        old home. So the home broadcasts it in the matrix's group; the new owner keeps it, every
+        other rank drops its copy. Every rank plans alike, so all take part in the same moves."""
+        entries, me = self._muon_entries(), dist.get_rank()
+        moves = [(i, home, owners[i]) for i in owners
+                 if (home := self._replica_home.get(i)) is not None and home != owners[i][1]]
+        for i, home, (pg, owner, _) in moves:
+            p = entries[i][1]
+            if me in (home, owner):  # the home's buffer, or the new owner's (made now if it has none)
+                state = self._state_for(p, "muon")
+                for _, (buf,) in self._offload.each([(0, p, state)], ("momentum_buffer",)):
+                    dist.broadcast(buf, src=home, group=pg)
+            else:  # a rank between them receives too (a broadcast reaches the whole group)
+                local = local_shard(p)
+                dist.broadcast(torch.empty_like(local, dtype=self._offload.dtype(p, "momentum_buffer")),
+                               src=home, group=pg)
+            if me != owner:
+                self.state.pop(p, None)
+        self._replica_home.update((i, owner) for i, (_, owner, _) in owners.items())
 
     def consolidate_state(self) -> None:
-        """Collective (call on every rank): owners broadcast the momentum of replicated matrices
-        so that every rank holds every state tensor, e.g. before saving a checkpoint."""
+        """Collective (call on every rank): each replicated matrix's momentum is broadcast from
+        the rank holding it, so that every rank holds every state tensor, e.g. before saving a
+        checkpoint."""
         self.init_state()
         owned = self._owned()
-        items = [(k, p, self.state[p]) for k, (p, _, _, _) in enumerate(owned)]
+        items = [(k, p, self.state[p]) for k, (_, p, _, _) in enumerate(owned)]
         # through the store: a collective backend may need the buffer on the parameter's device
         for k, (buf,) in self._offload.each(items, ("momentum_buffer",)):
-            _, pg, owner, _ = owned[k]
-            dist.broadcast(buf, src=owner, group=pg)
+            _, _, pg, home = owned[k]
+            dist.broadcast(buf, src=home, group=pg)
+        for i, _, _, _ in owned:
+            self._replica_home.pop(i, None)  # every rank holds the current value now
 
     def release_unowned_state(self) -> None:
-        """Drop the momentum of replicated matrices this rank does not own (after a save or a
-        load): it lives on its owner only, a ZeRO-1 style saving."""
-        for p, _, _, mine in self._owned():
-            if not mine:
+        """Drop the momentum of replicated matrices this rank does not hold for the group (after a
+        save or a load): it lives on one rank only, a ZeRO-1 style saving."""
+        me = dist.get_rank() if _dist_on() else 0
+        for i, p, _, home in self._owned():
+            self._replica_home[i] = home
+            if home != me:
                 self.state.pop(p, None)
 
     def state_residency(self) -> dict[str, int]:

@@ -116,15 +116,15 @@ class RulePlanner:
     # ------------------------------------------------------------------ layouts
 
     def _by_layout(self):
-        """Buckets of same group, layout, matrix shape and config, in first-seen order. Sub-group
-        banks and fallbacks become batches now; the rest is returned by layout, per group."""
+        """Buckets of same group, layout, matrix shape, dtype and config, in first-seen order.
+        Sub-group banks and fallbacks become batches now; the rest is returned by layout, per group."""
         buckets: dict[tuple, list[int]] = {}
         for i, (spec, cfg) in enumerate(zip(self.specs, self.configs)):
-            buckets.setdefault((spec.group, spec.layout, spec.matrix_shape, cfg), []).append(i)
+            buckets.setdefault((spec.group, spec.layout, spec.matrix_shape, spec.dtype, cfg), []).append(i)
         row_sharded: dict[GroupKey, list[int]] = {}
         whole: dict[GroupKey | None, list[list[tuple]]] = {}
         replicated: dict[GroupKey, list[int]] = {}
-        for (group, layout, _, _), idx in buckets.items():
+        for (group, layout, *_), idx in buckets.items():
             if layout == "whole":
                 load = self.loads.view(group)
                 for i in idx:
@@ -351,9 +351,9 @@ class RulePlanner:
             owner_of[i] = o
             load.add(o, cost[i])
         by_bucket: dict[tuple, list[int]] = {}
-        for i in items:
-            by_bucket.setdefault((self.specs[i].matrix_shape, self.configs[i]), []).append(i)
-        for (shape, cfg), bucket in by_bucket.items():
+        for i in items:  # one dtype per batch: the owner reads its matrices from momentum, not a wire buffer
+            by_bucket.setdefault((self.specs[i].matrix_shape, self.specs[i].dtype, self.configs[i]), []).append(i)
+        for (shape, _, cfg), bucket in by_bucket.items():
             for idx in self._owner_runs(bucket, owner_of, shape, cfg, size):
                 payload, flops = [0] * size, [0] * size
                 for i in idx:

@@ -1,0 +1,80 @@
+"""Workers for test_replicas.py: replicated (DDP) Muon matrices whose owner changes between
+steps keep their momentum (it follows the owner), and plan() called on one rank alone, or a
+process group of one rank per model, runs no collective with the others."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from muonlab import Muon
+
+SHAPES = {"big": (8, 8), "p1": (4, 4), "p2": (4, 4)}
+STEPS = 4
+
+
+def has_grad(name: str, step: int) -> bool:
+    """'big' has no gradient at step 1 (on every rank alike): the owners are balanced over the
+    other two, and p1 or p2 changes owner."""
+    return not (name == "big" and step == 1)
+
+
+def grads(step: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(100 + step)
+    return {n: torch.randn(s, generator=gen) for n, s in SHAPES.items()}
+
+
+def params(bf16: tuple[str, ...] = ()) -> dict[str, torch.nn.Parameter]:
+    gen = torch.Generator().manual_seed(0)
+    return {n: torch.nn.Parameter(torch.randn(s, generator=gen).to(torch.bfloat16 if n in bf16 else torch.float32))
+            for n, s in SHAPES.items()}
+
+
+def train(consolidate_at: int | None = None, bf16: tuple[str, ...] = ()) -> dict:
+    """STEPS steps of plain replicas (every rank the same values) under the world group, or in one
+    process outside any group: the final parameters, and where each momentum lives after each step.
+    ``consolidate_at``: after that step, consolidate_state() then each rank's momentum of p1/p2.
+    ``bf16``: names of parameters kept in bf16 (p2: two dtypes of one shape)."""
+    ps = params(bf16)
+    opt = Muon([{"params": list(ps.items())}], lr=0.05, momentum=0.9, ns_dtype=torch.float32,
+               comm_dtype=torch.float32)
+    held, consolidated = [], None
+    for step in range(STEPS):
+        g = grads(step)
+        for n, p in ps.items():
+            p.grad = g[n].to(p.dtype) if has_grad(n, step) else None
+        opt.step()
+        held.append({n: "momentum_buffer" in opt.state.get(p, {}) for n, p in ps.items()})
+        if step == consolidate_at:
+            opt.consolidate_state()
+            consolidated = {n: opt.state[ps[n]]["momentum_buffer"].clone() for n in ("p1", "p2")}
+            opt.release_unowned_state()
+    return dict(params={n: p.detach().clone() for n, p in ps.items()}, held=held, consolidated=consolidated)
+
+
+def plan_on_one_rank() -> dict:
+    """Rank 0 alone asks for the plan before the first step (it must not wait for the others),
+    then every rank steps."""
+    ps = params()
+    opt = Muon([{"params": list(ps.items())}], lr=0.05, ns_dtype=torch.float32)
+    names = None
+    if dist.get_rank() == 0:
+        names = sorted(n for b in opt.plan() for n in b.names)
+    for n, p in ps.items():
+        p.grad = grads(0)[n].clone()
+    opt.step()
+    return dict(names=names)
+
+
+def one_model_per_rank() -> dict:
+    """Each rank its own model (shapes differ between ranks) under a group of its own, and the set
+    of parameters with a gradient changes on rank 0 only: no collective with the other rank."""
+    me = dist.get_rank()
+    alone = [dist.new_group([r]) for r in range(dist.get_world_size())][me]  # every rank enters every new_group
+    ps = {"w": torch.nn.Parameter(torch.randn(6, 4 + me)), "v": torch.nn.Parameter(torch.randn(5, 3))}
+    opt = Muon([{"params": list(ps.items())}], lr=0.05, ns_dtype=torch.float32, process_group=alone)
+    for step in range(3):
+        for n, p in ps.items():
+            p.grad = None if (me == 0 and n == "v" and step == 1) else torch.randn_like(p)
+        opt.step()
+    return dict(steps=3)

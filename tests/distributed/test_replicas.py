@@ -1,0 +1,61 @@
+"""Replicated (DDP) Muon matrices across steps whose owners change, and calls that must not
+involve the other ranks (muonlab.optim.muon: _relocate_momentum, plan(), process_group)."""
+
+import pytest
+import torch
+
+from muonlab.distributed import launch
+
+from . import _workers_replicas as W
+
+
+@pytest.mark.timeout(300)
+def test_momentum_follows_a_replicated_matrix_to_its_new_owner():
+    """With 'big' out of step 1, p1 or p2 changes owner: its momentum must move with it (it
+    restarted from zero there, 0.41 off one process after 3 steps), and stays on one rank."""
+    alone = W.train()
+    results = launch(W.train, 2, timeout_s=120)
+    for rank, out in results.items():
+        for n, p in out["params"].items():
+            torch.testing.assert_close(p, alone["params"][n], rtol=1e-5, atol=1e-5, msg=f"{n} on rank {rank}")
+    for step in range(W.STEPS):
+        for n in W.SHAPES:
+            holders = [r for r in results if results[r]["held"][step][n]]
+            assert len(holders) == (1 if W.has_grad(n, 0) else 0), (step, n, holders)
+
+
+@pytest.mark.timeout(300)
+def test_matrices_of_one_shape_and_two_dtypes_batch_apart():
+    """fp32 p1 and bf16 p2 (both 4 x 4): a batch of both handed Newton-Schulz pieces of two dtypes
+    and failed, in one process (local path) and on the owner path alike. Each dtype is a batch."""
+    alone = W.train(bf16=("p2",))
+    assert alone["params"]["p2"].dtype == torch.bfloat16
+    results = launch(W.train, 2, None, ("p2",), timeout_s=120)
+    for rank, out in results.items():
+        for n, p in out["params"].items():
+            torch.testing.assert_close(p, alone["params"][n], rtol=1e-5, atol=1e-5, msg=f"{n} on rank {rank}")
+
+
+@pytest.mark.timeout(300)
+def test_consolidated_momentum_comes_from_where_it_lives():
+    """consolidate_state() after the owners changed: every rank gets the current momentum (it
+    broadcast from the all-parameter plan's owner, which may not hold it)."""
+    alone = W.train(consolidate_at=1)
+    results = launch(W.train, 2, 1, timeout_s=120)
+    for rank, out in results.items():
+        for n, buf in out["consolidated"].items():
+            torch.testing.assert_close(buf, alone["consolidated"][n], rtol=1e-5, atol=1e-5, msg=f"{n} on {rank}")
+        for n, p in out["params"].items():
+            torch.testing.assert_close(p, alone["params"][n], rtol=1e-5, atol=1e-5, msg=f"{n} on rank {rank}")
+
+
+@pytest.mark.timeout(300)
+def test_plan_on_one_rank_alone_runs_no_collective():
+    results = launch(W.plan_on_one_rank, 2, timeout_s=60)
+    assert results[0]["names"] == sorted(W.SHAPES) and results[1]["names"] is None
+
+
+@pytest.mark.timeout(300)
+def test_a_model_per_rank_under_a_group_of_its_own_runs_no_collective_with_the_others():
+    results = launch(W.one_model_per_rank, 2, timeout_s=60)
+    assert all(out["steps"] == 3 for out in results.values())
