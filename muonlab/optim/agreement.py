@@ -11,8 +11,9 @@ shape, dtype and settings; the step's options) to an 8-byte digest, sent to ever
 all_to_all_single, so every rank sees whether all digests are equal. It runs on gloo, on the host:
 under NCCL a side group over the same ranks, so reading the answer never waits for the GPU. Only
 on a mismatch do the ranks exchange their full descriptions, and every rank raises the same
-ValueError naming the parameter, the setting and the ranks, before anything changes. Unnamed parameters are described by position, so two same-shape unnamed parameters listed
-in another order on one rank look alike: name them (``(name, tensor)`` pairs or muon_param_groups).
+ValueError naming the parameter, the setting and the ranks, before anything changes. Unnamed
+parameters are described by position, so two same-shape unnamed parameters listed in another order
+on one rank look alike: name them (``(name, tensor)`` pairs or muon_param_groups).
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ from .agreement import Agreement
 from .offload import StateStores
 from .routing import check_not_flat
 from .validation import (ADAMW_DEFAULTS, MUON_DEFAULTS, SETTINGS, check_hyperparameters, check_memory_options,
-                         checked_fused_banks, fmt_shape, is_number, state_mismatch)
+                         checked_fused_banks, fmt_shape, grad_layout_mismatch, is_number, state_mismatch)
 
 ALGORITHMS = ("muon", "adamw")
 STATE_KEYS = {"muon": ("momentum_buffer",), "adamw": ("step", "exp_avg", "exp_avg_sq")}
@@ -174,7 +174,8 @@ class Muon(Optimizer):
         process_group: the group replicated (plain-tensor, DDP) parameters are divided over;
             default: the default group when torch.distributed runs with more than one rank.
             DTensor parameters always use their own mesh.
-        comm_dtype: dtype of matrices on the wire (bf16; fp32 for exact parity).
+        comm_dtype: dtype of matrices on the wire: bf16, or fp32 for exact parity (not fp16:
+            momentum travels before it is normalised, and fp16's range can't hold it).
         remainder_path: "auto", "all_to_all" or "agrs" for row-sharded batches of fewer than W
             matrices; "auto" takes the lower modelled time under ``hardware_profile``.
         hardware_profile: a muonlab.comm.cost profile name or HardwareProfile (default:
@@ -307,8 +308,10 @@ class Muon(Optimizer):
                             f"{type(process_group).__name__} (for a DeviceMesh axis pass mesh.get_group(axis))")
         if not isinstance(comm_dtype, torch.dtype):
             raise TypeError(f"comm_dtype must be a torch.dtype, got {comm_dtype!r}")
-        if comm_dtype not in (torch.bfloat16, torch.float16, torch.float32):
-            raise ValueError(f"comm_dtype must be bfloat16, float16 or float32, got {comm_dtype}")
+        if comm_dtype not in (torch.bfloat16, torch.float32):
+            # float16 would carry momentum before normalisation: gradients of 1e-7 underflowed to a
+            # zero update and of 1e6 overflowed to NaN parameters (finite grads: no check caught it)
+            raise ValueError(f"comm_dtype must be bfloat16 (2 bytes, fp32's range) or float32, got {comm_dtype}")
         choices_of = (("remainder_path", remainder_path, REMAINDER_PATHS), ("strategy", strategy, STRATEGIES),
                       ("nonfinite policy", nonfinite, NONFINITE_POLICIES))
         for option, value, choices in choices_of:
@@ -755,6 +758,9 @@ class Muon(Optimizer):
                     raise ValueError(
                         f"parameter {self._label(p)} has a gradient of shape {fmt_shape(g.shape)}"
                     )
+                layout = grad_layout_mismatch(p, g)
+                if layout:
+                    raise ValueError(f"parameter {self._label(p)} has {layout}")
                 mismatch = state_mismatch(p, self.state[p]) if p in self.state else None
                 if mismatch:
                     raise ValueError(

@@ -44,7 +44,8 @@ def flat_shard_origin(p: torch.Tensor) -> str | None:
     train the model without Muon.
     """
     if getattr(p, "_is_flat_param", False):
-        return "an FSDP1 FlatParameter (use FSDP2 fully_shard, e.g. muonlab.distributed.apply_fsdp, or FSDP1 with use_orig_params=True)"
+        return ("an FSDP1 FlatParameter (use FSDP2 fully_shard, e.g. muonlab.distributed.apply_fsdp, or FSDP1 "
+                "with use_orig_params=True)")
     if hasattr(p, "ds_numel") or hasattr(p, "ds_id"):
         return "a DeepSpeed ZeRO partition (give Muon the module's original parameters)"
     return None
@@ -151,9 +152,18 @@ def _describe(view: str, shape: tuple[int, ...]) -> str:
     return "hidden matrix"
 
 
+def _global_shape(p: torch.Tensor) -> tuple[int, ...]:
+    """``p``'s shape in the whole model: an expert bank of apply_ep holds this rank's E/ep experts,
+    one of them where E == ep, and a (1, out, in) bank must not read as a size-1 table."""
+    shape = tuple(p.shape)
+    if getattr(p, "_ep_size", 1) > 1:
+        return (shape[0] * p._ep_size, *shape[1:])
+    return shape
+
+
 def _by_module(module: nn.Module, p: torch.Tensor, conv: str) -> tuple[str, str]:
-    """Rules 3 to 5: the module's type decides, or for raw parameters the tensor's shape."""
-    view, shape = _view(module, p), tuple(p.shape)
+    """Rules 3 to 5: the module's type decides, or for raw parameters the tensor's (global) shape."""
+    view, shape = _view(module, p), _global_shape(p)
     if isinstance(module, nn.Linear) or is_transformers_conv1d(module) or (
             isinstance(module, nn.MultiheadAttention) and p.ndim == 2):
         return "muon", _describe(view, shape)

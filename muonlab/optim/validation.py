@@ -13,6 +13,11 @@ from collections.abc import Mapping
 import torch
 
 from ..kernels.newton_schulz import is_number, resolve_coefficients
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover - torch without distributed
+    DTensor = None  # type: ignore[assignment,misc]
 from . import functional as F
 
 
@@ -39,6 +44,23 @@ def state_mismatch(p: torch.Tensor, state: dict) -> str | None:
     for key, value in state.items():
         if key != "step" and torch.is_tensor(value) and value.shape != p.shape:
             return f"{key} of shape {fmt_shape(value.shape)}"
+    return None
+
+
+def grad_layout_mismatch(p: torch.Tensor, g: torch.Tensor) -> str | None:
+    """How gradient ``g`` is laid out unlike its parameter ``p``, described, or None.
+
+    The step reads a DTensor's gradient shard by shard as its own: the gradient must be a DTensor
+    on the same mesh with the same placements (a Partial one is not reduced yet, a Replicate one
+    for a Shard parameter holds other rows), and a plain tensor's gradient a plain tensor."""
+    p_dt, g_dt = DTensor is not None and isinstance(p, DTensor), DTensor is not None and isinstance(g, DTensor)
+    if p_dt != g_dt:
+        return (f"a {'DTensor' if g_dt else 'plain tensor'} gradient for a "
+                f"{'DTensor' if p_dt else 'plain tensor'} parameter")
+    if p_dt and (g.device_mesh != p.device_mesh or tuple(g.placements) != tuple(p.placements)):
+        return (f"a gradient with placements {tuple(g.placements)} on mesh {tuple(g.device_mesh.mesh.shape)}, "
+                f"unlike the parameter's {tuple(p.placements)} on {tuple(p.device_mesh.mesh.shape)} (reduce or "
+                "redistribute it to the parameter's layout first)")
     return None
 
 

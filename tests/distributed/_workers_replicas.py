@@ -78,3 +78,30 @@ def one_model_per_rank() -> dict:
             p.grad = None if (me == 0 and n == "v" and step == 1) else torch.randn_like(p)
         opt.step()
     return dict(steps=3)
+
+
+def grad_laid_out_unlike_its_parameter(kind: str) -> dict:
+    """A Shard(0) parameter (or a Replicate one, for "partial_on_replicate") whose gradient has
+    other placements: the step must refuse it by name before anything changes."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    full = torch.randn(6, 4, generator=torch.Generator().manual_seed(0))
+    placement = Replicate() if kind == "partial_on_replicate" else Shard(0)
+    w = torch.nn.Parameter(distribute_tensor(full, mesh, [placement]))
+    opt = Muon([{"params": [("w", w)]}], lr=0.05, ns_dtype=torch.float32)
+    grad = torch.ones(6, 4)
+    if kind == "replicate":
+        w.grad = distribute_tensor(grad, mesh, [Replicate()])
+    elif kind == "shard1":
+        w.grad = distribute_tensor(grad, mesh, [Shard(1)])
+    else:  # an unreduced gradient: each rank's share of a sum
+        w.grad = DTensor.from_local(grad / dist.get_world_size(), mesh, [Partial()])
+    before = w.detach().full_tensor()
+    try:
+        opt.step()
+        error = None
+    except ValueError as err:
+        error = str(err)
+    return dict(error=error, unchanged=torch.equal(before, w.detach().full_tensor()) and not opt.state.get(w))

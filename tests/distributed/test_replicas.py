@@ -1,5 +1,6 @@
-"""Replicated (DDP) Muon matrices across steps whose owners change, and calls that must not
-involve the other ranks (muonlab.optim.muon: _relocate_momentum, plan(), process_group)."""
+"""Replicated (DDP) Muon matrices across steps whose owners change, calls that must not involve
+the other ranks (muonlab.optim.muon: _relocate_momentum, plan(), process_group), and gradients
+laid out unlike their parameters."""
 
 import pytest
 import torch
@@ -59,3 +60,19 @@ def test_plan_on_one_rank_alone_runs_no_collective():
 def test_a_model_per_rank_under_a_group_of_its_own_runs_no_collective_with_the_others():
     results = launch(W.one_model_per_rank, 2, timeout_s=60)
     assert all(out["steps"] == 3 for out in results.values())
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kind, placements", [("replicate", r"\(Replicate\(\),\)"), ("shard1", r"\(Shard\(dim=1\),\)"),
+                                              ("partial", r"\(Partial\(sum\),\)"),
+                                              ("partial_on_replicate", r"\(Partial\(sum\),\)")])
+def test_a_gradient_laid_out_unlike_its_parameter_is_refused_by_name(kind, placements):
+    """It failed deep in the momentum code (other rows), or, a Partial gradient of a Replicate
+    parameter, silently used the owner's share of the sum."""
+    import re
+
+    results = launch(W.grad_laid_out_unlike_its_parameter, 2, kind, timeout_s=60)
+    for rank, out in results.items():
+        assert out["error"] and re.search(rf"parameter 'w' of shape \(6, 4\) has a gradient with placements "
+                                          rf"{placements}", out["error"]), (rank, out)
+        assert out["unchanged"], rank
