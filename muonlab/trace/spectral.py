@@ -204,6 +204,12 @@ def _generator(seed: int, key: str) -> torch.Generator:
     return torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()))
 
 
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in fp32, or in its own dtype if wider (fp64): an update of 1e-7 on an fp64 weight of 1
+    would otherwise be differenced in fp32, off by a percent."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
 def _initial_vector(name: str, n: int, seed: int) -> torch.Tensor:
     """A unit vector from the matrix name's seed."""
     v = torch.randn(n, generator=_generator(seed, name), dtype=torch.float32)
@@ -302,7 +308,7 @@ class SpectralRecorder:
         self._stop_observing()
         if self._steps % self.every:
             return
-        self._before = {n: local_shard(p).detach().float().clone() for n, p in self._params.items()}
+        self._before = {n: _wide(local_shard(p).detach()).clone() for n, p in self._params.items()}
         if self._reports_ns and self._ortho_names:
             self.optimizer._optimizer_spectral_observer = self.observe_newton_schulz
 
@@ -389,9 +395,9 @@ class SpectralRecorder:
             # rows of two matrices of one global shape have one local shape; uneven shards don't)
             by_shape.setdefault(tuple(self._params[n].shape), []).append(n)
         shapes = list(by_shape.values())
-        weights = [torch.stack([local_shard(self._params[n]).detach().float() for n in ns]) for ns in shapes]
+        weights = [torch.stack([_wide(local_shard(self._params[n]).detach()) for n in ns]) for ns in shapes]
         updates = [w - torch.stack([before[n] for n in ns]) for w, ns in zip(weights, shapes)]
-        vecs = [self._vector_stack(ns, kind, w.shape[-1], w.device)
+        vecs = [self._vector_stack(ns, kind, w.shape[-1], w.device).to(w.dtype)
                 for kind, stacks in (("weight", weights), ("update", updates)) for ns, w in zip(shapes, stacks)]
         all_reduce = None if group is None else (lambda t: dist.all_reduce(t, group=group))
         k = len(shapes)
