@@ -141,7 +141,9 @@ def top_singular_values(mats: list[torch.Tensor], vecs: list[torch.Tensor], iter
     stack still iterating is packed in one buffer handed to ``all_reduce`` (in place; None for
     whole matrices, a sum over ranks for row shards); the rest is computed alike on every rank.
     The value is the top Ritz value's root: never above sigma_max. A stack with nothing to follow
-    (a zero matrix) keeps its vector, with the value 0.
+    (a zero matrix) keeps its vector, with the value 0. Products run in the stacks' dtype, unscaled:
+    in fp32, entries past about 1e18 overflow W^T W q (NaN) and below about 1e-18 lose digits
+    (scaling each matrix first would cost row shards a collective per recorded step).
     """
     basis = [[v] for v in vecs]  # orthonormal Krylov vectors per stack
     alphas: list[list[torch.Tensor]] = [[] for _ in mats]
