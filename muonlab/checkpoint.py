@@ -209,6 +209,7 @@ def save(
     meta = io.BytesIO()
     torch.save(dict(step=_step_count(step), scheduler=None if scheduler is None else scheduler.state_dict(),
                     extra=extra, world_size=dist.get_world_size() if _dist_on() else 1,
+                    skipped_steps=getattr(opt, "skipped_steps", None),  # Muon's count of non-finite skips
                     tied=_tied_groups(model), torch_version=torch.__version__), meta)
     has_muon_state = hasattr(opt, "consolidate_state")
     if has_muon_state:
@@ -304,6 +305,8 @@ def load(
             opt.release_unowned_state()
     if scheduler is not None:
         scheduler.load_state_dict(meta["scheduler"])
+    if meta.get("skipped_steps") is not None and hasattr(opt, "skipped_steps"):  # absent before it was saved
+        opt.skipped_steps = int(meta["skipped_steps"])
     return int(meta["step"])
 
 

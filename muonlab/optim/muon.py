@@ -273,7 +273,7 @@ class Muon(Optimizer):
         self._views: dict[str, str] = {}
         self._plans: dict[tuple, tuple] = {}
         # Muon entry index -> global rank holding a replicated matrix's momentum (see
-        # _relocate_momentum); absent: no rank yet, or every rank holding it has the current value
+        # _relocate_momentum); absent: not known yet, found by _resolve_homes at the next step
         self._replica_home: dict[int, int] = {}
         self._agreement = Agreement()
         self._tracer = Tracer(rank=dist.get_rank() if _dist_on() else 0)  # the step recording or recorded last
@@ -489,6 +489,10 @@ class Muon(Optimizer):
         tensor is kept in its own dtype (momentum: ``momentum_dtype``; AdamW moments: fp32), not
         the parameter's dtype torch's loader casts floating state to, which would break exact
         resume of fp32 state for bf16 parameters.
+
+        A replicated (DDP) matrix's momentum lives on one rank, so one rank's state_dict holds only
+        the momentum that rank was home to: load each rank's own, or call consolidate_state() on
+        every rank before state_dict() (muonlab.checkpoint does) to load one everywhere.
         """
         pairs = self._saved_pairs(state_dict)  # these two raise before anything changes
         state_dict = dict(state_dict, param_groups=self._saved_groups(state_dict))
@@ -498,7 +502,7 @@ class Muon(Optimizer):
             state_dict = dict(state_dict, state={
                 pid: {k: v for k, v in s.items() if k not in offloaded} for pid, s in state_dict["state"].items()})
         super().load_state_dict(state_dict)
-        self._replica_home.clear()  # what was loaded is current wherever it was loaded
+        self._replica_home.clear()  # where the loaded momentum lies: asked at the next step
         for saved, p in pairs:
             for key, value in saved.items():
                 if key in offloaded and torch.is_tensor(value):
@@ -953,7 +957,32 @@ class Muon(Optimizer):
         (DDP) matrices: where its last step left it, else its owner in the plan of all of them."""
         entries = self._muon_entries()
         owners = self._plan_for(tuple(range(len(entries)))).owners
-        return [(i, entries[i][1], pg, self._replica_home.get(i, owner)) for i, (pg, owner, _) in owners.items()]
+        self._resolve_homes(owners)
+        return [(i, entries[i][1], pg, self._replica_home[i]) for i, (pg, _, _) in owners.items()]
+
+    def _resolve_homes(self, owners: dict) -> None:
+        """Collective, only while some replicated matrix of ``owners`` has no known home (a new
+        optimizer, after load_state_dict or consolidate_state): each rank says which of them it
+        holds momentum for, and a matrix's home becomes its owner if the owner holds it (or
+        nobody does), else the first rank that does. After owners moved, each rank's own
+        state_dict holds the momentum its rank was home to, which need not be the new owner's."""
+        entries = self._muon_entries()
+        unknown: dict[int, list[int]] = {}  # per process group, in plan order (the same on every rank)
+        for i, (pg, _, _) in owners.items():
+            if i not in self._replica_home:
+                unknown.setdefault(id(pg), []).append(i)
+        for members in unknown.values():
+            pg = owners[members[0]][0]
+            device = local_shard(entries[members[0]][1]).device  # NCCL gathers on the device
+            mine = torch.tensor([float("momentum_buffer" in self.state.get(entries[i][1], {})) for i in members],
+                                device=device)
+            everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(pg))]
+            dist.all_gather(everyone, mine, group=pg)
+            held, ranks = torch.stack(everyone).cpu(), dist.get_process_group_ranks(pg)
+            for k, i in enumerate(members):
+                owner = owners[i][1]
+                holders = [ranks[r] for r in held[:, k].nonzero().flatten().tolist()]
+                self._replica_home[i] = owner if not holders or owner in holders else holders[0]
 
     def _relocate_momentum(self, owners: dict) -> None:
         """Collective: move replicated matrices' momentum to their owners in this step's plan.
@@ -964,9 +993,9 @@ class Muon(Optimizer):
         momentum (or read the stale buffer of an earlier turn) while the current one sits on its
         old home. So the home broadcasts it in the matrix's group; the new owner keeps it, every
         other rank drops its copy. Every rank plans alike, so all take part in the same moves."""
+        self._resolve_homes(owners)
         entries, me = self._muon_entries(), dist.get_rank()
-        moves = [(i, home, owners[i]) for i in owners
-                 if (home := self._replica_home.get(i)) is not None and home != owners[i][1]]
+        moves = [(i, home, owners[i]) for i in owners if (home := self._replica_home[i]) != owners[i][1]]
         for i, home, (pg, owner, _) in moves:
             p = entries[i][1]
             if me in (home, owner):  # the home's buffer, or the new owner's (made now if it has none)
@@ -993,7 +1022,7 @@ class Muon(Optimizer):
             _, _, pg, home = owned[k]
             dist.broadcast(buf, src=home, group=pg)
         for i, _, _, _ in owned:
-            self._replica_home.pop(i, None)  # every rank holds the current value now
+            self._replica_home.pop(i, None)  # every rank holds the current value now: any may be home
 
     def release_unowned_state(self) -> None:
         """Drop the momentum of replicated matrices this rank does not hold for the group (after a

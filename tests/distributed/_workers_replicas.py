@@ -105,3 +105,23 @@ def grad_laid_out_unlike_its_parameter(kind: str) -> dict:
     except ValueError as err:
         error = str(err)
     return dict(error=error, unchanged=torch.equal(before, w.detach().full_tensor()) and not opt.state.get(w))
+
+
+def resume_from_each_ranks_state_dict(resume_after: int) -> dict:
+    """train() with each rank's own opt.state_dict() taken after step ``resume_after`` (owners
+    have moved by then) and loaded into a new optimizer on new parameters, which go on training."""
+    ps = params()
+    opt = Muon([{"params": list(ps.items())}], lr=0.05, momentum=0.9, ns_dtype=torch.float32,
+               comm_dtype=torch.float32)
+    for step in range(STEPS):
+        g = grads(step)
+        for n, p in ps.items():
+            p.grad = g[n].clone() if has_grad(n, step) else None
+        opt.step()
+        if step == resume_after:
+            saved = opt.state_dict()
+            ps = {n: torch.nn.Parameter(p.detach().clone()) for n, p in ps.items()}
+            opt = Muon([{"params": list(ps.items())}], lr=0.05, momentum=0.9, ns_dtype=torch.float32,
+                       comm_dtype=torch.float32)
+            opt.load_state_dict(saved)
+    return dict(params={n: p.detach().clone() for n, p in ps.items()})

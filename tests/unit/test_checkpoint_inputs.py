@@ -151,3 +151,16 @@ def test_summarize_wants_the_plans_world():
     for world in (2, 8, 0, -1, 4.0):
         with pytest.raises(ValueError, match=r"world must be the plan's world size \(4\)"):
             summarize(plan, world)
+
+
+def test_the_count_of_skipped_steps_survives_a_checkpoint(tmp_path):
+    model, opt = _build()
+    _train(model, opt)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, float("inf"))
+    opt.step()  # skipped: an inf gradient
+    assert opt.skipped_steps == 1
+    checkpoint.save(tmp_path / "ck", model, opt, step=3)
+    model2, opt2 = _build(seed=1)
+    checkpoint.load(tmp_path / "ck", model2, opt2)
+    assert opt2.skipped_steps == 1
