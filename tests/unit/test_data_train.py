@@ -113,4 +113,5 @@ def test_the_demo_command_refuses_bad_arguments_before_training(tmp_path, monkey
     assert stop.value.code == 0
     with pytest.raises(SystemExit) as stop:
         cli.main(["demo"])
-    assert stop.value.code == 2 and "$MUONLAB_DEMO_STEPS must be a whole number >= 1, got 'abc'" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "$MUONLAB_DEMO_STEPS must be a whole number >= 1, got 'abc'" in err

@@ -434,7 +434,7 @@ def _pg():
     (lambda: [("mask", torch.zeros(4, dtype=torch.bool))], {}, TypeError, "'mask' of shape \\(4\\) has dtype"),
     (_one, dict(comm_dtype="bf16"), TypeError, "comm_dtype must be a torch.dtype"),
     (_one, dict(comm_dtype=torch.int8), ValueError, "comm_dtype must be"),
-    (_one, dict(comm_dtype=torch.float16), ValueError, r"comm_dtype must be bfloat16 \(2 bytes, fp32.s range\) or float32"),
+    (_one, dict(comm_dtype=torch.float16), ValueError, r"comm_dtype must be bfloat16 \(2 bytes, fp32.s range\)"),
     (_one, dict(strategy=None), ValueError, "unknown strategy"),
     (_one, dict(remainder_path=["agrs"]), ValueError, "unknown remainder_path"),
     (_one, dict(nonfinite=None), ValueError, "unknown nonfinite"),
