@@ -213,8 +213,7 @@ def save(
                     tied=_tied_groups(model), torch_version=torch.__version__), meta)
     has_muon_state = hasattr(opt, "consolidate_state")
     if has_muon_state:
-        opt.init_state()
-        opt.consolidate_state()
+        opt.consolidate_state()  # every state tensor on every rank (made where missing), as DCP wants
     try:
         msd, osd = get_state_dict(model, opt)
         osd = _strip_param_names(osd)

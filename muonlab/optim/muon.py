@@ -86,6 +86,15 @@ def _part_of(batch: BatchPlan, local: torch.Tensor, read_only: bool = False) -> 
     return mats[lo:hi]
 
 
+def _holds_momentum(state: dict) -> bool:
+    """Whether a replicated matrix's state here holds its momentum: a buffer that is not all
+    zeros. init_state() makes zeros on every rank (distributed checkpointing wants the same keys
+    everywhere), which must not pass for the momentum; momentum that is truly all zeros is then
+    equally right wherever it is taken from."""
+    buf = state.get("momentum_buffer")
+    return buf is not None and bool(local_shard(buf).any())
+
+
 def _layout(p: torch.Tensor) -> tuple:
     """What a plan depends on of one parameter: which tensor it is, its global and local shapes,
     dtype, device and (for a DTensor) placements."""
@@ -962,8 +971,8 @@ class Muon(Optimizer):
 
     def _resolve_homes(self, owners: dict) -> None:
         """Collective, only while some replicated matrix of ``owners`` has no known home (a new
-        optimizer, after load_state_dict or consolidate_state): each rank says which of them it
-        holds momentum for, and a matrix's home becomes its owner if the owner holds it (or
+        optimizer, after load_state_dict): each rank says which of them it holds momentum for
+        (``_holds_momentum``), and a matrix's home becomes its owner if the owner holds it (or
         nobody does), else the first rank that does. After owners moved, each rank's own
         state_dict holds the momentum its rank was home to, which need not be the new owner's."""
         entries = self._muon_entries()
@@ -974,7 +983,7 @@ class Muon(Optimizer):
         for members in unknown.values():
             pg = owners[members[0]][0]
             device = local_shard(entries[members[0]][1]).device  # NCCL gathers on the device
-            mine = torch.tensor([float("momentum_buffer" in self.state.get(entries[i][1], {})) for i in members],
+            mine = torch.tensor([float(_holds_momentum(self.state.get(entries[i][1], {}))) for i in members],
                                 device=device)
             everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(pg))]
             dist.all_gather(everyone, mine, group=pg)
@@ -1006,27 +1015,27 @@ class Muon(Optimizer):
                 local = local_shard(p)
                 dist.broadcast(torch.empty_like(local, dtype=self._offload.dtype(p, "momentum_buffer")),
                                src=home, group=pg)
-            if me != owner:
-                self.state.pop(p, None)
-        self._replica_home.update((i, owner) for i, (_, owner, _) in owners.items())
+        for i, (_, owner, _) in owners.items():
+            self._replica_home[i] = owner
+            if me != owner:  # moved away, or a copy (init_state's zeros, a consolidation's): not kept
+                self.state.pop(entries[i][1], None)
 
     def consolidate_state(self) -> None:
         """Collective (call on every rank): each replicated matrix's momentum is broadcast from
         the rank holding it, so that every rank holds every state tensor, e.g. before saving a
         checkpoint."""
+        owned = self._owned()  # first: the zeros init_state makes must not read as momentum held
         self.init_state()
-        owned = self._owned()
         items = [(k, p, self.state[p]) for k, (_, p, _, _) in enumerate(owned)]
         # through the store: a collective backend may need the buffer on the parameter's device
         for k, (buf,) in self._offload.each(items, ("momentum_buffer",)):
             _, _, pg, home = owned[k]
             dist.broadcast(buf, src=home, group=pg)
-        for i, _, _, _ in owned:
-            self._replica_home.pop(i, None)  # every rank holds the current value now: any may be home
 
     def release_unowned_state(self) -> None:
         """Drop the momentum of replicated matrices this rank does not hold for the group (after a
-        save or a load): it lives on one rank only, a ZeRO-1 style saving."""
+        save or a load): it lives on one rank only, a ZeRO-1 style saving. Collective only after a
+        load (where it lies is asked then, ``_resolve_homes``)."""
         me = dist.get_rank() if _dist_on() else 0
         for i, p, _, home in self._owned():
             self._replica_home[i] = home

@@ -107,12 +107,17 @@ def grad_laid_out_unlike_its_parameter(kind: str) -> dict:
     return dict(error=error, unchanged=torch.equal(before, w.detach().full_tensor()) and not opt.state.get(w))
 
 
-def resume_from_each_ranks_state_dict(resume_after: int) -> dict:
+def resume_from_each_ranks_state_dict(resume_after: int, init_first: bool = False, then: str | None = None) -> dict:
     """train() with each rank's own opt.state_dict() taken after step ``resume_after`` (owners
-    have moved by then) and loaded into a new optimizer on new parameters, which go on training."""
+    have moved by then) and loaded into a new optimizer on new parameters, which go on training.
+    ``init_first``: init_state() before the first step (zeros on every rank, as for a
+    checkpoint load). ``then``: after the load, "consolidate" (consolidate_state() then
+    release_unowned_state()) or "init" (init_state())."""
     ps = params()
     opt = Muon([{"params": list(ps.items())}], lr=0.05, momentum=0.9, ns_dtype=torch.float32,
                comm_dtype=torch.float32)
+    if init_first:
+        opt.init_state()
     for step in range(STEPS):
         g = grads(step)
         for n, p in ps.items():
@@ -124,4 +129,27 @@ def resume_from_each_ranks_state_dict(resume_after: int) -> dict:
             opt = Muon([{"params": list(ps.items())}], lr=0.05, momentum=0.9, ns_dtype=torch.float32,
                        comm_dtype=torch.float32)
             opt.load_state_dict(saved)
+            if then == "consolidate":
+                opt.consolidate_state()
+                opt.release_unowned_state()
+            elif then == "init":
+                opt.init_state()
     return dict(params={n: p.detach().clone() for n, p in ps.items()})
+
+
+def release_alone_after_consolidate() -> dict:
+    """consolidate_state() on every rank, then rank 0 releases alone before the others (as after
+    a save of its own): no collective may be left in it."""
+    ps = params()
+    opt = Muon([{"params": list(ps.items())}], lr=0.05, ns_dtype=torch.float32)
+    for step in range(2):
+        for n, p in ps.items():
+            p.grad = grads(step)[n].clone() if has_grad(n, step) else None
+        opt.step()
+    opt.consolidate_state()
+    if dist.get_rank() == 0:
+        opt.release_unowned_state()
+    dist.barrier()
+    if dist.get_rank() != 0:
+        opt.release_unowned_state()
+    return dict(held=sorted(n for n, p in ps.items() if "momentum_buffer" in opt.state.get(p, {})))

@@ -51,15 +51,24 @@ def test_consolidated_momentum_comes_from_where_it_lives():
 
 
 @pytest.mark.timeout(300)
-def test_each_rank_resuming_from_its_own_state_dict_finds_where_momentum_lies():
+@pytest.mark.parametrize("init_first, then", [(False, None), (True, None), (False, "consolidate"), (False, "init")])
+def test_each_rank_resuming_from_its_own_state_dict_finds_where_momentum_lies(init_first, then):
     """After owners moved, a rank's own state_dict holds the momentum it was home to, which need
     not be the owner a new optimizer plans: the first step asks which rank holds what (momentum
-    was lost, 0.041 off an uninterrupted run)."""
+    was lost, 0.041 off an uninterrupted run). init_state()'s zeros, before the first step or
+    after the load (consolidate_state makes them too), must not pass for that momentum."""
     alone = W.train()
-    results = launch(W.resume_from_each_ranks_state_dict, 2, 1, timeout_s=120)
+    results = launch(W.resume_from_each_ranks_state_dict, 2, 1, init_first, then, timeout_s=120)
     for rank, out in results.items():
         for n, p in out["params"].items():
             torch.testing.assert_close(p, alone["params"][n], rtol=1e-5, atol=1e-5, msg=f"{n} on rank {rank}")
+
+
+@pytest.mark.timeout(300)
+def test_release_on_one_rank_after_a_consolidation_runs_no_collective():
+    results = launch(W.release_alone_after_consolidate, 2, timeout_s=60)
+    held = [set(out["held"]) for out in results.values()]
+    assert not held[0] & held[1] and held[0] | held[1] == set(W.SHAPES), held  # each on one rank
 
 
 @pytest.mark.timeout(300)
