@@ -963,7 +963,7 @@ class Muon(Optimizer):
 
     def _owned(self) -> list[tuple[int, torch.Tensor, object, int]]:
         """(entry index, param, process group, global rank holding its momentum) for replicated
-        (DDP) matrices: where its last step left it, else its owner in the plan of all of them."""
+        (DDP) matrices: where its last step left it, else where ``_resolve_homes`` finds it."""
         entries = self._muon_entries()
         owners = self._plan_for(tuple(range(len(entries)))).owners
         self._resolve_homes(owners)
