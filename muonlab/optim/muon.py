@@ -654,6 +654,8 @@ class Muon(Optimizer):
         planned = self._plan_for(indices) if indices else None
         if planned and planned.owners:
             self._relocate_momentum(planned.owners)  # moves values, changes none: safe before the check
+        if planned and self._replica_home:
+            self._spread_momentum(planned)
 
         def commit_point() -> bool:
             """The step's commit point: the check decides (go on, skip or raise), then AdamW."""
@@ -1019,6 +1021,18 @@ class Muon(Optimizer):
             self._replica_home[i] = owner
             if me != owner:  # moved away, or a copy (init_state's zeros, a consolidation's): not kept
                 self.state.pop(entries[i][1], None)
+
+    def _spread_momentum(self, planned: "_Planned") -> None:
+        """Collective: replicated matrices that this plan orthogonalizes on every rank (strategy
+        "redundant") need their momentum on every rank, and it lives on one home since an earlier
+        step's owner path: the home broadcasts it, and every rank holds it from now on."""
+        entries = self._muon_entries()
+        for i, spec in planned.specs.items():
+            if spec.layout != "replicated" or i in planned.owners or i not in self._replica_home:
+                continue
+            home, p = self._replica_home.pop(i), entries[i][1]
+            for _, (buf,) in self._offload.each([(0, p, self._state_for(p, "muon"))], ("momentum_buffer",)):
+                dist.broadcast(buf, src=home, group=planned.groups[spec.group][0])
 
     def consolidate_state(self) -> None:
         """Collective (call on every rank): each replicated matrix's momentum is broadcast from

@@ -153,3 +153,20 @@ def release_alone_after_consolidate() -> dict:
     if dist.get_rank() != 0:
         opt.release_unowned_state()
     return dict(held=sorted(n for n, p in ps.items() if "momentum_buffer" in opt.state.get(p, {})))
+
+
+def switch_strategy(at: int) -> dict:
+    """train() (no owner moves needed) with the strategy switched from "muonlab" (one owner per
+    matrix) to "redundant" (every rank orthogonalizes every matrix) before step ``at``, and back
+    two steps later."""
+    ps = params()
+    opt = Muon([{"params": list(ps.items())}], lr=0.05, momentum=0.9, ns_dtype=torch.float32,
+               comm_dtype=torch.float32)
+    for step in range(STEPS):
+        if step in (at, at + 2):
+            opt.strategy = "redundant" if step == at else "muonlab"
+        g = grads(step)
+        for n, p in ps.items():
+            p.grad = g[n].clone() if has_grad(n, step) else None
+        opt.step()
+    return dict(params={n: p.detach().clone() for n, p in ps.items()})

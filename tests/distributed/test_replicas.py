@@ -65,6 +65,17 @@ def test_each_rank_resuming_from_its_own_state_dict_finds_where_momentum_lies(in
 
 
 @pytest.mark.timeout(300)
+def test_switching_to_the_redundant_strategy_and_back_keeps_momentum():
+    """Under "redundant" every rank orthogonalizes every replicated matrix, so each needs the
+    momentum that lived on its owner only (non-owners used zeros, the replicas drifted apart)."""
+    alone = W.train()
+    results = launch(W.switch_strategy, 2, 1, timeout_s=120)
+    for rank, out in results.items():
+        for n, p in out["params"].items():
+            torch.testing.assert_close(p, alone["params"][n], rtol=1e-5, atol=1e-5, msg=f"{n} on rank {rank}")
+
+
+@pytest.mark.timeout(300)
 def test_release_on_one_rank_after_a_consolidation_runs_no_collective():
     results = launch(W.release_alone_after_consolidate, 2, timeout_s=60)
     held = [set(out["held"]) for out in results.values()]
