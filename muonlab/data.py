@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from .optim.validation import whole_number
+from .optim.validation import check_whole
 
 DEFAULT_MAX_BYTES = 4 << 20
 MIN_BYTES = 100_000
@@ -47,8 +47,7 @@ def _stdlib_files() -> list[Path]:
 
 def prepare_corpus(cache_dir: str | Path | None = None, max_bytes: int = DEFAULT_MAX_BYTES) -> Path:
     """Build (or reuse) the cached corpus; returns the path of the byte file."""
-    if whole_number(max_bytes) is None or max_bytes < MIN_BYTES:
-        raise ValueError(f"max_bytes must be a whole number >= {MIN_BYTES}, got {max_bytes!r}")
+    check_whole("max_bytes", max_bytes, MIN_BYTES)
     cache = Path(cache_dir) if cache_dir else default_cache_dir()
     out, meta_path = cache / "corpus.bin", cache / "corpus.meta.json"
     if out.exists() and meta_path.exists():
@@ -90,9 +89,8 @@ def load_corpus(split: str = "train", cache_dir: str | Path | None = None) -> to
 def get_batch(data: torch.Tensor, batch_size: int, context: int, generator: torch.Generator | None = None):
     """Random windows: inputs (batch, context) and next-byte targets, as int64. A window of
     context + 1 bytes starts anywhere it fits, so every byte but the first is some window's target."""
-    for name, value in (("batch_size", batch_size), ("context", context)):
-        if whole_number(value) is None or value < 1:
-            raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
+    check_whole("batch_size", batch_size, 1)
+    check_whole("context", context, 1)
     if len(data) < context + 1:
         raise ValueError(f"corpus of {len(data)} bytes is too short for context {context} (needs {context + 1})")
     starts = torch.randint(0, len(data) - context, (batch_size,), generator=generator)

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..optim.validation import whole_number
+from ..optim.validation import check_whole
 
 
 @dataclass(kw_only=True)
@@ -42,9 +42,7 @@ class GPTConfig:
     def __post_init__(self):
         least = dict(vocab_size=1, context=1, d_model=1, n_layers=1, n_heads=1, mlp_ratio=1, num_experts=0, top_k=1)
         for name, low in least.items():
-            value = getattr(self, name)
-            if whole_number(value) is None or value < low:
-                raise ValueError(f"GPTConfig.{name} must be a whole number >= {low}, got {value!r}")
+            check_whole(f"GPTConfig.{name}", getattr(self, name), low)
         if self.d_model % self.n_heads:
             raise ValueError(f"n_heads={self.n_heads} must divide d_model={self.d_model}")
         if self.num_experts and not 1 <= self.top_k <= self.num_experts:

@@ -1010,9 +1010,7 @@ class Muon(Optimizer):
         for i, home, (pg, owner, _) in moves:
             p = entries[i][1]
             if me in (home, owner):  # the home's buffer, or the new owner's (made now if it has none)
-                state = self._state_for(p, "muon")
-                for _, (buf,) in self._offload.each([(0, p, state)], ("momentum_buffer",)):
-                    dist.broadcast(buf, src=home, group=pg)
+                self._broadcast_momentum(p, home, pg)
             else:  # a rank between them receives too (a broadcast reaches the whole group)
                 local = local_shard(p)
                 dist.broadcast(torch.empty_like(local, dtype=self._offload.dtype(p, "momentum_buffer")),
@@ -1030,9 +1028,13 @@ class Muon(Optimizer):
         for i, spec in planned.specs.items():
             if spec.layout != "replicated" or i in planned.owners or i not in self._replica_home:
                 continue
-            home, p = self._replica_home.pop(i), entries[i][1]
-            for _, (buf,) in self._offload.each([(0, p, self._state_for(p, "muon"))], ("momentum_buffer",)):
-                dist.broadcast(buf, src=home, group=planned.groups[spec.group][0])
+            self._broadcast_momentum(entries[i][1], self._replica_home.pop(i), planned.groups[spec.group][0])
+
+    def _broadcast_momentum(self, p: torch.Tensor, src: int, group) -> None:
+        """Rank ``src``'s momentum of ``p`` into this rank's own buffer (made if it has none), over
+        ``group``, through its store (a collective backend may need it on the device)."""
+        for _, (buf,) in self._offload.each([(0, p, self._state_for(p, "muon"))], ("momentum_buffer",)):
+            dist.broadcast(buf, src=src, group=group)
 
     def consolidate_state(self) -> None:
         """Collective (call on every rank): each replicated matrix's momentum is broadcast from

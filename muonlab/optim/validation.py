@@ -12,12 +12,8 @@ from collections.abc import Mapping
 
 import torch
 
+from ..comm.specs import DTensor
 from ..kernels.newton_schulz import is_number, resolve_coefficients
-
-try:
-    from torch.distributed.tensor import DTensor
-except ImportError:  # pragma: no cover - torch without distributed
-    DTensor = None  # type: ignore[assignment,misc]
 from . import functional as F
 
 
@@ -30,6 +26,13 @@ def whole_number(value) -> int | None:
         return operator.index(value)
     except TypeError:
         return None
+
+
+def check_whole(name: str, value, low: int) -> None:
+    """A ValueError naming ``name`` unless ``value`` is a whole number (``whole_number``) >= ``low``."""
+    number = whole_number(value)
+    if number is None or number < low:
+        raise ValueError(f"{name} must be a whole number >= {low}, got {value!r}")
 
 
 def fmt_shape(shape) -> str:

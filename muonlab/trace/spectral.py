@@ -102,9 +102,15 @@ def exact_ortho_error(o: torch.Tensor) -> torch.Tensor:
     return torch.linalg.matrix_norm(o @ o.mT - eye) / math.sqrt(m)
 
 
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in fp32, or in its own dtype if wider (fp64): an update of 1e-7 on an fp64 weight of 1
+    would otherwise be differenced in fp32, off by a percent."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
 def gram(o: torch.Tensor) -> torch.Tensor:
     """The smaller Gram matrix of O (or of each of a stack), in fp32 or wider."""
-    o = o.float() if o.dtype not in (torch.float32, torch.float64) else o
+    o = _wide(o)
     return o @ o.mT if o.shape[-2] <= o.shape[-1] else o.mT @ o
 
 
@@ -120,7 +126,7 @@ def sampled_ortho_error(o: torch.Tensor, rows: torch.Tensor | None) -> torch.Ten
     """||O O^T - I||_F / sqrt(m) estimated from the rows ``rows`` of O O^T - I (O oriented m x n):
     sqrt(mean over them of a row's squared norm), unbiased in its square; exact (from the Gram)
     when ``rows`` is None. Costs len(rows) / m of the Gram's matmul."""
-    o = o.float() if o.dtype not in (torch.float32, torch.float64) else o
+    o = _wide(o)
     if o.shape[-2] > o.shape[-1]:
         o = o.mT
     m = o.shape[-2]
@@ -204,12 +210,6 @@ def _row_sharded_group(p: torch.Tensor, name: str):
 def _generator(seed: int, key: str) -> torch.Generator:
     """A CPU generator seeded from ``seed`` and ``key``: the same on every rank and in every run."""
     return torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()))
-
-
-def _wide(t: torch.Tensor) -> torch.Tensor:
-    """``t`` in fp32, or in its own dtype if wider (fp64): an update of 1e-7 on an fp64 weight of 1
-    would otherwise be differenced in fp32, off by a percent."""
-    return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
 def _initial_vector(name: str, n: int, seed: int) -> torch.Tensor:
