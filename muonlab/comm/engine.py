@@ -67,6 +67,7 @@ class BatchRun:
         self._bytes = {"out": (0, 0), "back": (0, 0)}
         self._item = None
         self._held = None  # outputs ready but not yet applied (a held batch without a way back)
+        self._start = self._back_start = None  # marks: the way out issued, the way back issued
         self.started = self.done = False
 
     def _advance(self, value, direction: str):
@@ -89,14 +90,26 @@ class BatchRun:
         tracer.tally(COMMUNICATION, self._start, tracer.mark())
 
     def abandon(self) -> None:
-        """Wait for its collective in flight, if any, then drop the batch without applying it."""
-        t0 = self._tracer.mark()
+        """Wait for its collective in flight, if any (recorded as its way out or back, like one
+        whose batch goes on: it moved its bytes), then drop the batch without applying it."""
+        tracer = self._tracer
+        t0 = tracer.mark()
         item, self._item, self._held = self._item, None, None
         if isinstance(item, Pending):
             item.wait()
         self._gen.close()
-        self._tracer.tally(COMMUNICATION, t0, self._tracer.mark())
+        t1 = tracer.mark()
+        tracer.tally(COMMUNICATION, t0, t1)
+        if isinstance(item, Pending):
+            self._record_comm("out" if self._back_start is None else "back", t1)
         self.done = True
+
+    def _record_comm(self, direction: str, end) -> None:
+        """The span of the way ``direction`` ("out" or "back"), from its issue to ``end``."""
+        sent, recv = self._bytes[direction]
+        start = self._start if direction == "out" else self._back_start
+        self._tracer.add(f"comm_{direction}", start, end, path=self.path, batch=self.index,
+                         bytes_sent=sent, bytes_recv=recv)
 
     def compute(self, hold: bool = False) -> None:
         """Wait for the way out, orthogonalize, issue the way back (or apply, without one; with
@@ -108,8 +121,7 @@ class BatchRun:
             mats = self._advance(mats.wait(), "out")
         t1 = tracer.mark()  # on CUDA after wait(): the current stream has waited for the data
         tracer.tally(COMMUNICATION, t0, t1)
-        sent, recv = self._bytes["out"]
-        tracer.add("comm_out", self._start, t1, path=self.path, batch=self.index, bytes_sent=sent, bytes_recv=recv)
+        self._record_comm("out", t1)
         self._back_start = t1
         ortho = None
         if mats is not None:
@@ -153,9 +165,7 @@ class BatchRun:
         self._item = None
         t1 = tracer.mark()
         tracer.tally(COMMUNICATION, t0, t1)
-        sent, recv = self._bytes["back"]
-        tracer.add("comm_back", self._back_start, t1, path=self.path, batch=self.index,
-                   bytes_sent=sent, bytes_recv=recv)
+        self._record_comm("back", t1)
         self._apply_outputs(outputs)
 
 

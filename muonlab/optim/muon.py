@@ -18,7 +18,7 @@ from torch.optim import Optimizer
 
 from ..comm.collectives import CommCounter
 from ..comm.cost import HardwareProfile, get_profile
-from ..comm.engine import execute_plan, phase_seconds
+from ..comm.engine import COMMUNICATION, execute_plan, phase_seconds
 from ..comm.paths.subgroup import ranks_per_expert, subgroups_for
 from ..comm.planner import REMAINDER_PATHS, STRATEGIES, plan_batches
 from ..comm.records import BatchPlan, Plan, part_range
@@ -38,6 +38,10 @@ ALGORITHMS = ("muon", "adamw")
 STATE_KEYS = {"muon": ("momentum_buffer",), "adamw": ("step", "exp_avg", "exp_avg_sq")}
 """The state each parameter of an algorithm holds once it has stepped (made by ``_state_for``)."""
 NONFINITE_POLICIES = ("skip", "raise", "ignore")
+MOMENTUM_MOVE = "momentum_move"
+"""``last_step_stats()``'s key (beside the plan's paths) for the momentum of replicated matrices
+broadcast between ranks during the step: a matrix whose owner changed (``_relocate_momentum``)
+or that every rank orthogonalizes from now on (``_spread_momentum``)."""
 
 
 class _Planned(NamedTuple):
@@ -84,6 +88,16 @@ def _part_of(batch: BatchPlan, local: torch.Tensor, read_only: bool = False) -> 
                          f"parts; make it contiguous or raise workspace_bytes") from err
     lo, hi = part_range(mats.shape[0], batch.part)
     return mats[lo:hi]
+
+
+def _count_broadcast(counter: CommCounter, tensor: torch.Tensor, src: int, group) -> None:
+    """One broadcast of ``tensor`` from global rank ``src`` over ``group``, in the step's counter:
+    the source sends it to every other rank of the group, each of them receives it once."""
+    nbytes = tensor.numel() * tensor.element_size()
+    if dist.get_rank() == src:
+        counter.add(MOMENTUM_MOVE, nbytes * (dist.get_world_size(group) - 1), 0)
+    else:
+        counter.add(MOMENTUM_MOVE, 0, nbytes)
 
 
 def _holds_momentum(state: dict) -> bool:
@@ -652,10 +666,13 @@ class Muon(Optimizer):
             self._agreement.check(check_group, self._step_description(work))
         indices = self._muon_indices(work["muon"])
         planned = self._plan_for(indices) if indices else None
-        if planned and planned.owners:
-            self._relocate_momentum(planned.owners)  # moves values, changes none: safe before the check
-        if planned and self._replica_home:
-            self._spread_momentum(planned)
+        if planned and (planned.owners or self._replica_home):
+            t0 = self._tracer.mark()  # moves values, changes none: safe before the check
+            if planned.owners:
+                self._relocate_momentum(planned.owners, counter)
+            if self._replica_home:
+                self._spread_momentum(planned, counter)
+            self._tracer.tally(COMMUNICATION, t0, self._tracer.mark())
 
         def commit_point() -> bool:
             """The step's commit point: the check decides (go on, skip or raise), then AdamW."""
@@ -921,16 +938,20 @@ class Muon(Optimizer):
         return list(plan)
 
     def last_step_stats(self) -> dict:
-        """Bytes counted at each collective (per path) and seconds per phase, for the last step.
+        """Bytes counted at each collective (per path) and seconds per phase, for the last step
+        that completed or was skipped (a step that raised leaves them as they were), as a copy the
+        caller may change.
 
-        The seconds come from the step's spans (``phase_seconds``): on CUDA they are GPU time, and
-        the first read after a step synchronises the device once. ``nonfinite_seconds``: the
-        non-finite check's host seconds, "check" (its start: the fused pass, the flags'
-        exchange launched) and "wait" (for the flags, at the commit point); None when off."""
-        stats = dict(self._stats)
-        if stats.get("seconds", {}) is None:
-            stats["seconds"] = self._stats["seconds"] = self._phase_seconds()
-        return stats
+        Bytes: the matrices the plan's paths moved, and momentum moved between ranks
+        (MOMENTUM_MOVE); the small control messages (the ranks' agreement digests, the non-finite
+        flags) are not counted. The seconds come from the step's spans (``phase_seconds``): on
+        CUDA they are GPU time, and the first read after a step synchronises the device once.
+        ``nonfinite_seconds``: the non-finite check's host seconds, "check" (its start: the fused
+        pass, the flags' exchange launched) and "wait" (for the flags, at the commit point); None
+        when off."""
+        if self._stats.get("seconds", {}) is None:
+            self._stats["seconds"] = self._phase_seconds()
+        return copy.deepcopy(self._stats)
 
     def _phase_seconds(self) -> dict[str, float]:
         """Seconds per phase of the last step: momentum, update and adamw from their spans,
@@ -995,7 +1016,7 @@ class Muon(Optimizer):
                 holders = [ranks[r] for r in held[:, k].nonzero().flatten().tolist()]
                 self._replica_home[i] = owner if not holders or owner in holders else holders[0]
 
-    def _relocate_momentum(self, owners: dict) -> None:
+    def _relocate_momentum(self, owners: dict, counter: CommCounter) -> None:
         """Collective: move replicated matrices' momentum to their owners in this step's plan.
 
         A replicated matrix's momentum lives on the rank that orthogonalizes it, and the planner
@@ -1003,24 +1024,25 @@ class Muon(Optimizer):
         setting changes the balance) a matrix can get a new owner, which would start from zero
         momentum (or read the stale buffer of an earlier turn) while the current one sits on its
         old home. So the home broadcasts it in the matrix's group; the new owner keeps it, every
-        other rank drops its copy. Every rank plans alike, so all take part in the same moves."""
+        other rank drops its copy. Every rank plans alike, so all take part in the same moves.
+        The broadcasts are counted in ``counter`` under MOMENTUM_MOVE."""
         self._resolve_homes(owners)
         entries, me = self._muon_entries(), dist.get_rank()
         moves = [(i, home, owners[i]) for i in owners if (home := self._replica_home[i]) != owners[i][1]]
         for i, home, (pg, owner, _) in moves:
             p = entries[i][1]
             if me in (home, owner):  # the home's buffer, or the new owner's (made now if it has none)
-                self._broadcast_momentum(p, home, pg)
+                self._broadcast_momentum(p, home, pg, counter)
             else:  # a rank between them receives too (a broadcast reaches the whole group)
-                local = local_shard(p)
-                dist.broadcast(torch.empty_like(local, dtype=self._offload.dtype(p, "momentum_buffer")),
-                               src=home, group=pg)
+                scratch = torch.empty_like(local_shard(p), dtype=self._offload.dtype(p, "momentum_buffer"))
+                _count_broadcast(counter, scratch, home, pg)
+                dist.broadcast(scratch, src=home, group=pg)
         for i, (_, owner, _) in owners.items():
             self._replica_home[i] = owner
             if me != owner:  # moved away, or a copy (init_state's zeros, a consolidation's): not kept
                 self.state.pop(entries[i][1], None)
 
-    def _spread_momentum(self, planned: "_Planned") -> None:
+    def _spread_momentum(self, planned: "_Planned", counter: CommCounter) -> None:
         """Collective: replicated matrices that this plan orthogonalizes on every rank (strategy
         "redundant") need their momentum on every rank, and it lives on one home since an earlier
         step's owner path: the home broadcasts it, and every rank holds it from now on."""
@@ -1028,12 +1050,14 @@ class Muon(Optimizer):
         for i, spec in planned.specs.items():
             if spec.layout != "replicated" or i in planned.owners or i not in self._replica_home:
                 continue
-            self._broadcast_momentum(entries[i][1], self._replica_home.pop(i), planned.groups[spec.group][0])
+            self._broadcast_momentum(entries[i][1], self._replica_home.pop(i), planned.groups[spec.group][0],
+                                     counter)
 
-    def _broadcast_momentum(self, p: torch.Tensor, src: int, group) -> None:
+    def _broadcast_momentum(self, p: torch.Tensor, src: int, group, counter: CommCounter) -> None:
         """Rank ``src``'s momentum of ``p`` into this rank's own buffer (made if it has none), over
         ``group``, through its store (a collective backend may need it on the device)."""
         for _, (buf,) in self._offload.each([(0, p, self._state_for(p, "muon"))], ("momentum_buffer",)):
+            _count_broadcast(counter, buf, src, group)
             dist.broadcast(buf, src=src, group=group)
 
     def consolidate_state(self) -> None:
@@ -1073,9 +1097,10 @@ class Muon(Optimizer):
         return out
 
     def last_step_spans(self) -> list[Span]:
-        """This rank's spans of the last step (gather them with muonlab.trace.gather_spans); on
-        CUDA GPU-timed, and the first read after a step synchronises the device once."""
-        return list(self._tracer.spans)
+        """This rank's spans of the step ``last_step_stats()`` describes (gather them with
+        muonlab.trace.gather_spans); on CUDA GPU-timed, and the first read after a step
+        synchronises the device once."""
+        return list(self._stats_tracer.spans)
 
     def _muon_indices(self, work: list[tuple[dict, list[torch.Tensor]]]) -> tuple[int, ...]:
         position = {id(p): i for i, (_, p) in enumerate(self._muon_entries())}

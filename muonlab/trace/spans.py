@@ -253,12 +253,15 @@ def to_chrome_trace(spans: Iterable) -> dict:
     and a thread's events must nest)."""
     rows = span_rows(spans)
     t0 = min((s["start"] for s in rows), default=0.0)
+    # compute on thread 1, each batch's communication (a span of no batch: batch -1) on its own
+    batches = sorted({s["batch"] for s in rows if LANES.get(s["name"]) == "comm"})
+    comm_thread = {b: 2 + k for k, b in enumerate(batches)}
     events = []
     for s in rows:
         lane = LANES.get(s["name"], "compute")
         events.append(dict(
             name=f"{s['name']}[{s['path']}]" if s["path"] else s["name"], ph="X", pid=s["rank"],
-            tid=2 + max(s["batch"], 0) if lane == "comm" else 1, ts=(s["start"] - t0) * 1e6,
+            tid=comm_thread[s["batch"]] if lane == "comm" else 1, ts=(s["start"] - t0) * 1e6,
             dur=(s["end"] - s["start"]) * 1e6,
             args={k: s[k] for k in ("path", "batch", "bytes_sent", "bytes_recv")},
         ))
@@ -266,7 +269,7 @@ def to_chrome_trace(spans: Iterable) -> dict:
         events.append(dict(name="process_name", ph="M", pid=r, args=dict(name=f"rank {r}")))
         events.append(dict(name="thread_name", ph="M", pid=r, tid=1, args=dict(name="compute")))
         for b in sorted({s["batch"] for s in rows if s["rank"] == r and LANES.get(s["name"]) == "comm"}):
-            events.append(dict(name="thread_name", ph="M", pid=r, tid=2 + max(b, 0),
+            events.append(dict(name="thread_name", ph="M", pid=r, tid=comm_thread[b],
                                args=dict(name=f"comm batch {b}")))
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 

@@ -173,9 +173,13 @@ def skipped_steps_leave_no_trace(state_offload: str | None = None, bank: bool = 
         if bad:
             out.setdefault("order", []).append(events[-1])
             stats = opt.last_step_stats()
+            comm = [s for s in opt.last_step_spans() if s.name in ("comm_out", "comm_back")]
             out["skips"].append(dict(unchanged=_equal(before, _snapshot(params, opt)), skipped=stats["skipped"],
                                      ranks=stats["nonfinite_ranks"], names=stats["nonfinite_params"],
-                                     state=len(opt.state)))
+                                     state=len(opt.state),
+                                     span_bytes=(sum(s.bytes_sent for s in comm), sum(s.bytes_recv for s in comm)),
+                                     stats_bytes=(sum(stats["bytes_sent"].values()),
+                                                  sum(stats["bytes_recv"].values()))))
         else:
             _set_grads(ref_params, mesh, step)
             ref.step()

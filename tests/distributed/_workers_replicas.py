@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from muonlab import Muon
+from muonlab.optim.muon import MOMENTUM_MOVE
 
 SHAPES = {"big": (8, 8), "p1": (4, 4), "p2": (4, 4)}
 STEPS = 4
@@ -32,24 +33,28 @@ def params(bf16: tuple[str, ...] = ()) -> dict[str, torch.nn.Parameter]:
 
 def train(consolidate_at: int | None = None, bf16: tuple[str, ...] = ()) -> dict:
     """STEPS steps of plain replicas (every rank the same values) under the world group, or in one
-    process outside any group: the final parameters, and where each momentum lives after each step.
+    process outside any group: the final parameters, where each momentum lives after each step,
+    and the momentum bytes each step's stats count as moved (sent, received).
     ``consolidate_at``: after that step, consolidate_state() then each rank's momentum of p1/p2.
     ``bf16``: names of parameters kept in bf16 (p2: two dtypes of one shape)."""
     ps = params(bf16)
     opt = Muon([{"params": list(ps.items())}], lr=0.05, momentum=0.9, ns_dtype=torch.float32,
                comm_dtype=torch.float32)
-    held, consolidated = [], None
+    held, moved, consolidated = [], [], None
     for step in range(STEPS):
         g = grads(step)
         for n, p in ps.items():
             p.grad = g[n].to(p.dtype) if has_grad(n, step) else None
         opt.step()
         held.append({n: "momentum_buffer" in opt.state.get(p, {}) for n, p in ps.items()})
+        stats = opt.last_step_stats()
+        moved.append((stats["bytes_sent"].get(MOMENTUM_MOVE, 0), stats["bytes_recv"].get(MOMENTUM_MOVE, 0)))
         if step == consolidate_at:
             opt.consolidate_state()
             consolidated = {n: opt.state[ps[n]]["momentum_buffer"].clone() for n in ("p1", "p2")}
             opt.release_unowned_state()
-    return dict(params={n: p.detach().clone() for n, p in ps.items()}, held=held, consolidated=consolidated)
+    return dict(params={n: p.detach().clone() for n, p in ps.items()}, held=held, moved=moved,
+                consolidated=consolidated)
 
 
 def plan_on_one_rank() -> dict:

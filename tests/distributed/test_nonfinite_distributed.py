@@ -53,6 +53,8 @@ def test_nan_on_one_rank_skips_everywhere_and_leaves_no_trace(state_offload, ban
         for k, (skip, name) in enumerate(zip(out["skips"], names)):
             assert skip["unchanged"] and skip["skipped"] and skip["ranks"] == [1], (rank, k, skip)
             assert skip["names"] == ([name] if rank == 1 else []), (rank, k, skip)
+            # the collectives drained at the gate moved their bytes: the timeline shows them
+            assert skip["span_bytes"] == skip["stats_bytes"], (rank, k, skip)
         assert out["skips"][0]["state"] == 0  # a skipped first step makes no state
         assert out["skipped_steps"] == 4
         # resident momentum: each skip stopped at the gate, the batches started before it (0, and

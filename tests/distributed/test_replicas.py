@@ -2,6 +2,8 @@
 the other ranks (muonlab.optim.muon: _relocate_momentum, plan(), process_group), and gradients
 laid out unlike their parameters."""
 
+import math
+
 import pytest
 import torch
 
@@ -19,10 +21,21 @@ def test_momentum_follows_a_replicated_matrix_to_its_new_owner():
     for rank, out in results.items():
         for n, p in out["params"].items():
             torch.testing.assert_close(p, alone["params"][n], rtol=1e-5, atol=1e-5, msg=f"{n} on rank {rank}")
+    holder = [{n: next(r for r in results if results[r]["held"][step][n]) for n in W.SHAPES}
+              for step in range(W.STEPS)]  # (each momentum lives on exactly one rank)
     for step in range(W.STEPS):
         for n in W.SHAPES:
             holders = [r for r in results if results[r]["held"][step][n]]
             assert len(holders) == (1 if W.has_grad(n, 0) else 0), (step, n, holders)
+    # each move's broadcast is in last_step_stats(): the bytes of the moved fp32 momentum, sent
+    # by its old home, received by the other rank
+    moves = 0
+    for step in range(W.STEPS):
+        moved = [n for n in W.SHAPES if step and holder[step][n] != holder[step - 1][n]]
+        moves += len(moved)
+        want = sum(4 * math.prod(W.SHAPES[n]) for n in moved)
+        assert [sum(results[r]["moved"][step][k] for r in results) for k in (0, 1)] == [want, want], (step, moved)
+    assert moves  # the test saw a move
 
 
 @pytest.mark.timeout(300)
