@@ -205,3 +205,35 @@ def test_a_step_that_raises_leaves_the_last_steps_seconds_readable(monkeypatch):
     assert opt.last_step_stats()["seconds"]["momentum"] == pytest.approx(1e-3, abs=1e-6)
     twin = copy.deepcopy(opt)
     assert twin.last_step_stats()["seconds"] == opt.last_step_stats()["seconds"]
+
+
+def test_spans_and_stats_describe_the_same_step_and_are_the_callers_copies():
+    """After a step that raised, last_step_spans() was the failed step's (empty) list while the
+    stats were the last good step's; and the stats' dicts were the optimizer's own."""
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(8, 16))
+    opt = Muon([w], nonfinite="raise")
+    w.grad = torch.randn_like(w)
+    opt.step()
+    spans = [(s.name, s.start) for s in opt.last_step_spans()]
+    assert any(name == "newton_schulz" for name, _ in spans)
+    w.grad = torch.full_like(w, float("nan"))
+    with pytest.raises(ValueError, match="non-finite"):
+        opt.step()
+    assert [(s.name, s.start) for s in opt.last_step_spans()] == spans
+    stats = opt.last_step_stats()
+    seconds = dict(stats["seconds"])
+    stats["seconds"]["newton_schulz"] = 1e9
+    stats["bytes_sent"]["all_to_all"] = 123
+    again = opt.last_step_stats()
+    assert again["seconds"] == seconds and again["bytes_sent"] == {}
+
+
+def test_chrome_trace_gives_communication_of_no_batch_a_thread_of_its_own():
+    spans = [Span("comm_out", 0.0, 1.0, rank=0, path="owner", batch=-1),
+             Span("comm_out", 0.5, 1.5, rank=0, path="owner", batch=0)]
+    trace = to_chrome_trace(spans)
+    threads = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
+    assert sorted(threads.values()) == ["comm batch -1", "comm batch 0", "compute"]
+    tids = [e["tid"] for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert len(set(tids)) == 2 and 1 not in tids
