@@ -275,7 +275,9 @@ def _layout(name: str, p: torch.Tensor, shape: tuple[int, ...], replicate_group,
             mesh_dim, dim = sharded[0][0], sharded[0][1].dim
             key = group_key_for_mesh(mesh, mesh_dim)
             if key.size == 1:  # a one-rank axis holds everything: nothing to move
-                return "whole", None, (), 0
+                # on a bigger mesh (experts on a (1, ep) mesh) its group still says which ranks
+                # hold such a matrix, each its own (all of them, not rank 0 alone, do its work)
+                return "whole", (None if len(key.mesh_ranks) == 1 else key), (), 0
             rows = chunk_sizes(shape[dim], key.size)
             if dim == 0 and num_fused > 1:
                 return fused_row_layout(shape[0], num_fused, key.size), key, rows, 0

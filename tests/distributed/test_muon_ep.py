@@ -20,7 +20,10 @@ from ._common import cloned, nonzero, rel_displacement
 NUM_RANKS = 4
 INVALID = [(2, 3, "fp32")]
 # E=2 with ep=2: one expert per EP rank, a (1, out, in) bank that must still route to Muon
-CASES = [(ep, e, "fp32") for ep in (1, 2) for e in (2, 3, 4, 6, 8) if e % ep == 0] + [(2, 6, "bf16")]
+# ep=4 == world: a (1, 4) mesh whose one-rank fsdp axis leaves each rank its experts (each rank's
+# load, not rank 0's alone, decides where the dense matrices go)
+CASES = ([(ep, e, "fp32") for ep in (1, 2) for e in (2, 3, 4, 6, 8) if e % ep == 0] + [(2, 6, "bf16")]
+         + [(4, 4, "fp32")])
 # expert banks cut into parts by a workspace budget of one matrix: evenly held (8 on 4 ranks) and
 # rebalanced (6 on 4 ranks: 2,2,2,0)
 PART_CASES = [(1, 8, W.PARTS), (1, 6, W.PARTS)]
