@@ -127,7 +127,7 @@ def per_rank(batches: Iterable[BatchPlan], world: int, *, by_path: bool = False)
     """
     batches = list(batches)
     maps = group_rank_maps(batches)
-    needed = 1 + max(g for ranks in maps.values() for g in ranks)
+    needed = _ranks_spanned(maps)
     if world < needed:
         raise ValueError(f"world={world} is smaller than the plan, which spans {needed} ranks (global ranks "
                          f"0..{needed - 1}): pass world >= {needed}")
@@ -146,15 +146,17 @@ def per_rank(batches: Iterable[BatchPlan], world: int, *, by_path: bool = False)
     return out.get(None, {"flops": [0] * world, "sent": [0] * world, "recv": [0] * world})
 
 
-def flops_per_group_rank(batches: Iterable[BatchPlan]) -> list[int]:
-    """Newton-Schulz FLOPs per GROUP-LOCAL rank, summed over batches (the planner's balance view)."""
+def _ranks_spanned(maps: dict) -> int:
+    """Global ranks 0..n-1 that a plan's groups (``group_rank_maps``) span: n."""
+    return 1 + max(g for ranks in maps.values() for g in ranks)
+
+
+def flops_per_rank(batches: Iterable[BatchPlan]) -> list[int]:
+    """Newton-Schulz FLOPs per GLOBAL rank over the ranks the plan spans (the planner's balance
+    view: a dense group and an expert mesh's axis may cover the same ranks, so their group-local
+    ranks can't be added up index by index)."""
     batches = list(batches)
-    size = max((b.group.size if b.group else 1) for b in batches) if batches else 1
-    out = [0] * size
-    for b in batches:
-        for r, f in enumerate(b.flops):
-            out[r] += f
-    return out
+    return per_rank(batches, _ranks_spanned(group_rank_maps(batches)))["flops"]
 
 
 def bytes_for_rank(batches: Iterable[BatchPlan], rank: int) -> tuple[dict[str, int], dict[str, int]]:

@@ -5,7 +5,7 @@ import math
 import pytest
 
 from muonlab.comm.planner import plan_batches
-from muonlab.comm.records import flops_per_group_rank
+from muonlab.comm.records import flops_per_rank
 from muonlab.comm.specs import GroupKey, MatrixSpec, chunk_sizes
 from muonlab.kernels.newton_schulz import NSConfig, ns_flops
 
@@ -43,7 +43,7 @@ def test_sharded_bytes_meet_the_lower_bound_and_flops_balance(size):
     assert total <= 1.05 * bound, (total, bound)
     per_matrix = [ns_flops(s) for s in shapes]
     target = max(sum(per_matrix) / size, max(per_matrix))
-    worst = max(flops_per_group_rank(plan))
+    worst = max(flops_per_rank(plan))
     if size <= 4:  # enough matrices per rank: within 10% of max(mean, largest matrix)
         assert worst <= 1.1 * target, (worst, target)
     else:  # few matrices per rank: LPT's guarantee, 4/3 of a bound below the optimum
@@ -84,7 +84,7 @@ def test_replicated_matrices_get_one_owner_each_balanced_by_flops():
     assert {b.path for b in plan} == {"owner"}
     owners = {i: o for b in plan for i, o in zip(b.param_indices, b.owners)}
     assert set(owners) == set(range(5))
-    loads = flops_per_group_rank(plan)
+    loads = flops_per_rank(plan)
     assert max(loads) == ns_flops((128, 64))  # LPT: the largest alone on one rank
     # every rank receives what the others computed: (W-1)/W of all update bytes per rank on average
     total = sum(a * b * 2 for a, b in shapes)
@@ -367,3 +367,24 @@ def test_replicated_batches_split_within_the_budget_evenly_over_owners():
         assert all(set(Counter(b.owners).values()) == {len(b.owners) // 4} for b in plan), limit  # even
         for key in ("flops", "sent", "recv"):
             assert plan.per_rank(4)[key] == whole.per_rank(4)[key], (limit, key)
+
+
+def test_best_search_judges_balance_per_global_rank_on_an_expert_mesh():
+    """Dense matrices on a 6-rank group and experts on a (3, 2) mesh's fsdp axis: the search
+    added group-local rank r of both groups as if they were one rank, and kept a plan both less
+    balanced (max-rank FLOPs) and slower (its own cost model) than one it threw away."""
+    from muonlab.comm.cost import get_profile, step_seconds
+    from muonlab.comm.planner import ROW_RULES, RulePlanner
+    from muonlab.comm.records import per_rank
+    from muonlab.simulate import mesh_specs
+
+    shapes = [("d0", (4096, 2048)), ("e0", (2, 2048, 1024)), ("e1", (2, 4096, 2048))]
+    specs, profile = mesh_specs(shapes, 6, ep=2), get_profile("h100_node")
+    configs = [CFG] * len(specs)
+    chosen = plan_batches(specs, configs, comm_itemsize=2, profile=profile)
+    options = [RulePlanner(specs, configs, comm_itemsize=2, remainder_path="auto", profile=profile,
+                           row_assignment=rule, rebalance=move).plan() for rule in ROW_RULES for move in (True, False)]
+    worst = max(per_rank(chosen, 6)["flops"])
+    better = [p for p in options
+              if max(per_rank(p, 6)["flops"]) < worst and step_seconds(p, profile) < step_seconds(chosen, profile)]
+    assert not better, (worst, [max(per_rank(p, 6)["flops"]) for p in better])

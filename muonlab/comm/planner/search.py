@@ -7,7 +7,7 @@ from dataclasses import replace
 
 from ...kernels.newton_schulz import NSConfig, ns_flops
 from ..cost import get_profile, step_seconds
-from ..records import Plan, flops_per_group_rank
+from ..records import Plan, flops_per_rank
 from ..specs import MatrixSpec
 from .rule import ROW_RULES, RulePlanner
 
@@ -80,8 +80,8 @@ def plan_batches(
 
 
 def _imbalance(plan: Plan, largest_matrix_flops: int) -> float:
-    """Max-rank FLOPs / max(mean, largest single matrix), per group-local rank."""
-    loads = flops_per_group_rank(plan)
+    """Max-rank FLOPs / max(mean, largest single matrix), per global rank."""
+    loads = flops_per_rank(plan)
     target = max(sum(loads) / max(len(loads), 1), largest_matrix_flops) or 1
     return max(loads, default=0) / target
 
