@@ -7,9 +7,10 @@ import pytest
 from muonlab.comm.planner import plan_batches
 from muonlab.comm.records import flops_per_rank
 from muonlab.comm.specs import GroupKey, MatrixSpec, chunk_sizes
-from muonlab.kernels.newton_schulz import NSConfig, ns_flops
+from muonlab.kernels.newton_schulz import NSConfig, ns_flops, resolve_form
 
 CFG = NSConfig()
+CFG_OF_SIMULATE = NSConfig(**resolve_form("auto"))  # simulate()'s default form
 
 
 def group(size):
@@ -388,3 +389,17 @@ def test_best_search_judges_balance_per_global_rank_on_an_expert_mesh():
     better = [p for p in options
               if max(per_rank(p, 6)["flops"]) < worst and step_seconds(p, profile) < step_seconds(chosen, profile)]
     assert not better, (worst, [max(per_rank(p, 6)["flops"]) for p in better])
+
+
+def test_whole_matrices_move_when_small_ones_that_stay_fill_every_idle_rank():
+    """Two one-expert banks on rank 0 and eight small experts spread over 4 ranks: no move kept
+    every rank under the LPT cap (the small ones count against it), so both big experts stayed
+    on rank 0 at twice any other rank's load. Moving one, and the small ones off its new rank,
+    reaches the LPT makespan: one big expert's FLOPs."""
+    from muonlab.simulate import simulate
+
+    plan = simulate([("e1", (1, 256, 256)), ("e2", (1, 256, 256)), ("s", (8, 16, 16))], 4)
+    big, small = ns_flops((256, 256), CFG_OF_SIMULATE), ns_flops((16, 16), CFG_OF_SIMULATE)
+    assert max(plan.per_rank(4)["flops"]) == big > 8 * small
+    (experts,) = [b for b in plan if b.names == ("e1", "e2")]
+    assert len(experts.moves) == 1  # one of the two moved

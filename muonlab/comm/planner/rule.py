@@ -278,9 +278,10 @@ class RulePlanner:
 
     def _plan_whole(self, group: GroupKey | None, buckets: list[list[tuple[int, tuple[int, int] | None]]]) -> None:
         """Whole matrices stay where they lie unless their rank is overloaded; then the largest ones
-        move to the least-loaded ranks (path "rebalance": out to the owner and back), until no rank
-        exceeds what an LPT placement would reach. Experts of a MoE layer sharded over more ranks
-        than experts would otherwise leave most ranks idle. A bucket is a run of (parameter, part)."""
+        move to the least-loaded ranks (path "rebalance": out to the owner and back), while their
+        rank exceeds what an LPT placement would reach and a move lowers the busier of the two
+        ranks. Experts of a MoE layer sharded over more ranks than experts would otherwise leave
+        most ranks idle. A bucket is a run of (parameter, part)."""
         size = group.size if group else 1
         members = {item: self.part_members(*item) for bucket in buckets for item in bucket}
         owner = self._whole_owners(group, members)
@@ -324,19 +325,29 @@ class RulePlanner:
         # least-loaded rank by a heap with lazy deletion: an entry is current if it matches the load
         heap = [(load[r], r) for r in range(size)]
         heapq.heapify(heap)
-        for i, j, src in sorted(items, key=lambda t: (-flops_of(t[0]), t[0], t[1])):
-            f = flops_of(i)
-            if load[src] <= cap:
-                continue
-            while heap[0][0] != load[heap[0][1]]:
-                heapq.heappop(heap)
-            target = heap[0][1]
-            if load[target] + f <= cap:
-                owner[(i, j)] = target
-                load.add(src, -f)
-                load.add(target, f)
-                heapq.heappush(heap, (load[src], src))
-                heapq.heappush(heap, (load[target], target))
+        order = sorted(items, key=lambda t: (-flops_of(t[0]), t[0], t[1]))
+
+        def move_while(fits) -> None:
+            """Largest first, each matrix of a rank over the cap to the least-loaded rank, if
+            ``fits(that rank's load with it, its own rank's load)``."""
+            for i, j, _ in order:
+                src, f = owner[(i, j)], flops_of(i)
+                if load[src] <= cap:
+                    continue
+                while heap[0][0] != load[heap[0][1]]:
+                    heapq.heappop(heap)
+                target = heap[0][1]
+                if fits(load[target] + f, load[src]):
+                    owner[(i, j)] = target
+                    load.add(src, -f)
+                    load.add(target, f)
+                    heapq.heappush(heap, (load[src], src))
+                    heapq.heappush(heap, (load[target], target))
+
+        move_while(lambda moved, _: moved <= cap)
+        # matrices that never move (their rank is under the cap) may keep every rank from staying
+        # under it: then moves that at least lower the busier rank of the two
+        move_while(lambda moved, src_load: moved < src_load)
         return owner
 
     # ------------------------------------------------------------------ replicated (DDP)
