@@ -12,6 +12,7 @@ code path for the real step and for a 2048-rank plan.
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -203,10 +204,12 @@ def simulate(
 def lower_bound_bytes(plan: Plan, comm_itemsize: int = 2) -> int:
     """The fewest bytes any plan moves for these matrices. A sharded matrix is gathered to one
     rank and scattered back: at best to the rank holding its largest shard, 2 (1 - largest/rows)
-    of its bytes (2 (W-1)/W for even shards; less where trailing ranks hold empty shards).
-    Replicated ones: one all-gather of the updates, (W-1)/W of their bytes on each rank. Matrices
-    already whole on a rank (experts in a bank) and on a one-rank group count nothing: a plan
-    that moves them (for balance) moves more than the bound."""
+    of its bytes (2 (W-1)/W for even shards; less where trailing ranks hold empty shards); or,
+    cheaper for a matrix of a fused bank that spans few ranks, all-gathered by the h ranks
+    holding it, each orthogonalizing it, nothing sent back: h - 1 of its bytes
+    (``_least_moved_share``). Replicated ones: one all-gather of the updates, (W-1)/W of their
+    bytes on each rank. Matrices already whole on a rank (experts in a bank) and on a one-rank
+    group count nothing: a plan that moves them (for balance) moves more than the bound."""
     total = 0.0
     for b in plan:
         if b.group is None or b.group.size == 1 or b.sources:  # sources: whole matrices, in place
@@ -220,10 +223,25 @@ def lower_bound_bytes(plan: Plan, comm_itemsize: int = 2) -> int:
             if b.path == "owner":
                 total += copies * (W - 1) * nbytes  # summed over the W ranks
             else:
-                rows = shape[b.shard_dim]
-                largest = max(chunk_sizes(rows, W))
-                total += copies * 2 * (1 - largest / rows) * nbytes
+                extent = shape[b.shard_dim]
+                # a fused bank's sharded dim 0 holds its matrices one after another
+                span = b.matrix_shape[0] if b.shard_dim == 0 and extent % b.matrix_shape[0] == 0 else extent
+                total += copies * _least_moved_share(chunk_sizes(extent, W), span) * nbytes
     return int(round(total))
+
+
+def _least_moved_share(rows: Sequence[int], span: int) -> float:
+    """The least share of a sharded parameter's bytes any plan moves: its sharded dim, ``rows``
+    entries per rank, holds matrices of ``span`` entries each. Each matrix is either gathered to
+    the rank holding most of it and sent back, 2 (1 - largest/span) of it, or all-gathered by the
+    h ranks holding part of it, h - 1 of it: the smaller of the two."""
+    ends = list(itertools.accumulate(rows))
+    starts = [end - r for end, r in zip(ends, rows)]
+    moved = 0.0
+    for lo in range(0, ends[-1], span):
+        pieces = [p for a, e in zip(starts, ends) if (p := min(e, lo + span) - max(a, lo)) > 0]
+        moved += min(2 * (1 - max(pieces) / span), len(pieces) - 1)
+    return moved * span / ends[-1]
 
 
 def summarize(plan: Plan, world: int, profile="h100_node", comm_itemsize: int = 2) -> dict:

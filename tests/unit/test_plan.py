@@ -403,3 +403,18 @@ def test_whole_matrices_move_when_small_ones_that_stay_fill_every_idle_rank():
     assert max(plan.per_rank(4)["flops"]) == big > 8 * small
     (experts,) = [b for b in plan if b.names == ("e1", "e2")]
     assert len(experts.moves) == 1  # one of the two moved
+
+
+@pytest.mark.parametrize("world, shape, fused", [(4, (16, 8), 2), (8, (64, 32), 4), (8, (64, 32), 2)])
+def test_the_byte_bound_holds_for_fused_banks_on_the_subgroup_path(world, shape, fused):
+    """Each matrix of a fused bank spanning k ranks can be all-gathered among them (k - 1 of its
+    bytes, nothing back): the bound charged 2 (1 - largest/rows) of the whole bank, above what
+    the subgroup path moves (0.67 and 0.57 of it)."""
+    from muonlab.simulate import simulate, summarize
+
+    plan = simulate([("w", shape)], world, fused_banks={"w": fused})
+    assert [b.path for b in plan] == ["subgroup"]
+    totals = summarize(plan, world)
+    assert totals["total_bytes"] >= totals["bound_bytes"] > 0
+    if world // fused == 2:  # two ranks per matrix: the all-gather is the cheapest move
+        assert totals["total_bytes"] == totals["bound_bytes"]
