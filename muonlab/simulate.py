@@ -11,6 +11,7 @@ code path for the real step and for a 2048-rank plan.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 from collections.abc import Iterable, Sequence
@@ -25,7 +26,7 @@ from .distributed.mesh import MeshAxis
 from .kernels.newton_schulz import NSConfig, ns_flops, resolve_form
 from .kernels.runner import matrices_within
 from .optim.routing import muon_param_groups
-from .optim.validation import check_workspace_bytes, checked_fused_banks, whole_number
+from .optim.validation import check_comm_dtype, check_workspace_bytes, checked_fused_banks, whole_number
 
 SIMULATED_STRATEGIES = ("muonlab",) + REFERENCE_STRATEGIES
 SIMULATED_BACKENDS = ("torch", "triton")
@@ -62,10 +63,13 @@ def _named_shapes(params_or_shapes, matrix_views: dict[str, str] | None = None
     if not isinstance(matrix_views or {}, dict):
         raise TypeError(f"matrix_views must be a dict {{name: view}}, got {type(matrix_views).__name__}")
     views = dict(matrix_views or {})
-    out = []
+    out, seen = [], set()
     for i, item in enumerate(items):
         named = isinstance(item, tuple) and len(item) in (2, 3) and isinstance(item[0], str)
         name, shape, view = (item + ("",))[:3] if named else (f"param{i}", item, "")
+        if name in seen:  # views, fused banks and plan rows are keyed by name, as in Muon
+            raise ValueError(f"parameter name {name!r} appears twice; names must be unique")
+        seen.add(name)
         shape = tuple(_positive_int(d, f"'{name}' has shape {tuple(shape)}: its dims") for d in shape)
         if len(shape) < 2:
             raise ValueError(f"Muon parameters need at least 2 dims; '{name}' has shape {shape}")
@@ -112,7 +116,9 @@ def mesh_specs(named_shapes: Iterable[tuple], world: int, *, ep: int = 1,
                 raise ValueError(f"'{name}' has {shape[0]} experts, not divisible by ep={ep}")
             local = (shape[0] // ep,) + shape[1:]
             group = experts if layout == "fsdp" or ep > 1 else dense
-            if layout == "ddp" and ep == 1:
+            if world == 1:  # one process: every expert here, as Muon plans it
+                specs.append(MatrixSpec(i, name, local, "whole", None, view=view))
+            elif layout == "ddp" and ep == 1:
                 specs.append(MatrixSpec(i, name, local, "replicated", dense, view=view))
             else:
                 specs.append(MatrixSpec(i, name, local, "whole", group, shard_sizes(local[0], group.size), view=view))
@@ -150,6 +156,8 @@ def simulate(
 
     Args:
         params_or_shapes: a model (its Muon-routed parameters), or (name, shape) pairs / shapes.
+            A run batches matrices of each dtype apart: a model's dtypes are read from it; shapes
+            are taken to share one dtype.
         mesh_shape: world size W (or (W,)), or (fsdp, ep) for expert parallel (build_ep_mesh's shape).
         layout: "fsdp" (sharded) or "ddp" (replicated) for the dense matrices.
         strategy: "muonlab", or a reference strategy: "padded_all_to_all", "xtuner".
@@ -171,6 +179,8 @@ def simulate(
     if strategy not in SIMULATED_STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; choose one of {SIMULATED_STRATEGIES}")
     check_workspace_bytes(workspace_bytes)
+    check_comm_dtype(comm_dtype)  # as Muon checks them
+    NSConfig(dtype=ns_dtype)
     if ns_backend not in SIMULATED_BACKENDS:
         raise ValueError(f"simulate's ns_backend must be one of {SIMULATED_BACKENDS}, got {ns_backend!r}"
                          + ("; 'auto' is timed on the device itself: pass the backend it chose"
@@ -189,6 +199,9 @@ def simulate(
         world = ep * fsdp
     specs = mesh_specs(_named_shapes(params_or_shapes, matrix_views), world, ep=ep, layout=layout,
                        expert_mesh=expert_mesh, fused_banks=fused_banks)
+    if isinstance(params_or_shapes, torch.nn.Module):  # a run batches each dtype apart
+        dtypes = {name: str(p.dtype) for name, p in params_or_shapes.named_parameters()}
+        specs = [dataclasses.replace(s, dtype=dtypes[s.name]) for s in specs]
     configs = [NSConfig(steps=ns_steps, **resolve_form(ns_form), backend=ns_backend)] * len(specs)
     itemsize = torch.empty(0, dtype=comm_dtype).element_size()
     if strategy == "muonlab":

@@ -13,6 +13,7 @@ the group's other ranks share its node (the group is assumed laid out node-major
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -38,6 +39,21 @@ class HardwareProfile:
     """Dense matmul rate (FLOP/s) in the Newton-Schulz dtype."""
     source: str = ""
     """Where the numbers come from."""
+
+    def __post_init__(self):
+        # a zero rate divided by later, a negative latency gave negative modelled seconds
+        rates = (("intra_bw", self.intra_bw), ("inter_bw", self.inter_bw), ("matmul_flops", self.matmul_flops))
+        for field, value in rates + (("latency_s", self.latency_s),):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"HardwareProfile {self.name!r}: {field} must be a finite number, got {value!r}")
+        for field, value in rates:
+            if value <= 0:
+                raise ValueError(f"HardwareProfile {self.name!r}: {field} must be > 0, got {value!r}")
+        if self.latency_s < 0:
+            raise ValueError(f"HardwareProfile {self.name!r}: latency_s must be >= 0, got {self.latency_s!r}")
+        if isinstance(self.ranks_per_node, bool) or not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1:
+            raise ValueError(f"HardwareProfile {self.name!r}: ranks_per_node must be an int >= 1, "
+                             f"got {self.ranks_per_node!r}")
 
 
 PROFILES = {

@@ -31,8 +31,9 @@ from . import nonfinite
 from .agreement import Agreement
 from .offload import StateStores
 from .routing import check_not_flat
-from .validation import (ADAMW_DEFAULTS, MUON_DEFAULTS, SETTINGS, check_hyperparameters, check_memory_options,
-                         checked_fused_banks, fmt_shape, grad_layout_mismatch, is_number, state_mismatch)
+from .validation import (ADAMW_DEFAULTS, MUON_DEFAULTS, SETTINGS, check_comm_dtype, check_hyperparameters,
+                         check_memory_options, checked_fused_banks, fmt_shape, grad_layout_mismatch, is_number,
+                         state_mismatch)
 
 ALGORITHMS = ("muon", "adamw")
 STATE_KEYS = {"muon": ("momentum_buffer",), "adamw": ("step", "exp_avg", "exp_avg_sq")}
@@ -329,12 +330,7 @@ class Muon(Optimizer):
         if process_group is not None and not (dist.is_available() and isinstance(process_group, dist.ProcessGroup)):
             raise TypeError(f"process_group must be a torch.distributed ProcessGroup or None, got "
                             f"{type(process_group).__name__} (for a DeviceMesh axis pass mesh.get_group(axis))")
-        if not isinstance(comm_dtype, torch.dtype):
-            raise TypeError(f"comm_dtype must be a torch.dtype, got {comm_dtype!r}")
-        if comm_dtype not in (torch.bfloat16, torch.float32):
-            # float16 would carry momentum before normalisation: gradients of 1e-7 underflowed to a
-            # zero update and of 1e6 overflowed to NaN parameters (finite grads: no check caught it)
-            raise ValueError(f"comm_dtype must be bfloat16 (2 bytes, fp32's range) or float32, got {comm_dtype}")
+        check_comm_dtype(comm_dtype)
         choices_of = (("remainder_path", remainder_path, REMAINDER_PATHS), ("strategy", strategy, STRATEGIES),
                       ("nonfinite policy", nonfinite, NONFINITE_POLICIES))
         for option, value, choices in choices_of:
@@ -1227,11 +1223,13 @@ class Muon(Optimizer):
     def _max_local_matrices(self, shape: tuple[int, int], cfg: NSConfig) -> int:
         """Matrices of ``shape`` one batch of the local path may hold within the budget: its
         results overwrite its momentum inputs, whose bytes serve as an iterate when their dtype
-        is the compute dtype (the first Muon parameter's momentum dtype stands for all)."""
+        is the compute dtype, and count at the momentum's itemsize otherwise (fp32 momentum into
+        bf16 Newton-Schulz: twice the bytes); the first Muon parameter's momentum dtype stands
+        for all."""
         dtype = resolve_dtype(cfg.dtype, self._device()) or torch.float32
         momentum = self._offload.dtype(self._muon_entries()[0][1], "momentum_buffer")
         return self._ns_runner().chunk_size(shape, dtype, reuses_input=momentum == dtype, cfg=cfg,
-                                            device=self._device())
+                                            device=self._device(), input_dtype=momentum)
 
     def _ns_config(self, group: dict) -> NSConfig:
         """A Muon group's Newton-Schulz settings with the optimizer-wide dtype, form and backend."""

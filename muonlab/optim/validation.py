@@ -164,6 +164,16 @@ def check_hyperparameters(values: dict, algorithm: str, prefix: str, where: str)
             f"unknown momentum_form {values['momentum_form']!r}{where}; choose one of {F.MOMENTUM_FORMS}")
 
 
+def check_comm_dtype(comm_dtype) -> None:
+    """The dtype of matrices on the wire: bfloat16 or float32."""
+    if not isinstance(comm_dtype, torch.dtype):
+        raise TypeError(f"comm_dtype must be a torch.dtype, got {comm_dtype!r}")
+    if comm_dtype not in (torch.bfloat16, torch.float32):
+        # float16 would carry momentum before normalisation: gradients of 1e-7 underflowed to a
+        # zero update and of 1e6 overflowed to NaN parameters (finite grads: no check caught it)
+        raise ValueError(f"comm_dtype must be bfloat16 (2 bytes, fp32's range) or float32, got {comm_dtype}")
+
+
 def check_workspace_bytes(workspace_bytes) -> None:
     """A Newton-Schulz workspace budget: an int >= 1 (bytes) or None."""
     if workspace_bytes is not None and (not isinstance(workspace_bytes, int) or isinstance(workspace_bytes, bool)):

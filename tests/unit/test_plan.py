@@ -418,3 +418,28 @@ def test_the_byte_bound_holds_for_fused_banks_on_the_subgroup_path(world, shape,
     assert totals["total_bytes"] >= totals["bound_bytes"] > 0
     if world // fused == 2:  # two ranks per matrix: the all-gather is the cheapest move
         assert totals["total_bytes"] == totals["bound_bytes"]
+
+
+def test_simulate_plans_a_model_of_two_dtypes_as_its_run_does_and_checks_options_as_muon():
+    import torch
+
+    from muonlab import Muon, muon_param_groups
+    from muonlab.comm.cost import HardwareProfile
+    from muonlab.simulate import simulate
+
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8, bias=False) for _ in range(3)])  # the last: the head
+    model[1].to(torch.bfloat16)
+    run = [(b.path, b.names) for b in Muon(muon_param_groups(model)).plan()]
+    assert len(run) == 2 and [(b.path, b.names) for b in simulate(model, 1)] == run
+    bank = [("experts", (4, 8, 8))]
+    assert [(b.path, b.group) for b in simulate(bank, 1, layout="ddp")] == [("local", None)]
+    for bad, match in [(dict(comm_dtype=torch.float16), "comm_dtype"), (dict(comm_dtype="bf16"), "comm_dtype"),
+                       (dict(ns_dtype=torch.int8, workspace_bytes=1 << 20), "ns_dtype")]:
+        with pytest.raises((TypeError, ValueError), match=match):
+            simulate([("w", (8, 8))], 2, **bad)
+    with pytest.raises(ValueError, match="'w' appears twice"):
+        simulate([("w", (8, 8)), ("w", (8, 4))], 2)
+    good = dict(name="x", intra_bw=1e9, inter_bw=1e9, ranks_per_node=8, latency_s=1e-5, matmul_flops=1e12)
+    for field, value in [("intra_bw", 0), ("matmul_flops", float("nan")), ("latency_s", -1.0), ("ranks_per_node", 0)]:
+        with pytest.raises(ValueError, match=field):
+            HardwareProfile(**{**good, field: value})
