@@ -180,7 +180,9 @@ def muon_apply_(
     for p, o, ratio in zip(params, updates, ratios):
         ps, os_ = by_ratio.setdefault(ratio, ([], []))
         ps.append(p)
-        os_.append(o.to(p.dtype))
+        # fp16: the add in fp32, as torch.optim.Muon's mixed-dtype add of its bf16 update does (an
+        # fp16 add rounds its alpha to fp16 on a CPU: -0.02 became -0.019997)
+        os_.append(o.float() if p.dtype == torch.float16 else o.to(p.dtype))
     for ratio, (ps, os_) in by_ratio.items():
         torch._foreach_add_(ps, os_, alpha=-lr * ratio)
 
@@ -197,7 +199,7 @@ def adamw_(
     eps: float,
     weight_decay: float,
 ) -> None:
-    """AdamW (Loshchilov & Hutter) with bias correction; moments in fp32, step counts as tensors."""
+    """AdamW (Loshchilov & Hutter) with bias correction; moments in at least fp32, step counts as tensors."""
     beta1, beta2 = betas
     for p, g, m, v, step in zip(params, grads, exp_avgs, exp_avg_sqs, steps):
         step += 1

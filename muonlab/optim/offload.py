@@ -30,15 +30,17 @@ OFFLOAD_PLACES = (None, "cpu", "disk")
 MAGIC = b"MUONLAB-OFFLOAD\x01"
 HEADER_BYTES = 4096
 ALIGN = 64  # slots start on cache-line boundaries
-ADAMW_STATE_DTYPE = torch.float32  # AdamW moments are fp32 whatever the parameter's dtype
+ADAMW_STATE_DTYPE = torch.float32  # AdamW moments are at least fp32 (fp64 for fp64 parameters)
 
 
 def state_dtype(p: torch.Tensor, key: str, momentum_dtype: torch.dtype | None) -> torch.dtype:
     """The dtype a state tensor is kept in: Muon's momentum in ``momentum_dtype`` (None: the
-    parameter's dtype, as torch.optim.Muon keeps it), AdamW's moments in fp32."""
+    parameter's dtype, as torch.optim.Muon keeps it), AdamW's moments in fp32, or fp64 for fp64
+    parameters (fp32 moments rounded their updates to fp32, and squared gradients past 1e19
+    overflowed to an update of zero)."""
     if key == "momentum_buffer":
         return momentum_dtype if momentum_dtype is not None else p.dtype
-    return ADAMW_STATE_DTYPE
+    return torch.promote_types(p.dtype, ADAMW_STATE_DTYPE)
 
 
 class OffloadError(OSError):

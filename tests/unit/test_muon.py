@@ -304,6 +304,35 @@ def test_adamw_group_matches_torch_adamw():
     torch.testing.assert_close(p[0], q[0], rtol=1e-6, atol=1e-7)
 
 
+def test_adamw_keeps_fp64_parameters_moments_in_fp64():
+    """fp32 moments rounded an fp64 parameter's updates to fp32 (1e-7 of an update off), and a
+    squared gradient of 1e40 overflowed them to an update of zero."""
+    p = torch.nn.Parameter(torch.zeros(6, dtype=torch.float64))
+    q = torch.nn.Parameter(p.detach().clone())
+    opt = Muon([{"params": [p], "algorithm": "adamw", "lr": 1e-3, "weight_decay": 0.0}])
+    ref = torch.optim.AdamW([q], lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    for g in ([1e20, -1e20] * 3, [1.0, 0.3, -2.0, 1e-3, 5.0, -0.1]):
+        p.grad, q.grad = torch.tensor(g, dtype=torch.float64), torch.tensor(g, dtype=torch.float64)
+        opt.step()
+        ref.step()
+    assert opt.state[p]["exp_avg"].dtype == torch.float64
+    torch.testing.assert_close(p, q, rtol=1e-14, atol=1e-16)
+
+
+def test_fp16_parameters_keep_torch_muons_bits():
+    """An fp16 add rounds its alpha to fp16 on a CPU (-0.02 became -0.019997): the update is added
+    in fp32, as torch.optim.Muon's bf16 update into an fp16 parameter is."""
+    init = _params([(24, 24)])[0].detach().half()
+    p, q = torch.nn.Parameter(init.clone()), torch.nn.Parameter(init.clone())
+    a = Muon([p], lr=0.02, weight_decay=0.0, ns_dtype=torch.bfloat16, ns_form="plain", ns_backend="torch")
+    b = torch.optim.Muon([q], lr=0.02, weight_decay=0.0, adjust_lr_fn="original")
+    for (g,) in _grads([(24, 24)], 4):
+        p.grad, q.grad = g.half(), g.half()
+        a.step()
+        b.step()
+    assert torch.equal(p, q)
+
+
 # ---------------------------------------------------------------- bad input
 
 
