@@ -12,11 +12,17 @@ measures nothing; another GPU model or version measures again.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
 import threading
 from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # Windows: the cache file is written without a lock
+    fcntl = None
 
 import torch
 
@@ -29,10 +35,13 @@ _memory: dict[Path, dict[str, str]] = {}
 
 
 def cache_dir() -> Path:
-    """``$MUONLAB_CACHE_DIR``, else ``$XDG_CACHE_HOME/muonlab``, else ``~/.cache/muonlab``."""
+    """``$MUONLAB_CACHE_DIR``, else ``$XDG_CACHE_HOME/muonlab``, else ``~/.cache/muonlab``. An
+    empty or relative XDG_CACHE_HOME counts as unset, as the XDG Base Directory spec says
+    (``export XDG_CACHE_HOME=`` otherwise put the cache in whatever directory a process ran in)."""
     if os.environ.get("MUONLAB_CACHE_DIR"):
         return Path(os.environ["MUONLAB_CACHE_DIR"])
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "muonlab"
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    return (Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache") / "muonlab"
 
 
 def _versions() -> str:
@@ -57,26 +66,56 @@ def _key(batch_shape, dtype, cfg) -> str:
     form = form_for(cfg, batch_shape[-2:])
     if form == "gram":
         form += f"{cfg.gram_restarts}"
-    return f"{tuple(batch_shape)}|{dtype}|{cfg.resolved_coefficients()}|{form}"
+    key = f"{tuple(batch_shape)}|{dtype}|{cfg.resolved_coefficients()}|{form}"
+    if dtype == torch.float32:  # TF32 or IEEE products, in torch and in the Triton kernels alike
+        key += f"|{torch.get_float32_matmul_precision()}"
+    return key
+
+
+def _read(path: Path) -> dict[str, str]:
+    """The choices in one cache file: {} where there is none, or a damaged one (measured again,
+    then rewritten); entries other than a backend name (a hand-edited file) are left out."""
+    try:
+        return {k: v for k, v in dict(json.loads(path.read_text())).items() if v in ("torch", "triton")}
+    except (OSError, ValueError, TypeError):
+        return {}
 
 
 def _choices(path: Path) -> dict[str, str]:
     """The known choices of one cache file, read from disk the first time."""
     if path not in _memory:
-        try:
-            # entries other than a backend name (a hand-edited or damaged file) are measured again
-            _memory[path] = {k: v for k, v in dict(json.loads(path.read_text())).items() if v in ("torch", "triton")}
-        except (OSError, ValueError, TypeError):
-            _memory[path] = {}  # no file yet, or a damaged one: measure again and rewrite it
+        _memory[path] = _read(path)
     return _memory[path]
 
 
+@contextlib.contextmanager
+def _file_lock(path: Path):
+    """An exclusive lock on ``path``'s sidecar ``.lock`` file, between processes; none where the
+    platform has no ``fcntl`` (Windows): there concurrent writers may still drop entries."""
+    if fcntl is None:
+        yield
+        return
+    with open(path.with_name(path.name + ".lock"), "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)  # released when the handle closes
+        yield
+
+
 def _store(path: Path) -> None:
+    """Write this process's choices to ``path``, merged with what other processes (other jobs,
+    ranks meeting other shapes) wrote since it was read: under the file lock, the file is read
+    again, and rewritten whole through a temporary file (atomic: readers never see half a file)."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(_memory[path], indent=1, sort_keys=True))
-        tmp.replace(path)  # atomic: concurrent ranks never read half a file
+        with _file_lock(path):
+            merged = {**_read(path), **_memory[path]}  # ours win: just measured, in this process
+            _memory[path] = merged
+            try:
+                tmp.write_text(json.dumps(merged, indent=1, sort_keys=True))
+                os.replace(tmp, path)
+            finally:  # a failed write's leftover (none once replaced), removed while the lock is held
+                with contextlib.suppress(OSError):
+                    tmp.unlink(missing_ok=True)
     except OSError:
         pass  # a read-only home: keep the choice for this process only
 
@@ -87,13 +126,15 @@ def faster_backend(batch_shape: tuple[int, int, int], dtype: torch.dtype, cfg, d
     key = _key(batch_shape, dtype, cfg)
     with _lock:
         choices = _choices(path)
+        if key not in choices:  # another process may have measured it since the file was read
+            choices = _memory[path] = {**_read(path), **choices}
         if key not in choices:
             if torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError(f"backend='auto' has not measured Newton-Schulz on {tuple(batch_shape)} {dtype} "
                                    "yet and can't while a CUDA graph is being captured: run one eager call first")
             choices[key] = _measure(batch_shape, dtype, cfg, device)
             _store(path)
-        return choices[key]
+        return _memory[path][key]
 
 
 def measured_choices(device: torch.device) -> dict[str, str]:

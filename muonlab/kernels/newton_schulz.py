@@ -129,18 +129,37 @@ def _normalise_into(out: torch.Tensor, X: torch.Tensor, eps: float, scale: float
 
     The norm accumulates in fp32 inside the reduction either way; for bf16 it is returned in bf16,
     exactly torch.optim.Muon's ``norm()`` (asking for an fp32 result instead made an fp32 copy of
-    the batch on CPU: 12 ms instead of 0.4 ms for 24 x 256 x 768). fp16 keeps an fp32 norm and
-    divides by it in fp32: a matrix of finite fp16 values can have a norm past fp16's range
-    (65504), which cast back to fp16 would be inf and turn the matrix into zeros. In fp32 and
-    bf16 the sum of squares overflows only for entries near 1e19 (then the result is zeros, as
-    torch.optim.Muon's): not guarded, since a guard costs a pass or a host sync per call.
+    the batch on CPU: 12 ms instead of 0.4 ms for 24 x 256 x 768). In fp32 and bf16 the sum of
+    squares overflows only for entries near 1e19 (then the result is zeros, as torch.optim.Muon's):
+    not guarded, since a guard costs a pass or a host sync per call. fp16: ``_normalise_half_into``.
     """
-    half = X.dtype == torch.float16
-    norms = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=torch.float32 if half else None)
+    if X.dtype == torch.float16:
+        return _normalise_half_into(out, X, eps, scale)
+    norms = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True)
     if scale != 1.0:  # scaled in at least fp32 (a bf16 norm times 1.02 would round), fp64 kept
         norms = norms.to(torch.promote_types(norms.dtype, torch.float32)) * scale
-    divisor = norms.clamp(min=eps)
-    return torch.div(X, divisor if half else divisor.to(X.dtype), out=out)
+    return torch.div(X, norms.clamp(min=eps).to(X.dtype), out=out)
+
+
+HALF_SMALLEST = 2.0**-24
+"""fp16's smallest positive (subnormal) value: the divisor's floor, so an eps below it can't make 0 / 0."""
+
+
+def _normalise_half_into(out: torch.Tensor, X: torch.Tensor, eps: float, scale: float) -> torch.Tensor:
+    """``_normalise_into`` for fp16, whose range (65504) a matrix of finite fp16 values can pass in
+    norm: as an fp16 divisor that norm would be inf and zero the matrix. An fp32 norm and an fp32
+    division would each make an fp32 copy of the batch (on a CPU; with them a runner call took 2.2x
+    its workspace budget). So the division is split in two fp16 passes with no copy: first by the
+    power of two at or above the largest |entry| (1 when that is below 1), which is exact (only
+    exponents change) and leaves entries within [-1, 1], whose norm is at most sqrt(m n), in range;
+    then by that norm, scaled and floored, in fp16. Against one fp32 division, the divisor's fp16
+    rounding scales a matrix by up to 1e-3 (relative), which Newton-Schulz does not see."""
+    peak = torch.linalg.vector_norm(X, ord=math.inf, dim=(-2, -1), keepdim=True).float()
+    power = torch.exp2(torch.ceil(torch.log2(peak.clamp(min=1))))  # at most 2^16: its reciprocal is an fp16
+    torch.mul(X, power.reciprocal().to(X.dtype), out=out)
+    rest = torch.linalg.vector_norm(out, dim=(-2, -1), keepdim=True).float() * scale
+    divisor = rest.clamp(min=(eps / power).clamp(min=HALF_SMALLEST))  # X's floor eps, at out's scale
+    return out.div_(divisor.to(X.dtype))
 
 
 def _plain_iterations(X: torch.Tensor, spare: torch.Tensor, coeffs: Coefficients, gram: torch.Tensor,
@@ -345,7 +364,7 @@ def newton_schulz(G: torch.Tensor | Sequence[torch.Tensor], config: NSConfig | N
         ``out``, or a new contiguous tensor of G's shape ((total, A, B) for a list) in the
         config's dtype (G's dtype when dtype is None). G is not modified unless it is ``out``.
     """
-    pieces = _pieces(G)
+    pieces = batch_pieces(G)
     cfg = _config(config, settings)
     device = pieces[0].device
     dtype = resolve_dtype(cfg.dtype, device) or pieces[0].dtype
@@ -357,7 +376,7 @@ def newton_schulz(G: torch.Tensor | Sequence[torch.Tensor], config: NSConfig | N
     if out is None:
         out = G if isinstance(G, Overwrite) else torch.empty(
             G.shape if isinstance(G, torch.Tensor) else (num, rows, cols), dtype=dtype, device=device)
-    targets = _pieces(out, "out", writable=True)
+    targets = batch_pieces(out, "out", writable=True)
     if sum(t.shape[0] for t in targets) != num or targets[0].shape[-2:] != pieces[0].shape[-2:] \
             or targets[0].device != device or not targets[0].is_floating_point():
         raise ValueError(f"out must hold {num} matrices of shape {(rows, cols)} on {device} in a float dtype, "
@@ -430,7 +449,7 @@ def store_pieces(stack: torch.Tensor, pieces: list[torch.Tensor]) -> None:
     torch._foreach_copy_(pieces, list(stack.split([p.shape[0] for p in pieces])))
 
 
-def _pieces(G, name: str = "G", writable: bool = False) -> list[torch.Tensor]:
+def batch_pieces(G, name: str = "G", writable: bool = False) -> list[torch.Tensor]:
     """``G`` as a list of (k, A, B) tensors, checked: one device and dtype, equal last two dims;
     empty pieces dropped, pieces back to back in one buffer joined. ``writable`` pieces (``out``)
     are views: a reshape that had to copy would take the result away."""
@@ -555,13 +574,13 @@ def triton_usable(device: torch.device) -> bool:
     return TRITON_AVAILABLE and (device.type == "cuda" or (INTERPRET and device.type == "cpu"))
 
 
-def pick_backend(backend: str, device: torch.device | str, batch_shape: tuple[int, int, int], dtype: torch.dtype,
-                 cfg: NSConfig) -> str:
-    """"torch" or "triton": which path ``backend`` runs a (B, m, n) batch on ``device``; "triton"
-    where Triton can't run raises a ValueError saying so."""
+def possible_backends(backend: str, device: torch.device | str) -> tuple[str, ...]:
+    """The backends ``backend`` may run a batch on ``device`` on, whatever the batch: one, or for
+    "auto" where Triton can run both (its pick then depends on the batch's shape, see
+    ``pick_backend``). "triton" where Triton can't run raises a ValueError saying so."""
     device = torch.device(device)
     if backend == "torch" or (backend == "auto" and device.type != "cuda"):
-        return "torch"  # "auto" off CUDA: not even importing triton (its import alone costs ~80 MB)
+        return ("torch",)  # "auto" off CUDA: not even importing triton (its import alone costs ~80 MB)
     usable = triton_usable(device)
     if backend == "triton":
         if not usable:
@@ -570,13 +589,21 @@ def pick_backend(backend: str, device: torch.device | str, batch_shape: tuple[in
                 f"set before muonlab is imported, for CPU tests); got device {device}. "
                 "backend='auto' falls back to torch"
             )
-        return "triton"
+        return ("triton",)
     # auto: the interpreter is for correctness tests only, never picked automatically
-    if not usable:
-        return "torch"
+    return ("torch", "triton") if usable else ("torch",)
+
+
+def pick_backend(backend: str, device: torch.device | str, batch_shape: tuple[int, int, int], dtype: torch.dtype,
+                 cfg: NSConfig) -> str:
+    """"torch" or "triton": which path ``backend`` runs a (B, m, n) batch on ``device``; "triton"
+    where Triton can't run raises a ValueError saying so."""
+    possible = possible_backends(backend, device)
+    if len(possible) == 1:
+        return possible[0]
     from .backend_choice import faster_backend
 
-    return faster_backend(batch_shape, dtype, cfg, device)
+    return faster_backend(batch_shape, dtype, cfg, torch.device(device))
 
 
 def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype | None:

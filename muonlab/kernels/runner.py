@@ -12,10 +12,12 @@ per iteration, which matters below width ~4096 where eager launches leave the GP
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
-from .newton_schulz import (NSConfig, Overwrite, form_for, load_pieces, newton_schulz, pick_backend, resolve_dtype,
-                            store_pieces)
+from .newton_schulz import (NSConfig, Overwrite, batch_pieces, form_for, load_pieces, newton_schulz, pick_backend,
+                            possible_backends, resolve_dtype, store_pieces)
 from .workspace import Workspace, max_batch_matrices
 
 MIN_BUDGET = {"cuda": 256 * 2**20, "cpu": 8 * 2**20}
@@ -40,38 +42,45 @@ def default_budget(param_bytes: int, device_type: str = "cuda") -> int:
 
 
 def matrices_within(budget_bytes: int, shape, dtype: torch.dtype, cfg: NSConfig | None = None,
-                    reuses_input: bool = False, device: torch.device | str | None = None) -> int:
+                    reuses_input: bool = False, device: torch.device | str | None = None,
+                    input_dtype: torch.dtype | None = None) -> int:
     """Matrices of ``shape`` one Newton-Schulz call under ``cfg`` (its form on this shape; None:
     the plain form) may take within ``budget_bytes`` in ``dtype`` (``reuses_input``: results
-    overwrite inputs of the compute dtype; see ``batch_bytes_per_matrix``). The one rule behind
-    the runner's chunks, Muon's plan and ``muonlab.simulate``'s.
+    overwrite inputs of the compute dtype; ``input_dtype``, None for ``dtype``: the inputs', as
+    they are handed over; see ``batch_bytes_per_matrix``). The one rule behind the runner's
+    chunks, Muon's plan and ``muonlab.simulate``'s.
 
-    On a ``device`` where ``cfg``'s backend runs Triton on a chunk of that many (``"triton"``, or
-    ``"auto"`` choosing it there), the Triton path's bytes count instead: fewer matrices, for
-    which ``newton_schulz`` may pick either backend, both within the budget. Without a device
-    (``muonlab.simulate``), ``"triton"`` counts the Triton path's bytes, as every run it can
-    make does (where Triton can't run, a run is refused), and ``"auto"`` the torch path's: its
-    choice is timed on the device itself."""
+    On a ``device`` where ``cfg``'s backend may run Triton (``"triton"``, or ``"auto"`` where
+    Triton can run: its pick is timed per batch size, and a plan or a runner cuts batches
+    smaller than this count, evenly), the Triton path's bytes count: fewer matrices, for which
+    either backend stays within the budget whatever it picks; the count then depends on no
+    timing, so every rank plans the same batches. Without a device (``muonlab.simulate``),
+    ``"triton"`` counts the Triton path's bytes, as every run it can make does (where Triton
+    can't run, a run is refused), and ``"auto"`` the torch path's: its choice is made on the
+    device itself."""
     form = "plain" if cfg is None else form_for(cfg, shape)
-    count = max_batch_matrices(shape, dtype.itemsize, budget_bytes, reuses_input, form)
     if cfg is None or cfg.backend == "torch":
-        return count
-    if device is None:
+        on_triton = False
+    elif device is None:
         on_triton = cfg.backend == "triton"
     else:
-        m, n = sorted(int(d) for d in shape)
-        on_triton = pick_backend(cfg.backend, device, (count, m, n), dtype, cfg) == "triton"
-    if not on_triton:
-        return count
-    return max_batch_matrices(shape, dtype.itemsize, budget_bytes, reuses_input, form, backend="triton")
+        on_triton = "triton" in possible_backends(cfg.backend, device)
+    input_itemsize = None if input_dtype is None else input_dtype.itemsize
+    return max_batch_matrices(shape, dtype.itemsize, budget_bytes, reuses_input, form,
+                              backend="triton" if on_triton else "torch", input_itemsize=input_itemsize)
+
+
+def _even_sizes(total: int, size: int) -> tuple[int, int]:
+    """``_chunks``' split of ``total`` matrices under ``size``: (matrices per chunk, how many of
+    the first chunks take one more)."""
+    return divmod(total, max(1, -(-total // size)))
 
 
 def _chunks(pieces: list[torch.Tensor], size: int):
     """(offset, pieces) per run of at most ``size`` matrices over the concatenation of ``pieces``
     (each (k_i, A, B)), as even as can be (64 under 30 as 22+21+21: fewer distinct shapes for the
     matmul library); a piece crossing a boundary is cut into views."""
-    total = sum(p.shape[0] for p in pieces)
-    size, extra = divmod(total, max(1, -(-total // size)))  # the first `extra` chunks take one more
+    size, extra = _even_sizes(sum(p.shape[0] for p in pieces), size)
     chunk, count, start = [], 0, 0
     for p in pieces:
         taken = 0
@@ -85,6 +94,11 @@ def _chunks(pieces: list[torch.Tensor], size: int):
                 chunk, start, count, extra = [], start + count, 0, extra - 1
     if count:
         yield start, chunk
+
+
+def _fixed(cfg: NSConfig, backends) -> dict[str, NSConfig]:
+    """{backend: ``cfg`` running on it} for each of ``backends``."""
+    return {b: cfg if b == cfg.backend else replace(cfg, backend=b) for b in set(backends)}
 
 
 class _Graphed:
@@ -122,31 +136,66 @@ class NewtonSchulzRunner:
         self._graphed: dict[tuple, _Graphed] = {}
 
     def chunk_size(self, shape: tuple[int, int], dtype: torch.dtype, reuses_input: bool = False,
-                   cfg: NSConfig | None = None, device: torch.device | str | None = None) -> int:
+                   cfg: NSConfig | None = None, device: torch.device | str | None = None,
+                   input_dtype: torch.dtype | None = None) -> int:
         """Matrices per call within the budget (``matrices_within``)."""
-        return matrices_within(self.budget_bytes, shape, dtype, cfg, reuses_input, device)
+        return matrices_within(self.budget_bytes, shape, dtype, cfg, reuses_input, device, input_dtype)
 
     def __call__(self, mats: torch.Tensor | list[torch.Tensor], cfg: NSConfig):
-        """Orthogonalize ``mats``: one (k, A, B) stack, or a list of (k_i, A, B) pieces taken as
+        """Orthogonalize ``mats``: one (..., A, B) stack, or a list of (..., A, B) pieces taken as
         their concatenation (read straight into the workspace, never stacked first). Returns a new
-        (sum k, A, B) tensor in the config's compute dtype; for ``Overwrite`` pieces, the pieces
-        themselves, now holding the result (no output buffer)."""
-        pieces = [mats] if isinstance(mats, torch.Tensor) else list(mats)
+        tensor in the config's compute dtype, of the stack's shape ((sum k, A, B) for pieces); for
+        ``Overwrite`` pieces, the pieces themselves, now holding the result (no output buffer)."""
+        overwrite = isinstance(mats, Overwrite)
+        pieces = batch_pieces(mats, "mats", writable=overwrite)  # (k, A, B) each, checked as newton_schulz does
         first = pieces[0]
+        shape = tuple(first.shape[-2:])
         dtype = resolve_dtype(cfg.dtype, first.device) or first.dtype
-        out = None
-        if not isinstance(mats, Overwrite):
-            total = sum(p.shape[0] for p in pieces)
-            out = torch.empty((total, *first.shape[-2:]), dtype=dtype, device=first.device)
-        step = self.chunk_size(first.shape[-2:], dtype, reuses_input=out is None and first.dtype == dtype, cfg=cfg,
-                               device=first.device)
+        total = sum(p.shape[0] for p in pieces)
+        out = None if overwrite else torch.empty((total, *shape), dtype=dtype, device=first.device)
+        reuses_input = overwrite and first.dtype == dtype
+        if total and all(shape):  # matrices with a zero dim: nothing to orthogonalize, no bytes to cut by
+            for start, chunk, chunk_cfg in self._sized_chunks(pieces, dtype, cfg, reuses_input):
+                dest = chunk if out is None else out[start:start + sum(p.shape[0] for p in chunk)]
+                if self.graphs and first.is_cuda:
+                    self._graph_for(chunk, chunk_cfg, dtype)(chunk, dest)
+                else:
+                    newton_schulz(chunk, chunk_cfg, workspace=self.workspace, out=dest)
+        if out is None:
+            return mats
+        return out.view(mats.shape) if isinstance(mats, torch.Tensor) else out
+
+    def _sized_chunks(self, pieces: list[torch.Tensor], dtype: torch.dtype, cfg: NSConfig, reuses_input: bool):
+        """(offset, pieces, config) per chunk of the budget's size (``_chunks``), its config naming
+        the backend picked for the chunk's own size, so that ``newton_schulz`` runs the backend the
+        chunk was checked against. "auto" may pick either for different batch sizes (and chunks are
+        cut smaller than the budget's count, evenly): a chunk sized for the torch path that would
+        run on Triton, which holds one m x n more per matrix, is cut again at Triton's count.
+        ``matrices_within`` already counts Triton's bytes wherever "auto" may pick it; this keeps
+        the runner's budget whatever picker answers (a timing cache, a test's stand-in)."""
+        first = pieces[0]
+        shape, device = tuple(first.shape[-2:]), first.device
+        m, n = sorted(shape)
+        total = sum(p.shape[0] for p in pieces)
+
+        def within(c: NSConfig) -> int:
+            return self.chunk_size(shape, dtype, reuses_input, c, device, input_dtype=first.dtype)
+
+        def picks(step: int) -> dict[int, str]:  # {chunk size: backend} for the sizes `_chunks` cuts
+            size, extra = _even_sizes(total, step)
+            return {k: pick_backend(cfg.backend, device, (k, m, n), dtype, cfg)
+                    for k in ((size, size + 1) if extra else (size,))}
+
+        step = within(cfg)
+        backend_of = picks(step)
+        configs = _fixed(cfg, backend_of.values())
+        fits = min(within(c) for c in configs.values())
+        if max(backend_of.keys()) > fits:  # a chunk larger than its picked backend fits
+            step = fits
+            backend_of = picks(step)
+            configs = _fixed(cfg, backend_of.values())
         for start, chunk in _chunks(pieces, step):
-            dest = chunk if out is None else out[start:start + sum(p.shape[0] for p in chunk)]
-            if self.graphs and first.is_cuda:
-                self._graph_for(chunk, cfg, dtype)(chunk, dest)
-            else:
-                newton_schulz(chunk, cfg, workspace=self.workspace, out=dest)
-        return mats if out is None else out
+            yield start, chunk, configs[backend_of[sum(p.shape[0] for p in chunk)]]
 
     def _graph_for(self, chunk: list[torch.Tensor], cfg: NSConfig, dtype: torch.dtype) -> _Graphed:
         first = chunk[0]

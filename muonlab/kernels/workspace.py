@@ -13,6 +13,8 @@ one stream, so a batch's kernels run after the previous batch's kernels that rea
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 ALIGN = 256  # bytes: every buffer starts aligned for any dtype and for vectorised kernels
@@ -55,7 +57,7 @@ class Workspace:
 
 
 def batch_bytes_per_matrix(m: int, n: int, itemsize: int, reuses_input: bool = False, form: str = "plain",
-                           backend: str = "torch") -> int:
+                           backend: str = "torch", input_itemsize: int | None = None) -> int:
     """Transient bytes one m x n matrix (m <= n) adds to a Newton-Schulz batch: its input, the
     workspace's iterate and two m x m products, and the output, which doubles as the second
     iterate (see ``newton_schulz``): 3 m n + 2 m^2 elements. ``reuses_input``: the result
@@ -64,15 +66,24 @@ def batch_bytes_per_matrix(m: int, n: int, itemsize: int, reuses_input: bool = F
     the same iterates and four m x m products (R, Z, Q and one in flight, see
     ``_gram_iterations``). ``backend="triton"``: one m n more, as its two iterates are wide
     buffers of the workspace and the output a copy of the last (the kernels want (B, m, n)
-    contiguous; a tall output can't be one)."""
+    contiguous; a tall output can't be one).
+
+    ``input_itemsize`` (None: ``itemsize``): the input's, which may be wider than the compute
+    dtype (Muon's local path hands over fp32 momentum to bf16 Newton-Schulz: counted at bf16, it
+    took 1.86x the budget). An input that isn't reused counts at it. An ``Overwrite`` input in
+    another dtype is no iterate but its own output, and both iterates are then the workspace's:
+    the same bytes on the torch path (one m n to spare on Triton's)."""
     squares = 4 if form == "gram" else 2
-    iterates = (2 if reuses_input else 3) + (1 if backend == "triton" else 0)
-    return itemsize * (iterates * m * n + squares * m * m)
+    iterates = 2 + (1 if backend == "triton" else 0)  # the output (or reused input) and the spare
+    given = 0 if reuses_input else (itemsize if input_itemsize is None else input_itemsize) * m * n
+    return given + itemsize * (iterates * m * n + squares * m * m)
 
 
 def max_batch_matrices(shape: tuple[int, int], itemsize: int, budget_bytes: int, reuses_input: bool = False,
-                       form: str = "plain", backend: str = "torch") -> int:
+                       form: str = "plain", backend: str = "torch", input_itemsize: int | None = None) -> int:
     """How many matrices of ``shape`` one Newton-Schulz call may take within ``budget_bytes``
-    (at least one: a single matrix larger than the budget still has to be orthogonalized)."""
+    (at least one: a single matrix larger than the budget still has to be orthogonalized; any
+    number of matrices with a zero dim, which take no bytes)."""
     m, n = sorted(int(d) for d in shape)
-    return max(1, budget_bytes // batch_bytes_per_matrix(m, n, itemsize, reuses_input, form, backend))
+    per_matrix = batch_bytes_per_matrix(m, n, itemsize, reuses_input, form, backend, input_itemsize)
+    return max(1, budget_bytes // per_matrix) if per_matrix else sys.maxsize
