@@ -63,15 +63,15 @@ def muon_momentum_(
         raise ValueError(f"unknown momentum_form {form!r}; choose one of {MOMENTUM_FORMS}")
     if not bufs:
         return []
-    grads = [g.to(buf.dtype) for g, buf in zip(grads, bufs)]
     outs = _packed_like(bufs)
     if not write_buffers:
         _inputs_only(outs, grads, bufs, momentum=momentum, nesterov=nesterov, form=form)
         return outs
     if outs[0].is_cuda:
-        _momentum_foreach(outs, grads, bufs, momentum=momentum, nesterov=nesterov, form=form)
+        _momentum_foreach(outs, _cast_all(grads, bufs), bufs, momentum=momentum, nesterov=nesterov, form=form)
         return outs
     for o, g, buf in zip(outs, grads, bufs):
+        g = g.to(buf.dtype)  # one grad at a time: no copy of them all in the buffers' dtype
         _update_one_(buf, g, momentum, form)
         if not nesterov:
             o.copy_(buf)
@@ -88,12 +88,17 @@ def momentum_update_(grads: Sequence[torch.Tensor], bufs: Sequence[torch.Tensor]
     call per stage on a GPU, a loop over the tensors on a CPU."""
     if not bufs:
         return
-    grads = [g.to(buf.dtype) for g, buf in zip(grads, bufs)]
     if bufs[0].is_cuda:
-        _update_foreach_(grads, bufs, momentum, form)
+        _update_foreach_(_cast_all(grads, bufs), bufs, momentum, form)
         return
     for g, buf in zip(grads, bufs):
-        _update_one_(buf, g, momentum, form)
+        _update_one_(buf, g.to(buf.dtype), momentum, form)
+
+
+def _cast_all(grads, bufs) -> list[torch.Tensor]:
+    """The grads in their buffers' dtypes, as the foreach calls want them (on a CPU the loops cast
+    one grad at a time instead: bf16 grads of fp32 momentum held an fp32 copy of a whole batch)."""
+    return [g.to(buf.dtype) for g, buf in zip(grads, bufs)]
 
 
 def _update_foreach_(grads, bufs, momentum: float, form: str) -> None:
@@ -121,9 +126,11 @@ def _inputs_only(outs, grads, bufs, *, momentum: float, nesterov: bool, form: st
     (on a CPU, ``_foreach_mul_`` on bf16 rounds its scalar to bf16 first; ``mul_`` does not), so
     only the same calls promise the same bits."""
     if outs[0].is_cuda:
-        _momentum_foreach(outs, grads, [b.clone() for b in bufs], momentum=momentum, nesterov=nesterov, form=form)
+        _momentum_foreach(outs, _cast_all(grads, bufs), [b.clone() for b in bufs], momentum=momentum,
+                          nesterov=nesterov, form=form)
         return
     for o, g, buf in zip(outs, grads, bufs):
+        g = g.to(buf.dtype)
         if form == "ema":
             torch.lerp(buf, g, 1 - momentum, out=o)
         else:

@@ -846,3 +846,26 @@ def test_momentum_inputs_lie_back_to_back_with_the_bits_of_the_plain_formulas(fo
     mixed = F.muon_momentum_(grads[:2], [bufs[0], bufs[1].double()], momentum=0.9,
                              nesterov=nesterov, form=form)
     assert [o.dtype for o in mixed] == [dtype, torch.float64]
+
+
+def test_bf16_grads_of_fp32_momentum_are_cast_one_at_a_time(tmp_path):
+    """The momentum pass held an fp32 copy of every grad of a batch beside its outputs (twice
+    the outputs' bytes at its peak, with bf16 grads and fp32 momentum)."""
+    import json
+
+    from torch.profiler import ProfilerActivity, profile
+
+    grads = [torch.randn(64, 256).bfloat16() for _ in range(8)]
+    bufs = [torch.zeros(64, 256) for _ in range(8)]
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        F.muon_momentum_(grads, bufs, momentum=0.95, nesterov=True, form="ema")
+    path = tmp_path / "trace.json"
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        events = sorted((e for e in json.load(f)["traceEvents"] if e.get("name") == "[memory]"), key=lambda e: e["ts"])
+    now = peak = 0
+    for e in events:
+        now += e["args"]["Bytes"]
+        peak = max(peak, now)
+    outputs = 8 * 64 * 256 * 4
+    assert outputs <= peak <= outputs + 2 * 64 * 256 * 4, peak  # the outputs and a grad or two in flight
