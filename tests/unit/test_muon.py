@@ -859,7 +859,7 @@ def test_bf16_grads_of_fp32_momentum_are_cast_one_at_a_time(tmp_path):
     bufs = [torch.zeros(64, 256) for _ in range(8)]
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         F.muon_momentum_(grads, bufs, momentum=0.95, nesterov=True, form="ema")
-    path = tmp_path / "trace.json"
+    path = str(tmp_path / "trace.json")
     prof.export_chrome_trace(path)
     with open(path) as f:
         events = sorted((e for e in json.load(f)["traceEvents"] if e.get("name") == "[memory]"), key=lambda e: e["ts"])
