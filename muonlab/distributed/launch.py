@@ -51,11 +51,11 @@ import logging
 import multiprocessing
 import os
 import pickle
+import re
 import shutil
 import signal
 import socket
 import sys
-import tempfile
 import threading
 import time
 import traceback
@@ -64,12 +64,18 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
 import torch.distributed as dist
+from torch.distributed.elastic.events import Event
 from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from . import progress as _progress
 from .device import DEVICE_CHOICES, DEVICE_ENV, check_backend, choose_device, init_process_group
+
+try:
+    import fcntl
+except ImportError:  # not on Windows: there a run directory is not locked
+    fcntl = None
 
 __all__ = ["WorkerError", "WorkerTimeout", "launch", "run_worker", "worker_main"]
 
@@ -125,6 +131,8 @@ def _teardown(wait_for_peers: bool) -> None:
     # while the group lives: collected after destroy_process_group, gloo's destructor joins a
     # thread that never returns (seen as a worker hanging while pickling its result).
     gc.collect()
+    if not dist.is_initialized():  # fn destroyed the group itself, as torchrun scripts end
+        return
     try:
         if wait_for_peers:
             # A rank that returns early must not close its connections while slower ranks are
@@ -182,6 +190,14 @@ def _die_with_parent(launcher_pid: int | None = None) -> None:
         os._exit(1)
 
 
+def _lead_own_process_group() -> None:
+    """Make this worker the leader of a process group of its own, so the processes it starts
+    (``subprocess.Popen``, a data-prep tool) can be ended with it: the launcher signals the whole
+    group when the launch ends (see :func:`_end_process_groups`)."""
+    if hasattr(os, "setpgrp"):
+        os.setpgrp()
+
+
 def _write_status(status_dir: str, rank: int, kind: str, text: str) -> None:
     with open(os.path.join(status_dir, f"rank{rank}.{kind}"), "w") as f:
         f.write(text)
@@ -205,8 +221,10 @@ def _worker_entry(
     launcher this rank's pid, when its process group is up ("ready"), a sys.exit ("exit"), the
     time of a failure ("failed") and that it is finished ("done"). ``report_progress`` appends to
     ``<run_dir>/rank<r>/progress.jsonl``; a failure's traceback also goes to this rank's stderr
-    log there (elastic records it only in error.json).
+    log there (elastic records it only in error.json). The worker leads a process group of its
+    own, which the launcher ends with the launch (:func:`_lead_own_process_group`).
     """
+    _lead_own_process_group()
     _die_with_parent(launcher_pid)
     rank = int(os.environ["RANK"])
     _write_status(status_dir, rank, "pid", str(os.getpid()))
@@ -340,28 +358,140 @@ _ELASTIC_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher", "
 LAUNCHER_LOG = "launcher.log"
 
 
+# Names of elastic's agent threads: a launch's launcher.log takes no line from another launch's agent.
+_AGENT_THREAD = "muonlab-launch-agent-"
+_STATUS_DIR_ENV = "MUONLAB_LAUNCH_STATUS_DIR"
+# What elastic's agent and launch() set in os.environ while a launch runs.
+_LAUNCH_ENV = ("TORCHELASTIC_SIGNALS_TO_HANDLE", _STATUS_DIR_ENV)
+
+
+class _SharedSettings:
+    """What a launch changes process-wide while it runs: elastic's launcher-side loggers stop
+    propagating (each launch adds a handler writing its own launcher.log), and ``_LAUNCH_ENV``.
+
+    Launches on several threads of one process share these, so the first launch in saves what was
+    there and the last one out restores it (each saving and restoring on its own would interleave
+    and leave the loggers silenced). Meanwhile $MUONLAB_LAUNCH_STATUS_DIR names the status folder of
+    the latest launch still running."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._status_dirs: list[str] = []
+        self._saved: tuple[dict[str, str | None], list[bool]] = ({}, [])
+
+    @contextmanager
+    def held(self, status_dir: str, handler: logging.Handler) -> Iterator[None]:
+        loggers = [logging.getLogger(name) for name in _ELASTIC_LOGGERS]
+        with self._lock:
+            if not self._status_dirs:
+                self._saved = ({key: os.environ.get(key) for key in _LAUNCH_ENV}, [lg.propagate for lg in loggers])
+            self._status_dirs.append(status_dir)
+            # spawned children inherit it while they bootstrap, before elastic hands them anything
+            os.environ[_STATUS_DIR_ENV] = status_dir
+            for logger in loggers:
+                logger.addHandler(handler)
+                logger.propagate = False
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._status_dirs.remove(status_dir)
+                for logger in loggers:
+                    logger.removeHandler(handler)
+                if self._status_dirs:
+                    os.environ[_STATUS_DIR_ENV] = self._status_dirs[-1]
+                else:
+                    self._restore(loggers)
+
+    def _restore(self, loggers: list[logging.Logger]) -> None:
+        env, propagate = self._saved
+        for key, value in env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        for logger, flag in zip(loggers, propagate):
+            logger.propagate = flag
+
+
+_SHARED = _SharedSettings()
+
+
 @contextmanager
-def _elastic_logs_to(path: str) -> Iterator[None]:
-    handler = logging.FileHandler(path)
+def _launch_settings(run_dir: str, status_dir: str, run_id: str) -> Iterator[None]:
+    """While the launch runs: elastic's log lines of this launch's agent to ``<run_dir>/launcher.log``,
+    and the shared settings of :class:`_SharedSettings`."""
+    handler = logging.FileHandler(os.path.join(run_dir, LAUNCHER_LOG))
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    loggers = [logging.getLogger(name) for name in _ELASTIC_LOGGERS]
-    saved = [logger.propagate for logger in loggers]
-    for logger in loggers:
-        logger.addHandler(handler)
-        logger.propagate = False
+    own = _AGENT_THREAD + run_id
+    handler.addFilter(lambda record: not record.threadName.startswith(_AGENT_THREAD) or record.threadName == own)
     try:
-        yield
+        with _SHARED.held(status_dir, handler):
+            yield
     finally:
-        for logger, propagate in zip(loggers, saved):
-            logger.removeHandler(handler)
-            logger.propagate = propagate
         handler.close()
+
+
+class _WorkerStarts(logging.Handler):
+    """The pid of every worker process elastic's agent starts, by the launch's run id.
+
+    elastic records a "START" event per worker (on the logger of its "null" event destination) right
+    after starting it, long before the worker can write its own pid (a spawned worker first imports
+    torch: seconds, minutes under load). So a launch stopped during its workers' start-up still
+    knows its own processes, and never needs to guess them from this process's children (which
+    include the workers of other launches running on other threads). With $LOGLEVEL above INFO
+    elastic drops these events, and a launch knows only the pids its workers wrote."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self._pids: dict[str, set[int]] = {}
+
+    def watch(self, run_id: str) -> None:
+        with self.lock:
+            self._pids[run_id] = set()
+
+    def forget(self, run_id: str) -> None:
+        with self.lock:
+            self._pids.pop(run_id, None)
+
+    def pids(self, run_id: str) -> set[int]:
+        with self.lock:
+            return set(self._pids.get(run_id, ()))
+
+    def emit(self, record: logging.LogRecord) -> None:  # called under self.lock
+        try:
+            meta = Event.deserialize(record.getMessage()).metadata
+            if meta.get("state") == "START" and meta.get("run_id") in self._pids:
+                self._pids[meta["run_id"]].add(int(meta["worker_id"]))
+        except Exception:  # another event, or one of another shape: not a worker's start
+            pass
+
+
+_WORKER_STARTS = _WorkerStarts()
+logging.getLogger("torchelastic-events-null").addHandler(_WORKER_STARTS)
+
+
+def _worker_pids(status_dir: str, run_id: str) -> set[int]:
+    """This launch's worker processes: those elastic started, and those that wrote their pid."""
+    recorded = set()
+    for rank in _ranks_in(status_dir, "pid"):
+        try:
+            recorded.add(int(_status_text(status_dir, rank, "pid")))
+        except ValueError:
+            pass
+    return _WORKER_STARTS.pids(run_id) | recorded
+
+
+def _files_in(folder: str, pattern: str) -> list[str]:
+    """The paths in ``folder`` matching the glob ``pattern``; ``folder`` is taken literally (a run's
+    name may hold glob characters: "exp[1]" must not match the run "exp1")."""
+    return glob.glob(os.path.join(glob.escape(folder), pattern))
 
 
 def _read_error_files(run_dir: str) -> dict[int, str]:
     """Each rank's recorded error: ``<run_dir>/rank<r>/error.json``."""
     errors: dict[int, tuple[float, str]] = {}
-    for path in glob.glob(os.path.join(run_dir, "rank*", "error.json")):
+    for path in _files_in(run_dir, os.path.join("rank*", "error.json")):
         try:
             rank = int(os.path.basename(os.path.dirname(path))[len("rank"):])
             with open(path) as f:
@@ -385,7 +515,7 @@ def _error_text(data: Any) -> tuple[str, float]:
 
 def _failure_times(status_dir: str) -> dict[int, float]:
     times = {}
-    for path in glob.glob(os.path.join(status_dir, "rank*.failed")):
+    for path in _files_in(status_dir, "rank*.failed"):
         try:
             with open(path) as f:
                 times[int(os.path.basename(path)[len("rank") : -len(".failed")])] = float(f.read())
@@ -478,7 +608,7 @@ def _timeout_message(fn: Callable[..., Any], num_procs: int, limits: tuple[float
 
 def _ranks_in(status_dir: str, kind: str) -> set[int]:
     ranks = set()
-    for path in glob.glob(os.path.join(status_dir, f"rank*.{kind}")):
+    for path in _files_in(status_dir, f"rank*.{kind}"):
         try:
             ranks.add(int(os.path.basename(path)[len("rank") : -len(kind) - 1]))
         except ValueError:
@@ -486,33 +616,64 @@ def _ranks_in(status_dir: str, kind: str) -> set[int]:
     return ranks
 
 
-def _stop_workers(children_before: set, agent_done: threading.Event, agent_ends: bool = True) -> None:
-    """SIGTERM, then SIGKILL, every worker of this launch, and wait for elastic's agent to end.
+def _stop_workers(pids_of: Callable[[], set[int]], agent_done: threading.Event, agent_ends: bool = True) -> None:
+    """SIGTERM, then SIGKILL, every worker of this launch and what each started, and wait for
+    elastic's agent to end.
 
-    The workers are the multiprocessing children started since the launch began (listed, not
-    yet reaped, so their pids cannot have been reused). elastic's agent notices them die, joins
-    them and returns, so no worker outlives the launch, not even as a zombie. ``agent_ends=False``
-    (a worker vanished: elastic waits for its result for ever) waits for the workers alone; the
-    agent's thread, a daemon, is left waiting.
+    ``pids_of()`` lists this launch's workers (:func:`_worker_pids`, re-read each round: the agent
+    may still have been starting them), never another launch's. elastic's agent notices them die,
+    ends the rest of its workers, joins them and returns, so no worker outlives the launch, not even
+    as a zombie. ``agent_ends=False`` (a worker vanished: elastic waits for its result for ever)
+    waits for the workers alone and reaps them; the agent's thread, a daemon, is left waiting.
     """
-    def workers() -> list:
-        # re-listed each time: the agent may still have been starting processes
-        return [p for p in multiprocessing.active_children() if p not in children_before and p.pid is not None]
-
     for sig in (signal.SIGTERM, signal.SIGKILL):
-        for proc in workers():
-            try:
-                os.kill(proc.pid, sig)
-            except (ProcessLookupError, PermissionError):
-                pass
+        for pid in pids_of():
+            _signal_worker(pid, sig)
         if not agent_ends:
             deadline = time.monotonic() + _TERM_GRACE_S
-            while workers() and time.monotonic() < deadline:
+            while not all(map(_process_gone, pids_of())) and time.monotonic() < deadline:
                 time.sleep(0.05)
         elif agent_done.wait(_TERM_GRACE_S):
             return
     if agent_ends:
         agent_done.wait(_AGENT_JOIN_S)
+    else:
+        multiprocessing.active_children()  # joins the children that ended: the agent never will
+
+
+def _signal_worker(pid: int, sig: int) -> None:
+    """``sig`` to worker ``pid`` and to the processes it started (its process group)."""
+    _signal_group(pid, sig)
+    if _child_of_this_process(pid):  # not reaped yet, so the pid is still the worker's
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def _signal_group(pgid: int, sig: int) -> bool:
+    """``sig`` to process group ``pgid``; False if there is no such group. A worker's group outlives
+    the worker while something it started runs, and its number is not reused meanwhile, so the group
+    named by a worker's pid is that worker's (or none)."""
+    if not hasattr(os, "killpg"):
+        return False
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
+def _end_process_groups(pids: set[int]) -> None:
+    """End what this launch's workers started (see :func:`_lead_own_process_group`), once the
+    workers have ended: SIGTERM to each worker's group, SIGKILL to what is left after _TERM_GRACE_S."""
+    running = [pid for pid in pids if _signal_group(pid, signal.SIGTERM)]
+    deadline = time.monotonic() + _TERM_GRACE_S
+    while running and time.monotonic() < deadline:
+        time.sleep(0.05)
+        running = [pid for pid in running if _group_running(pid)]
+    for pid in running:
+        _signal_group(pid, signal.SIGKILL)
 
 
 def launch(
@@ -536,10 +697,11 @@ def launch(
     workers (an error if there are too few GPUs). ``backend`` overrides the backend only. The
     collective timeout is ``timeout_s``; CPU workers use one intra-op thread; nothing is seeded.
     ``backend``, ``device``, the timeouts, ``name`` and ``progress`` are launch's own keywords, not
-    passed to ``fn``. ``fn``, the arguments and the return values are pickled. A worker that calls ``sys.exit(0)`` (or ``sys.exit()``) counts as returning None;
-    ``sys.exit(n)`` with ``n != 0`` is a failure ("rank R exited with code n"). Before returning,
-    the ranks wait for each other (a barrier), so a fast rank never closes connections a slow
-    one still needs.
+    passed to ``fn``. ``fn``, the arguments and the return values are pickled. A worker that
+    calls ``sys.exit(0)`` (or ``sys.exit()``) counts as returning None; ``sys.exit(n)`` with
+    ``n != 0`` is a failure ("rank R exited with code n"). Before returning, the ranks wait for each
+    other (a barrier), so a fast rank never closes connections a slow one still needs; a worker that
+    destroys the process group itself (as torchrun scripts end) skips that.
 
     Two clocks: the workers have ``startup_timeout_s`` seconds from being started until every rank
     has initialised its process group (start-up imports torch, which can take minutes on a loaded
@@ -549,7 +711,15 @@ def launch(
     ``$MUONLAB_RUNS_DIR``): ``rank<r>/stdout.log``, ``stderr.log``, ``error.json`` and
     ``progress.jsonl`` per rank, and ``launcher.log`` (torch's elastic agent). ``name`` defaults to
     the function's name and the time (``train_worker-20260101-120000``); a given name is reused,
-    its previous logs replaced. Workers report steps with
+    its previous logs replaced, but not while another launch (in any process) runs under it: that
+    is refused. The launch's own bookkeeping lives in the run directory too (``.status/``, removed
+    when the launch ends, ``.lock``), so nothing is left elsewhere if the caller is killed.
+
+    Each worker leads a process group of its own: processes it starts (``subprocess.Popen``) are
+    ended with the launch, however it ends (SIGTERM, then SIGKILL after a few seconds). A process
+    meant to outlive the launch must start a session of its own (``start_new_session=True``).
+
+    Workers report steps with
     :func:`muonlab.distributed.progress.report_progress`; ``progress`` shows them while the call
     waits: None (default) shows a bar and a live loss plot in a notebook and nothing elsewhere,
     True a text bar on stderr outside a notebook, False nothing.
@@ -557,10 +727,13 @@ def launch(
     Raises:
         ValueError: ``fn`` is not importable by the children (defined in ``__main__``, e.g. a
             notebook cell, a lambda, or a nested function), ``nprocs < 1``, a timeout is not a
-            positive number, ``device`` is not "auto"/"cpu"/"cuda", ``device="cuda"`` with fewer
-            GPUs than ``nprocs``, or ``backend="nccl"`` for CPU workers; nothing started.
-        RuntimeError: ``device="cuda"`` without CUDA (nothing started), or called while a spawned worker re-runs a script that calls ``launch`` outside
-            ``if __name__ == "__main__":`` (the parent then raises WorkerError saying so).
+            positive number of seconds up to ``MAX_TIMEOUT_S``, ``backend`` is not None, "gloo" or
+            "nccl", ``device`` is not "auto"/"cpu"/"cuda", ``device="cuda"`` with fewer GPUs than
+            ``nprocs``, ``backend="nccl"`` for CPU workers, or ``name`` is in use by a launch still
+            running; nothing started.
+        RuntimeError: ``device="cuda"`` without CUDA (nothing started), or called while a spawned
+            worker re-runs a script that calls ``launch`` outside ``if __name__ == "__main__":``
+            (the parent then raises WorkerError saying so).
         WorkerError: a worker raised, died or exited with a nonzero code; the message names the
             rank(s), the path of the first one's log, and holds the traceback(s).
         WorkerTimeout: a clock ran out; ``phase`` and the message say which ("startup" or "run")
@@ -568,17 +741,8 @@ def launch(
     """
     _refuse_in_spawn_bootstrap()
     _check_importable(fn)
-    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
-        raise ValueError(f"nprocs must be a positive int, got {nprocs!r}")
-    if nprocs > MAX_PROCS:  # a typo would otherwise make that many run folders, then processes
-        raise ValueError(f"nprocs={nprocs} is more processes than launch() starts on one machine "
-                         f"(at most {MAX_PROCS}: muonlab.distributed.launch.MAX_PROCS)")
-    for keyword, value in (("timeout_s", timeout_s), ("startup_timeout_s", startup_timeout_s)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
-            raise ValueError(f"{keyword} must be a positive number of seconds, got {value!r}")
-    if progress is not None and not isinstance(progress, bool):
-        raise ValueError(f"progress must be None, True or False, got {progress!r}")
-    _check_run_name(name)
+    _check_launch_args(nprocs, backend, {"timeout_s": timeout_s, "startup_timeout_s": startup_timeout_s},
+                       name, progress)
     # Decided here, once, so a bad choice fails before anything starts and every rank agrees;
     # each worker then takes cuda:LOCAL_RANK (or the CPU) by the same rule.
     chosen = choose_device(device, local_rank=0, local_world_size=nprocs).type
@@ -588,26 +752,65 @@ def launch(
     except Exception as e:
         raise TypeError(f"launch() could not pickle {_fn_name(fn)} and its arguments: {e}") from e
 
-    run_dir = _make_run_dir(fn, name, nprocs)
-    status_dir = tempfile.mkdtemp(prefix="muonlab_launch_status_")
+    run_dir, lock = _claim_run_dir(fn, name, nprocs)
+    try:
+        return _launch_in(run_dir, fn, nprocs, payload, (chosen, backend),
+                          (float(timeout_s), float(startup_timeout_s)), name or _short_name(fn), progress)
+    finally:
+        lock.close()  # the run directory is free for the next launch under its name
+
+
+MAX_TIMEOUT_S = 365 * 24 * 3600.0
+"""The longest ``timeout_s`` or ``startup_timeout_s`` launch() takes, a year: anything longer is a
+typo (and past about 2.7 million years, more than the workers' ``timedelta`` can hold)."""
+BACKENDS = ("gloo", "nccl")
+"""The ``backend`` names launch() takes (None: the device's, by muonlab's device rule)."""
+
+
+def _check_launch_args(nprocs: int, backend: str | None, timeouts: dict[str, float], name: str | None,
+                       progress: bool | None) -> None:
+    """launch()'s own keywords, checked before anything starts (``device`` by the device rule)."""
+    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
+        raise ValueError(f"nprocs must be a positive int, got {nprocs!r}")
+    if nprocs > MAX_PROCS:  # a typo would otherwise make that many run folders, then processes
+        raise ValueError(f"nprocs={nprocs} is more processes than launch() starts on one machine "
+                         f"(at most {MAX_PROCS}: muonlab.distributed.launch.MAX_PROCS)")
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"backend must be None (the device's: nccl on GPUs, gloo on the CPU), 'gloo' or "
+                         f"'nccl', got {backend!r}")
+    for keyword, value in timeouts.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+            raise ValueError(f"{keyword} must be a positive number of seconds, got {value!r}")
+        if value > MAX_TIMEOUT_S:
+            raise ValueError(f"{keyword}={value:g} s is longer than launch() waits (at most "
+                             f"{MAX_TIMEOUT_S:g} s, a year: muonlab.distributed.launch.MAX_TIMEOUT_S)")
+    if progress is not None and not isinstance(progress, bool):
+        raise ValueError(f"progress must be None, True or False, got {progress!r}")
+    _check_run_name(name)
+
+
+def _launch_in(run_dir: str, fn: Callable[..., Any], nprocs: int, payload: bytes, device_backend: tuple,
+               limits: tuple[float, float], label: str, progress: bool | None) -> dict[int, Any]:
+    """launch()'s run in its claimed run directory: start the workers, wait, hand back their results
+    or the error; whatever happened, end what the workers started and drop the status files."""
+    status_dir = os.path.abspath(os.path.join(run_dir, STATUS_DIR))  # made empty by _claim_run_dir
+    config = _launch_config(nprocs, limits[1], run_dir)
     sys_path = [os.getcwd() if entry == "" else entry for entry in sys.path]
-    limits = (float(timeout_s), float(startup_timeout_s))
-    display = _display_for(progress)
-    monitor = _progress.ProgressMonitor(
-        name or _short_name(fn), [_rank_dir(run_dir, rank) for rank in range(nprocs)],
-        lambda: len(_ranks_in(status_dir, "ready")), display,
-    )
+    entry_args = (payload, *device_backend, limits, sys_path, status_dir, os.getpid(), os.path.abspath(run_dir))
+    monitor = _progress.ProgressMonitor(label, [_rank_dir(run_dir, rank) for rank in range(nprocs)],
+                                        lambda: len(_ranks_in(status_dir, "ready")), _display_for(progress))
+    _WORKER_STARTS.watch(config.run_id)
     failed = True
     try:
-        entry_args = (payload, chosen, backend, limits, sys_path, status_dir, os.getpid(), os.path.abspath(run_dir))
-        with _elastic_logs_to(os.path.join(run_dir, LAUNCHER_LOG)):
-            outcome = _run_agent(_launch_config(nprocs, startup_timeout_s, run_dir), entry_args, limits,
-                                 status_dir, monitor.poll)
+        with _launch_settings(run_dir, status_dir, config.run_id):
+            outcome = _run_agent(config, entry_args, limits, status_dir, monitor.poll)
         results = _results(fn, nprocs, limits, outcome, (run_dir, status_dir))
         failed = False
         return results
     finally:
         monitor.close(failed)
+        _end_process_groups(_worker_pids(status_dir, config.run_id))
+        _WORKER_STARTS.forget(config.run_id)
         shutil.rmtree(status_dir, ignore_errors=True)
 
 
@@ -645,25 +848,68 @@ def _rank_dir(run_dir: str, rank: int) -> str:
     return os.path.join(run_dir, f"rank{rank}")
 
 
-def _make_run_dir(fn: Callable[..., Any], name: str | None, nprocs: int) -> str:
-    """``<root>/<name>/`` with an empty ``rank<r>/`` per rank; root is ``$MUONLAB_RUNS_DIR`` or ``runs``."""
+STATUS_DIR = ".status"
+"""A run directory's folder of the workers' status files (see :func:`_worker_entry`), while it runs."""
+_LOCK_FILE = ".lock"
+
+
+def _claim_run_dir(fn: Callable[..., Any], name: str | None, nprocs: int) -> tuple[str, Any]:
+    """``<root>/<name>/``, locked for this launch, with an empty ``rank<r>/`` per rank and an empty
+    status folder; root is ``$MUONLAB_RUNS_DIR`` or ``runs``. Returns the folder and its lock (an
+    open file: closing it frees the folder)."""
     root = os.environ.get(RUNS_DIR_ENV) or "runs"
+    os.makedirs(root, exist_ok=True)
     if name is None:
-        base = f"{_short_name(fn)}-{time.strftime('%Y%m%d-%H%M%S')}"
-        run_dir, suffix = os.path.join(root, base), 1
-        while os.path.exists(run_dir):
-            suffix += 1
-            run_dir = os.path.join(root, f"{base}-{suffix}")
+        run_dir = _new_dir(root, f"{_short_name(fn)}-{time.strftime('%Y%m%d-%H%M%S')}")
     else:
         run_dir = os.path.join(root, name)
+        os.makedirs(run_dir, exist_ok=True)
+    lock = _lock_run_dir(run_dir, name)
+    try:
         # a rerun under the same name replaces what launch wrote there before, and nothing else
-        for old in glob.glob(os.path.join(run_dir, "rank*")):
-            shutil.rmtree(old, ignore_errors=True)
+        for entry in os.listdir(run_dir):
+            if re.fullmatch(r"rank\d+", entry) or entry == STATUS_DIR:
+                shutil.rmtree(os.path.join(run_dir, entry), ignore_errors=True)
         if os.path.exists(os.path.join(run_dir, LAUNCHER_LOG)):
             os.remove(os.path.join(run_dir, LAUNCHER_LOG))
-    for rank in range(nprocs):
-        os.makedirs(_rank_dir(run_dir, rank), exist_ok=True)
-    return run_dir
+        for rank in range(nprocs):
+            os.makedirs(_rank_dir(run_dir, rank), exist_ok=True)
+        os.makedirs(os.path.join(run_dir, STATUS_DIR))
+    except BaseException:
+        lock.close()
+        raise
+    return run_dir, lock
+
+
+def _new_dir(root: str, base: str) -> str:
+    """Make and return ``<root>/<base>``, or ``<base>-2``, ``-3``, ... if taken (by a launch on
+    another thread too: making the folder is what claims it)."""
+    run_dir, suffix = os.path.join(root, base), 1
+    while True:
+        try:
+            os.mkdir(run_dir)
+            return run_dir
+        except FileExistsError:
+            suffix += 1
+            run_dir = os.path.join(root, f"{base}-{suffix}")
+
+
+def _lock_run_dir(run_dir: str, name: str | None) -> Any:
+    """An exclusive lock on ``run_dir`` for the launch's lifetime, or a ValueError naming ``name``
+    if a launch still running holds it: replacing its logs would leave its errors pointing at
+    another run's. The lock dies with its holder, so a killed launch never blocks its name."""
+    lock = open(os.path.join(run_dir, _LOCK_FILE), "a")
+    if fcntl is None:
+        return lock
+    try:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.close()
+        raise ValueError(f"name {name!r} is in use by a launch still running ({run_dir}): another launch "
+                         f"under it would replace that one's logs; pass another name, or wait for it to end") from None
+    except OSError:  # a filesystem without locks: the launch runs unguarded
+        pass
+    return lock
 
 
 class _RunLogs(LogsSpecs):
@@ -695,7 +941,7 @@ def _results(fn: Callable[..., Any], nprocs: int, limits: tuple[float, float], o
              dirs: tuple[str, str]) -> dict[int, Any]:
     """The ranks' return values, or the error that says why there are none."""
     run_dir, status_dir = dirs
-    unguarded = glob.glob(os.path.join(status_dir, _UNGUARDED_MAIN + "*"))
+    unguarded = _files_in(status_dir, _UNGUARDED_MAIN + "*")
     if unguarded:
         with open(unguarded[0]) as f:
             text = f.read()
@@ -726,7 +972,6 @@ MAX_PROCS = max(64, 16 * (os.cpu_count() or 1))
 """The most workers one launch() starts: one machine's worth, with room to oversubscribe."""
 
 _UNGUARDED_MAIN = "unguarded_main"
-_STATUS_DIR_ENV = "MUONLAB_LAUNCH_STATUS_DIR"
 
 
 def _refuse_in_spawn_bootstrap() -> None:
@@ -748,7 +993,8 @@ def _refuse_in_spawn_bootstrap() -> None:
 
 
 def _launch_config(nprocs: int, startup_timeout_s: float, run_dir: str) -> LaunchConfig:
-    """One node, ``nprocs`` spawned workers, a static rendezvous on a free local port."""
+    """One node, ``nprocs`` spawned workers, a static rendezvous on a free local port; the run id
+    is the launch's own (its agent's thread and its workers' start events carry it)."""
     return LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -771,21 +1017,50 @@ time for elastic's agent to report a nonzero exit code or a signal itself, stopp
 workers first (it polls every 0.1 s; it reaps the process, so its exit code can't be read here)."""
 
 
-def _process_gone(pid: int) -> bool:
-    """The process has ended (a zombie counts as ended: it runs nothing)."""
+_HAS_PROC = os.path.isdir("/proc/self")
+
+
+def _proc_stat(pid: int | str) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` from the state on (state, ppid, pgrp, ...), or None if
+    there is no such process. Only where ``_HAS_PROC``."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except FileNotFoundError:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def _process_gone(pid: int) -> bool:
+    """The process has ended (a zombie counts as ended: it runs nothing)."""
+    if _HAS_PROC:
+        fields = _proc_stat(pid)
+        return fields is None or fields[0] in ("Z", "X")
+    try:  # no /proc here: ask the kernel (a zombie then looks alive)
+        os.kill(pid, 0)
+    except ProcessLookupError:
         return True
-    except OSError:  # no /proc here: ask the kernel (a zombie then looks alive)
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+    except PermissionError:
+        pass
+    return False
+
+
+def _child_of_this_process(pid: int) -> bool:
+    """``pid`` is a child of this process, not yet reaped (without /proc: assumed so)."""
+    if not _HAS_PROC:
+        return True
+    fields = _proc_stat(pid)
+    return fields is not None and int(fields[1]) == os.getpid()
+
+
+def _group_running(pgid: int) -> bool:
+    """Some process of group ``pgid`` still runs (zombies waiting for init to reap them don't count)."""
+    if not _HAS_PROC:
+        return _signal_group(pgid, 0)
+    for entry in os.listdir("/proc"):
+        fields = _proc_stat(entry) if entry.isdigit() else None
+        if fields is not None and int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
             return True
-        except PermissionError:
-            pass
-        return False
+    return False
 
 
 def _vanished(status_dir: str, gone_since: dict[int, float]) -> list[int]:
@@ -835,7 +1110,8 @@ def _run_agent(config: LaunchConfig, entry_args: tuple, limits: tuple[float, flo
     """Run elastic's agent on a thread and wait for it (see :func:`_wait_for_agent`).
 
     Returns {"values": {rank: pickled result}}, {"error": exception}, or {"timed_out": ...} once
-    the workers of a late launch are stopped. A Ctrl-C stops the workers and propagates.
+    the workers of a late launch are stopped. A Ctrl-C stops the workers and propagates. Only this
+    launch's workers are stopped (:func:`_worker_pids`): another launch may run on another thread.
     """
     outcome: dict[str, Any] = {}
     # Waiting on an Event, not Thread.join: a join interrupted by Ctrl-C (KeyboardInterrupt)
@@ -850,31 +1126,23 @@ def _run_agent(config: LaunchConfig, entry_args: tuple, limits: tuple[float, flo
         finally:
             agent_done.set()
 
-    children_before = set(multiprocessing.active_children())
-    saved_env = {key: os.environ.get(key) for key in ("TORCHELASTIC_SIGNALS_TO_HANDLE", _STATUS_DIR_ENV)}
-    # spawned children inherit it while they bootstrap, before elastic hands them anything
-    os.environ[_STATUS_DIR_ENV] = status_dir
-    agent = threading.Thread(target=run_agent, name="muonlab-launch-agent", daemon=True)
+    def pids_of() -> set[int]:
+        return _worker_pids(status_dir, config.run_id)
+
+    agent = threading.Thread(target=run_agent, name=_AGENT_THREAD + config.run_id, daemon=True)
+    agent.start()
     try:
-        agent.start()
-        try:
-            timed_out = _wait_for_agent(agent_done, config.nproc_per_node, limits, status_dir, tick)
-        except BaseException:  # KeyboardInterrupt in a notebook: take the workers down with us
-            _stop_workers(children_before, agent_done)
-            raise
-        if timed_out is not None and "vanished" in timed_out:
-            _stop_workers(children_before, agent_done, agent_ends=False)
-            return timed_out
-        if timed_out is not None:
-            _stop_workers(children_before, agent_done)
-            return {"timed_out": timed_out}
-        return outcome
-    finally:
-        for key, value in saved_env.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        timed_out = _wait_for_agent(agent_done, config.nproc_per_node, limits, status_dir, tick)
+    except BaseException:  # KeyboardInterrupt in a notebook: take the workers down with us
+        _stop_workers(pids_of, agent_done)
+        raise
+    if timed_out is not None and "vanished" in timed_out:
+        _stop_workers(pids_of, agent_done, agent_ends=False)
+        return timed_out
+    if timed_out is not None:
+        _stop_workers(pids_of, agent_done)
+        return {"timed_out": timed_out}
+    return outcome
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from ..distributed.device import rank_device, to_rank_device
 from ..distributed.progress import report_progress
 from ..models import GPT, GPTConfig
 from ..optim import Muon, muon_param_groups
+from ..optim.validation import check_whole
 from .train import tensor_devices
 
 __all__ = ["build", "global_batch", "train_steps", "train_and_save", "resume_and_train"]
@@ -38,6 +39,10 @@ def build(width: int = 32, n_layers: int = 2):
     """(model, optimizer) on this rank's device: GPT from seed 0, FSDP2 over all ranks when distributed."""
     from ..distributed import parallelize
 
+    check_whole("width", width, 1)
+    if width % 4:
+        raise ValueError(f"width must be a multiple of 4 (the model's 4 attention heads), got {width}")
+    check_whole("n_layers", n_layers, 1)
     torch.manual_seed(0)  # on the CPU, so every rank and device starts from the same weights
     model = to_rank_device(GPT(GPTConfig(d_model=width, n_layers=n_layers, n_heads=4, context=CONTEXT)))
     if dist.is_initialized():
@@ -85,7 +90,12 @@ def _full_params(model) -> dict[str, torch.Tensor]:
 
 def train_and_save(path: str, steps: int, save_at: int, width: int = 32) -> dict:
     """A straight run of ``steps`` steps, and a run that saves at ``save_at``: losses, saved params,
-    and where the saving run's tensors lived (``tensor_devices``)."""
+    and where the saving run's tensors lived (``tensor_devices``). ``save_at`` is a step of the
+    run, 0 (before the first) to ``steps`` (after the last)."""
+    check_whole("steps", steps, 1)
+    check_whole("save_at", save_at, 0)
+    if save_at > steps:
+        raise ValueError(f"save_at={save_at} is past the run's steps={steps}: save at a step from 0 to {steps}")
     model, opt = build(width)
     straight = train_steps(model, opt, range(steps), total=steps + save_at)
     model, opt = build(width)
@@ -97,9 +107,14 @@ def train_and_save(path: str, steps: int, save_at: int, width: int = 32) -> dict
 
 def resume_and_train(path: str, steps: int, width: int = 32) -> dict:
     """Load ``path`` (saved on any world size), train to ``steps``: losses, loaded params, and where
-    the resumed run's tensors lived (``tensor_devices``, after training)."""
+    the resumed run's tensors lived (``tensor_devices``, after training). ``steps`` must be past the
+    checkpoint's step (checked once it is loaded, before training)."""
+    check_whole("steps", steps, 1)
     model, opt = build(width)
     step = checkpoint.load(path, model, opt)
+    if steps <= step:
+        raise ValueError(f"steps={steps} leaves nothing to train: the checkpoint {path!r} is at step {step}; "
+                         f"pass steps > {step}")
     loaded = _full_params(model)
     after = train_steps(model, opt, range(step, steps))
     return dict(step=step, loaded_params=loaded, after=after, devices=tensor_devices(model, opt))

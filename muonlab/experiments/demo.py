@@ -21,8 +21,10 @@ import time
 from pathlib import Path
 
 from ..distributed import launch
+from ..distributed.device import requested_device
+from ..optim.validation import check_whole
 from ..trace import Span, write_chrome_trace
-from .train import train_worker
+from .train import MODES, train_worker
 
 __all__ = ["DEMO_MODEL", "check_out_dir", "run", "run_distributed", "run_single"]
 
@@ -35,7 +37,12 @@ def run(out_dir="runs/demo", *, steps: int = 150, width: int = 128, layers: int 
         device: str | None = None) -> None:
     """Both halves: ``run_single`` for ``steps`` steps, then, if ``nprocs > 1``, ``run_distributed``
     on ``nprocs`` workers for its own few steps (it shows the plan and a step's timeline, not
-    convergence, and each CPU worker step is slow). ``device`` goes to ``launch`` (None: the rule)."""
+    convergence, and each CPU worker step is slow). ``device`` goes to ``launch`` (None: the rule).
+
+    Every argument is checked before either half trains (a ValueError naming it)."""
+    check_out_dir(out_dir)
+    _check_single_args(steps, width, layers)
+    _check_workers_args(nprocs, device)
     run_single(out_dir, steps=steps, width=width, layers=layers)
     if nprocs > 1:
         run_distributed(out_dir, nprocs=nprocs, device=device)
@@ -48,10 +55,25 @@ def check_out_dir(out_dir) -> None:
         raise ValueError(f"out_dir {str(path)!r} is an existing file, not a folder: pass a folder for the figures")
 
 
+def _check_single_args(steps, width, layers) -> None:
+    check_whole("steps", steps, 1)
+    check_whole("width", width, 1)
+    if width % 4:
+        raise ValueError(f"width must be a multiple of 4 (the demo's 4 attention heads), got {width}")
+    check_whole("layers", layers, 1)
+
+
+def _check_workers_args(nprocs, device) -> None:
+    check_whole("nprocs", nprocs, 1)
+    if device is not None or nprocs > 1:  # $MUONLAB_DEVICE matters only if workers start
+        requested_device(device)
+
+
 def run_single(out_dir="runs/demo", *, steps: int = 150, width: int = 128, layers: int = 2) -> dict:
     """Muon vs AdamW on the small GPT in this process: print a table, write loss_curves.png; return
     the histories."""
     check_out_dir(out_dir)
+    _check_single_args(steps, width, layers)
     from matplotlib.figure import Figure
 
     from ..models import GPTConfig
@@ -84,12 +106,17 @@ def run_distributed(out_dir="runs/demo", steps: int = 5, nprocs: int = 4, mode: 
                     timeout_s: float = 300, device: str | None = None) -> dict:
     """Train, print the plan and bytes per path, write timeline.png and trace.json; return the results.
 
-    ``device`` goes to :func:`muonlab.distributed.launch` (None: GPUs when there is one per worker)."""
+    ``device`` goes to :func:`muonlab.distributed.launch` (None: GPUs when there is one per worker).
+    The arguments are checked before any worker starts (a ValueError naming the one at fault)."""
     from matplotlib.figure import Figure
 
     from ..viz.timeline import plot_timeline
 
     check_out_dir(out_dir)
+    check_whole("steps", steps, 1)  # the summary below reads the first and last step's loss
+    _check_workers_args(nprocs, device)
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES} (the modes train_worker runs), got {mode!r}")
     t0 = time.time()
     results = launch(train_worker, nprocs, mode=mode, steps=steps, timeout_s=timeout_s, device=device,
                      name=f"demo-{mode}", progress=sys.stderr.isatty(), **DEMO_MODEL)

@@ -30,6 +30,7 @@ from ..distributed.progress import report_progress
 from ..models import GPT, GPTConfig
 from ..models.gpt import moe_config
 from ..optim import Muon, muon_param_groups
+from ..optim.validation import check_whole
 from ..trace import gather_spans
 
 __all__ = ["COMM_DTYPES", "MODES", "plan_rows", "tensor_devices", "train_worker"]
@@ -89,13 +90,16 @@ def train_worker(
     according to the plan), stats (``last_step_stats()``), plan_batches (the ``BatchPlan`` records,
     for ``muonlab.viz.planner.plot_plan_per_rank``), device (this rank's, e.g. "cuda:0" or "cpu"),
     devices (``tensor_devices``: where the parameters and optimizer state ended up), and spans:
-    every rank's spans of the last step as dicts on rank 0, None on the other ranks. Per-rank entries of a plan row are group-local (a
-    batch of expert banks in "ep" mode is planned over the ``MeshAxis.FSDP`` axis only).
+    every rank's spans of the last step as dicts on rank 0, None on the other ranks. Per-rank
+    entries of a plan row are group-local (a batch of expert banks in "ep" mode is planned over the
+    ``MeshAxis.FSDP`` axis only).
+
+    A ValueError naming the parameter, before any model is built: ``mode`` not in ``MODES``,
+    ``steps``, ``batch_per_rank`` (or, in "ep" mode, ``ep``, ``num_experts``) not a whole number
+    >= 1, ``seed`` not one >= 0, a dtype name not in ``COMM_DTYPES``.
     """
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    if comm_dtype_name not in COMM_DTYPES or ns_dtype_name not in COMM_DTYPES:
-        raise ValueError(f"dtype names must be in {sorted(COMM_DTYPES)}, got {comm_dtype_name!r}, {ns_dtype_name!r}")
+    _check_train_args(mode, steps=steps, batch_per_rank=batch_per_rank, seed=seed, ep=ep, num_experts=num_experts,
+                      dtype_names={"comm_dtype_name": comm_dtype_name, "ns_dtype_name": ns_dtype_name})
     world, rank = dist.get_world_size(), dist.get_rank()
 
     model, inner = _parallel_gpt(mode, seed=seed, ep=ep, num_experts=num_experts, d_model=d_model,
@@ -120,6 +124,22 @@ def train_worker(
     )
 
 
+def _check_train_args(mode: str, *, steps, batch_per_rank, seed, ep, num_experts, dtype_names: dict) -> None:
+    """``train_worker``'s own arguments, each error naming its parameter, before any model is built
+    (the model's sizes are checked by GPTConfig, the optimizer's by Muon)."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    check_whole("steps", steps, 1)
+    check_whole("batch_per_rank", batch_per_rank, 1)
+    check_whole("seed", seed, 0)
+    if mode == "ep":  # read in "ep" mode only; 0 experts would silently train the dense GPT
+        check_whole("ep", ep, 1)
+        check_whole("num_experts", num_experts, 1)
+    for keyword, value in dtype_names.items():
+        if value not in COMM_DTYPES:
+            raise ValueError(f"{keyword} must be one of {sorted(COMM_DTYPES)}, got {value!r}")
+
+
 def _parallel_gpt(mode: str, *, seed: int, ep: int, num_experts: int, **arch) -> tuple:
     """(model, the module whose parameters go to Muon): the GPT (the MoE GPT in "ep" mode), built
     from ``seed`` on every rank, then parallelized by ``mode``."""
@@ -138,9 +158,16 @@ def _parallel_gpt(mode: str, *, seed: int, ep: int, num_experts: int, **arch) ->
     return model, inner
 
 
+def _wait_for(device: torch.device) -> None:
+    """On a GPU, until the work queued so far has run (host clocks around asynchronous kernels
+    would time their launches); on a CPU nothing."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _train(model, opt, steps: int, batch_per_rank: int, context: int, seed: int) -> tuple[list, list, list]:
     """(this rank's losses, mean losses over ranks, optimizer step seconds), one per step, each rank
-    on its slice of the same global batch."""
+    on its slice of the same global batch; on a GPU a step's seconds run until its kernels end."""
     world, rank = dist.get_world_size(), dist.get_rank()
     device = rank_device()
     data = load_corpus("train")
@@ -151,8 +178,10 @@ def _train(model, opt, steps: int, batch_per_rank: int, context: int, seed: int)
         x, y = get_batch(data, batch_per_rank * world, context, gen)
         loss = model(x[mine].to(device), y[mine].to(device))
         loss.backward()
+        _wait_for(device)  # backward's kernels before the clock starts, the step's before it stops
         t0 = time.perf_counter()
         opt.step()
+        _wait_for(device)
         step_seconds.append(time.perf_counter() - t0)
         opt.zero_grad()
         mean = loss.detach().clone()

@@ -1,4 +1,4 @@
-"""Worker functions for tests/distributed/test_launch.py and test_mesh.py.
+"""Worker functions for tests/distributed/test_launch.py, test_launch_lifecycle.py and test_mesh.py.
 
 They live in an importable module because launch() runs them in spawned processes. Checks that
 need several ranks run here and return plain data; the tests assert on it in the parent.
@@ -88,9 +88,44 @@ def vanish_on_rank(vanishing_rank: int) -> int:
     return rank
 
 
-def _write_time(path: str) -> None:
+def start_child_then(action: str, out_dir: str) -> int:
+    """Start a process of its own (as a worker may start a data-prep tool), write its pid to
+    ``out_dir/child<rank>.pid``, then "return" (the rank), "raise" or "hang"."""
+    import subprocess
+
+    child = subprocess.Popen(["sleep", "600"])
+    _write_text(os.path.join(out_dir, f"child{dist.get_rank()}.pid"), str(child.pid))
+    if action == "raise":
+        raise RuntimeError("deliberate failure after starting a child process")
+    while action == "hang":
+        time.sleep(1)
+    return dist.get_rank()
+
+
+def wait_for_file(path: str, limit_s: float = 150.0) -> int:
+    """Write ``<path>.waiting``, then wait (at most ``limit_s``) until ``path`` exists; return the rank."""
+    _write_text(path + ".waiting", str(os.getpid()))
+    deadline = time.monotonic() + limit_s
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return dist.get_rank()
+
+
+def destroy_group_then_return() -> int:
+    """End as torchrun scripts do: destroy the process group, then return the rank."""
+    dist.barrier()
+    rank = dist.get_rank()
+    dist.destroy_process_group()
+    return rank
+
+
+def _write_text(path: str, text: str) -> None:
     with open(path, "w") as f:
-        f.write(repr(time.time()))
+        f.write(text)
+
+
+def _write_time(path: str) -> None:
+    _write_text(path, repr(time.time()))
 
 
 # ---------------------------------------------------------------------------------- meshes

@@ -303,10 +303,14 @@ def test_killing_the_launcher_while_workers_start_leaves_no_worker(tmp_path):
     import signal
     import subprocess
 
+    # the launcher's temporary folder: it must leave nothing there (its status files live in the
+    # run directory, which is kept anyway)
+    temp = tmp_path / "tmp"
+    temp.mkdir()
     proc = _run_script(tmp_path, """
         if __name__ == "__main__":
             launch(workers.rank_info, 2, timeout_s=300, startup_timeout_s=300)
-    """, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    """, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=dict(os.environ, TMPDIR=str(temp)))
     workers_seen: set[int] = set()
     try:
         deadline = time.monotonic() + 120
@@ -321,6 +325,8 @@ def test_killing_the_launcher_while_workers_start_leaves_no_worker(tmp_path):
             time.sleep(0.2)
         survivors = [pid for pid in workers_seen if _pid_alive(pid)]
         assert not survivors, f"workers {survivors} outlived their launcher"
+        left = [entry for entry in os.listdir(temp) if entry.startswith("muonlab")]
+        assert not left, f"the killed launcher left {left} in its temporary folder"
     finally:
         proc.kill()
         for pid in workers_seen:
@@ -356,3 +362,24 @@ def test_bad_timeouts_are_refused_before_starting(monkeypatch):
     with pytest.raises(ValueError, match=r"nprocs=1000000000 is more processes than launch\(\) starts"):
         launch(workers.rank_info, 10**9)
     assert started == []
+
+
+@pytest.mark.timeout(30)
+def test_unknown_backends_and_timeouts_past_the_cap_are_refused_before_starting(monkeypatch, tmp_path):
+    from muonlab.distributed.launch import RUNS_DIR_ENV
+
+    launch_module = sys.modules["muonlab.distributed.launch"]
+    monkeypatch.setenv(RUNS_DIR_ENV, str(tmp_path))
+    started = []
+    monkeypatch.setattr(launch_module, "elastic_launch", lambda *a, **k: started.append(a))
+    for bad in ("glo", "mpi", 123):
+        with pytest.raises(ValueError, match=r"^backend must be None .* 'gloo' or 'nccl', got"):
+            launch(workers.rank_info, 1, backend=bad)
+    for name in ("timeout_s", "startup_timeout_s"):
+        # 1e14 s is past what the workers' timedelta holds
+        with pytest.raises(ValueError, match=rf"^{name}=1e\+14 s is longer than launch\(\) waits"):
+            launch(workers.rank_info, 1, **{name: 1e14})
+        with pytest.raises(ValueError, match=rf"^{name}="):
+            launch(workers.rank_info, 1, **{name: launch_module.MAX_TIMEOUT_S * 1.01})
+    assert started == []
+    assert os.listdir(tmp_path) == []  # no run directory either
