@@ -662,8 +662,8 @@ class Muon(Optimizer):
             self._agreement.check(check_group, self._step_description(work))
         indices = self._muon_indices(work["muon"])
         planned = self._plan_for(indices) if indices else None
-        if planned and (planned.owners or self._replica_home):
-            t0 = self._tracer.mark()  # moves values, changes none: safe before the check
+        if planned and (planned.owners or self._replica_home):  # moves values, changes none: safe before the check
+            t0 = self._tracer.mark()
             if planned.owners:
                 self._relocate_momentum(planned.owners, counter)
             if self._replica_home:
