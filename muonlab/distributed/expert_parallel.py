@@ -172,6 +172,9 @@ def apply_ep(
         raise ValueError(f"the mesh has {mesh.size()} ranks but the world has {world_size}")
     ep = mesh.size(names.index(MeshAxis.EP))
     moes = _moe_layers(model, block_attr)
+    if not moes:  # it would silently be FSDP over the world
+        raise ValueError(f"apply_ep found no muonlab MoE layer under model.{block_attr} of {type(model).__name__}: "
+                         "nothing to spread over the 'ep' axis (a dense model takes mode 'fsdp')")
     for i, moe in enumerate(moes):
         if moe.num_experts % ep:
             raise ValueError(

@@ -83,6 +83,9 @@ class MoE(nn.Module):
     """
 
     dispatcher = None
+    expert_banks = ("w_in", "w_out")
+    """Names of the (num_experts, d_out, d_in) banks: muon_param_groups reads them as banks of
+    matrices, one expert's (1, d_out, d_in) bank too (its shape alone reads as a size-1 table)."""
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()

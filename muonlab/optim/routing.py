@@ -119,15 +119,27 @@ def _is_matrix_layer(module: nn.Module) -> bool:
 def _heads(model: nn.Module) -> dict[nn.Module, str]:
     """The output head(s) (rule 2), each with its reason."""
     embeddings = [m.weight.shape for m in model.modules() if isinstance(m, nn.Embedding)]
-    repeated = [name + "." for name, m in model.named_modules() if isinstance(m, nn.ModuleList)]
-    outside = [m for name, m in model.named_modules()
+    # repeated blocks: ModuleLists of modules that hold layers. A list of bare Linear/Conv1D layers
+    # is read as layers outside blocks: parallel heads, one per codebook or draft token.
+    layer_lists = {name + "." for name, m in model.named_modules()
+                   if isinstance(m, nn.ModuleList) and len(m) and all(_is_matrix_layer(item) for item in m)}
+    repeated = [name + "." for name, m in model.named_modules() if isinstance(m, nn.ModuleList)
+                and name + "." not in layer_lists]
+    outside = [(name, m) for name, m in model.named_modules()
                if _is_matrix_layer(m) and not any(name.startswith(prefix) for prefix in repeated)]
     # Earlier Linears can match an embedding's shape by accident in small models (an MLP of
-    # width == vocab), so only the last one counts.
-    shaped = [m for m in model.modules() if isinstance(m, nn.Linear) and m.weight.shape in embeddings]
+    # width == vocab), so only the last one counts; a block's layers never do (BERT-tiny's
+    # intermediate layer is (512, 128), as its position table).
+    shaped = [m for _, m in outside if isinstance(m, nn.Linear) and m.weight.shape in embeddings]
     heads = {}
     if outside:
-        heads[outside[-1]] = "output head (last Linear/Conv1D outside repeated blocks)"
+        last_name, last = outside[-1]
+        heads[last] = "output head (last Linear/Conv1D outside repeated blocks)"
+        home = last_name.rpartition(".")[0] + "."
+        if home in layer_lists:  # its twins of the same shape in that list are heads too
+            for name, m in outside[:-1]:
+                if name.rpartition(".")[0] + "." == home and m.weight.shape == last.weight.shape:
+                    heads[m] = "output head (one of parallel heads shaped like the last one)"
     if shaped:
         heads[shaped[-1]] = "output head (last Linear shaped like an embedding)"
     return heads
@@ -164,8 +176,12 @@ def _global_shape(p: torch.Tensor) -> tuple[int, ...]:
 def _by_module(module: nn.Module, p: torch.Tensor, conv: str) -> tuple[str, str]:
     """Rules 3 to 5: the module's type decides, or for raw parameters the tensor's (global) shape."""
     view, shape = _view(module, p), _global_shape(p)
+    if p.ndim == 3 and any(getattr(module, name, None) is p for name in getattr(module, "expert_banks", ())):
+        return "muon", _describe(view, shape)  # a declared expert bank, one expert's included
     if isinstance(module, nn.Linear) or is_transformers_conv1d(module) or (
             isinstance(module, nn.MultiheadAttention) and p.ndim == 2):
+        if 1 in shape:  # Muon would reduce it to its normalised gradient
+            return "adamw", "one-row or one-column layer (a scalar gate or a single output)"
         return "muon", _describe(view, shape)
     if isinstance(module, nn.modules.conv._ConvNd):
         if conv == "muon":

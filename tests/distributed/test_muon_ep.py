@@ -19,6 +19,7 @@ from ._common import cloned, nonzero, rel_displacement
 
 NUM_RANKS = 4
 INVALID = [(2, 3, "fp32")]
+DENSE = (2, 0, "fp32")  # a model without MoE layers: apply_ep was silently FSDP over the world
 # E=2 with ep=2: one expert per EP rank, a (1, out, in) bank that must still route to Muon
 # ep=4 == world: a (1, 4) mesh whose one-rank fsdp axis leaves each rank its experts (each rank's
 # load, not rank 0's alone, decides where the dense matrices go)
@@ -37,7 +38,7 @@ def _id(case) -> str:
 
 @pytest.fixture(scope="module")
 def results():
-    return launch(W.everything, NUM_RANKS, INVALID + CASES + PART_CASES, timeout_s=300)
+    return launch(W.everything, NUM_RANKS, INVALID + [DENSE] + CASES + PART_CASES, timeout_s=300)
 
 
 @pytest.mark.timeout(400)
@@ -48,6 +49,13 @@ def test_experts_not_divisible_by_ep_are_refused(results, case):
         msg = res[case]["error"]
         assert msg is not None, f"apply_ep accepted {num_experts} experts with ep={ep} on rank {rank}"
         assert f"num_experts={num_experts}" in msg and f"ep={ep}" in msg, msg
+
+
+@pytest.mark.timeout(400)
+def test_a_model_without_experts_is_refused(results):
+    for rank, res in results.items():
+        msg = res[DENSE]["error"]
+        assert msg is not None and "found no muonlab MoE layer under model.blocks" in msg, (rank, msg)
 
 
 @pytest.mark.timeout(400)

@@ -280,3 +280,47 @@ def test_simulated_plans_read_the_views():
         simulate([("k", (6, 2, 3, 3))], 2, matrix_views={"k": "matrix"})
     with pytest.raises(ValueError, match="matrix_views names \\['q'\\]"):
         simulate([("k", (6, 2, 3, 3))], 2, matrix_views={"q": "bank"})
+
+
+# ---------------------------------------------------------------- heads and banks found by a routing audit
+
+
+class _Block(nn.Module):
+    def __init__(self, d: int, hidden: int):
+        super().__init__()
+        self.up, self.down = nn.Linear(d, hidden), nn.Linear(hidden, d)
+
+
+class _Encoder(nn.Module):
+    """BERT-tiny's case: 512 positions of width 128, and an intermediate layer of (512, 128)."""
+
+    def __init__(self, heads: int = 1):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(1000, 128), nn.Embedding(512, 128)
+        self.blocks = nn.ModuleList(_Block(128, 512) for _ in range(2))
+        self.heads = nn.ModuleList(nn.Linear(128, 10) for _ in range(heads))
+
+
+def _algorithms(model, **kw) -> dict[str, str]:
+    return {r.name: r.algorithm for r in muon_param_groups(model, **kw).routes}
+
+
+def test_a_block_layer_shaped_like_an_embedding_is_no_head():
+    routes = _algorithms(_Encoder())
+    assert routes["blocks.1.up.weight"] == routes["blocks.0.up.weight"] == "muon"
+    assert routes["heads.0.weight"] == "adamw"
+
+
+def test_parallel_heads_in_a_list_of_layers_all_go_to_adamw_and_an_mlp_list_keeps_its_hidden_layers():
+    routes = _algorithms(_Encoder(heads=3))
+    assert [routes[f"heads.{i}.weight"] for i in range(3)] == ["adamw"] * 3
+    mlp = nn.Sequential(nn.Embedding(50, 16), nn.ModuleList([nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 5)]))
+    routes = _algorithms(mlp)
+    assert [routes[f"1.{i}.weight"] for i in range(3)] == ["muon", "muon", "adamw"]
+
+
+def test_one_expert_bank_goes_to_muon_and_a_one_row_layer_to_adamw():
+    routes = _algorithms(GPT(moe_config(num_experts=1, top_k=1, d_model=32, n_layers=1, n_heads=2, context=8)))
+    assert routes["blocks.0.mlp.w_in"] == routes["blocks.0.mlp.w_out"] == "muon"
+    gate = nn.Sequential(nn.Embedding(10, 16), nn.Linear(16, 16), nn.Linear(16, 1), nn.Linear(16, 10))
+    assert _algorithms(gate)["2.weight"] == "adamw"
