@@ -746,7 +746,10 @@ class Muon(Optimizer):
                     items.append((kind, name_of(p), fields))
         items.append(("options", "", (("nonfinite", self.nonfinite), ("comm_dtype", str(self.comm_dtype)),
                                       ("workspace budget (workspace_bytes)", self._ns_runner().budget_bytes),
-                                      ("strategy", self.strategy), ("remainder_path", self.remainder_path))))
+                                      ("strategy", self.strategy), ("remainder_path", self.remainder_path),
+                                      # where momentum lives orders the step's collectives (the
+                                      # check's flags travel before the first batch when offloaded)
+                                      ("momentum offload", self._offload.place_of("momentum_buffer") or "none"))))
         return items
 
     def _check_group(self):

@@ -251,17 +251,18 @@ class DiskStore(_OffloadedStore):
                 fd = os.open(self.lock_path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
                 owner = _lock_owner(self.lock_path)
-                if owner is not None and _alive(owner):
+                if owner is not None and _held_by_a_live_run(owner, self.lock_path):
                     # in a notebook the other one is often an earlier optimizer of this very process
-                    mine = " (this process: drop the earlier optimizer first)" if owner == os.getpid() else ""
+                    mine = " (this process: drop the earlier optimizer first)" if owner[0] == os.getpid() else ""
                     raise OffloadError(errno.EBUSY, f"offload_dir {self.dir!r} is in use by another live run "
-                                                    f"(pid {owner}{mine}, lock {self.lock_path!r})") from None
+                                                    f"(pid {owner[0]}{mine}, lock {self.lock_path!r})") from None
                 os.unlink(self.lock_path)  # stale: its owner is gone
                 continue
             except OSError as e:
                 raise OffloadError(e.errno, f"offload_dir {self.dir!r} is not writable ({e.strerror})") from None
             with os.fdopen(fd, "w") as f:
-                f.write(str(os.getpid()))
+                f.write(f"{os.getpid()} {_start_time(os.getpid())}")
+            _HELD_LOCKS.add(os.path.realpath(self.lock_path))
             return
         raise OffloadError(errno.EBUSY, f"could not take the lock {self.lock_path!r}")
 
@@ -270,8 +271,10 @@ class DiskStore(_OffloadedStore):
 
     @staticmethod
     def _cleanup(lock_path: str, path: str | None) -> None:
-        if _lock_owner(lock_path) == os.getpid():
+        owner = _lock_owner(lock_path)
+        if owner is not None and owner[0] == os.getpid() and os.path.realpath(lock_path) in _HELD_LOCKS:
             os.unlink(lock_path)
+        _HELD_LOCKS.discard(os.path.realpath(lock_path))
 
     def _header(self) -> bytes:
         manifest = json.dumps(dict(size=self.size, slots=self._manifest)).encode()
@@ -285,7 +288,19 @@ class DiskStore(_OffloadedStore):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
         with open(self.path, "wb") as f:
-            f.truncate(self.size)  # zeros: every slot starts as fresh state
+            # zeros: every slot starts as fresh state. The blocks are claimed now (a sparse file
+            # claims them at the mapping's first write, and a full disk then kills the process
+            # with SIGBUS: the free-space check above reserves nothing, another run may take it)
+            try:
+                if hasattr(os, "posix_fallocate"):
+                    os.posix_fallocate(f.fileno(), 0, self.size)
+                else:
+                    f.truncate(self.size)
+            except OSError as e:
+                f.close()
+                os.unlink(self.path)
+                raise OffloadError(e.errno, f"offload_dir {self.dir!r} can't hold the optimizer state file "
+                                            f"{self.path!r} ({self.size} bytes): {e.strerror}") from None
             f.seek(0)
             f.write(self._header())
         self._inode = os.stat(self.path).st_ino
@@ -324,12 +339,40 @@ class DiskStore(_OffloadedStore):
         self._finalizer()
 
 
-def _lock_owner(lock_path: str) -> int | None:
+_HELD_LOCKS: set[str] = set()
+"""Lock files (real paths) that this process's live DiskStores hold: a lock naming this process's
+pid but not listed here was left by an earlier process of the same pid (a restarted container's
+run is pid 1 again)."""
+
+
+def _lock_owner(lock_path: str) -> tuple[int, str] | None:
+    """(pid, start time) written in a lock file (start time "" in locks of older versions)."""
     try:
         with open(lock_path) as f:
-            return int(f.read().strip() or -1)
+            pid, _, start = f.read().strip().partition(" ")
+            return int(pid or -1), start
     except (OSError, ValueError):
         return None
+
+
+def _start_time(pid: int) -> str:
+    """When process ``pid`` started (Linux: field 22 of /proc/<pid>/stat, in clock ticks since
+    boot), "" where unknown: with the pid it names one process, as pids are reused."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[19]  # fields from the 3rd on, after the name
+    except (OSError, IndexError):
+        return ""
+
+
+def _held_by_a_live_run(owner: tuple[int, str], lock_path: str) -> bool:
+    pid, start = owner
+    if pid == os.getpid():
+        return os.path.realpath(lock_path) in _HELD_LOCKS
+    if not _alive(pid):
+        return False
+    now = _start_time(pid)
+    return not (start and now) or start == now  # unknown start times: the pid alone decides
 
 
 def _alive(pid: int) -> bool:

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from muonlab import Muon
 
 
-def _setup(layout: str):
+def _setup(layout: str, state_offload: str | None = None):
     """Named Muon matrices (and an AdamW bias) the same on every rank: DTensor shards (fsdp) or
     replicas (ddp: plain tensors under the world group)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -27,8 +27,21 @@ def _setup(layout: str):
         params = {n: torch.nn.Parameter(f.clone()) for n, f in fulls.items()}
     bias = torch.nn.Parameter(torch.zeros(8))
     opt = Muon([{"params": list(params.items())}, {"params": [("bias", bias)], "algorithm": "adamw"}],
-               lr=0.02, ns_dtype=torch.float32)
+               lr=0.02, ns_dtype=torch.float32, state_offload=state_offload)
     return params, bias, opt
+
+
+def momentum_offloaded_on_one_rank() -> dict:
+    """The last rank keeps its state on the CPU, the others resident: where momentum lives orders
+    the step's collectives, so the ranks crashed in mismatched ones (gloo aborted a rank)."""
+    last = dist.get_rank() == dist.get_world_size() - 1
+    params, bias, opt = _setup("fsdp", state_offload="cpu" if last else None)
+    _grads(params, bias, 1)
+    try:
+        opt.step()
+    except ValueError as err:
+        return dict(error=str(err), state=len(opt.state))
+    return dict(error=None, state=len(opt.state))
 
 
 def _grads(params, bias, seed: int):

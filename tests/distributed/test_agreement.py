@@ -28,6 +28,14 @@ def test_a_rank_that_drifts_after_the_first_step_is_named_on_every_rank(layout, 
 
 
 @pytest.mark.timeout(300)
+def test_momentum_offloaded_on_one_rank_only_is_named_on_every_rank():
+    results = launch(W.momentum_offloaded_on_one_rank, 2, timeout_s=120)
+    for rank, out in results.items():
+        assert out["error"] is not None and "momentum offload" in out["error"], (rank, out["error"])
+        assert "'none' on rank 0, 'cpu' on rank 1" in out["error"] and out["state"] == 0, (rank, out)
+
+
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("drift", [None, "lr"])
 def test_the_side_group_used_under_nccl_agrees_and_names_a_drift(drift):
     """Under NCCL the check runs on a gloo side group made with use_local_synchronization; CI has

@@ -171,9 +171,25 @@ def test_a_live_runs_lock_is_refused_and_a_stale_one_taken_over(tmp_path):
     dead.wait()
     lock.write_text(str(dead.pid))
     model, opt = build(state_offload="disk", offload_dir=str(d))
-    assert lock.read_text() == str(os.getpid())
+    assert lock.read_text().split()[0] == str(os.getpid())
     with pytest.raises(OffloadError, match="another live run"):  # this run holds it now
         build(state_offload="disk", offload_dir=str(d))
+
+
+@pytest.mark.parametrize("owner", ["this pid, held by no store of this process", "a live pid started later"])
+def test_a_lock_whose_pid_was_reused_is_taken_over(tmp_path, owner):
+    """A run killed outright leaves its lock; restarted in a container the new run often gets
+    its pid again (pid 1), or another rank alive now does: the lock was refused as a live run's."""
+    d = tmp_path / "locked"
+    d.mkdir()
+    lock = d / "muonlab_state_rank0.lock"
+    if owner.startswith("this pid"):
+        lock.write_text(str(os.getpid()))  # as a lock of an earlier version reads
+    else:
+        live_start = open(f"/proc/{os.getppid()}/stat").read().rpartition(")")[2].split()[19]
+        lock.write_text(f"{os.getppid()} {int(live_start) + 1}")
+    model, opt = build(state_offload="disk", offload_dir=str(d))
+    assert lock.read_text().split()[0] == str(os.getpid())
 
 
 def _stepped_disk(tmp_path):
@@ -256,3 +272,17 @@ def test_dropping_an_optimizer_releases_its_directory(tmp_path):
     gc.collect()
     assert not (tmp_path / "disk" / "muonlab_state_rank0.lock").exists()
     build(**places(tmp_path)["disk"])  # the directory is free again
+
+
+def test_a_disk_too_full_for_the_state_file_is_an_offload_error_when_built(tmp_path, monkeypatch):
+    """The file's blocks are claimed when it is made: a sparse file claimed them at the first
+    write into its mapping, and a disk filled meanwhile killed the process with SIGBUS."""
+    import errno
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(OffloadError, match="can't hold the optimizer state file"):
+        build(state_offload="disk", offload_dir=str(tmp_path / "d"))
+    assert sorted(os.listdir(tmp_path / "d")) == []  # neither the file nor the lock is left
