@@ -8,11 +8,15 @@ that applies decides, and ``ParamGroups.table()`` shows each decision with its r
 1. ``exclude`` patterns -> AdamW; ``include`` patterns -> Muon (any parameter of 2+ dims); 1-D
    tensors (norm scales, biases) -> AdamW; nn.Embedding tables, and anything tied to one -> AdamW.
 2. The output head -> AdamW: the LAST nn.Linear or transformers Conv1D of the model, in module
-   registration order, that is not inside an nn.ModuleList (the repeated blocks): lm_head,
-   classifier, score, a CNN's final fc; and the last Linear shaped like an embedding. A bare
-   backbone whose Linears all live in a ModuleList has no head.
-3. nn.Linear (and nn.MultiheadAttention's input projections) -> Muon, view "matrix";
-   transformers' Conv1D, which stores its weight (in, out) -> Muon, view "transpose".
+   registration order, that is not inside an nn.ModuleList of blocks (the repeated blocks): lm_head,
+   classifier, score, a CNN's final fc; and the last such Linear shaped like an embedding. A list
+   of bare Linear/Conv1D layers is no block: a head in it takes its twins of the same shape along
+   (parallel heads: one per codebook, per draft token). A bare backbone whose Linears all live
+   in blocks has no head.
+3. nn.Linear (and nn.MultiheadAttention's input projections) -> Muon, view "matrix", unless a
+   dim is 1 (a scalar gate: Muon would reduce it to its normalised gradient) -> AdamW;
+   transformers' Conv1D, which stores its weight (in, out) -> Muon, view "transpose". A module's
+   declared ``expert_banks`` (muonlab's MoE) -> Muon, view "bank", one expert's too.
 4. Convolution kernels -> AdamW by default; ``conv="muon"`` sends them to Muon, view "flatten"
    (one (out, in * prod(kernel)) matrix per kernel).
 5. Raw parameters (owned by any other module, e.g. an nn.Parameter attribute): a tensor with a
