@@ -10,9 +10,9 @@ that applies decides, and ``ParamGroups.table()`` shows each decision with its r
 2. The output head -> AdamW: the LAST nn.Linear or transformers Conv1D of the model, in module
    registration order, that is not inside an nn.ModuleList of blocks (the repeated blocks): lm_head,
    classifier, score, a CNN's final fc; and the last such Linear shaped like an embedding. A list
-   of bare Linear/Conv1D layers is no block: a head in it takes its twins of the same shape along
-   (parallel heads: one per codebook, per draft token). A bare backbone whose Linears all live
-   in blocks has no head.
+   of bare Linear/Conv1D layers of one non-square shape is no block but parallel layers: a head
+   in it takes the others along (one head per codebook, per draft token). A bare backbone whose
+   Linears all live in blocks has no head.
 3. nn.Linear (and nn.MultiheadAttention's input projections) -> Muon, view "matrix", unless a
    dim is 1 (a scalar gate: Muon would reduce it to its normalised gradient) -> AdamW;
    transformers' Conv1D, which stores its weight (in, out) -> Muon, view "transpose". A module's
@@ -123,10 +123,10 @@ def _is_matrix_layer(module: nn.Module) -> bool:
 def _heads(model: nn.Module) -> dict[nn.Module, str]:
     """The output head(s) (rule 2), each with its reason."""
     embeddings = [m.weight.shape for m in model.modules() if isinstance(m, nn.Embedding)]
-    # repeated blocks: ModuleLists of modules that hold layers. A list of bare Linear/Conv1D layers
-    # is read as layers outside blocks: parallel heads, one per codebook or draft token.
-    layer_lists = {name + "." for name, m in model.named_modules()
-                   if isinstance(m, nn.ModuleList) and len(m) and all(_is_matrix_layer(item) for item in m)}
+    # repeated blocks: ModuleLists, except a list of bare Linear/Conv1D layers all of one
+    # non-square shape, which no stack of layers can be (each would feed the next): parallel
+    # layers, such as one head per codebook, read as layers outside blocks
+    layer_lists = {name + "." for name, m in model.named_modules() if _parallel_layers(m)}
     repeated = [name + "." for name, m in model.named_modules() if isinstance(m, nn.ModuleList)
                 and name + "." not in layer_lists]
     outside = [(name, m) for name, m in model.named_modules()
@@ -140,13 +140,21 @@ def _heads(model: nn.Module) -> dict[nn.Module, str]:
         last_name, last = outside[-1]
         heads[last] = "output head (last Linear/Conv1D outside repeated blocks)"
         home = last_name.rpartition(".")[0] + "."
-        if home in layer_lists:  # its twins of the same shape in that list are heads too
+        if home in layer_lists:  # the other layers of that list are heads too
             for name, m in outside[:-1]:
-                if name.rpartition(".")[0] + "." == home and m.weight.shape == last.weight.shape:
-                    heads[m] = "output head (one of parallel heads shaped like the last one)"
+                if name.rpartition(".")[0] + "." == home:
+                    heads[m] = "output head (one of parallel heads, as the last one)"
     if shaped:
         heads[shaped[-1]] = "output head (last Linear shaped like an embedding)"
     return heads
+
+
+def _parallel_layers(module: nn.Module) -> bool:
+    """A ModuleList of bare Linear/Conv1D layers whose weights share one non-square shape."""
+    if not isinstance(module, nn.ModuleList) or not len(module) or not all(_is_matrix_layer(m) for m in module):
+        return False
+    shapes = {tuple(m.weight.shape) for m in module}
+    return len(shapes) == 1 and len(set(next(iter(shapes)))) == 2
 
 
 def _view(module: nn.Module, p: torch.Tensor) -> str:

@@ -311,12 +311,14 @@ def test_a_block_layer_shaped_like_an_embedding_is_no_head():
     assert routes["heads.0.weight"] == "adamw"
 
 
-def test_parallel_heads_in_a_list_of_layers_all_go_to_adamw_and_an_mlp_list_keeps_its_hidden_layers():
+def test_parallel_heads_in_a_list_of_layers_all_go_to_adamw_and_stacks_of_layers_stay_blocks():
     routes = _algorithms(_Encoder(heads=3))
     assert [routes[f"heads.{i}.weight"] for i in range(3)] == ["adamw"] * 3
-    mlp = nn.Sequential(nn.Embedding(50, 16), nn.ModuleList([nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 5)]))
-    routes = _algorithms(mlp)
-    assert [routes[f"1.{i}.weight"] for i in range(3)] == ["muon", "muon", "adamw"]
+    # a stack of layers in a list (each feeds the next: not one non-square shape) is read as
+    # blocks, as before: a tied head elsewhere, every layer of the stack on Muon
+    for layers in ([nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 16)], [nn.Linear(16, 16) for _ in range(3)]):
+        routes = _algorithms(nn.Sequential(nn.Embedding(50, 16), nn.ModuleList(layers)))
+        assert [routes[f"1.{i}.weight"] for i in range(3)] == ["muon"] * 3
 
 
 def test_one_expert_bank_goes_to_muon_and_a_one_row_layer_to_adamw():
