@@ -170,8 +170,10 @@ def muon_apply_(
     weight_decay: float,
     ratios: Sequence[float],
 ) -> None:
-    """Decoupled weight decay with the unadjusted lr, then X -= lr * ratio * O (foreach calls, one
-    per distinct ratio)."""
+    """Decoupled weight decay with the unadjusted lr, then X -= lr * ratio * O: on a GPU one foreach
+    call per distinct ratio; on a CPU one add per matrix, each update cast as it is added (its
+    foreach call is the same loop of adds, with the same bits, but wants every cast update at once:
+    fp32 updates of bf16 parameters held a bf16 copy of a whole batch)."""
     if not params:
         return
     if weight_decay != 0:
@@ -183,15 +185,24 @@ def muon_apply_(
             # of 0.998 became 0.99609375 (twice the decay) and 0.9996 became 1.0 (none); mul_ keeps it
             for p in params:
                 p.mul_(factor)
+    if not params[0].is_cuda:
+        for p, o, ratio in zip(params, updates, ratios):
+            p.add_(_update_for(p, o), alpha=-lr * ratio)
+        return
     by_ratio: dict[float, tuple[list, list]] = {}
     for p, o, ratio in zip(params, updates, ratios):
         ps, os_ = by_ratio.setdefault(ratio, ([], []))
         ps.append(p)
-        # fp16: the add in fp32, as torch.optim.Muon's mixed-dtype add of its bf16 update does (an
-        # fp16 add rounds its alpha to fp16 on a CPU: -0.02 became -0.019997)
-        os_.append(o.float() if p.dtype == torch.float16 else o.to(p.dtype))
+        os_.append(_update_for(p, o))
     for ratio, (ps, os_) in by_ratio.items():
         torch._foreach_add_(ps, os_, alpha=-lr * ratio)
+
+
+def _update_for(p: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+    """Orthogonalized update ``o`` in the dtype it is added to ``p`` in: ``p``'s, or fp32 for fp16
+    (as torch.optim.Muon's mixed-dtype add of its bf16 update does: an fp16 add rounds its alpha
+    to fp16 on a CPU, -0.02 became -0.019997)."""
+    return o.float() if p.dtype == torch.float16 else o.to(p.dtype)
 
 
 def adamw_(

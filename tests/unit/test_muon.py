@@ -848,18 +848,14 @@ def test_momentum_inputs_lie_back_to_back_with_the_bits_of_the_plain_formulas(fo
     assert [o.dtype for o in mixed] == [dtype, torch.float64]
 
 
-def test_bf16_grads_of_fp32_momentum_are_cast_one_at_a_time(tmp_path):
-    """The momentum pass held an fp32 copy of every grad of a batch beside its outputs (twice
-    the outputs' bytes at its peak, with bf16 grads and fp32 momentum)."""
+def _peak_bytes(fn, path: str) -> int:
+    """The most CPU tensor bytes ``fn`` held at once, from torch.profiler's memory events."""
     import json
 
     from torch.profiler import ProfilerActivity, profile
 
-    grads = [torch.randn(64, 256).bfloat16() for _ in range(8)]
-    bufs = [torch.zeros(64, 256) for _ in range(8)]
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        F.muon_momentum_(grads, bufs, momentum=0.95, nesterov=True, form="ema")
-    path = str(tmp_path / "trace.json")
+        fn()
     prof.export_chrome_trace(path)
     with open(path) as f:
         events = sorted((e for e in json.load(f)["traceEvents"] if e.get("name") == "[memory]"), key=lambda e: e["ts"])
@@ -867,5 +863,24 @@ def test_bf16_grads_of_fp32_momentum_are_cast_one_at_a_time(tmp_path):
     for e in events:
         now += e["args"]["Bytes"]
         peak = max(peak, now)
+    return peak
+
+
+def test_fp32_updates_of_bf16_parameters_are_cast_one_at_a_time(tmp_path):
+    """The update held a bf16 copy of every output of a batch at once (8 matrices' worth)."""
+    params = [torch.randn(64, 256).bfloat16() for _ in range(8)]
+    updates = [torch.randn(64, 256) for _ in range(8)]
+    peak = _peak_bytes(lambda: F.muon_apply_(params, updates, lr=0.02, weight_decay=0.0, ratios=[1.0] * 8),
+                       str(tmp_path / "trace.json"))
+    assert peak <= 64 * 256 * 2, peak  # one cast update at a time
+
+
+def test_bf16_grads_of_fp32_momentum_are_cast_one_at_a_time(tmp_path):
+    """The momentum pass held an fp32 copy of every grad of a batch beside its outputs (twice
+    the outputs' bytes at its peak, with bf16 grads and fp32 momentum)."""
+    grads = [torch.randn(64, 256).bfloat16() for _ in range(8)]
+    bufs = [torch.zeros(64, 256) for _ in range(8)]
+    peak = _peak_bytes(lambda: F.muon_momentum_(grads, bufs, momentum=0.95, nesterov=True, form="ema"),
+                       str(tmp_path / "trace.json"))
     outputs = 8 * 64 * 256 * 4
     assert outputs <= peak <= outputs + 2 * 64 * 256 * 4, peak  # the outputs and a grad or two in flight
