@@ -147,37 +147,41 @@ def _train_loop(model, optimizer, hist: History, *, steps, batch_size, context, 
     train_data, val_data = data
     start = time.monotonic()
     bar = _step_bar(desc, steps, progress)
-    for step in range(1, steps + 1):
-        x, y = get_batch(train_data, batch_size, context, gen)
-        t0 = time.perf_counter()
-        loss = model(x.to(device), y.to(device))
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        t1 = time.perf_counter()
-        optimizer.step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t2 = time.perf_counter()
-        if scheduler is not None:
-            scheduler.step()
-        hist.steps.append(step)
-        hist.train_loss.append(loss.item())
-        hist.step_time_s.append(t2 - t0)
-        hist.opt_time_s.append(t2 - t1)
-        if (eval_every and step % eval_every == 0) or step == steps:
-            if not hist.val_steps or hist.val_steps[-1] != step:
-                hist.val_steps.append(step)
-                hist.val_loss.append(
-                    evaluate(model, val_data, batch_size=batch_size, context=context,
-                             num_batches=eval_batches, device=device)
-                )
+    try:
+        for step in range(1, steps + 1):
+            x, y = get_batch(train_data, batch_size, context, gen)
+            t0 = time.perf_counter()
+            loss = model(x.to(device), y.to(device))
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            if device.type == "cuda":  # backward's kernels are not the optimizer's time
+                torch.cuda.synchronize()
+            t1 = time.perf_counter()
+            optimizer.step()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t2 = time.perf_counter()
+            if scheduler is not None:
+                scheduler.step()
+            hist.steps.append(step)
+            hist.train_loss.append(loss.item())
+            hist.step_time_s.append(t2 - t0)
+            hist.opt_time_s.append(t2 - t1)
+            if (eval_every and step % eval_every == 0) or step == steps:
+                if not hist.val_steps or hist.val_steps[-1] != step:
+                    hist.val_steps.append(step)
+                    hist.val_loss.append(
+                        evaluate(model, val_data, batch_size=batch_size, context=context,
+                                 num_batches=eval_batches, device=device)
+                    )
+            if bar is not None:
+                bar.update(1)
+    finally:  # a run that raises (or a Ctrl-C) closes its bar too: a notebook keeps it alive otherwise
         if bar is not None:
-            bar.update(1)
-    if bar is not None:
-        bar.close()
-        if in_notebook_kernel():  # the line a saved notebook keeps, where the bar's widget is gone
-            print(f"{desc}: {steps} steps, loss {hist.train_loss[0]:.3f} -> {hist.train_loss[-1]:.3f}, "
-                  f"{time.monotonic() - start:.0f} s")
+            bar.close()
+    if bar is not None and in_notebook_kernel():  # the line a saved notebook keeps, where the bar's widget is gone
+        print(f"{desc}: {steps} steps, loss {hist.train_loss[0]:.3f} -> {hist.train_loss[-1]:.3f}, "
+              f"{time.monotonic() - start:.0f} s")
 
 
 def _step_bar(desc: str, steps: int, progress: bool):

@@ -15,6 +15,7 @@ render widgets.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import math
@@ -268,18 +269,24 @@ class ProgressMonitor:
         if display not in ("notebook", "text", None):
             raise ValueError(f"display must be 'notebook', 'text' or None, got {display!r}")
         self.display: _TextDisplay | None = None
+        self._dropped = False  # a display was turned off after an error
         if display is not None:
             self._guarded(lambda: setattr(self, "display", (_NotebookDisplay if display == "notebook"
                                                              else _TextDisplay)(name)))
 
     def _guarded(self, show) -> None:
         # A display that breaks (a missing frontend package, a plotting error) must not stop the
-        # launch it watches: it is dropped with a warning and the workers run on.
+        # launch it watches: it is dropped with a warning (its bar closed, if it can be) and the
+        # workers run on; close() then prints the summary line itself.
         try:
             show()
         except Exception as e:
             warnings.warn(f"launch progress display turned off: {type(e).__name__}: {e}", RuntimeWarning, stacklevel=2)
-            self.display = None
+            bar = getattr(self.display, "bar", None)
+            if bar is not None:
+                with contextlib.suppress(Exception):
+                    bar.close()
+            self.display, self._dropped = None, True
 
     def _read(self) -> None:
         for tail in self.tails:
@@ -296,6 +303,9 @@ class ProgressMonitor:
         self._read()
         line = self.state.summary(self.name, time.monotonic() - self.started, failed)
         if self.display is not None:
-            self._guarded(lambda: (self.display.update(self.state, self.count_ready()),
-                                   self.display.close(self.state, line)))
+            self._guarded(lambda: self.display.update(self.state, self.count_ready()))
+        if self.display is not None:  # closed even when the last update failed
+            self._guarded(lambda: self.display.close(self.state, line))
+        if self._dropped:  # its display is gone: the line is shown here instead
+            print(line, file=sys.stderr, flush=True)
         return line

@@ -22,14 +22,22 @@ def plot_val_loss_vs_time(histories: dict, *, ax=None, title: str = "validation 
 
     Evaluation time is not counted, so the x axis is what the optimizer and the model cost.
     """
-    if ax is None:
-        _, ax = plt.subplots(figsize=(6, 3.5))
-    for i, (name, h) in enumerate(histories.items()):
-        elapsed, total = {}, 0.0
+    points = {}
+    for name, h in histories.items():
+        elapsed, total = {0: 0.0}, 0.0  # an evaluation before the first step is at time 0
         for step, dt in zip(h.steps, h.step_time_s):
             total += dt
             elapsed[step] = total
-        ax.plot([elapsed[s] for s in h.val_steps], h.val_loss, "o-", color=f"C{i}", ms=3, label=name)
+        missing = [s for s in h.val_steps if s not in elapsed]
+        if missing or len(h.val_steps) != len(h.val_loss):
+            raise ValueError(f"run {name!r}: validation steps {missing or h.val_steps} have no training time "
+                             f"(steps {len(h.steps)}, step times {len(h.step_time_s)}) or val_loss has "
+                             f"{len(h.val_loss)} values for {len(h.val_steps)} steps")
+        points[name] = [elapsed[s] for s in h.val_steps]
+    if ax is None:  # made only once the runs are checked: no figure is left open by an error
+        _, ax = plt.subplots(figsize=(6, 3.5))
+    for i, (name, h) in enumerate(histories.items()):
+        ax.plot(points[name], h.val_loss, "o-", color=f"C{i}", ms=3, label=name)
     ax.set_xlabel("training wall time (s)")
     ax.set_ylabel("val cross-entropy (nats/byte)")
     ax.set_title(title)
@@ -124,23 +132,29 @@ class TrainingPanel:
         v = self.values()
         label = f"lr={v['lr']:.3g} mu={v['momentum']:.2f} ns={v['ns_steps']} {v['ns_coefficients']}"
         self.status.value = f"training: {label} ..."
+        kept = dict(self.runs)
         try:
             self.progress_area.clear_output(wait=True)
             with self.progress_area:  # a bar the callback opens is drawn here, above the last plot
                 result = self.run_fn(**v)
-        except Exception as e:
-            self.status.value = f"failed: {label}: {type(e).__name__}: {e}"
+            histories = result if isinstance(result, dict) else {label: result}
+            if not histories:
+                raise ValueError("the callback returned no runs")
+            for name, h in histories.items():
+                self.runs.pop(name, None)  # a rerun moves to the end instead of keeping its old slot
+                self.runs[name] = h
+            while len(self.runs) > self.keep:
+                self.runs.pop(next(iter(self.runs)))
+            fig = self._draw()  # a run the plot refuses is not kept: the next click still draws
+        except BaseException as e:  # a Ctrl-C too: the status must not say "training" any more
+            self.runs = kept
+            what = "interrupted" if isinstance(e, KeyboardInterrupt) else "failed"
+            self.status.value = f"{what}: {label}: {type(e).__name__}: {e}"
             raise
-        histories = result if isinstance(result, dict) else {label: result}
-        for name, h in histories.items():
-            self.runs.pop(name, None)  # a rerun moves to the end instead of keeping its old slot
-            self.runs[name] = h
-        while len(self.runs) > self.keep:
-            self.runs.pop(next(iter(self.runs)))
         last = next(reversed(histories.values()))
         final = last.val_loss[-1] if last.val_loss else float("nan")
         self.status.value = f"done: {label}, final val loss {final:.3f}"
-        return self._draw()
+        return fig
 
     def _clear(self, _button=None) -> None:
         self.runs.clear()
@@ -150,7 +164,11 @@ class TrainingPanel:
 
     def _draw(self):
         fig, ax = plt.subplots(figsize=(7, 3.5))
-        plot_loss_curves(self.runs, ax=ax, title="Muon on the small GPT")
+        try:
+            plot_loss_curves(self.runs, ax=ax, title="Muon on the small GPT")
+        except BaseException:
+            plt.close(fig)  # not left open in pyplot for every failed draw
+            raise
         fig.tight_layout()
         show_figure(self.output, fig, "loss curves")
         return fig

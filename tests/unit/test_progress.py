@@ -139,3 +139,29 @@ def test_progress_state_wants_at_least_one_rank():
         with pytest.raises(ValueError, match="num_ranks must be an int >= 1"):
             ProgressState(bad)
     assert ProgressState(1).summary("run", 0.0) == "run: 0 steps, 0 s"
+
+
+def test_a_display_dropped_on_error_closes_its_bar_and_the_summary_is_printed(tmp_path, monkeypatch, capsys):
+    dirs = _write_run(tmp_path, [[_line(0, 1, 5.0, 2)]])
+    monitor = ProgressMonitor("x", dirs, lambda: 1, "text")
+    bar = monitor.display.bar
+
+    def broken(*args):
+        raise RuntimeError("no frontend")
+
+    monkeypatch.setattr(monitor.display, "update", broken)
+    with pytest.warns(RuntimeWarning, match="progress display turned off"):
+        monitor.poll()
+    assert bar.disable or getattr(bar, "closed", False) or bar not in type(bar)._instances
+    line = monitor.close()
+    assert line in capsys.readouterr().err  # its display gone, the summary line is printed here
+
+
+def test_a_display_whose_last_update_fails_is_still_closed(tmp_path, monkeypatch, capsys):
+    dirs = _write_run(tmp_path, [[_line(0, 1, 5.0, 2)]])
+    monitor = ProgressMonitor("x", dirs, lambda: 1, "text")
+    bar = monitor.display.bar
+    monkeypatch.setattr(monitor.display, "update", lambda *a: (_ for _ in ()).throw(RuntimeError("late")))
+    with pytest.warns(RuntimeWarning, match="late"):
+        line = monitor.close()
+    assert bar.disable and line in capsys.readouterr().err  # the bar closed, the line shown
