@@ -32,3 +32,14 @@ def _runs_in_a_temporary_directory(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(RUNS_DIR_ENV, str(tmp_path_factory.mktemp("runs")))
         yield
+
+
+@pytest.fixture
+def launches_started(monkeypatch) -> list:
+    """elastic's launcher replaced by a recorder: the launches that got as far as starting workers
+    (empty for a launch() refused before anything starts)."""
+    import sys
+
+    started = []
+    monkeypatch.setattr(sys.modules["muonlab.distributed.launch"], "elastic_launch", lambda *a, **k: started.append(a))
+    return started

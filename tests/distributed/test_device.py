@@ -4,7 +4,6 @@ gloo workers launched by it."""
 from __future__ import annotations
 
 import multiprocessing
-import sys
 
 import pytest
 import torch
@@ -70,9 +69,7 @@ def test_too_few_gpus_falls_back_to_the_cpu_with_a_warning_or_refuses_cuda(gpus,
 
 
 @pytest.mark.timeout(30)
-def test_launch_refuses_a_device_it_cannot_give_before_starting(monkeypatch):
-    started = []
-    monkeypatch.setattr(sys.modules["muonlab.distributed.launch"], "elastic_launch", lambda *a, **k: started.append(a))
+def test_launch_refuses_a_device_it_cannot_give_before_starting(launches_started):
     before = set(multiprocessing.active_children())
     with pytest.raises(ValueError, match="device must be one of"):
         launch(workers.device_info, 2, device="gpu")
@@ -81,7 +78,7 @@ def test_launch_refuses_a_device_it_cannot_give_before_starting(monkeypatch):
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="device 'cuda' was asked for, but CUDA is not available"):
             launch(workers.device_info, 2, device="cuda")
-    assert started == []
+    assert launches_started == []
     assert [p for p in multiprocessing.active_children() if p not in before] == []
 
 

@@ -53,12 +53,8 @@ _undefined_in_main.__module__ = "__main__"
 
 
 @pytest.mark.timeout(30)
-def test_unimportable_functions_are_refused_before_starting(monkeypatch):
+def test_unimportable_functions_are_refused_before_starting(launches_started):
     before = set(multiprocessing.active_children())
-    started = []
-    # The package attribute `launch` is the function; the module is in sys.modules.
-    launch_module = sys.modules["muonlab.distributed.launch"]
-    monkeypatch.setattr(launch_module, "elastic_launch", lambda *a, **k: started.append(a))
 
     def local_fn():
         return 0
@@ -71,7 +67,7 @@ def test_unimportable_functions_are_refused_before_starting(monkeypatch):
         launch(lambda: 0, 1)
     with pytest.raises(ValueError, match="nprocs"):
         launch(workers.rank_info, 0)
-    assert started == []
+    assert launches_started == []
     assert _new_children(before) == []
 
 
@@ -349,10 +345,7 @@ def test_timeout_counts_from_when_the_workers_are_up(monkeypatch):
 
 
 @pytest.mark.timeout(30)
-def test_bad_timeouts_are_refused_before_starting(monkeypatch):
-    launch_module = sys.modules["muonlab.distributed.launch"]
-    started = []
-    monkeypatch.setattr(launch_module, "elastic_launch", lambda *a, **k: started.append(a))
+def test_bad_timeouts_are_refused_before_starting(launches_started):
     for name, value in [("timeout_s", 0), ("timeout_s", -1), ("startup_timeout_s", 0),
                         ("startup_timeout_s", float("nan")), ("timeout_s", "60"), ("startup_timeout_s", True)]:
         with pytest.raises(ValueError, match=name):
@@ -361,17 +354,16 @@ def test_bad_timeouts_are_refused_before_starting(monkeypatch):
         launch(workers.rank_info, True)
     with pytest.raises(ValueError, match=r"nprocs=1000000000 is more processes than launch\(\) starts"):
         launch(workers.rank_info, 10**9)
-    assert started == []
+    assert launches_started == []
 
 
 @pytest.mark.timeout(30)
-def test_unknown_backends_and_timeouts_past_the_cap_are_refused_before_starting(monkeypatch, tmp_path):
+def test_unknown_backends_and_timeouts_past_the_cap_are_refused_before_starting(monkeypatch, tmp_path,
+                                                                                launches_started):
     from muonlab.distributed.launch import RUNS_DIR_ENV
 
     launch_module = sys.modules["muonlab.distributed.launch"]
     monkeypatch.setenv(RUNS_DIR_ENV, str(tmp_path))
-    started = []
-    monkeypatch.setattr(launch_module, "elastic_launch", lambda *a, **k: started.append(a))
     for bad in ("glo", "mpi", 123):
         with pytest.raises(ValueError, match=r"^backend must be None .* 'gloo' or 'nccl', got"):
             launch(workers.rank_info, 1, backend=bad)
@@ -381,5 +373,5 @@ def test_unknown_backends_and_timeouts_past_the_cap_are_refused_before_starting(
             launch(workers.rank_info, 1, **{name: 1e14})
         with pytest.raises(ValueError, match=rf"^{name}="):
             launch(workers.rank_info, 1, **{name: launch_module.MAX_TIMEOUT_S * 1.01})
-    assert started == []
+    assert launches_started == []
     assert os.listdir(tmp_path) == []  # no run directory either

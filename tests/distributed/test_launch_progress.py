@@ -71,17 +71,12 @@ def test_failed_launch_names_its_logs_and_keeps_the_traceback():
 
 
 @pytest.mark.timeout(30)
-def test_bad_name_or_progress_is_refused_before_starting(monkeypatch, tmp_path):
-    import sys
-
-    launch_module = sys.modules["muonlab.distributed.launch"]
+def test_bad_name_or_progress_is_refused_before_starting(monkeypatch, tmp_path, launches_started):
     monkeypatch.setenv(RUNS_DIR_ENV, str(tmp_path))
-    started = []
-    monkeypatch.setattr(launch_module, "elastic_launch", lambda *a, **k: started.append(a))
     for bad in ("", "a/b", "..", ".hidden", 3):
         with pytest.raises(ValueError, match="name must be"):
             launch(workers.rank_info, 1, name=bad)
     with pytest.raises(ValueError, match="progress must be"):
         launch(workers.rank_info, 1, progress="yes")
-    assert started == []
+    assert launches_started == []
     assert os.listdir(tmp_path) == []  # no run directory either
