@@ -47,11 +47,11 @@ def main(argv=None) -> None:
                 args.steps = positive_int(env)
             except ValueError:
                 d.error(f"$MUONLAB_DEMO_STEPS must be a whole number >= 1, got {env!r}")
-        if args.width % 4:
-            d.error(f"--width must be a multiple of 4 (the demo's 4 attention heads), got {args.width}")
-        from .experiments.demo import check_out_dir
+        from .experiments.demo import SINGLE_HEADS, check_out_dir
+        from .models.gpt import check_width
 
         try:
+            check_width("--width", args.width, SINGLE_HEADS)
             check_out_dir(args.out)
         except ValueError as err:
             d.error(str(err))

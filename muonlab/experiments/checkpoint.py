@@ -18,6 +18,7 @@ from .. import checkpoint
 from ..distributed.device import rank_device, to_rank_device
 from ..distributed.progress import report_progress
 from ..models import GPT, GPTConfig
+from ..models.gpt import check_width
 from ..optim import Muon, muon_param_groups
 from ..optim.validation import check_whole
 from .train import tensor_devices
@@ -26,6 +27,7 @@ __all__ = ["build", "global_batch", "train_steps", "train_and_save", "resume_and
 
 GLOBAL_BATCH = 8
 CONTEXT = 32
+HEADS = 4
 HYPER = dict(lr=0.02, weight_decay=0.01, momentum=0.9, adamw_lr=3e-3)
 
 
@@ -39,12 +41,10 @@ def build(width: int = 32, n_layers: int = 2):
     """(model, optimizer) on this rank's device: GPT from seed 0, FSDP2 over all ranks when distributed."""
     from ..distributed import parallelize
 
-    check_whole("width", width, 1)
-    if width % 4:
-        raise ValueError(f"width must be a multiple of 4 (the model's 4 attention heads), got {width}")
+    check_width("width", width, HEADS)
     check_whole("n_layers", n_layers, 1)
     torch.manual_seed(0)  # on the CPU, so every rank and device starts from the same weights
-    model = to_rank_device(GPT(GPTConfig(d_model=width, n_layers=n_layers, n_heads=4, context=CONTEXT)))
+    model = to_rank_device(GPT(GPTConfig(d_model=width, n_layers=n_layers, n_heads=HEADS, context=CONTEXT)))
     if dist.is_initialized():
         model, _, _ = parallelize(model, "fsdp")
     return model, Muon(muon_param_groups(model), **HYPER)

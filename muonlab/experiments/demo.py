@@ -22,6 +22,7 @@ from pathlib import Path
 
 from ..distributed import launch
 from ..distributed.device import requested_device
+from ..models.gpt import check_width
 from ..optim.validation import check_whole
 from ..trace import Span, write_chrome_trace
 from .train import MODES, train_worker
@@ -31,6 +32,8 @@ __all__ = ["DEMO_MODEL", "check_out_dir", "run", "run_distributed", "run_single"
 # 5 blocks on 4 ranks: 5 matrices per shape do not split evenly, so the plan shows full and
 # remainder batches.
 DEMO_MODEL = dict(d_model=64, n_layers=5, n_heads=4, context=64, batch_per_rank=4)
+SINGLE_HEADS = 4
+"""Attention heads of the single-process demo's GPT: its width must be a multiple."""
 
 
 def run(out_dir="runs/demo", *, steps: int = 150, width: int = 128, layers: int = 2, nprocs: int = 4,
@@ -57,9 +60,7 @@ def check_out_dir(out_dir) -> None:
 
 def _check_single_args(steps, width, layers) -> None:
     check_whole("steps", steps, 1)
-    check_whole("width", width, 1)
-    if width % 4:
-        raise ValueError(f"width must be a multiple of 4 (the demo's 4 attention heads), got {width}")
+    check_width("width", width, SINGLE_HEADS)
     check_whole("layers", layers, 1)
 
 
@@ -80,7 +81,7 @@ def run_single(out_dir="runs/demo", *, steps: int = 150, width: int = 128, layer
     from ..train import compare_optimizers, default_device
     from ..viz import plot_loss_curves
 
-    cfg = GPTConfig(d_model=width, n_layers=layers, n_heads=4, context=64)
+    cfg = GPTConfig(d_model=width, n_layers=layers, n_heads=SINGLE_HEADS, context=64)
     hist = compare_optimizers(
         cfg, steps=steps, batch_size=16, eval_every=max(1, steps // 5),
         progress=sys.stderr.isatty(),

@@ -49,6 +49,15 @@ class GPTConfig:
             raise ValueError(f"top_k={self.top_k} must be in [1, num_experts={self.num_experts}]")
 
 
+def check_width(name: str, width, n_heads: int) -> None:
+    """A model width given as argument ``name`` (a GPTConfig's d_model with ``n_heads`` heads): a
+    ValueError naming ``name`` unless it is a whole number >= 1 that ``n_heads`` divides, raised
+    before any model is built."""
+    check_whole(name, width, 1)
+    if width % n_heads:
+        raise ValueError(f"{name} must be a multiple of {n_heads} (the model's {n_heads} attention heads), got {width}")
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
