@@ -10,7 +10,7 @@ from tqdm import tqdm
 
 from .bars import in_notebook_kernel, notebook_bar
 from .data import get_batch, load_corpus
-from .distributed.device import rank_device
+from .distributed.device import rank_device, wait_for
 from .models import GPT, GPTConfig
 from .optim import Muon, muon_param_groups
 from .trace.spectral import SpectralRecord, SpectralRecorder
@@ -154,12 +154,10 @@ def _train_loop(model, optimizer, hist: History, *, steps, batch_size, context, 
             loss = model(x.to(device), y.to(device))
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
-            if device.type == "cuda":  # backward's kernels are not the optimizer's time
-                torch.cuda.synchronize()
+            wait_for(device)  # backward's kernels are not the optimizer's time
             t1 = time.perf_counter()
             optimizer.step()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
+            wait_for(device)
             t2 = time.perf_counter()
             if scheduler is not None:
                 scheduler.step()

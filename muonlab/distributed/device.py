@@ -38,6 +38,7 @@ __all__ = [
     "init_process_group",
     "rank_device",
     "to_rank_device",
+    "wait_for",
 ]
 
 DEVICE_ENV = "MUONLAB_DEVICE"
@@ -165,6 +166,13 @@ def rank_device() -> torch.device:
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
     return choose_device()
+
+
+def wait_for(device: torch.device) -> None:
+    """On a GPU, until the work queued on ``device`` so far has run (a host clock around
+    asynchronous kernels times their launches); on a CPU nothing."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def collective_device(group=None) -> torch.device:

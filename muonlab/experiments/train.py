@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from ..comm.records import bytes_for_rank, table
 from ..data import get_batch, load_corpus
-from ..distributed.device import rank_device
+from ..distributed.device import rank_device, wait_for
 from ..distributed.progress import report_progress
 from ..models import GPT, GPTConfig
 from ..models.gpt import moe_config
@@ -158,13 +158,6 @@ def _parallel_gpt(mode: str, *, seed: int, ep: int, num_experts: int, **arch) ->
     return model, inner
 
 
-def _wait_for(device: torch.device) -> None:
-    """On a GPU, until the work queued so far has run (host clocks around asynchronous kernels
-    would time their launches); on a CPU nothing."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _train(model, opt, steps: int, batch_per_rank: int, context: int, seed: int) -> tuple[list, list, list]:
     """(this rank's losses, mean losses over ranks, optimizer step seconds), one per step, each rank
     on its slice of the same global batch; on a GPU a step's seconds run until its kernels end."""
@@ -178,10 +171,10 @@ def _train(model, opt, steps: int, batch_per_rank: int, context: int, seed: int)
         x, y = get_batch(data, batch_per_rank * world, context, gen)
         loss = model(x[mine].to(device), y[mine].to(device))
         loss.backward()
-        _wait_for(device)  # backward's kernels before the clock starts, the step's before it stops
+        wait_for(device)  # backward's kernels before the clock starts, the step's before it stops
         t0 = time.perf_counter()
         opt.step()
-        _wait_for(device)
+        wait_for(device)
         step_seconds.append(time.perf_counter() - t0)
         opt.zero_grad()
         mean = loss.detach().clone()
