@@ -15,6 +15,9 @@ every round steps every configuration once in a rotating order, timed around ``s
 device synchronised; the table gives medians. A bf16 matmul (GPU 8192^3, CPU 1024^3) is timed in the
 same rounds, and each step's plain-form Newton-Schulz FLOPs (5 iterations, ``plain_flops_per_iter``)
 over the whole step time give an achieved rate, a lower bound on the Newton-Schulz rate itself.
+The speed-up ceiling puts a configuration's own Newton-Schulz FLOPs (its plan's: the gram form
+runs fewer than the plain form) at that matmul rate, with nothing else in the step: the most any
+step doing those products could gain over torch.optim.Muon's measured step.
 
 Memory, on a GPU: resident (params + grads + state after the first step) and the peak during a step,
 from torch.cuda's allocator. On a CPU: each configuration in a fresh process, the memory a step adds
@@ -179,7 +182,9 @@ def speed_table(set_name, shapes, dtype, device, args, factories=None):
         except Exception as e:  # a configuration this machine can't run (e.g. no triton) is reported, not fatal
             print(f"  {label}: skipped ({type(e).__name__}: {e})")
             continue
-        run = dict(label=label, params=params, opt=opt, times=[])
+        # the Newton-Schulz FLOPs this configuration runs (its plan's: the gram form runs fewer)
+        ns_flops_run = plain_flops(shapes) if factory is None else sum(sum(b.flops) for b in opt.plan())
+        run = dict(label=label, params=params, opt=opt, times=[], ns_flops=ns_flops_run)
         if device.type == "cuda":
             run["resident"] = torch.cuda.memory_allocated() - base
             torch.cuda.reset_peak_memory_stats()
@@ -203,8 +208,10 @@ def speed_table(set_name, shapes, dtype, device, args, factories=None):
     for run in runs:
         med = statistics.median(run["times"])
         rate = flops / med / 1e12
+        floor_s = run["ns_flops"] / (matmul_rate * 1e12)  # its products alone, at the measured matmul rate
         row = [set_name, str(dtype).replace("torch.", ""), run["label"], f"{1e3 * med:.2f}",
-               f"{base / med:.2f}x" if base else "", f"{rate:.1f}", f"{rate / matmul_rate:.2f}"]
+               f"{base / med:.2f}x" if base else "", f"{rate:.1f}", f"{rate / matmul_rate:.2f}",
+               f"{run['ns_flops'] / 1e9:.1f}", f"{base / floor_s:.2f}x" if base else ""]
         if device.type == "cuda":
             ref = runs[0]
             row += [f"{run['resident'] / 2**30:.2f}", f"{run['peak'] / 2**30:.2f}",
@@ -366,7 +373,8 @@ def main(argv=None):
     set_names = args.sets.split(",")
     t_start, load_start = time.perf_counter(), load()
     head = ["set", "param dtype", "configuration", "median step ms", "speed-up vs torch.optim.Muon",
-            "plain-FLOP TFLOP/s (whole step)", "of bf16 matmul rate"]
+            "plain-FLOP TFLOP/s (whole step)", "of bf16 matmul rate", "Newton-Schulz GFLOP run",
+            "speed-up ceiling (those FLOPs at the matmul rate)"]
     if cuda:
         head += ["resident GiB", "peak GiB", "transient GiB", "peak vs torch.optim.Muon"]
     rows, rates = [], []
