@@ -8,17 +8,21 @@ The model is deliberately small (an alpha-beta model per collective plus a matmu
     step           = the engine's pipeline replayed with these times (see step_seconds)
 
 Bytes leaving a rank are split between intra- and inter-node links in proportion to how many of
-the group's other ranks share its node (the group is assumed laid out node-major).
+its peers (the ranks it exchanges with) share its node; see ``comm_seconds``.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from .paths import PATHS
+from .paths.subgroup import ranks_per_expert
 from .records import BatchPlan, group_rank_maps
+from .specs import GroupKey
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,17 +88,74 @@ def get_profile(profile: str | HardwareProfile) -> HardwareProfile:
 
 
 def comm_seconds(batch: BatchPlan, profile: HardwareProfile) -> float:
+    """Modelled seconds of a batch's communication: ``collectives x latency`` plus the slowest rank.
+
+    A group-local rank r moves ``traffic = max(bytes_sent[r], bytes_recv[r])``. Its PEERS are the
+    ranks it exchanges with: the other members of its slice of the batch's group axis (global
+    ranks from ``GroupKey.axis_slices``), or on the subgroup path only the other members of its
+    sub-group of ``ranks_per_expert`` ranks (cut from the slice as the path cuts it). With
+    ``intra = peers on its node / peers`` (node = global rank // ranks_per_node) the rank takes
+    ``max(traffic * intra / intra_bw, traffic * (1 - intra) / inter_bw)``. A group-local rank
+    stands for one global rank per slice, and slices may sit differently on nodes (a strided
+    axis), so each of its splits is priced and the worst over all of them is the batch's.
+    A batch without a group keeps the old node-major guess: (min(ranks_per_node, n) - 1) / (n - 1)
+    of every rank's bytes intra-node, n = its number of per-rank entries.
+    """
     size = len(batch.bytes_sent) or 1
     if size <= 1 or not any(batch.bytes_sent):
         return 0.0
-    peers = size - 1
-    local_peers = min(profile.ranks_per_node, size) - 1
-    intra_frac = local_peers / peers
+    if batch.group is None:
+        intra_frac = (min(profile.ranks_per_node, size) - 1) / (size - 1)
+        classes = [((intra_frac,), range(size))]
+    else:
+        # max(1, ...): a sub-group of no rank (more experts than ranks) is no peer set at all
+        span = max(1, ranks_per_expert(batch)) if batch.path == "subgroup" else batch.group.size
+        classes = _intra_classes(batch.group, span, profile.ranks_per_node)
+    sent, recv = batch.bytes_sent, batch.bytes_recv
+    if len(sent) != len(recv):  # priced pairwise, as zip pairs them
+        sent, recv = sent[:len(recv)], recv[:len(sent)]
+    size = len(sent)
     worst = 0.0
-    for sent, recv in set(zip(batch.bytes_sent, batch.bytes_recv)):  # ranks mostly repeat a few pairs
-        traffic = max(sent, recv)
-        worst = max(worst, max(traffic * intra_frac / profile.intra_bw, traffic * (1 - intra_frac) / profile.inter_bw))
+    for fracs, ranks in classes:
+        # pricing grows with traffic, so a class's busiest rank is the only one that can be worst; its
+        # traffic is max(most sent, most received), found without a Python step per rank where the
+        # class is every rank (the common case, thousands of ranks in a simulation)
+        if len(ranks) == size and ranks[-1] == size - 1:
+            traffic = max(max(sent, default=0), max(recv, default=0))
+        else:
+            ranks = [r for r in ranks if r < size]
+            traffic = max(max(map(sent.__getitem__, ranks), default=0), max(map(recv.__getitem__, ranks), default=0))
+        if not traffic:
+            continue
+        for intra in fracs:
+            worst = max(worst, traffic * intra / profile.intra_bw, traffic * (1 - intra) / profile.inter_bw)
     return PATHS[batch.path].collectives * profile.latency_s + worst
+
+
+@functools.lru_cache(maxsize=256)
+def _intra_classes(group: GroupKey, span: int, ranks_per_node: int
+                   ) -> tuple[tuple[tuple[float, ...], tuple[int, ...]], ...]:
+    """Group-local ranks grouped by their intra-node shares: ((shares, local ranks), ...).
+
+    Peers of the rank at position p of a slice are the other ranks of the slice's run of ``span``
+    ranks holding p (the whole slice when span is the group size). A local rank gets one share per
+    distinct layout of its slices. Cached: the planner prices thousands of options on a few groups,
+    and counting members per node keeps a first call O(ranks) even for the world group.
+    """
+    shares: list[set[float]] = [set() for _ in range(group.size)]
+    for members in group.axis_slices():
+        for start in range(0, len(members), span):
+            sub = members[start:start + span]
+            if len(sub) < 2:
+                continue  # no peer, so nothing to send (a lone rank's bytes would be a planner bug)
+            per_node = Counter(g // ranks_per_node for g in sub)
+            for pos, g in enumerate(sub, start):
+                shares[pos].add((per_node[g // ranks_per_node] - 1) / (len(sub) - 1))
+    by_shares: dict[tuple[float, ...], list[int]] = {}
+    for r, s in enumerate(shares):
+        if s:
+            by_shares.setdefault(tuple(sorted(s)), []).append(r)
+    return tuple((s, tuple(ranks)) for s, ranks in by_shares.items())
 
 
 def compute_seconds(batch: BatchPlan, profile: HardwareProfile) -> float:
