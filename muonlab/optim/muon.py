@@ -1129,6 +1129,13 @@ class Muon(Optimizer):
             # a replicated matrix's momentum and Newton-Schulz run on its owner rank only
             return i not in owners or owners[i][2]
 
+        def ran_here(i: int) -> bool | None:
+            """For the spectral observer: whether this rank ran matrix i's Newton-Schulz; None for
+            a replicated matrix without an owner (strategy "redundant"), which every rank ran."""
+            if i not in owners and specs[i].layout == "replicated":
+                return None
+            return on_this_rank(i)
+
         def momentum_now(i: int, batch) -> torch.Tensor:
             """Parameter i's momentum buffer (its part in ``batch``), to read; zeros (its state to
             be) where it has none: a skipped step must not even create empty state."""
@@ -1188,7 +1195,7 @@ class Muon(Optimizer):
                 pairs = list(zip(batch.param_indices, outputs))
                 if self._optimizer_spectral_observer is not None:  # a recording step (muonlab.trace.spectral)
                     for i, out in pairs:
-                        self._optimizer_spectral_observer(entries[i][1], out, on_this_rank(i))
+                        self._optimizer_spectral_observer(entries[i][1], out, ran_here(i))
                 for (lr, weight_decay), members in _by_settings(
                         pairs, lambda i: (float(entries[i][0]["lr"]), entries[i][0]["weight_decay"])):
                     F.muon_apply_(

@@ -14,25 +14,28 @@ not the last iterate's; ``top_singular_values``): the same products ``W^T (W q)`
 nearly flat updates (singular values between about 0.7 and 1.2 times lr * ratio, where plain power
 iteration needs tens of products) 6 give about 1% instead of 3-9%. The value is the top Ritz
 value's root, never above sigma_max. Weights drift slowly, so after ``cold_iters`` (20) products
-at the first recorded step ``warm_iters`` (3) keep the estimate close; updates change direction
-between recorded steps, so each gets ``update_iters`` (6) (``exact_top_singular_value`` is the
-reference). Same-shape matrices run as one batched (bmm) chain.
+the first time a rank measures a weight ``warm_iters`` (3) keep the estimate close; updates change
+direction between recorded steps, so each gets ``update_iters`` (6) (``exact_top_singular_value``
+is the reference). Same-shape matrices run as one batched (bmm) chain.
 
 The orthogonality error is ``||O O^T - I||_F / sqrt(m)`` with O oriented (m, n), m <= n: the root
 mean square of (s_i^2 - 1) over O's m singular values. On the rank that ran the Newton-Schulz of a
 whole matrix it is estimated from a fixed random sample of ``ortho_rows`` (64) rows of O O^T - I,
 ``sqrt(mean squared row norm)`` (its square is unbiased; exact for m <= 64), which costs 64 / m of
-one Gram matmul. Row-sharded matrices (FSDP2) get it exactly from the n x n Gram, summed over ranks
-(``||G||_F^2 - 2 tr(G) + m``, the same for either Gram).
+one Gram matmul. Row-sharded matrices (FSDP2) get it exactly from the Gram of the smaller side
+(``||G||_F^2 - 2 tr(G) + m``, the same for either Gram), one matrix at a time and alike on every
+rank: a tall matrix's ``O^T O`` is the sum over ranks of ``O_r^T O_r`` (all-reduced), a wide or
+square one's ``O O^T`` needs all rows (all-gathered); in memory and bytes about the matrix's size.
 
 Where it runs. A matrix is recorded by one rank, so records of all ranks concatenate
 (``gather_spectral``). Plain tensors (one process, or DDP replicas): on the rank that ran the
-matrix's Newton-Schulz when muonlab's Muon reported it, else on rank ``position % world``, so the
-work is spread. FSDP2 matrices (DTensors sharded on dim 0 of a 1-D mesh): every rank of the mesh
-computes on its rows; per iteration one packed all-reduce of ``(W_r q)^T W_r`` for all such
-matrices, then one more for the update RMS and the Newton-Schulz Gram terms; rank
-``position % mesh size`` keeps the record. The vectors are replicated and start from the matrix
-name's seed, so a distributed run records what one process records.
+matrix's Newton-Schulz when muonlab's Muon reported it, else (also when every rank ran it, as
+with strategy "redundant") on rank ``position % world``, so the work is spread. FSDP2 matrices
+(DTensors sharded on dim 0 of a 1-D mesh): every rank of the mesh computes on its rows; per
+iteration one packed all-reduce of ``(W_r q)^T W_r`` for all such matrices, then one more for the
+update RMS and which Newton-Schulz outputs were seen, then one collective per Muon matrix for its
+Gram; rank ``position % mesh size`` keeps the record. The vectors are replicated and start from
+the matrix name's seed, so a distributed run records what one process records.
 """
 
 from __future__ import annotations
@@ -58,8 +61,9 @@ class SpectralRecord:
     """One matrix at one recorded step."""
 
     step: int
-    """The step after which it was measured, counted by the recorder: 1 is the first step it saw
-    (a recorder attached after k steps labels the optimizer's step k + 1 as 1)."""
+    """The step after which it was measured, counted by the recorder over the steps that completed
+    (one that raised is not counted): 1 is the first it saw (a recorder attached after k steps
+    labels the optimizer's step k + 1 as 1)."""
     name: str
     weight_sigma: float
     """Top singular value of the weight after the step."""
@@ -146,14 +150,22 @@ def top_singular_values(mats: list[torch.Tensor], vecs: list[torch.Tensor], iter
     vector orthogonalised against all before it. Every product ``u^T W`` (``u = W q``) of every
     stack still iterating is packed in one buffer handed to ``all_reduce`` (in place; None for
     whole matrices, a sum over ranks for row shards); the rest is computed alike on every rank.
-    The value is the top Ritz value's root: never above sigma_max. A stack with nothing to follow
-    (a zero matrix) keeps its vector, with the value 0. Products run in the stacks' dtype, unscaled:
-    in fp32, entries past about 1e18 overflow W^T W q (NaN) and below about 1e-18 lose digits
-    (scaling each matrix first would cost row shards a collective per recorded step).
+    At a breakdown (the vectors so far span an invariant subspace, e.g. a start vector in W's
+    null space) the next vector is a fixed random one orthogonalised against them, starting a
+    new Krylov block (beta 0). The value is the top Ritz value's root: never above sigma_max. A
+    stack with nothing to follow (a zero matrix) keeps its vector, with the value 0. Products run
+    in the stacks' dtype, unscaled: in fp32, entries past about 1e18 overflow W^T W q (NaN) and
+    below about 1e-18 lose digits (scaling each matrix first would cost row shards a collective
+    per recorded step).
     """
     basis = [[v] for v in vecs]  # orthonormal Krylov vectors per stack
     alphas: list[list[torch.Tensor]] = [[] for _ in mats]
     betas: list[list[torch.Tensor]] = [[] for _ in mats]
+    largest = [torch.zeros(v.shape[0], dtype=v.dtype, device=v.device) for v in vecs]  # max |alpha| so far
+    # restart vectors from CPU generators seeded by stack index: the same on every rank (row shards
+    # all-reduce the products of the vectors they pick), and drawn up front, one copy per stack
+    fresh = [torch.randn(max(k - 1, 0), v.shape[-1], generator=torch.Generator().manual_seed(i),
+                         dtype=torch.float32).to(v.device, v.dtype) for i, (v, k) in enumerate(zip(vecs, iters))]
     for j in range(max(iters, default=0)):
         live = [i for i, k in enumerate(iters) if j < k]
         products = [torch.bmm(torch.bmm(mats[i], basis[i][-1].unsqueeze(-1)).mT, mats[i]).squeeze(1) for i in live]
@@ -165,15 +177,19 @@ def top_singular_values(mats: list[torch.Tensor], vecs: list[torch.Tensor], iter
         for i, w in zip(live, products):
             q = torch.stack(basis[i], 1)  # (B, j+1, n)
             alphas[i].append((w * basis[i][-1]).sum(1))
+            largest[i] = torch.maximum(largest[i], alphas[i][-1].abs())
             if j + 1 < iters[i]:
-                w = w - torch.bmm(torch.bmm(w.unsqueeze(1), q.mT), q).squeeze(1)
-                w = w - torch.bmm(torch.bmm(w.unsqueeze(1), q.mT), q).squeeze(1)  # twice is enough in fp32
+                w = _orthogonalised(w, q)
                 beta = w.norm(dim=1)
-                # an invariant subspace found (or a zero matrix): continue with zero vectors, which
-                # add eigenvalues 0 to T and never change its top one
-                scale = torch.where(beta > 1e-6 * alphas[i][0].abs(), beta, torch.inf)
-                betas[i].append(torch.where(torch.isinf(scale), torch.zeros_like(beta), beta))
-                basis[i].append(w / scale.unsqueeze(1))
+                # relative to the largest |alpha| so far: alpha_0 is 0 for a start vector in W's null space
+                broke = beta <= 1e-6 * largest[i]
+                if j + 1 < q.shape[-1]:
+                    restart = _orthogonalised(fresh[i][j].expand_as(w), q)
+                    restart = restart / restart.norm(dim=1, keepdim=True).clamp_min(1e-30)
+                else:  # the basis spans the whole space: zero vectors add eigenvalues 0 to T, no others
+                    restart = torch.zeros_like(w)
+                betas[i].append(torch.where(broke, torch.zeros_like(beta), beta))
+                basis[i].append(torch.where(broke.unsqueeze(1), restart, w / beta.clamp_min(1e-30).unsqueeze(1)))
     sigmas, out = [], []
     for i, v in enumerate(vecs):
         if not alphas[i]:
@@ -188,8 +204,18 @@ def top_singular_values(mats: list[torch.Tensor], vecs: list[torch.Tensor], iter
         ritz = torch.bmm(vectors[:, :, -1:].mT.to(v.dtype), torch.stack(basis[i], 1)).squeeze(1)
         norm = ritz.norm(dim=1, keepdim=True)
         sigmas.append(values[:, -1].clamp_min(0).sqrt().to(v.dtype))
-        out.append(torch.where(norm > 0, ritz / norm.clamp_min(1e-30), v))
+        # a top Ritz value of 0 (a zero matrix) has no direction: its eigenvector may be a restart vector
+        found = (values[:, -1:] > 0) & (norm > 0)
+        out.append(torch.where(found, ritz / norm.clamp_min(1e-30), v))
     return sigmas, out
+
+
+def _orthogonalised(w: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Each row of ``w`` (B, n) minus its projection on the orthonormal rows of ``q`` (B, k, n), twice
+    (once leaves rounding errors of the removed parts in fp32)."""
+    for _ in range(2):
+        w = w - torch.bmm(torch.bmm(w.unsqueeze(1), q.mT), q).squeeze(1)
+    return w
 
 
 # ---------------------------------------------------------------------------------- the recorder
@@ -280,10 +306,9 @@ class SpectralRecorder:
             raise ValueError("this Muon already has a SpectralRecorder attached; detach() it first")
         self.records: list[SpectralRecord] = []
         self._vectors: dict[tuple[str, str], torch.Tensor] = {}  # (name, "weight" | "update") -> unit vector
-        self._steps = 0
-        self._recorded_steps = 0
+        self._steps = 0  # completed steps: a step that raised runs no post-hook and is not counted
         self._before: dict[str, torch.Tensor] | None = None
-        self._grams: dict[str, torch.Tensor] = {}  # sharded: name -> O^T O of this rank's rows
+        self._rows: dict[str, torch.Tensor] = {}  # sharded: name -> this rank's rows of O (a copy)
         # whole: name -> orthogonality error, a 0-d tensor (read with the step's other values, no sync here)
         self._errors: dict[str, torch.Tensor] = {}
         self._samples: dict[str, torch.Tensor] = {}
@@ -298,33 +323,39 @@ class SpectralRecorder:
         for h in self._handles:
             h.remove()
         self._handles = []
-        self._stop_observing()
+        self._clear()
         if getattr(self.optimizer, "_optimizer_spectral_recorder", None) is self:
             self.optimizer._optimizer_spectral_recorder = None
 
     # ---------------------------------------------------------------- hooks
 
     def _pre_step(self, optimizer, args, kwargs) -> None:
-        self._steps += 1
-        self._before, self._grams, self._errors, self._ns_owner = None, {}, {}, {}
-        self._stop_observing()
-        if self._steps % self.every:
+        self._clear()  # what a step that raised left behind
+        if (self._steps + 1) % self.every:
             return
         self._before = {n: _wide(local_shard(p).detach()).clone() for n, p in self._params.items()}
         if self._reports_ns and self._ortho_names:
             self.optimizer._optimizer_spectral_observer = self.observe_newton_schulz
 
+    def _clear(self) -> None:
+        """Drop the step's copies and stop observing."""
+        self._before, self._rows, self._errors, self._ns_owner = None, {}, {}, {}
+        self._stop_observing()
+
     def _stop_observing(self) -> None:
         if self._reports_ns and getattr(self.optimizer, "_optimizer_spectral_observer", None) is not None:
             self.optimizer._optimizer_spectral_observer = None
 
-    def observe_newton_schulz(self, param: torch.Tensor, output: torch.Tensor, owned: bool) -> None:
+    def observe_newton_schulz(self, param: torch.Tensor, output: torch.Tensor, owned: bool | None) -> None:
         """Called by muonlab's Muon on a recording step with a matrix's Newton-Schulz output as
         this rank holds it (whole, or its rows for a sharded matrix) before it is applied;
-        ``owned``: this rank ran its Newton-Schulz (False for a replica computed elsewhere)."""
+        ``owned``: this rank ran its Newton-Schulz (False for a replica computed elsewhere), None
+        for a replica every rank computed (no owner): then rank ``position % world`` records it."""
         name = self._ortho_names.get(id(param))
         if name is None:
             return
+        if owned is None:
+            owned = self._position[name] % self._world == self._rank
         self._ns_owner[name] = owned
         if not owned:
             return
@@ -332,11 +363,8 @@ class SpectralRecorder:
         o = output.reshape(-1, shape[1]) if output.numel() else output.new_zeros(0, shape[1])
         if self._groups[name] is None:
             self._errors[name] = sampled_ortho_error(o, self._ortho_rows(name, min(shape)))
-        else:
-            # rows of O here: O^T O = sum over ranks of O_r^T O_r (n x n); for n > m the n x n Gram
-            # has the same nonzero eigenvalues as O O^T, so the formula holds either way
-            o = o.float()
-            self._grams[name] = o.mT @ o
+        else:  # a copy: Muon may reuse the output's buffer; the Gram waits for the other ranks' rows
+            self._rows[name] = o.to(self._rows_dtype(name), copy=True)
 
     def _ortho_rows(self, name: str, m: int) -> torch.Tensor | None:
         """The fixed sample of rows (of O oriented m x n) for ``name``'s error; None: all m rows."""
@@ -348,33 +376,30 @@ class SpectralRecorder:
         return self._samples[name]
 
     def _post_step(self, optimizer, args, kwargs) -> None:
+        self._steps += 1
         if self._before is None:
             return
-        before, self._before = self._before, None
-        self._stop_observing()
-        step = self._steps
-        # the same on every rank (a collective count): cold at the first recorded step only
-        iters = self.cold_iters if self._recorded_steps == 0 else self.warm_iters
-        self._recorded_steps += 1
+        before, step = self._before, self._steps
         whole = [n for n in self.names if self._groups[n] is None and self._records_here(n)]
         sharded: dict = {}
         for n in self.names:
             if self._groups[n] is not None:
                 sharded.setdefault(self._groups[n], []).append(n)
         results: dict[str, dict] = {}
-        self._measure(whole, before, iters, None, results)
+        self._measure(whole, before, None, results)
         for group, members in sharded.items():
-            self._measure(members, before, iters, group, results)
+            self._measure(members, before, group, results)
         for n in self.names:
             if n in results and self._keeps_record(n):
                 self.records.append(SpectralRecord(step=step, name=n, rank=self._rank,
                                                    shape=tuple(self._params[n].shape), **results[n]))
+        self._clear()  # the step's copies are spent
 
     # ---------------------------------------------------------------- where
 
     def _records_here(self, name: str) -> bool:
         """Whether this rank measures a plain (whole) matrix: the rank that ran its Newton-Schulz
-        if Muon said which, else rank position % world."""
+        if Muon said which (rank position % world where every rank ran it), else rank position % world."""
         if name in self._ns_owner:
             return self._ns_owner[name]
         return self._position[name] % self._world == self._rank
@@ -387,57 +412,81 @@ class SpectralRecorder:
 
     # ---------------------------------------------------------------- measuring
 
-    def _measure(self, names: list[str], before: dict, iters: int, group, results: dict) -> None:
+    def _measure(self, names: list[str], before: dict, group, results: dict) -> None:
         """Weight and update metrics of ``names`` (all whole, or all row-sharded over ``group``)."""
         if not names:
             return
-        by_shape: dict[tuple, list[str]] = {}
+        by_stack: dict[tuple, list[str]] = {}
         for n in names:
             # by GLOBAL shape: the same stacks, packed in the same order, on every rank (a rank's
-            # rows of two matrices of one global shape have one local shape; uneven shards don't)
-            by_shape.setdefault(tuple(self._params[n].shape), []).append(n)
-        shapes = list(by_shape.values())
-        weights = [torch.stack([_wide(local_shard(self._params[n]).detach()) for n in ns]) for ns in shapes]
-        updates = [w - torch.stack([before[n] for n in ns]) for w, ns in zip(weights, shapes)]
+            # rows of two matrices of one global shape have one local shape; uneven shards don't);
+            # and by whether this rank holds the weight's vector: one it never measured (the first
+            # recorded step, or the recording rank of a replica moved) needs cold_iters. Every rank
+            # measures every row-sharded matrix at every recorded step, so all hold the same
+            # vectors and agree on the stacks and the number of reductions.
+            cold = (n, "weight") not in self._vectors
+            by_stack.setdefault((tuple(self._params[n].shape), cold), []).append(n)
+        stacks = list(by_stack.values())
+        iters = [self.cold_iters if cold else self.warm_iters for _, cold in by_stack]
+        weights = [torch.stack([_wide(local_shard(self._params[n]).detach()) for n in ns]) for ns in stacks]
+        updates = [w - torch.stack([before[n] for n in ns]) for w, ns in zip(weights, stacks)]
         vecs = [self._vector_stack(ns, kind, w.shape[-1], w.device).to(w.dtype)
-                for kind, stacks in (("weight", weights), ("update", updates)) for ns, w in zip(shapes, stacks)]
+                for kind, mats in (("weight", weights), ("update", updates)) for ns, w in zip(stacks, mats)]
         all_reduce = None if group is None else (lambda t: dist.all_reduce(t, group=group))
-        k = len(shapes)
+        k = len(stacks)
         # weights and updates together, one reduction per product while any stack iterates
-        sigmas, vecs = top_singular_values(weights + updates, vecs, [iters] * k + [self.update_iters] * k, all_reduce)
+        sigmas, vecs = top_singular_values(weights + updates, vecs, iters + [self.update_iters] * k, all_reduce)
         for kind, offset in (("weight", 0), ("update", k)):
-            for ns, v in zip(shapes, vecs[offset:offset + k]):
+            for ns, v in zip(stacks, vecs[offset:offset + k]):
                 for i, n in enumerate(ns):
                     self._vectors[(n, kind)] = v[i]
-        # the rest in one more packed reduction: squared update norms, then per Muon matrix a
-        # flag (its Newton-Schulz output was seen) and its Gram matrix
+        # one more packed reduction: squared update norms, then per Muon matrix a flag (its
+        # Newton-Schulz output was seen), so that every rank knows which errors to compute
         sq = torch.cat([u.square().sum((1, 2)) for u in updates]).double()
-        flat_names = [n for ns in shapes for n in ns]
-        ortho = [n for n in flat_names if n in self._ortho_names.values() and group is not None]
-        parts, sides = [sq], []
-        for n in ortho:
-            side = self._params[n].shape[1]
-            sides.append(side)
-            seen = n in self._grams
-            g = self._grams[n] if seen else torch.zeros(side, side)
-            parts += [sq.new_tensor([float(seen)]), g.double().reshape(-1).to(sq.device)]
-        packed = torch.cat(parts)
+        flat_names = [n for ns in stacks for n in ns]
+        ortho = [n for n in flat_names if n in self._ortho_names.values()] if group is not None else []
+        packed = torch.cat([sq, sq.new_tensor([float(n in self._rows) for n in ortho])])
         if group is not None:
             dist.all_reduce(packed, group=group)
+        sums = packed.tolist()
+        errors = dict(self._errors) if group is None else {}
+        for n, seen in zip(ortho, sums[len(flat_names):]):
+            if seen > 0:
+                errors[n] = self._sharded_ortho_error(n, group)
+        errors = dict(zip(errors, torch.stack([e.double() for e in errors.values()]).tolist())) if errors else {}
         sigma_w, sigma_u = torch.cat(sigmas[:k]).tolist(), torch.cat(sigmas[k:]).tolist()
-        sq_list = packed[:len(flat_names)].tolist()
-        whole = list(self._errors) if group is None else []
-        errors = dict(zip(whole, torch.stack([self._errors[n].float() for n in whole]).tolist())) if whole else {}
-        offset = len(flat_names)
-        for n, side in zip(ortho, sides):
-            if packed[offset] > 0:
-                g = packed[offset + 1:offset + 1 + side * side].view(side, side)
-                errors[n] = float(ortho_error_from_gram(g, min(self._params[n].shape)))
-            offset += 1 + side * side
         for i, n in enumerate(flat_names):
             results[n] = dict(weight_sigma=sigma_w[i], update_sigma=sigma_u[i],
-                              update_rms=math.sqrt(sq_list[i] / self._params[n].numel()),
+                              update_rms=math.sqrt(sums[i] / self._params[n].numel()),
                               ortho_error=errors.get(n, math.nan))
+
+    def _sharded_ortho_error(self, name: str, group) -> torch.Tensor:
+        """The exact orthogonality error of a row-sharded Muon matrix O (m x n), the same on every
+        rank, from the Gram of its smaller side: for m > n, O^T O = sum over ranks of O_r^T O_r,
+        all-reduced (n x n); else O O^T (m x m) from all rows, gathered (the matrix's own size).
+        One matrix at a time, so the memory is at most one matrix (or its Gram) over the shards."""
+        m, n = self._params[name].shape
+        rows = self._rows.get(name)
+        if rows is None:  # this rank saw no output: it adds nothing
+            rows = torch.zeros(0, n, dtype=self._rows_dtype(name), device=local_shard(self._params[name]).device)
+        if m > n:
+            g = (rows.mT @ rows).double()
+            dist.all_reduce(g, group=group)
+        else:
+            world = dist.get_world_size(group)
+            per_rank = -(-m // world)  # FSDP2's rows per rank (torch.chunk); trailing ranks may hold fewer
+            assert rows.shape[0] <= per_rank, (name, tuple(rows.shape), per_rank)
+            # zero rows pad every rank's share to one size; they add nothing to ||G||_F^2 or tr(G)
+            share = torch.cat([rows, rows.new_zeros(per_rank - rows.shape[0], n)])
+            full = rows.new_empty(world * per_rank, n)
+            dist.all_gather_into_tensor(full, share, group=group)
+            g = full @ full.mT
+        return ortho_error_from_gram(g, min(m, n))
+
+    def _rows_dtype(self, name: str) -> torch.dtype:
+        """fp32, or the parameter's dtype if wider: from global metadata, so that every rank
+        gathers rows of one dtype, even one that saw no output."""
+        return torch.promote_types(self._params[name].dtype, torch.float32)
 
     def _vector_stack(self, names: list[str], kind: str, n: int, device) -> torch.Tensor:
         return torch.stack([self._vectors[(m, kind)] if (m, kind) in self._vectors

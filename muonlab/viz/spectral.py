@@ -37,6 +37,24 @@ def _records(run) -> list[SpectralRecord]:
     return list(records)
 
 
+def _check_runs(runs) -> None:
+    """Refuse one run where a mapping of runs is wanted, naming what to pass."""
+    if not isinstance(runs, Mapping):
+        raise TypeError(f"expected a mapping {{label: History or list of SpectralRecord}}, e.g. "
+                        f"{{'muon': history}}, got {type(runs).__name__}")
+
+
+def _kind(name: str) -> str:
+    """A matrix's kind: its name without layer indices."""
+    return ".".join(part for part in name.split(".") if not part.isdigit())
+
+
+def _kind_colors(names: Sequence[str]) -> dict[str, str]:
+    """{kind: colour}, in the order the kinds first appear in ``names``."""
+    kinds = dict.fromkeys(_kind(n) for n in names)
+    return {kind: f"C{i}" for i, kind in enumerate(kinds)}
+
+
 def _check_metric(metric: str) -> None:
     if metric not in METRICS + DERIVED:
         raise ValueError(f"unknown spectral metric {metric!r}; choose one of {METRICS + DERIVED}")
@@ -44,6 +62,7 @@ def _check_metric(metric: str) -> None:
 
 def matrix_names(runs: Mapping) -> list[str]:
     """Every matrix recorded in any run, in the order first recorded."""
+    _check_runs(runs)
     names: dict[str, None] = {}
     for run in runs.values():
         names.update(dict.fromkeys(r.name for r in _records(run)))
@@ -54,6 +73,7 @@ def plot_spectral(runs: Mapping, name: str, metric: str, *, ax=None, title: str 
     """``metric`` of matrix ``name`` over training, one line per run (``{label: History or records}``).
     Runs that have no value of it (the orthogonality error of an AdamW-updated matrix) are named
     in the title instead of drawn."""
+    _check_runs(runs)
     _check_metric(metric)
     known = matrix_names(runs)
     if name not in known:
@@ -78,23 +98,25 @@ def plot_spectral(runs: Mapping, name: str, metric: str, *, ax=None, title: str 
 
 
 def plot_spectral_layers(run, metric: str, *, ax=None, title: str = "", names: Sequence[str] | None = None,
-                         legend: bool = True):
+                         legend: bool = True, colors: Mapping[str, str] | None = None):
     """``metric`` of every recorded matrix of one run (or of ``names``), one line each, one colour
-    per matrix kind (the name without its layer index)."""
+    per matrix kind (the name without its layer index): from ``colors`` ({kind: colour} for every
+    kind drawn, to match other axes), else in the order this run shows the kinds."""
     _check_metric(metric)
     series = records_by_name(_records(run), metric)
     if names is not None:
         series = {n: series[n] for n in names if n in series}
     if ax is None:
         _, ax = plt.subplots(figsize=(6, 3.5))
-    kinds: dict[str, int] = {}
-    for n, (steps, values) in series.items():
-        if all(math.isnan(v) for v in values):
-            continue
-        kind = ".".join(part for part in n.split(".") if not part.isdigit())
-        first = kind not in kinds
-        kinds.setdefault(kind, len(kinds))
-        ax.plot(steps, values, color=f"C{kinds[kind]}", lw=1.2, alpha=0.85, label=kind if first else None)
+    drawn = [n for n, (_, values) in series.items() if not all(math.isnan(v) for v in values)]
+    if colors is None:
+        colors = _kind_colors(drawn)
+    labelled: set[str] = set()
+    for n in drawn:
+        steps, values = series[n]
+        kind = _kind(n)
+        ax.plot(steps, values, color=colors[kind], lw=1.2, alpha=0.85, label=None if kind in labelled else kind)
+        labelled.add(kind)
     ax.set_xlabel("step")
     ax.set_ylabel(LABELS[metric])
     ax.set_title(title or LABELS[metric], fontsize=11)
@@ -115,6 +137,7 @@ class SpectralPanel:
     """
 
     def __init__(self, runs: Mapping, *, name: str | None = None, metric: str = "weight_sigma"):
+        _check_runs(runs)
         import ipywidgets as w
 
         _check_metric(metric)
@@ -142,8 +165,10 @@ class SpectralPanel:
             fig, axes = plt.subplots(1, len(self.runs), figsize=(4.2 * len(self.runs), 3.6), sharey=True,
                                      squeeze=False)
             handles: dict = {}
+            # one colour per kind across the runs, which may record different matrices: one legend serves all
+            colors = _kind_colors(matrix_names(self.runs))
             for ax, (label, run) in zip(axes[0], self.runs.items()):
-                plot_spectral_layers(run, metric, ax=ax, title=label, legend=False)
+                plot_spectral_layers(run, metric, ax=ax, title=label, legend=False, colors=colors)
                 handles.update({line.get_label(): line for line in ax.lines if not line.get_label().startswith("_")})
             if not handles:  # no run has a value of this metric: each axis says so, no legend to place
                 fig.tight_layout()

@@ -10,7 +10,7 @@ from muonlab.trace import METRICS
 from . import _workers_spectral as W
 
 WORLD = 2
-CASES = [("fsdp", "muon"), ("ddp", "muon"), ("fsdp", "adamw")]
+CASES = [("fsdp", "muon"), ("ddp", "muon"), ("ddp", "muon-redundant"), ("fsdp", "adamw")]
 
 
 @pytest.fixture(scope="module")
@@ -46,3 +46,25 @@ def test_uneven_shards_record_what_one_process_records(results):
     got = results[0]["uneven"]
     _assert_same(got, W.uneven_reference(), "uneven")
     assert {r["name"] for r in got} == {n for n, _ in W.UNEVEN} and all(r["ortho_error"] > 0 for r in got)
+
+
+@pytest.mark.timeout(600)
+def test_wide_row_sharded_matrix_costs_about_its_own_size(results):
+    """The orthogonality error of a row-sharded (32, 1024) matrix: from its 32 x 32 Gram, as one
+    process computes it, for about the matrix's bytes (the 1024 x 1024 Gram was 64 times them)."""
+    got = results[0]["wide"]
+    _assert_same(got["records"], W.wide_reference(), "wide")
+    assert got["records"][0]["ortho_error"] > 0
+    matrix_bytes = W.WIDE[0] * W.WIDE[1] * 4
+    plain, recorded = got["bytes"]  # a step without the recorder's work, then one with it
+    assert recorded - plain <= 3 * matrix_bytes, (plain, recorded, matrix_bytes)
+
+
+@pytest.mark.timeout(600)
+def test_a_rank_that_never_measured_a_weight_starts_cold(results):
+    """The recording rank of a replica moved between recorded steps: the new one has no warm
+    vector and takes cold_iters products (warm_iters from the seed vector were 9% low)."""
+    got = results[0]["moved"]
+    rows = [r for r in got["records"] if r["name"] == "1.weight"]
+    assert [r["step"] for r in rows] == [1, 2] and rows[0]["rank"] != rows[1]["rank"], rows
+    assert math.isclose(rows[1]["weight_sigma"], got["exact"], rel_tol=1e-3), (rows[1], got["exact"])

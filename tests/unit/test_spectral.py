@@ -13,7 +13,8 @@ from muonlab.optim.functional import adjust_lr_ratio
 from muonlab.trace import (SpectralRecorder, exact_ortho_error, exact_top_singular_value, gather_spectral,
                            ortho_error_from_gram, records_by_name, sampled_ortho_error,
                            top_singular_values)
-from muonlab.trace.spectral import gram
+from muonlab.trace.spectral import SpectralRecord, gram
+from muonlab.train import History
 
 CFG = GPTConfig(d_model=32, n_layers=1, n_heads=2, context=16)
 
@@ -62,6 +63,26 @@ def test_top_singular_values_match_svd_on_a_stack():
     # a zero matrix (a skipped step's update) gives 0 and keeps its vector
     (zero,), (kept,) = top_singular_values([torch.zeros(1, 4, 6)], [v[:1, :6]], [3])
     assert float(zero[0]) == 0 and torch.equal(kept, v[:1, :6])
+
+
+def test_lanczos_goes_on_past_an_invariant_subspace():
+    """A start vector in an invariant subspace (an exact, non-top singular vector; or in W's null
+    space, as a warm vector of the last update is when this one touches other columns) used to
+    end the Krylov space there: the value was that subspace's, not sigma_max."""
+    (sigma,), (v,) = top_singular_values([torch.diag(torch.tensor([1.0, 3.0, 2.0]))[None]],
+                                         [torch.tensor([[1.0, 0.0, 0.0]])], [6])
+    assert float(sigma[0]) == pytest.approx(3.0, rel=1e-6) and float(v[0, 1].abs()) == pytest.approx(1.0, rel=1e-6)
+    mats = torch.stack([_with_gap(5, 8, seed=1), _with_gap(5, 8, seed=2)])
+    mats[0, :, 0] = 0  # e0 is in the null space of the first, not of the second
+    start = torch.zeros(2, 8)
+    start[:, 0] = 1
+    exact = exact_top_singular_value(mats)
+    (sigma,), _ = top_singular_values([mats], [start], [8])
+    assert torch.allclose(sigma.double(), exact, rtol=1e-5), (sigma, exact)
+    # fewer products: still a lower bound, and the same in every call (row shards run it on every
+    # rank and sum the products, so a restart vector must not depend on the rank or the call)
+    few = [top_singular_values([mats], [start], [3])[0][0] for _ in range(2)]
+    assert torch.equal(few[0], few[1]) and (few[0].double() <= exact * (1 + 1e-6)).all() and (few[0] > 0).all()
 
 
 def test_flat_spectrum_of_newton_schulz_output_within_one_percent():
@@ -214,6 +235,30 @@ def test_adamw_and_torch_muon_records():
         assert max(r.step for r in rec.records) == 6  # detached: nothing more
 
 
+def test_a_step_that_raises_is_not_counted_and_leaves_nothing_behind():
+    """Muon(nonfinite="raise") refusing a recording step: the records stay labelled by the steps
+    taken, and neither the weight copies nor the Newton-Schulz observer outlive it."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16, bias=False), torch.nn.Linear(16, 16, bias=False))
+    opt = Muon(muon_param_groups(model), ns_dtype=torch.float32, nonfinite="raise")
+    rec = SpectralRecorder(opt, model, every=2, names=["1.weight"])
+    taken = 0
+    for k in range(7):
+        for p in model.parameters():
+            p.grad = torch.randn_like(p)
+        if k in (1, 6):  # would be recording steps 2 and 6
+            model[1].weight.grad[0, 0] = math.inf
+        try:
+            opt.step()
+            taken += 1
+        except ValueError:
+            pass
+    assert taken == 5 and [r.step for r in rec.records] == [2, 4]
+    assert rec._before is not None  # kept by the refused step 6 until the next step or detach()
+    rec.detach()  # right after the refused step
+    assert rec._before is None and opt._optimizer_spectral_observer is None
+
+
 def test_records_by_name_and_gather_without_distributed():
     model = _gpt()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -295,6 +340,47 @@ def test_plots_and_panel_draw_what_was_recorded():
         panel.update(name="blocks.7.mlp.fc.weight")
     with pytest.raises(ValueError, match="unknown spectral metric 'rms'"):
         plot_spectral(runs, "blocks.0.attn.qkv.weight", "rms")
+
+
+def _synthetic_records(names, steps=(1, 2)):
+    return [SpectralRecord(step=s, name=n, weight_sigma=1.0 + s + i, update_sigma=0.1, update_rms=0.01, shape=(4, 4))
+            for s in steps for i, n in enumerate(names)]
+
+
+def test_all_matrices_panel_colours_each_kind_alike_in_every_run():
+    """Runs that record different matrices (a MoE GPT's router first): one legend, so a kind has
+    one colour in every axis (each run used to number the kinds it drew itself)."""
+    pytest.importorskip("ipywidgets", reason="notebook bars and panels are ipywidgets (the lab extra)")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.colors import to_hex
+
+    from muonlab.viz.spectral import ALL, spectral_panel
+
+    runs = {"dense": _synthetic_records(["blocks.0.attn.qkv.weight", "blocks.0.mlp.fc.weight"]),
+            "moe": _synthetic_records(["blocks.0.router.weight", "blocks.0.attn.qkv.weight", "blocks.0.mlp.fc.weight"])}
+    fig = spectral_panel(runs, name=ALL).figure(ALL, "weight_sigma")
+    legend = fig.legends[0]
+    colours = {t.get_text(): to_hex(h.get_color()) for t, h in zip(legend.get_texts(), legend.legend_handles)}
+    assert len(set(colours.values())) == len(colours) == 3
+    drawn = [(line.get_label(), to_hex(line.get_color())) for ax in fig.axes for line in ax.lines]
+    assert len(drawn) == 5 and all(colours[kind] == colour for kind, colour in drawn), (drawn, colours)
+
+
+def test_plots_and_panel_want_a_mapping_of_runs():
+    """One run (a History or its records) where {label: run} is wanted: a TypeError saying so (it
+    was an AttributeError about .values() from deep inside)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from muonlab.viz.spectral import matrix_names, plot_spectral, spectral_panel
+
+    records = _synthetic_records(["w"])
+    for run in (History(spectral=records), records):
+        for call in (matrix_names, lambda r: plot_spectral(r, "w", "weight_sigma"), spectral_panel):
+            with pytest.raises(TypeError, match=r"expected a mapping \{label: History or list of SpectralRecord\}"):
+                call(run)
 
 
 def test_empty_matrices_are_left_out_or_refused_and_names_are_a_list():
