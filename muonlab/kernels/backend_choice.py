@@ -61,14 +61,16 @@ def cache_file(device: torch.device) -> Path:
 
 
 def _key(batch_shape, dtype, cfg) -> str:
-    from .newton_schulz import form_for
+    from .newton_schulz import form_for, fp32_matmul_precision
 
     form = form_for(cfg, batch_shape[-2:])
     if form == "gram":
         form += f"{cfg.gram_restarts}"
     key = f"{tuple(batch_shape)}|{dtype}|{cfg.resolved_coefficients()}|{form}"
     if dtype == torch.float32:  # TF32 or IEEE products, in torch and in the Triton kernels alike
-        key += f"|{torch.get_float32_matmul_precision()}"
+        # Read through the helper (the legacy getter raises once torch's newer API is used), but
+        # spelled with the legacy names, so choices already in cache files keep matching.
+        key += "|highest" if fp32_matmul_precision() == "ieee" else "|high"
     return key
 
 
@@ -77,7 +79,7 @@ def _read(path: Path) -> dict[str, str]:
     then rewritten); entries other than a backend name (a hand-edited file) are left out."""
     try:
         return {k: v for k, v in dict(json.loads(path.read_text())).items() if v in ("torch", "triton")}
-    except (OSError, ValueError, TypeError):
+    except (OSError, ValueError, TypeError, RecursionError):  # RecursionError: deeply nested JSON
         return {}
 
 
@@ -121,7 +123,12 @@ def _store(path: Path) -> None:
 
 
 def faster_backend(batch_shape: tuple[int, int, int], dtype: torch.dtype, cfg, device: torch.device) -> str:
-    """"torch" or "triton" for a normalised batch of ``batch_shape`` (B, m, n), m <= n, on CUDA."""
+    """"torch" or "triton" for a normalised batch of ``batch_shape`` (B, m, n), m <= n, on CUDA;
+    "torch", unmeasured, for a dtype the Triton kernels don't take (``TRITON_DTYPES``)."""
+    from .newton_schulz import TRITON_DTYPES
+
+    if dtype not in TRITON_DTYPES:  # timing Triton on it would raise (or compute garbage)
+        return "torch"
     path = cache_file(device)
     key = _key(batch_shape, dtype, cfg)
     with _lock:
@@ -148,7 +155,11 @@ def _measure(batch_shape, dtype, cfg, device) -> str:
 
     from .newton_schulz import newton_schulz
 
-    X = torch.randn(batch_shape, dtype=dtype, device=device)
+    # A generator of its own: drawing from the default one would advance the caller's RNG on the
+    # first process (or rank) that meets this shape but not on those that find it cached.
+    generator = torch.Generator(device=device)
+    generator.manual_seed(0)
+    X = torch.randn(batch_shape, dtype=dtype, device=device, generator=generator)
     times = {}
     for backend in ("torch", "triton"):
         fixed = replace(cfg, backend=backend, dtype=dtype)

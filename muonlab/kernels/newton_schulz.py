@@ -65,6 +65,37 @@ NS_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 the normalised matrix into zeros or NaN, and float8 has no matmul here."""
 
 
+TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+"""Compute dtypes the Triton kernels take: they accumulate ``tl.dot`` in fp32, so fp64 operands
+would be rounded (the gram form returned garbage); fp64 runs on the torch backend only."""
+
+
+def fp32_matmul_precision() -> str:
+    """"ieee" or "tf32": how torch runs fp32 CUDA matmuls now, which the Triton kernels follow and
+    the "auto" timings key on. Read from ``torch.backends.cuda.matmul.fp32_precision`` ("none"
+    there defers to ``torch.backends.fp32_precision``), because once either is set,
+    ``torch.get_float32_matmul_precision()`` raises (it refuses to read a mix of the old and new
+    APIs). The legacy getter remains the answer where the new attributes don't exist (older
+    torch) or say "none"; anything that can't be read counts as torch's default, "ieee"."""
+    matmul = getattr(getattr(torch.backends, "cuda", None), "matmul", None)
+    precision = None
+    try:
+        precision = getattr(matmul, "fp32_precision", None)
+        if precision == "none":
+            precision = getattr(torch.backends, "fp32_precision", None)
+    except RuntimeError:  # a torch whose getter exists but can't answer: try the legacy one
+        precision = None
+    if precision == "ieee":
+        return "ieee"
+    if isinstance(precision, str) and precision != "none":
+        return "tf32"  # "tf32" (or a reduced precision newer than this code, as legacy "medium")
+    try:
+        legacy = torch.get_float32_matmul_precision()
+    except RuntimeError:  # mixed legacy and new settings that resolved to "none" above
+        return "ieee"
+    return "ieee" if legacy == "highest" else "tf32"
+
+
 def is_number(value) -> bool:
     """A real number, not a bool: bool is an int to Python, but True as a coefficient, an eps or
     a learning rate is a mistake, not a number."""
@@ -279,8 +310,9 @@ class NSConfig:
     """"plain" or "gram" (fewer FLOPs on rectangular matrices; see the module doc). Square matrices
     always take the plain form: there gram saves nothing and costs about 20% more."""
     backend: str = "auto"
-    """"torch", "triton" (CUDA + triton required) or "auto": per shape, whichever of the two was
-    measured faster on this device (muonlab.kernels.backend_choice); torch off CUDA."""
+    """"torch", "triton" (CUDA + triton required; fp32, fp16 or bf16 only, ``TRITON_DTYPES``) or "auto":
+    per shape, whichever of the two was measured faster on this device (muonlab.kernels.backend_choice);
+    torch off CUDA, under the Triton interpreter, and for other dtypes (fp64)."""
     gram_restarts: tuple[int, ...] = (2,)
     """Iterations after which the gram form recomputes R from X."""
     gram_min_saving: float | None = None
@@ -300,6 +332,8 @@ class NSConfig:
         if isinstance(self.dtype, torch.dtype) and self.dtype not in NS_DTYPES:
             raise ValueError(f"Newton-Schulz dtype (Muon's ns_dtype) must be one of {list(NS_DTYPES)} or None, "
                              f"got {self.dtype}")
+        if self.backend == "triton" and isinstance(self.dtype, torch.dtype) and self.dtype not in TRITON_DTYPES:
+            raise ValueError(_triton_dtype_message(self.dtype))
         if not is_number(self.eps):
             raise TypeError(f"Newton-Schulz eps must be a number, got {self.eps!r}")
         if not self.eps > 0:  # a zero floor divides an all-zero matrix by zero
@@ -574,12 +608,25 @@ def triton_usable(device: torch.device) -> bool:
     return TRITON_AVAILABLE and (device.type == "cuda" or (INTERPRET and device.type == "cpu"))
 
 
-def possible_backends(backend: str, device: torch.device | str) -> tuple[str, ...]:
-    """The backends ``backend`` may run a batch on ``device`` on, whatever the batch: one, or for
-    "auto" where Triton can run both (its pick then depends on the batch's shape, see
-    ``pick_backend``). "triton" where Triton can't run raises a ValueError saying so."""
+def _triton_dtype_message(dtype: torch.dtype) -> str:
+    return (f"Newton-Schulz dtype {dtype} (Muon's ns_dtype, or the input's dtype with ns_dtype=None) is not "
+            f"supported by backend='triton' (Muon's ns_backend): its kernels take {list(TRITON_DTYPES)}; "
+            "use backend='torch' or 'auto' for it")
+
+
+def possible_backends(backend: str, device: torch.device | str, dtype: torch.dtype | None = None) -> tuple[str, ...]:
+    """The backends ``backend`` may run a batch on ``device`` on, whatever the batch's shape: one,
+    or for "auto" where compiled Triton kernels can run both (its pick then depends on the batch's
+    shape, see ``pick_backend``). ``dtype``, the compute dtype, if known: "auto" offers Triton only
+    for ``TRITON_DTYPES``. ValueError for a name not in ``BACKENDS``, and for "triton" where Triton
+    can't run or can't take ``dtype``."""
+    if backend not in BACKENDS:  # a typo must not silently become "auto"
+        raise ValueError(f"unknown Newton-Schulz backend {backend!r} (Muon's ns_backend); choose one of {BACKENDS}")
     device = torch.device(device)
-    if backend == "torch" or (backend == "auto" and device.type != "cuda"):
+    triton_dtype = dtype is None or dtype in TRITON_DTYPES
+    if backend == "triton" and not triton_dtype:
+        raise ValueError(_triton_dtype_message(dtype))
+    if backend == "torch" or (backend == "auto" and (device.type != "cuda" or not triton_dtype)):
         return ("torch",)  # "auto" off CUDA: not even importing triton (its import alone costs ~80 MB)
     usable = triton_usable(device)
     if backend == "triton":
@@ -590,15 +637,21 @@ def possible_backends(backend: str, device: torch.device | str) -> tuple[str, ..
                 "backend='auto' falls back to torch"
             )
         return ("triton",)
-    # auto: the interpreter is for correctness tests only, never picked automatically
-    return ("torch", "triton") if usable else ("torch",)
+    # auto: the interpreter is for correctness tests only, never picked automatically, not even
+    # on CUDA (TRITON_INTERPRET=1 left set while debugging a kernel: timing it would take hours)
+    if not usable:
+        return ("torch",)
+    from .triton_newton_schulz import INTERPRET
+
+    return ("torch",) if INTERPRET else ("torch", "triton")
 
 
 def pick_backend(backend: str, device: torch.device | str, batch_shape: tuple[int, int, int], dtype: torch.dtype,
                  cfg: NSConfig) -> str:
-    """"torch" or "triton": which path ``backend`` runs a (B, m, n) batch on ``device``; "triton"
-    where Triton can't run raises a ValueError saying so."""
-    possible = possible_backends(backend, device)
+    """"torch" or "triton": which path ``backend`` runs a (B, m, n) batch of ``dtype`` on ``device``;
+    ValueError as ``possible_backends`` (an unknown name, "triton" where Triton can't run or can't
+    take ``dtype``)."""
+    possible = possible_backends(backend, device, dtype)
     if len(possible) == 1:
         return possible[0]
     from .backend_choice import faster_backend

@@ -64,7 +64,7 @@ def matrices_within(budget_bytes: int, shape, dtype: torch.dtype, cfg: NSConfig 
     elif device is None:
         on_triton = cfg.backend == "triton"
     else:
-        on_triton = "triton" in possible_backends(cfg.backend, device)
+        on_triton = "triton" in possible_backends(cfg.backend, device, dtype)
     input_itemsize = None if input_dtype is None else input_dtype.itemsize
     return max_batch_matrices(shape, dtype.itemsize, budget_bytes, reuses_input, form,
                               backend="triton" if on_triton else "torch", input_itemsize=input_itemsize)

@@ -43,6 +43,8 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
+from .newton_schulz import TRITON_DTYPES, coefficient_table, fp32_matmul_precision, is_number
+
 try:
     import triton
     import triton.language as tl
@@ -69,7 +71,7 @@ __all__ = [
 # Read once, like triton itself: the interpreter must be chosen before the kernels are defined.
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
-_SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_SUPPORTED_DTYPES = TRITON_DTYPES  # one list for the kernels and for the dispatch that routes to them
 
 # Tile sizes under the interpreter, whose cost grows with the number of program instances and K
 # steps: output tiles of 64 rows still split the test shapes (127 rows) so the mirrored stores
@@ -315,18 +317,51 @@ def _check_same_device(ref_name: str, ref: torch.Tensor, name: str, t: torch.Ten
         )
 
 
+def _check_out_dtype(out_dtype: Optional[torch.dtype]) -> None:
+    # The kernels cast their fp32 results into whatever the output holds: an int or bool output
+    # would be truncated silently, an fp64 one is refused as an fp64 `out` tensor is.
+    if out_dtype is not None and out_dtype not in _SUPPORTED_DTYPES:
+        raise ValueError(f"out_dtype must be float32, float16 or bfloat16 (or None), got {out_dtype!r}")
+
+
+def _overlaps_itself(t: torch.Tensor) -> bool:
+    """Whether two elements of ``t`` may share memory (an expand()ed batch: stride 0). With the dims
+    sorted by stride, each stride must step past every element the smaller-strided dims reach:
+    False proves the elements distinct (dense, sliced and transposed views pass); True may also
+    refuse an exotic interleaving whose elements happen to be distinct."""
+    reach = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz > 1):
+        if stride < reach:
+            return True
+        reach += (size - 1) * stride
+    return False
+
+
+def _check_out(out: torch.Tensor) -> None:
+    # Every program stores its tile; if two elements of out are one location, one batch's (or
+    # tile's) result silently overwrites another's, as torch.bmm(out=...) refuses too.
+    if _overlaps_itself(out):
+        raise ValueError(f"out of shape {tuple(out.shape)} and strides {out.stride()} has elements that share "
+                         "memory (an expand()ed tensor?); pass a tensor whose elements are distinct")
+
+
 def _check_no_alias(out: torch.Tensor, **inputs: Optional[torch.Tensor]) -> None:
-    # Programs read tiles that other programs write, and autotuning re-runs the kernel.
-    ptr = out.untyped_storage().data_ptr()
+    # Programs read tiles that other programs write, and autotuning re-runs the kernel. Byte
+    # ranges, not storages, are compared: disjoint views of one buffer (an arena) are safe.
+    lo, hi = _span(out)
     for name, t in inputs.items():
-        if t is not None and t.untyped_storage().data_ptr() == ptr:
+        if t is None:
+            continue
+        t_lo, t_hi = _span(t)
+        if lo < t_hi and t_lo < hi:
             raise ValueError(f"out of shape {tuple(out.shape)} shares memory with {name}; pass a separate buffer")
 
 
 def _dot_flags(*dtypes: torch.dtype) -> Tuple[bool, str]:
     dot_fp32 = INTERPRET and any(d == torch.bfloat16 for d in dtypes)
-    # fp32 operands follow torch's own setting, so the fp32 loop compares like for like.
-    precision = "ieee" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+    # fp32 operands follow torch's own setting, so the fp32 loop compares like for like (read
+    # through the helper: the legacy getter raises once torch's newer precision API was used).
+    precision = fp32_matmul_precision()
     return dot_fp32, precision
 
 
@@ -631,6 +666,7 @@ def sym_matmul(
     """
     _require_triton()
     _check_tensor("X", X)
+    _check_out_dtype(out_dtype)
     num_batch, m, k = X.shape
     dtype = out_dtype if out_dtype is not None else X.dtype
     if C is not None:
@@ -647,6 +683,7 @@ def sym_matmul(
             raise ValueError(f"out must have shape {(num_batch, m, m)} for X of shape {tuple(X.shape)}, got {tuple(out.shape)}")
         if out_dtype is not None and out.dtype != out_dtype:
             raise ValueError(f"out of shape {tuple(out.shape)} has dtype {out.dtype}, expected {out_dtype}")
+        _check_out(out)
         _check_no_alias(out, X=X, C=C)
     if num_batch == 0 or m == 0:
         return out
@@ -683,6 +720,7 @@ def batched_matmul_add(
         _check_same_device("P", P, "R", R)
         if tuple(R.shape) != (num_batch, m, n):
             raise ValueError(f"R must have shape {(num_batch, m, n)}, got {tuple(R.shape)}")
+    _check_out_dtype(out_dtype)
     dtype = out_dtype if out_dtype is not None else P.dtype
     if out is None:
         out = torch.empty((num_batch, m, n), device=P.device, dtype=dtype)
@@ -693,6 +731,7 @@ def batched_matmul_add(
             raise ValueError(f"out must have shape {(num_batch, m, n)}, got {tuple(out.shape)}")
         if out_dtype is not None and out.dtype != out_dtype:
             raise ValueError(f"out of shape {tuple(out.shape)} has dtype {out.dtype}, expected {out_dtype}")
+        _check_out(out)
         _check_no_alias(out, P=P, Q=Q, R=R)
     if num_batch == 0 or m == 0 or n == 0:
         return out
@@ -713,8 +752,12 @@ def gram_form_products(dtype: torch.dtype):
       need a two-input symmetric kernel).
 
     Launches go through the launch cache without the public launchers' checks; the caller's
-    buffers are the workspace's, disjoint by construction."""
+    buffers are the workspace's, disjoint by construction; ``dtype`` is checked (ValueError for
+    one the kernels don't take, such as fp64: they would round it and compute garbage)."""
     _require_triton()
+    if dtype not in _SUPPORTED_DTYPES:  # the only check on this path: the launches skip theirs
+        raise ValueError(f"the Triton gram form needs float32, float16 or bfloat16, got {dtype}; "
+                         "use backend='torch' for it")
     dot_fp32, precision = _dot_flags(dtype)
 
     def gram(X, out):
@@ -808,6 +851,23 @@ def _as_workspace(workspace, X: torch.Tensor) -> NSWorkspace:
     return workspace
 
 
+def _coefficient_list(coefficients) -> list:
+    """``coefficients`` as a list of float (a, b, c) triples, one per iteration (empty: none), checked
+    by ``coefficient_table``. A preset name or one bare triple is refused: both mean "repeat for
+    every step" to NSConfig, and this function has no step count; ``resolve_coefficients`` has."""
+    bare = isinstance(coefficients, Sequence) and any(is_number(v) for v in coefficients)
+    if isinstance(coefficients, str) or bare:
+        raise ValueError(f"newton_schulz_triton needs coefficients as a list of (a, b, c) triples, one per "
+                         f"iteration, got {coefficients!r}; expand a preset name or a single triple with "
+                         "resolve_coefficients(coefficients, steps)")
+    if isinstance(coefficients, Sequence) and len(coefficients) == 0:
+        return []  # no iterations: X is copied (coefficient_table refuses an empty table)
+    try:
+        return list(coefficient_table(coefficients))
+    except (TypeError, ValueError) as err:  # its messages name Muon's ns_coefficients: say where we are
+        raise type(err)(f"newton_schulz_triton's coefficients must be a list of (a, b, c) triples: {err}") from None
+
+
 def newton_schulz_triton(
     X: torch.Tensor,
     coefficients: Sequence[Tuple[float, float, float]],
@@ -819,6 +879,9 @@ def newton_schulz_triton(
     ``X`` is (B, m, n) with m <= n, already normalised (spectral norm <= 1) and transposed by the
     caller; any strides. Intermediates are kept in X's dtype (fp32 accumulation inside the
     kernels). Returns a contiguous (B, m, n) tensor of X's dtype.
+
+    ``coefficients``: one (a, b, c) per iteration (an empty list copies X); a preset name or one
+    bare triple is refused (ValueError): expand it with ``resolve_coefficients(name, steps)``.
 
     ``workspace`` (an ``NSWorkspace`` or a dict with its fields ``gram``, ``poly``, ``ping``,
     ``pong``): preallocated buffers, checked here (ValueError naming the buffer otherwise). With
@@ -834,10 +897,7 @@ def newton_schulz_triton(
     num_batch, m, n = X.shape
     if m > n:
         raise ValueError(f"X must have m <= n (transpose first), got shape {tuple(X.shape)}")
-    coefficients = [tuple(float(v) for v in abc) for abc in coefficients]
-    for abc in coefficients:
-        if len(abc) != 3:
-            raise ValueError(f"each coefficient must be an (a, b, c) triple, got {abc}")
+    coefficients = _coefficient_list(coefficients)
     ws = _as_workspace(workspace, X) if workspace is not None else None
     if not coefficients or X.numel() == 0:
         return ws.ping.copy_(X) if ws is not None else X.clone(memory_format=torch.contiguous_format)

@@ -32,6 +32,10 @@ def test_auto_counts_tritons_bytes_wherever_it_may_pick_triton(monkeypatch):
     pytest.importorskip("triton")
     if not triton_usable(torch.device("cuda")):
         pytest.skip("triton can't run on CUDA here (not installed or failed to import)")
+    from muonlab.kernels import triton_newton_schulz as tns
+
+    # as on a GPU: under TRITON_INTERPRET=1 (tests/conftest.py) "auto" never offers Triton
+    monkeypatch.setattr(tns, "INTERPRET", False)
     m, n = 8, 64
     budget = 30 * batch_bytes_per_matrix(m, n, 4)  # 30 matrices on the torch path, 22 on Triton's
     timed = []
