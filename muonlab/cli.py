@@ -47,12 +47,15 @@ def main(argv=None) -> None:
                 args.steps = positive_int(env)
             except ValueError:
                 d.error(f"$MUONLAB_DEMO_STEPS must be a whole number >= 1, got {env!r}")
+        from .distributed.device import requested_device
         from .experiments.demo import SINGLE_HEADS, check_out_dir
         from .models.gpt import check_width
 
         try:
             check_width("--width", args.width, SINGLE_HEADS)
             check_out_dir(args.out)
+            if args.device is not None or args.nprocs > 1:  # as the demo: $MUONLAB_DEVICE matters only for workers
+                requested_device(args.device)
         except ValueError as err:
             d.error(str(err))
     args.fn(args)

@@ -16,6 +16,7 @@ notebook neither needs a backend switch nor leaves figures open.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -32,6 +33,8 @@ __all__ = ["DEMO_MODEL", "check_out_dir", "run", "run_distributed", "run_single"
 # 5 blocks on 4 ranks: 5 matrices per shape do not split evenly, so the plan shows full and
 # remainder batches.
 DEMO_MODEL = dict(d_model=64, n_layers=5, n_heads=4, context=64, batch_per_rank=4)
+DEMO_EP = 2
+"""Expert-parallel ranks of the "ep" demo: its workers run a (nprocs // DEMO_EP, DEMO_EP) mesh."""
 SINGLE_HEADS = 4
 """Attention heads of the single-process demo's GPT: its width must be a multiple."""
 
@@ -52,10 +55,20 @@ def run(out_dir="runs/demo", *, steps: int = 150, width: int = 128, layers: int 
 
 
 def check_out_dir(out_dir) -> None:
-    """Refuse an output folder that can't be one (an existing file), before any training."""
+    """Refuse, before any training, an output folder the figures could not be written to: an
+    existing file, a path under one, or one whose nearest existing folder this process may not
+    write to (the folders missing below it are made when the figures are saved)."""
     path = Path(out_dir)
-    if path.exists() and not path.is_dir():
+    if os.path.lexists(path) and not path.is_dir():
         raise ValueError(f"out_dir {str(path)!r} is an existing file, not a folder: pass a folder for the figures")
+    # lexists: a dangling link counts as in the way, since mkdir would fail on it too
+    existing = next((p for p in (path, *path.parents) if os.path.lexists(p)), Path("."))
+    if not existing.is_dir():
+        raise ValueError(f"out_dir {str(path)!r} can't be made: {str(existing)!r} is an existing file, "
+                         "not a folder: pass a folder for the figures")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"out_dir {str(path)!r} can't be written: this process may not write in the folder "
+                         f"{str(existing)!r}")
 
 
 def _check_single_args(steps, width, layers) -> None:
@@ -118,9 +131,13 @@ def run_distributed(out_dir="runs/demo", steps: int = 5, nprocs: int = 4, mode: 
     _check_workers_args(nprocs, device)
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES} (the modes train_worker runs), got {mode!r}")
+    if mode == "ep" and nprocs % DEMO_EP:
+        raise ValueError(f"nprocs must be a multiple of {DEMO_EP} in mode 'ep' (its workers run {DEMO_EP} "
+                         f"expert-parallel ranks), got {nprocs}")
     t0 = time.time()
     results = launch(train_worker, nprocs, mode=mode, steps=steps, timeout_s=timeout_s, device=device,
-                     name=f"demo-{mode}", progress=sys.stderr.isatty(), **DEMO_MODEL)
+                     name=f"demo-{mode}", progress=sys.stderr.isatty(), **DEMO_MODEL,
+                     **(dict(ep=DEMO_EP) if mode == "ep" else {}))
     first = results[0]
     where = "GPU" if first["device"].startswith("cuda") else "CPU"
     print(f"\n{mode} on {nprocs} {where} workers, small GPT (width {DEMO_MODEL['d_model']}, "

@@ -12,19 +12,15 @@ measures nothing; another GPU model or version measures again.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import statistics
 import threading
 from pathlib import Path
 
-try:
-    import fcntl
-except ImportError:  # Windows: the cache file is written without a lock
-    fcntl = None
-
 import torch
+
+from ..files import file_lock, write_atomic
 
 TIE = 0.02  # triton must be more than 2% faster to be picked: torch has no compile or tuning risk
 REPEATS = 5
@@ -90,34 +86,16 @@ def _choices(path: Path) -> dict[str, str]:
     return _memory[path]
 
 
-@contextlib.contextmanager
-def _file_lock(path: Path):
-    """An exclusive lock on ``path``'s sidecar ``.lock`` file, between processes; none where the
-    platform has no ``fcntl`` (Windows): there concurrent writers may still drop entries."""
-    if fcntl is None:
-        yield
-        return
-    with open(path.with_name(path.name + ".lock"), "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)  # released when the handle closes
-        yield
-
-
 def _store(path: Path) -> None:
     """Write this process's choices to ``path``, merged with what other processes (other jobs,
     ranks meeting other shapes) wrote since it was read: under the file lock, the file is read
     again, and rewritten whole through a temporary file (atomic: readers never see half a file)."""
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with _file_lock(path):
+        with file_lock(path):
             merged = {**_read(path), **_memory[path]}  # ours win: just measured, in this process
             _memory[path] = merged
-            try:
-                tmp.write_text(json.dumps(merged, indent=1, sort_keys=True))
-                os.replace(tmp, path)
-            finally:  # a failed write's leftover (none once replaced), removed while the lock is held
-                with contextlib.suppress(OSError):
-                    tmp.unlink(missing_ok=True)
+            write_atomic(path, json.dumps(merged, indent=1, sort_keys=True).encode())
     except OSError:
         pass  # a read-only home: keep the choice for this process only
 

@@ -84,7 +84,8 @@ class MLP(nn.Module):
 
 
 class MoE(nn.Module):
-    """Top-k routed experts; expert weights are banks of shape (num_experts, d_out, d_in).
+    """Top-k routed experts; expert weights are banks of shape (num_experts, d_out, d_in). Each
+    token's expert outputs are weighted by its gates (see :meth:`route`).
 
     ``dispatcher`` moves tokens to the experts and back: ``None`` (the default) computes every
     expert on this rank; expert parallelism (muonlab.distributed.apply_ep) installs a callable
@@ -111,10 +112,16 @@ class MoE(nn.Module):
             nn.init.uniform_(w, -bound, bound)
 
     def route(self, x):
-        """(token ids sorted by expert, their gate weights, tokens per expert) for flat x (N, C)."""
+        """(token ids sorted by expert, their gate weights, tokens per expert) for flat x (N, C).
+
+        A token's gates are the router's softmax probabilities of its top-k experts, renormalised to
+        sum to 1 when top_k > 1. With top_k == 1 the gate is the raw probability, as in the Switch
+        Transformer (Fedus et al. 2021): renormalised, it would be p / p = 1 and the router would get
+        no gradient."""
         logits = self.router(x)
         gates, experts = logits.softmax(-1).topk(self.top_k, dim=-1)
-        gates = gates / gates.sum(-1, keepdim=True)
+        if self.top_k > 1:
+            gates = gates / gates.sum(-1, keepdim=True)
         flat_expert = experts.reshape(-1)
         order = flat_expert.argsort(stable=True)
         token = order // self.top_k

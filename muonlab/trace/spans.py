@@ -38,6 +38,8 @@ from typing import NamedTuple, Union
 import torch
 import torch.distributed as dist
 
+from ..kernels.newton_schulz import is_number
+
 # Which timeline row a phase belongs to.
 LANES = {"momentum": "compute", "newton_schulz": "compute", "update": "compute", "adamw": "compute",
          "comm": "comm", "comm_out": "comm", "comm_back": "comm"}
@@ -233,14 +235,20 @@ _OPTIONAL = dict(path="", batch=-1, bytes_sent=0, bytes_recv=0)
 def span_rows(spans: Iterable) -> list[dict]:
     """``Span``s or their ``asdict`` rows (``train_worker(...)["spans"]``) as dicts with every Span
     field, checked: what the timeline and the Chrome-trace export read. A ValueError names the
-    first span without a rank, name, start or end, or whose times are not finite with end not
-    before start (a plot would fail on its axis limits, a trace be invalid JSON)."""
+    first span without a rank, name, start or end, whose times are not real numbers (None, a
+    string, a bool), or whose times are not finite with end not before start (a plot would fail on
+    its axis limits, a trace be invalid JSON)."""
     rows = [dict(_OPTIONAL, **(asdict(s) if is_dataclass(s) else s)) for s in spans]
     for i, r in enumerate(rows):
         missing = [k for k in ("rank", "name", "start", "end") if k not in r]
         if missing:
             raise ValueError(f"span {i} ({r}) lacks {missing}")
         start, end = r["start"], r["end"]
+        # checked first: math.isfinite would raise a TypeError naming no span (rows read back from a
+        # CSV carry strings)
+        if not (is_number(start) and is_number(end)):
+            raise ValueError(f"span {i} ({r['name']!r} on rank {r['rank']}) runs from {start!r} to {end!r}: "
+                             "start and end must be real numbers (seconds)")
         if not (math.isfinite(start) and math.isfinite(end)) or end < start:
             raise ValueError(f"span {i} ({r['name']!r} on rank {r['rank']}) runs from {start} to {end}: "
                              "start and end must be finite, end not before start")

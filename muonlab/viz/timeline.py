@@ -15,6 +15,7 @@ matplotlib.use(matplotlib.get_backend())  # keep the notebook's backend; Agg whe
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
+from ..comm import records  # noqa: E402
 from ..comm.paths import PATHS  # noqa: E402
 from ..trace.spans import LANES, span_rows  # noqa: E402
 
@@ -225,27 +226,54 @@ def plot_rank_distribution(ax, stacks: Mapping[str, list[float]], units, *, what
     return paths, unit
 
 
+def _global_row(batch, world: int) -> dict:
+    """``batch.as_row()`` with its bytes sent and FLOPs per GLOBAL rank 0..world-1; empty lists for
+    a batch with no per-rank FLOPs (per_rank charges such a batch nothing)."""
+    if not batch.flops:
+        return batch.as_row() | dict(bytes_sent=[], flops=[])
+    totals = records.per_rank([batch], world)
+    return batch.as_row() | dict(bytes_sent=totals["sent"], flops=totals["flops"])
+
+
 def plot_plan(plan_rows, ax=None, *, title: str = "plan"):
     """Where the plan puts bytes and Newton-Schulz FLOPs.
 
-    Rows with per-rank ``bytes_sent`` and ``flops`` lists: two stacked-bar panels (KiB sent and NS
-    MFLOP per rank), one segment per batch, coloured by path and labelled with the batch index;
-    above ``DISTRIBUTION_ABOVE`` ranks, their distribution by path (``plot_rank_distribution``).
+    ``plan_rows``: ``BatchPlan`` records (``Muon.plan()``, ``simulate()``,
+    ``train_worker(...)["plan_batches"]``), or row dicts. Rows with per-rank ``bytes_sent`` and
+    ``flops`` lists: two stacked-bar panels (KiB sent and NS MFLOP per rank), one segment per batch,
+    coloured by path and labelled with the batch index; above ``DISTRIBUTION_ABOVE`` ranks, their
+    distribution by path (``plot_rank_distribution``). A ``BatchPlan``'s lists are per group-local
+    rank; they are mapped to GLOBAL ranks (``muonlab.comm.records.per_rank``), so the bars are the
+    global ranks' loads on any mesh. A row dict's lists are drawn index by index as they are
+    (``train_worker``'s ``plan`` rows on a 1-D mesh); their non-empty lists must all have one
+    length (a ValueError otherwise: rows of groups of different sizes, as on an expert mesh, can't
+    be added index by index; pass the ``BatchPlan`` records instead).
     Plain ``as_row()`` rows: per-batch ``max_bytes_sent`` and ``max_flops`` instead.
     ``ax``: None (a new figure) or a pair of axes (bytes, FLOPs). Returns the pair.
     """
-    rows = [r if isinstance(r, Mapping) else (r.as_row() | dict(bytes_sent=list(r.bytes_sent),
-                                                               flops=list(r.flops))) for r in plan_rows]
+    items = list(plan_rows)
+    batches = [r for r in items if not isinstance(r, Mapping)]
+    # the plan's global ranks: every BatchPlan is drawn over the same ones, whatever its group
+    world = len(records.flops_per_rank(batches)) if batches else 0
+    rows = [r if isinstance(r, Mapping) else _global_row(r, world) for r in items]
     if ax is None:
         _, ax = plt.subplots(1, 2, figsize=(11, 3.4))
     ax_bytes, ax_flops = ax
     per_rank = bool(rows) and all(isinstance(r.get("bytes_sent"), (list, tuple)) and
                                   isinstance(r.get("flops"), (list, tuple)) for r in rows)
+    first_of_length: dict[int, int] = {}  # {per-rank list length: first row with it}
     for i, r in enumerate(rows if per_rank else []):
         if len(r["bytes_sent"]) != len(r["flops"]):
             raise ValueError(f"plan row {i} (batch {r.get('batch', r.get('index', i))}) has {len(r['bytes_sent'])} "
                              f"bytes_sent values and {len(r['flops'])} flops values: one of each per rank")
-    num_ranks = max((len(r["bytes_sent"]) for r in rows), default=0) if per_rank else 0
+        if r["flops"]:  # an empty list has no entry for any rank: it adds nothing, whatever the others' length
+            first_of_length.setdefault(len(r["flops"]), i)
+    if len(first_of_length) > 1:
+        found = ", ".join(f"row {i} (batch {rows[i].get('batch', i)}) has {n}" for n, i in first_of_length.items())
+        raise ValueError(f"plan rows have per-rank lists of different lengths ({found}): they index the ranks of "
+                         "groups of different sizes, which can't be added rank by rank; pass the BatchPlan records "
+                         "(train_worker's plan_batches), which are mapped to global ranks")
+    num_ranks = max(first_of_length, default=0) if per_rank else 0
     # empty per-rank lists (a plan of local batches, that move nothing) have no rank to draw a bar
     # for: the per-batch view, from the rows' max_bytes_sent / max_flops, instead
     per_rank = per_rank and num_ranks > 0

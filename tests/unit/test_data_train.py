@@ -92,6 +92,26 @@ def test_gpt_config_refuses_sizes_that_build_no_model():
             GPTConfig(**{field: bad})
 
 
+def test_moe_gates_are_the_router_probability_for_top1_and_renormalised_above():
+    from muonlab.models import GPT
+    from muonlab.models.gpt import moe_config
+
+    torch.manual_seed(0)
+    x = torch.randn(12, 16)
+    for top_k in (1, 2):
+        moe = GPT(moe_config(num_experts=4, top_k=top_k, d_model=16, n_layers=1, n_heads=2, context=8)).blocks[0].mlp
+        token, gate, counts = moe.route(x)
+        probs = moe.router(x).softmax(-1)
+        expert = torch.repeat_interleave(torch.arange(4), counts)
+        if top_k == 1:  # Switch routing: the raw probability, so the router's logits get a gradient
+            torch.testing.assert_close(gate, probs[token, expert])
+        else:  # each token's k gates share one unit of weight
+            totals = torch.zeros(len(x)).index_add_(0, token, gate.detach())
+            torch.testing.assert_close(totals, torch.ones(len(x)))
+        moe(x.view(3, 4, 16)).square().sum().backward()
+        assert moe.router.weight.grad.norm() > 1e-3 * moe.w_in.grad.norm(), top_k
+
+
 def test_the_demo_command_refuses_bad_arguments_before_training(tmp_path, monkeypatch, capsys):
     import pytest
 
@@ -115,3 +135,54 @@ def test_the_demo_command_refuses_bad_arguments_before_training(tmp_path, monkey
         cli.main(["demo"])
     err = capsys.readouterr().err
     assert stop.value.code == 2 and "$MUONLAB_DEMO_STEPS must be a whole number >= 1, got 'abc'" in err
+
+
+def test_the_demo_command_refuses_a_bad_device_env_and_an_out_under_a_file_before_training(
+        tmp_path, monkeypatch, capsys):
+    import pytest
+
+    import muonlab.experiments.demo as demo
+    from muonlab import cli
+
+    def no_training(*args, **kwargs):  # a check that lets a case through must not cost minutes
+        raise AssertionError("the demo started training")
+
+    monkeypatch.setattr(demo, "run", no_training)
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    out = str(tmp_path / "figures")
+    for sub in ("sub", "sub/deeper"):
+        with pytest.raises(SystemExit) as stop:
+            cli.main(["demo", "--out", str(afile / sub), "--nprocs", "1"])
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and f"'{afile}' is an existing file, not a folder" in err, err
+    monkeypatch.setenv("MUONLAB_DEVICE", "gpu")
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["demo", "--out", out, "--nprocs", "2"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "$MUONLAB_DEVICE must be one of ('auto', 'cpu', 'cuda'), got 'gpu'" in err
+    with pytest.raises(AssertionError, match="started training"):  # one process: the variable is not read
+        cli.main(["demo", "--out", out, "--nprocs", "1"])
+
+
+def test_check_out_dir_accepts_new_folders_under_writable_ones_and_refuses_the_rest(tmp_path):
+    import os
+
+    import pytest
+
+    from muonlab.experiments.demo import check_out_dir
+
+    check_out_dir(tmp_path / "a" / "b" / "c")  # made when the figures are saved
+    check_out_dir(tmp_path)
+    check_out_dir("runs/demo")  # relative: under the working folder
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(ValueError, match="can't be made: .*afile' is an existing file"):
+        check_out_dir(tmp_path / "afile" / "x" / "y")
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    with pytest.raises(ValueError, match="is an existing file, not a folder"):
+        check_out_dir(tmp_path / "dangling" / "x")
+    if os.geteuid() != 0:  # root may write anywhere
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        with pytest.raises(ValueError, match="may not write in the folder .*locked'"):
+            check_out_dir(locked / "x")

@@ -27,6 +27,7 @@ def _never(*args, **kwargs):
     (lambda out: demo.run_distributed(out, mode="hsdp"), "mode"),
     (lambda out: demo.run_distributed(out, steps=0), "steps"),
     (lambda out: demo.run_distributed(out, nprocs=0), "nprocs"),
+    (lambda out: demo.run_distributed(out, nprocs=3, mode="ep"), "nprocs"),
     (lambda out: demo.run_distributed(out, device="gpu"), "device"),
 ])
 def test_the_demo_refuses_bad_arguments_before_any_training(call, param, tmp_path, monkeypatch):

@@ -99,3 +99,57 @@ def test_chrome_trace_one_pid_per_rank(tmp_path):
     names = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
     assert names == {0: "rank 0", 1: "rank 1", 2: "rank 2"}
     assert to_chrome_trace(spans) == trace
+
+
+def _bar_totals(ax, num_ranks):
+    """The height of each rank's stack of bars (a bar is centred on its rank's x)."""
+    totals = [0.0] * num_ranks
+    for patch in ax.patches:
+        totals[round(patch.get_x() + patch.get_width() / 2)] += patch.get_height()
+    return totals
+
+
+def test_plot_plan_draws_batch_plans_per_global_rank_on_an_expert_mesh(monkeypatch):
+    from muonlab.comm.records import per_rank
+    from muonlab.simulate import simulate
+
+    # (fsdp=2, ep=2): the expert bank's batch is planned over the 2 ranks of an "fsdp" axis, each
+    # standing for 2 global ranks; the dense batches over all 4
+    plan = simulate([("attn", (64, 64)), ("mlp", (128, 64)), ("experts", (4, 64, 32))], (2, 2))
+    assert {len(b.flops) for b in plan} == {2, 4}
+    truth = per_rank(plan, 4)
+    ax_bytes, ax_flops = plot_plan(list(plan))
+    assert [t.get_text() for t in ax_flops.get_xticklabels()] == [f"rank {q}" for q in range(4)]
+    assert _bar_totals(ax_flops, 4) == pytest.approx([f * 1e-6 for f in truth["flops"]])
+    assert _bar_totals(ax_bytes, 4) == pytest.approx([b / 1024 for b in truth["sent"]])
+
+    # above DISTRIBUTION_ABOVE ranks: the distribution of the same global totals, by path
+    import muonlab.viz.timeline as timeline
+
+    drawn = {}
+
+    def spy(ax, stacks, units, *, what=None):
+        drawn[what] = {path: list(v) for path, v in stacks.items()}
+        return real(ax, stacks, units, what=what)
+
+    real = timeline.plot_rank_distribution
+    monkeypatch.setattr(timeline, "plot_rank_distribution", spy)
+    big = simulate([("attn", (64, 64)), ("experts", (8, 64, 32))], (64, 2))
+    world = 128
+    assert {len(b.flops) for b in big} == {64, world}  # the experts' batch on a 64-rank "fsdp" axis
+    plot_plan(big)
+    truth = per_rank(big, world, by_path=True)
+    assert drawn["FLOPs"] == {path: t["flops"] for path, t in truth.items()}
+    assert drawn["bytes sent"] == {path: t["sent"] for path, t in truth.items()}
+
+
+def test_plot_plan_refuses_plain_rows_of_groups_of_different_sizes():
+    from muonlab.experiments.train import plan_rows as rows_of
+    from muonlab.simulate import simulate
+
+    plan = simulate([("attn", (64, 64)), ("experts", (4, 64, 32))], (2, 2))
+    with pytest.raises(ValueError, match=r"different lengths \(row 0 \(batch 0\) has 4, row 1 \(batch 1\) has 2\)"):
+        plot_plan(rows_of(plan))
+    plot_plan(rows_of(simulate([("attn", (64, 64)), ("mlp", (128, 64))], 4)))  # one group: drawn as they are
+    # an empty list adds nothing at any rank: not a length of its own
+    plot_plan(plan_rows() + [dict(plan_rows()[0], batch=2, bytes_sent=[], bytes_recv=[], flops=[])])

@@ -107,6 +107,21 @@ def test_chrome_trace_refuses_non_finite_times(tmp_path):
     assert not out.exists()  # nothing half written
 
 
+def test_span_rows_refuses_times_that_are_not_numbers_naming_the_span(tmp_path):
+    from muonlab.trace.spans import span_rows
+
+    good = dict(rank=0, name="momentum", start=1.0, end=2.0)
+    for bad in (None, "1.5", True, [1.0]):
+        for field in ("start", "end"):
+            row = dict(good, rank=1, name="update", **{field: bad})
+            with pytest.raises(ValueError, match=r"span 1 \('update' on rank 1\) .*must be real numbers"):
+                span_rows([good, row])
+            with pytest.raises(ValueError, match="span 1 "):
+                write_chrome_trace([good, row], tmp_path / "trace.json")
+    assert not (tmp_path / "trace.json").exists()
+    span_rows([good, dict(good, start=1, end=torch.tensor(2.0).item())])  # ints and Python floats are times
+
+
 # ---------------------------------------------------------------- plans
 
 def test_plan_per_rank_refuses_a_world_smaller_than_the_plan():
