@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -39,9 +40,10 @@ class History:
 
     @property
     def opt_step_ms(self) -> float:
-        # The median ignores the first step's state allocation.
-        times = sorted(self.opt_time_s)
-        return 1e3 * times[len(times) // 2] if times else 0.0
+        """The median optimizer step in ms, over the steps after the first when there are several:
+        the first allocates the optimizer state (and an upper median of two steps would be it)."""
+        times = self.opt_time_s[1:] if len(self.opt_time_s) > 1 else self.opt_time_s
+        return 1e3 * statistics.median(times) if times else 0.0
 
     def summary(self) -> dict:
         return dict(

@@ -35,7 +35,9 @@ __all__ = [
     "check_backend",
     "choose_device",
     "collective_device",
+    "group_device",
     "init_process_group",
+    "match_default_timeout",
     "rank_device",
     "to_rank_device",
     "wait_for",
@@ -131,7 +133,9 @@ def init_process_group(
 
     CUDA ranks get ``torch.cuda.set_device(cuda:LOCAL_RANK)`` and NCCL bound to that device; CPU
     ranks get gloo and one intra-op thread (several workers share the cores). ``backend``
-    overrides the backend only (NCCL on a CPU rank is refused: it cannot carry CPU tensors).
+    overrides the backend only: a CUDA rank over gloo still has the group bound to its GPU, so
+    :func:`rank_device` puts its model and batches there (NCCL on a CPU rank is refused: it cannot
+    carry CPU tensors).
     Connecting may take ``connect_timeout_s`` (the slowest rank's start-up); collectives get
     ``timeout_s`` from then on.
     """
@@ -155,17 +159,71 @@ def _uses_cuda(backend: str) -> bool:
     return "nccl" in str(backend)
 
 
+def group_device(backend: str, bound_device: torch.device | None, cuda_available: bool,
+                 current_cuda: int | None) -> torch.device:
+    """The rule behind :func:`rank_device`, on plain values so it is testable without a GPU.
+
+    ``bound_device``: the device the default group was initialised for (``init_process_group``'s
+    ``device_id``, which :func:`init_process_group` passes for every CUDA rank, whatever the backend);
+    it wins, so ``launch(device="cuda", backend="gloo")`` computes on the GPU it asked for (the
+    backend overrides the backend only). Without one: this rank's current CUDA device
+    (``current_cuda``) under NCCL, else the CPU (a gloo group started for CPU workers on a GPU node).
+    """
+    if bound_device is not None and torch.device(bound_device).type == "cuda":
+        return torch.device(bound_device)
+    if _uses_cuda(backend) and cuda_available:
+        return torch.device("cuda", current_cuda)
+    return torch.device("cpu")
+
+
 def rank_device() -> torch.device:
     """The device of this rank's model and batches.
 
-    In a process group: this rank's current CUDA device when the default group is NCCL, else the
-    CPU (a gloo group on a GPU node wants CPU tensors). Outside one: :func:`choose_device`.
+    In a process group, read from the default group (:func:`group_device`): the CUDA device it was
+    bound to (every CUDA rank of :func:`init_process_group`, NCCL or gloo), else this rank's current
+    CUDA device when the group is NCCL, else the CPU (a gloo group on a GPU node that was not asked
+    for CUDA wants CPU tensors). Outside one: :func:`choose_device`.
     """
     if dist.is_available() and dist.is_initialized():
-        if _uses_cuda(dist.get_backend()) and torch.cuda.is_available():
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
+        cuda_available = torch.cuda.is_available()
+        return group_device(str(dist.get_backend()), getattr(_default_group(), "bound_device_id", None),
+                            cuda_available, torch.cuda.current_device() if cuda_available else None)
     return choose_device()
+
+
+def _default_group():
+    return dist.distributed_c10d._get_default_group()
+
+
+def _group_timeout(group) -> timedelta | None:
+    # torch keeps a group's collective timeout in each of its backends' options; no public getter
+    for device_type in getattr(group, "_device_types", ()):
+        timeout = getattr(getattr(group._get_backend(device_type), "options", None), "_timeout", None)
+        if isinstance(timeout, timedelta):
+            return timeout
+    return None
+
+
+def match_default_timeout(mesh):
+    """Give every dimension group of the DeviceMesh ``mesh`` the default group's collective timeout;
+    return ``mesh``.
+
+    ``init_device_mesh`` creates its sub-groups with torch's default timeout (30 min on gloo, 10 on
+    NCCL), not the one :func:`init_process_group` gave the default group (``timeout_s``), so a stuck
+    expert all-to-all or HSDP all-reduce would outwait the caller's limit. Called wherever muonlab
+    builds a mesh (``build_mesh``, ``build_ep_mesh``, ``apply_ep``). A group whose timeout torch
+    does not expose (a backend other than gloo or NCCL) is left as it is, and so is every group when
+    the default group's is not exposed.
+    """
+    timeout = _group_timeout(_default_group())
+    if timeout is None:
+        return mesh
+    for dim in range(mesh.ndim):
+        group = mesh.get_group(dim)
+        current = _group_timeout(group)
+        if current is not None and current != timeout:
+            dist.distributed_c10d._set_pg_timeout(timeout, group)
+    return mesh
 
 
 def wait_for(device: torch.device) -> None:

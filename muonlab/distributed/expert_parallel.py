@@ -41,31 +41,34 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.nn.functional import all_to_all_single as _all_to_all_autograd
+from torch.distributed.tensor import DTensor
 
 from muonlab.models.gpt import MoE
 
+from .device import match_default_timeout
 from .mesh import MeshAxis, _check_size, _default_device_type
 
-__all__ = ["AllToAllDispatcher", "apply_ep", "build_ep_mesh"]
+__all__ = ["AllToAllDispatcher", "apply_ep", "build_ep_mesh", "check_ep"]
 
 
 def build_ep_mesh(ep: int, fsdp: int | None = None, *, device_type: str | None = None) -> DeviceMesh:
     """A 2-D mesh of shape ``(fsdp, ep)``, axes ``(MeshAxis.FSDP, MeshAxis.EP)``, over all ranks.
 
-    ``fsdp`` defaults to ``world_size // ep``. EP groups are ``ep`` consecutive ranks (see the
-    module docstring). Every rank must call this with the same arguments.
+    ``ep`` is required; ``fsdp`` defaults to ``world_size // ep``. EP groups are ``ep`` consecutive
+    ranks (see the module docstring). Every rank must call this with the same arguments; the mesh's
+    groups get the default group's collective timeout.
 
     Raises:
-        ValueError: sizes that are not positive ints, ``ep`` not dividing the world size, or
-            ``ep * fsdp`` different from the world size.
+        ValueError: sizes that are not whole numbers >= 1 (ints or numpy ints; ``ep=None`` included),
+            ``ep`` not dividing the world size, or ``ep * fsdp`` different from the world size.
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("build_ep_mesh needs an initialised default process group (see launch())")
     world_size = dist.get_world_size()
-    _check_size("ep", ep)  # the keyword names, for the error message
-    _check_size("fsdp", fsdp)
+    ep = _check_size("ep", ep)  # the keyword names, for the error message
+    fsdp = None if fsdp is None else _check_size("fsdp", fsdp)
     if fsdp is None:
         if world_size % ep:
             raise ValueError(f"ep={ep} does not divide the world size {world_size}")
@@ -76,7 +79,9 @@ def build_ep_mesh(ep: int, fsdp: int | None = None, *, device_type: str | None =
         )
     if device_type is None:
         device_type = _default_device_type()
-    return init_device_mesh(device_type, (fsdp, ep), mesh_dim_names=(MeshAxis.FSDP.value, MeshAxis.EP.value))
+    return match_default_timeout(
+        init_device_mesh(device_type, (fsdp, ep), mesh_dim_names=(MeshAxis.FSDP.value, MeshAxis.EP.value))
+    )
 
 
 class AllToAllDispatcher:
@@ -132,13 +137,71 @@ def differentiable_all_to_all(output, input, output_split_sizes, input_split_siz
 
 
 def _moe_layers(model: nn.Module, block_attr: str) -> list[MoE]:
+    """Each MoE under ``model.<block_attr>`` once, in block order: a MoE shared by two blocks must be
+    sliced and sharded once, not twice."""
     blocks = getattr(model, block_attr, None)
     if not isinstance(blocks, nn.ModuleList):
         raise TypeError(
             f"apply_ep expects model.{block_attr} to be an nn.ModuleList, got "
             f"{type(blocks).__name__} on {type(model).__name__}"
         )
-    return [m for block in blocks for m in block.modules() if isinstance(m, MoE)]
+    unique = {id(m): m for block in blocks for m in block.modules() if isinstance(m, MoE)}
+    return list(unique.values())
+
+
+EP_MARKS = ("_ep_rank", "_ep_size", "_num_global_experts", "_global_experts")
+"""The attributes apply_ep sets on the expert banks it places (see the module docstring)."""
+
+
+def check_ep(model: nn.Module, mesh: DeviceMesh, *, block_attr: str = "blocks") -> list[MoE]:
+    """:func:`apply_ep`'s checks, which change nothing: the MoE layers it would place, each once.
+
+    ``parallelize`` calls it too, before it moves the model to the rank's device.
+
+    Raises:
+        ValueError: the mesh lacks the "ep"/"fsdp" axes or does not cover the world; the model is
+            already parallelized (an FSDP module anywhere in it, expert banks that are DTensors or
+            carry apply_ep's ``_ep_*`` marks); no MoE layer; an MoE's ``num_experts`` not divisible
+            by ``ep``.
+        TypeError: ``model.<block_attr>`` is not an nn.ModuleList.
+    """
+    names = tuple(mesh.mesh_dim_names or ())
+    if mesh.ndim != 2 or set(names) != {MeshAxis.EP, MeshAxis.FSDP}:
+        raise ValueError(
+            f"apply_ep needs a 2-D mesh with axes ('{MeshAxis.FSDP}', '{MeshAxis.EP}') (build_ep_mesh), "
+            f"got axes {list(names)} with shape {tuple(mesh.shape)}"
+        )
+    world_size = dist.get_world_size()
+    if mesh.size() != world_size:
+        raise ValueError(f"the mesh has {mesh.size()} ranks but the world has {world_size}")
+    ep = mesh.size(names.index(MeshAxis.EP))
+    moes = _moe_layers(model, block_attr)
+    if not moes:  # it would silently be FSDP over the world
+        raise ValueError(f"apply_ep found no muonlab MoE layer under model.{block_attr} of {type(model).__name__}: "
+                         "nothing to spread over the 'ep' axis (a dense model takes mode 'fsdp')")
+    # Slicing banks that are already local experts (or FSDP shards) would keep the wrong rows, and
+    # torch's own "applied once" error comes only after the banks are replaced.
+    for i, moe in enumerate(moes):
+        for name in ("w_in", "w_out"):
+            bank = getattr(moe, name)
+            if any(hasattr(bank, mark) for mark in EP_MARKS):
+                raise ValueError(f"MoE layer {i}'s {name} already holds this rank's experts only (it carries "
+                                 f"apply_ep's _ep_* marks): apply_ep was already applied to this model; build a "
+                                 f"fresh full model to place the experts again")
+            if isinstance(bank, DTensor):
+                raise ValueError(f"MoE layer {i}'s {name} is already a DTensor (placements {list(bank.placements)}): "
+                                 f"apply_ep needs the full, unsharded model; apply it instead of apply_fsdp, "
+                                 f"not after it")
+    sharded = next((n or "the model itself" for n, m in model.named_modules() if isinstance(m, FSDPModule)), None)
+    if sharded is not None:
+        raise ValueError(f"{type(model).__name__} is already FSDP-sharded ({sharded!r} is an FSDP module): apply_ep "
+                         f"needs the full, unsharded model; apply it instead of apply_fsdp, not after it")
+    for i, moe in enumerate(moes):
+        if moe.num_experts % ep:
+            raise ValueError(
+                f"num_experts={moe.num_experts} (MoE layer {i}) is not divisible by ep={ep}"
+            )
+    return moes
 
 
 def apply_ep(
@@ -157,35 +220,25 @@ def apply_ep(
     factor = world size), the rest of the block over the whole world; finally the root
     (embeddings, final norm, head) over the whole world. Feed each rank its own slice of the batch.
 
+    An MoE module shared by several blocks is placed once.
+
     Raises:
-        ValueError: the mesh lacks the "ep"/"fsdp" axes or does not cover the world, or an MoE's
-            ``num_experts`` is not divisible by ``ep`` (raised before anything changes).
+        ValueError: (:func:`check_ep`, raised before anything changes) the mesh lacks the "ep"/"fsdp"
+            axes or does not cover the world, the model is already parallelized (a second apply_ep,
+            or apply_ep after apply_fsdp/parallelize), or an MoE's ``num_experts`` is not divisible
+            by ``ep``.
     """
-    names = tuple(mesh.mesh_dim_names or ())
-    if mesh.ndim != 2 or set(names) != {MeshAxis.EP, MeshAxis.FSDP}:
-        raise ValueError(
-            f"apply_ep needs a 2-D mesh with axes ('{MeshAxis.FSDP}', '{MeshAxis.EP}') (build_ep_mesh), "
-            f"got axes {list(names)} with shape {tuple(mesh.shape)}"
-        )
+    moes = check_ep(model, mesh, block_attr=block_attr)
     world_size = dist.get_world_size()
-    if mesh.size() != world_size:
-        raise ValueError(f"the mesh has {mesh.size()} ranks but the world has {world_size}")
-    ep = mesh.size(names.index(MeshAxis.EP))
-    moes = _moe_layers(model, block_attr)
-    if not moes:  # it would silently be FSDP over the world
-        raise ValueError(f"apply_ep found no muonlab MoE layer under model.{block_attr} of {type(model).__name__}: "
-                         "nothing to spread over the 'ep' axis (a dense model takes mode 'fsdp')")
-    for i, moe in enumerate(moes):
-        if moe.num_experts % ep:
-            raise ValueError(
-                f"num_experts={moe.num_experts} (MoE layer {i}) is not divisible by ep={ep}"
-            )
+    ep = mesh.size(mesh.mesh_dim_names.index(MeshAxis.EP))
 
     ep_rank = mesh.get_local_rank(MeshAxis.EP)
     ep_group = mesh.get_group(MeshAxis.EP)
     fsdp_mesh = mesh[MeshAxis.FSDP]
     # The whole world as a 1-D mesh (the default group) for the dense parameters.
-    world_mesh = init_device_mesh(mesh.device_type, (world_size,), mesh_dim_names=(MeshAxis.DP.value,))
+    world_mesh = match_default_timeout(
+        init_device_mesh(mesh.device_type, (world_size,), mesh_dim_names=(MeshAxis.DP.value,))
+    )
 
     for moe in moes:
         num_local = moe.num_experts // ep
@@ -204,8 +257,10 @@ def apply_ep(
     fsdp_group = fsdp_mesh.get_group()
     force_sum = fsdp_mesh.size() > 1 and dist.get_backend(fsdp_group) == "gloo"
     blocks = getattr(model, block_attr)
+    placed = set()  # a MoE shared by several blocks is one FSDP unit, sharded and marked once
     for block in blocks:
-        for moe in (m for m in block.modules() if isinstance(m, MoE)):
+        for moe in (m for m in block.modules() if isinstance(m, MoE) and id(m) not in placed):
+            placed.add(id(moe))
             # The router first, so the MoE's own unit holds only the expert banks.
             fully_shard(moe.router, mesh=world_mesh, **options)
             fully_shard(moe, mesh=fsdp_mesh, **options)

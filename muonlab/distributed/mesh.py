@@ -15,7 +15,8 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from .device import rank_device
+from ..optim.validation import whole_number
+from .device import match_default_timeout, rank_device
 
 __all__ = ["MeshAxis", "build_mesh", "mesh_axis_group"]
 
@@ -46,13 +47,21 @@ class MeshAxis(str, Enum):
 
 
 def _default_device_type() -> str:
-    # A gloo group on a GPU machine still wants CPU tensors: the device rule reads the backend.
+    # The rank's own device: a gloo group started for CPU workers on a GPU machine wants CPU tensors.
     return rank_device().type
 
 
-def _check_size(name: str, value: int | None) -> None:
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
+def _check_size(name: str, value) -> int:
+    """``value`` as a plain int (torch's mesh shapes want one), or a ValueError naming ``name`` unless
+    it is a whole number >= 1.
+
+    The rule of the callers' own checks (``check_whole``/``whole_number``: numpy ints accepted, bools,
+    floats and None not), so a size that ``train_worker`` accepted is accepted here too.
+    """
+    number = whole_number(value)
+    if number is None or number < 1:
+        raise ValueError(f"{name} must be a positive int (a whole number >= 1), got {value!r}")
+    return number  # whole_number converted it with operator.index
 
 
 def build_mesh(
@@ -69,19 +78,21 @@ def build_mesh(
     ranks that differ only in their shard coordinate are consecutive. ``shard`` defaults to
     ``world_size // replicate``.
 
-    ``device_type``: default "cuda" when CUDA is available and the default group uses NCCL,
-    else "cpu". Every rank must call this with the same arguments (it creates process groups).
+    ``device_type``: default this rank's device type (:func:`muonlab.distributed.device.rank_device`:
+    "cuda" for a CUDA rank, else "cpu"). Every rank must call this with the same arguments (it
+    creates process groups); the mesh's groups get the default group's collective timeout.
 
     Raises:
-        ValueError: sizes that are not positive ints, ``dp`` together with ``replicate``/``shard``,
-            or sizes whose product is not the world size.
+        ValueError: sizes that are not whole numbers >= 1 (ints or numpy ints), ``dp`` together with
+            ``replicate``/``shard``, or sizes whose product is not the world size.
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("build_mesh needs an initialised default process group (see launch())")
     world_size = dist.get_world_size()
-    # the keyword names, for the error message
-    for name, value in (("dp", dp), ("replicate", replicate), ("shard", shard)):
-        _check_size(name, value)
+    # dp and shard may be left out (None); the keyword names go into the error message
+    dp = None if dp is None else _check_size("dp", dp)
+    replicate = _check_size("replicate", replicate)
+    shard = None if shard is None else _check_size("shard", shard)
     if device_type is None:
         device_type = _default_device_type()
 
@@ -89,7 +100,7 @@ def build_mesh(
         num_dp = world_size if dp is None else dp
         if num_dp != world_size:
             raise ValueError(f"dp={num_dp} must equal the world size {world_size}")
-        return init_device_mesh(device_type, (num_dp,), mesh_dim_names=(MeshAxis.DP.value,))
+        return match_default_timeout(init_device_mesh(device_type, (num_dp,), mesh_dim_names=(MeshAxis.DP.value,)))
 
     if dp is not None:
         raise ValueError(
@@ -108,9 +119,9 @@ def build_mesh(
             f"replicate={replicate} x shard={shard} = {replicate * shard} must equal the world "
             f"size {world_size}"
         )
-    return init_device_mesh(
+    return match_default_timeout(init_device_mesh(
         device_type, (replicate, shard), mesh_dim_names=(MeshAxis.REPLICATE.value, MeshAxis.SHARD.value)
-    )
+    ))
 
 
 def mesh_axis_group(mesh: DeviceMesh, axis_name: MeshAxis | str) -> ProcessGroup:

@@ -18,11 +18,11 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from .device import collective_device, to_rank_device
-from .expert_parallel import apply_ep, build_ep_mesh
+from .expert_parallel import apply_ep, build_ep_mesh, check_ep
 from .mesh import build_mesh
 
 __all__ = ["MODES", "Parallelized", "apply_ddp", "apply_fsdp", "parallelize"]
@@ -51,13 +51,8 @@ def apply_fsdp(
     if mp_policy is not None:
         options["mp_policy"] = mp_policy
     if block_attr is not None:
-        blocks = getattr(model, block_attr, None)
-        if not isinstance(blocks, nn.ModuleList):
-            raise TypeError(
-                f"apply_fsdp expects model.{block_attr} to be an nn.ModuleList, got "
-                f"{type(blocks).__name__} on {type(model).__name__}"
-            )
-        for block in blocks:
+        _check_blocks(model, block_attr, "apply_fsdp")
+        for block in getattr(model, block_attr):
             fully_shard(block, **options)
     fully_shard(model, **options)
     return model
@@ -111,14 +106,36 @@ class Parallelized(NamedTuple):
     """The mesh the model lives on (None for "ddp" over the default group)."""
 
 
+def _check_not_parallelized(model: nn.Module, mode: str) -> None:
+    """Refuse a model that a wrapper already holds: DDP over DDP (or over FSDP) would nest two
+    gradient synchronisations, and FSDP/EP over either would shard or slice what is already
+    distributed."""
+    if isinstance(model, DistributedDataParallel):
+        raise ValueError(f"parallelize(mode {mode!r}) got a model that is already wrapped in DistributedDataParallel; "
+                         f"pass the full model (its .module, or a fresh one), parallelized once")
+    sharded = next((n or "the model itself" for n, m in model.named_modules() if isinstance(m, FSDPModule)), None)
+    if sharded is not None:
+        raise ValueError(f"parallelize(mode {mode!r}) got a model that is already FSDP-sharded ({sharded!r} is an "
+                         f"FSDP module); pass the full model, parallelized once")
+
+
+def _check_blocks(model: nn.Module, block_attr: str, who: str) -> None:
+    blocks = getattr(model, block_attr, None)
+    if not isinstance(blocks, nn.ModuleList):
+        raise TypeError(
+            f"{who} expects model.{block_attr} to be an nn.ModuleList, got "
+            f"{type(blocks).__name__} on {type(model).__name__}"
+        )
+
+
 def parallelize(
     model: nn.Module,
     mode: str,
     mesh: DeviceMesh | None = None,
     *,
     ep: int | None = None,
-    block_attr: str = "blocks",
-    reshard_after_forward: bool = True,
+    block_attr: str | None = None,
+    reshard_after_forward: bool | None = None,
     mp_policy: MixedPrecisionPolicy | None = None,
 ) -> Parallelized:
     """Apply the parallelism ``mode`` to ``model`` in place; the one place the apply_* meet.
@@ -132,16 +149,22 @@ def parallelize(
     * "ep": :func:`apply_ep` on a (``MeshAxis.FSDP``, ``MeshAxis.EP``) mesh, default
       ``build_ep_mesh(ep)``; ``model`` must be the MoE GPT, built from the same seed on every rank.
 
-    A model on the CPU is first moved to this rank's device (``cuda:LOCAL_RANK`` under NCCL; see
-    :func:`muonlab.distributed.device.to_rank_device`), before any wrapper sees it.
+    Every argument is checked first (the default mesh is built then, which checks ``ep``); only
+    then is a model on the CPU moved to this rank's device (``cuda:LOCAL_RANK`` for a CUDA rank;
+    see :func:`muonlab.distributed.device.to_rank_device`), before any wrapper sees it.
 
-    ``ep`` is read in "ep" mode only, to build the default mesh; ``block_attr`` and
-    ``reshard_after_forward`` go to apply_fsdp/apply_ep, ``mp_policy`` to apply_fsdp only. Every
-    rank must call this with the same arguments (it may create process groups).
+    ``ep`` is read in "ep" mode only, to build the default mesh; ``block_attr`` (default "blocks")
+    and ``reshard_after_forward`` (default True) go to apply_fsdp/apply_ep, so None, "not given",
+    is all "ddp" takes; ``mp_policy`` goes to apply_fsdp only. (To shard only the root, call
+    ``apply_fsdp(model, mesh, block_attr=None)`` directly.) Every rank must call this with the same
+    arguments (it may create process groups).
 
     Raises:
-        ValueError: an unknown mode, an option the mode does not read, or a mesh of the wrong
-            dimension for the mode (apply_ddp and apply_ep check theirs too), each naming the value.
+        ValueError: an unknown mode, an option the mode does not read, a model that is already
+            parallelized (wrapped in DDP, or FSDP-sharded anywhere, e.g. by a previous call), or a
+            mesh of the wrong dimension for the mode (apply_ddp and apply_ep check theirs too), each
+            naming the value.
+        TypeError: ``model.<block_attr>`` is not an nn.ModuleList ("fsdp", "hsdp", "ep").
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -149,8 +172,17 @@ def parallelize(
         raise ValueError(f"ep is read in 'ep' mode only, got ep={ep!r} with mode {mode!r}")
     if mp_policy is not None and mode not in ("fsdp", "hsdp"):
         raise ValueError(f"mp_policy is read in 'fsdp' and 'hsdp' modes only, got mode {mode!r}")
-    model = to_rank_device(model)
+    if mode == "ddp":
+        for name, value in (("block_attr", block_attr), ("reshard_after_forward", reshard_after_forward)):
+            if value is not None:
+                raise ValueError(f"{name} is read in 'fsdp', 'hsdp' and 'ep' modes only, got {name}={value!r} "
+                                 f"with mode 'ddp'")
+    _check_not_parallelized(model, mode)
+    block_attr = "blocks" if block_attr is None else block_attr
+    reshard_after_forward = True if reshard_after_forward is None else reshard_after_forward
 
+    # The mesh (given, or the default one) is checked before the model moves: a refused call leaves
+    # the caller's model where it was.
     if mode in ("fsdp", "hsdp"):
         if mesh is None:
             if mode == "hsdp":
@@ -164,11 +196,15 @@ def parallelize(
                 f"mode {mode!r} needs a {wanted_ndim}-D mesh, got axes {list(mesh.mesh_dim_names or ())} "
                 f"with shape {tuple(mesh.shape)}"
             )
-        model = apply_fsdp(model, mesh, block_attr=block_attr, reshard_after_forward=reshard_after_forward,
-                           mp_policy=mp_policy)
+        _check_blocks(model, block_attr, "apply_fsdp")
+        model = apply_fsdp(to_rank_device(model), mesh, block_attr=block_attr,
+                           reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
         return Parallelized(model, model, mesh)
     if mode == "ddp":
-        wrapped = apply_ddp(model, mesh)
+        if mesh is not None and mesh.ndim != 1:
+            raise ValueError(f"mode 'ddp' needs a 1-D mesh or none (the default group), got axes "
+                             f"{list(mesh.mesh_dim_names or ())} with shape {tuple(mesh.shape)}")
+        wrapped = apply_ddp(to_rank_device(model), mesh)
         return Parallelized(wrapped, wrapped.module, mesh)
     if mesh is None:
         if ep is None:
@@ -177,6 +213,6 @@ def parallelize(
     elif ep is not None:
         raise ValueError(f"pass either ep or mesh in mode 'ep', not both (got ep={ep!r} and a mesh "
                          f"of shape {tuple(mesh.shape)})")
-    model = apply_ep(model, mesh, block_attr=block_attr, reshard_after_forward=reshard_after_forward)
+    check_ep(model, mesh, block_attr=block_attr)
+    model = apply_ep(to_rank_device(model), mesh, block_attr=block_attr, reshard_after_forward=reshard_after_forward)
     return Parallelized(model, model, mesh)
-

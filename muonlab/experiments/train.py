@@ -38,6 +38,8 @@ __all__ = ["COMM_DTYPES", "MODES", "plan_rows", "tensor_devices", "train_worker"
 # The parallelize() modes that need no mesh from the caller ("hsdp" does).
 MODES = ("fsdp", "ddp", "ep")
 COMM_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# Experts each token goes to in train_worker's MoE GPT (moe_config's default; not an argument).
+MOE_TOP_K = GPTConfig.top_k
 
 
 def plan_rows(plan) -> list[dict]:
@@ -95,8 +97,9 @@ def train_worker(
     ``MeshAxis.FSDP`` axis only).
 
     A ValueError naming the parameter, before any model is built: ``mode`` not in ``MODES``,
-    ``steps``, ``batch_per_rank`` (or, in "ep" mode, ``ep``, ``num_experts``) not a whole number
-    >= 1, ``seed`` not one >= 0, a dtype name not in ``COMM_DTYPES``.
+    ``steps``, ``batch_per_rank`` (or, in "ep" mode, ``ep``) not a whole number >= 1, in "ep"
+    mode ``num_experts`` not one >= 2 (each token is routed to its top 2 experts), ``seed`` not
+    one >= 0, a dtype name not in ``COMM_DTYPES``.
     """
     _check_train_args(mode, steps=steps, batch_per_rank=batch_per_rank, seed=seed, ep=ep, num_experts=num_experts,
                       dtype_names={"comm_dtype_name": comm_dtype_name, "ns_dtype_name": ns_dtype_name})
@@ -135,6 +138,9 @@ def _check_train_args(mode: str, *, steps, batch_per_rank, seed, ep, num_experts
     if mode == "ep":  # read in "ep" mode only; 0 experts would silently train the dense GPT
         check_whole("ep", ep, 1)
         check_whole("num_experts", num_experts, 1)
+        if num_experts < MOE_TOP_K:  # else GPTConfig refuses it later, naming top_k, not an argument here
+            raise ValueError(f"num_experts must be >= {MOE_TOP_K} in 'ep' mode: each token is routed to "
+                             f"top_k={MOE_TOP_K} experts (moe_config's default), got {num_experts!r}")
     for keyword, value in dtype_names.items():
         if value not in COMM_DTYPES:
             raise ValueError(f"{keyword} must be one of {sorted(COMM_DTYPES)}, got {value!r}")
