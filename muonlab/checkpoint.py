@@ -204,6 +204,8 @@ def save(
     (any picklable object, from rank 0) comes back from :func:`read_meta`.
     """
     path = os.fspath(path)
+    if os.path.lexists(path) and not os.path.isdir(path):  # DCP's own error is buried in a BaseException
+        raise FileExistsError(f"checkpoint path {path!r} is an existing file, not a folder: save writes a folder")
     # the small part first, on every rank: a bad step, scheduler or extra raises before any byte
     # is written (over an older checkpoint, its tensors would otherwise sit beside the old step)
     meta = io.BytesIO()
@@ -239,6 +241,8 @@ def _step_count(step) -> int:
     count = whole_number(step)
     if count is None:
         raise TypeError(f"step must be an int (the training step saved with the checkpoint), got {step!r}")
+    if count < 0:  # resumed training would run range(step, steps)
+        raise ValueError(f"step must be >= 0 (the training steps done before this checkpoint), got {step!r}")
     return count
 
 

@@ -214,7 +214,7 @@ def simulate(
     return reference_plan(strategy, specs, configs, comm_itemsize=itemsize)
 
 
-def lower_bound_bytes(plan: Plan, comm_itemsize: int = 2) -> int:
+def lower_bound_bytes(plan: Plan, comm_itemsize: int | None = None) -> int:
     """The fewest bytes any plan moves for these matrices. A sharded matrix is gathered to one
     rank and scattered back: at best to the rank holding its largest shard, 2 (1 - largest/rows)
     of its bytes (2 (W-1)/W for even shards; less where trailing ranks hold empty shards); or,
@@ -222,7 +222,10 @@ def lower_bound_bytes(plan: Plan, comm_itemsize: int = 2) -> int:
     holding it, each orthogonalizing it, nothing sent back: h - 1 of its bytes
     (``_least_moved_share``). Replicated ones: one all-gather of the updates, (W-1)/W of their
     bytes on each rank. Matrices already whole on a rank (experts in a bank) and on a one-rank
-    group count nothing: a plan that moves them (for balance) moves more than the bound."""
+    group count nothing: a plan that moves them (for balance) moves more than the bound.
+    ``comm_itemsize``: bytes per element on the wire; None: each batch's own (the comm dtype its
+    byte counts were made with, ``BatchPlan.comm_itemsize``), so a plan at the bound scores 1.0
+    whatever its comm dtype."""
     total = 0.0
     for b in plan:
         if b.group is None or b.group.size == 1 or b.sources:  # sources: whole matrices, in place
@@ -230,7 +233,7 @@ def lower_bound_bytes(plan: Plan, comm_itemsize: int = 2) -> int:
         W = b.group.size
         copies = len(b.group.mesh_ranks) // W  # an axis of a bigger mesh repeats per slice
         for shape in b.param_shapes:
-            nbytes = comm_itemsize
+            nbytes = b.comm_itemsize if comm_itemsize is None else comm_itemsize
             for d in shape:
                 nbytes *= d
             if b.path == "owner":
@@ -257,10 +260,13 @@ def _least_moved_share(rows: Sequence[int], span: int) -> float:
     return moved * span / ends[-1]
 
 
-def summarize(plan: Plan, world: int, profile="h100_node", comm_itemsize: int = 2) -> dict:
+def summarize(plan: Plan, world: int, profile="h100_node", comm_itemsize: int | None = None) -> dict:
     """Totals a researcher compares across strategies: bytes vs bound, balance, modelled time.
-    ``world``: the plan's world size (simulate's W, or fsdp * ep)."""
+    ``world``: the plan's world size (simulate's W, or fsdp * ep; 1 for a plan of one process).
+    ``comm_itemsize``: see ``lower_bound_bytes`` (None: the plan's own)."""
     spans = max((max(b.group.mesh_ranks) + 1 for b in plan if b.group is not None), default=None)
+    if spans is None and len(plan):  # every batch on this process alone
+        spans = 1
     if isinstance(world, bool) or not isinstance(world, int) or world < 1 or spans not in (None, world):
         raise ValueError(f"summarize: world must be the plan's world size ({spans or 'an int >= 1'}), got {world!r}")
     per = per_rank(plan, world)

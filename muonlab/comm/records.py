@@ -57,6 +57,9 @@ class BatchPlan:
     (``part_range``) of the matrices that rank holds. ``param_shapes``, ``sources`` and ``moves``
     then describe the part's matrices alone. None: every matrix of each parameter."""
     notes: str = ""
+    comm_itemsize: int = 2
+    """Bytes per element on the wire (the comm dtype's itemsize) that ``bytes_sent``/``bytes_recv``
+    count: the lower bound of ``muonlab.simulate`` is counted at the same size."""
 
     @property
     def param_numels(self) -> tuple[int, ...]:

@@ -63,11 +63,19 @@ def report_progress(*, step: int, loss: Any = None, total: int | None = None) ->
         raise ValueError(f"report_progress: step must be an int >= 0, got {step!r}")
     if total is not None and (isinstance(total, bool) or not isinstance(total, int) or total < 0):
         raise ValueError(f"report_progress: total must be None or an int >= 0, got {total!r}")
+    value = None if loss is None else _loss_value(loss)  # checked in or out of a launch alike
     if _sink is None:
         return
-    value = None if loss is None else float(loss)
     record = {"rank": _sink_rank, "step": step, "loss": value, "total": total, "time": time.time()}
     _sink.write(json.dumps(record) + "\n")
+
+
+def _loss_value(loss: Any) -> float:
+    try:
+        return float(loss)
+    except (TypeError, ValueError, RuntimeError):  # a str, a tensor of several elements, ...
+        raise ValueError(f"report_progress: loss must be None, a number or a one-element tensor, got "
+                         f"{loss!r}") from None
 
 
 # ---------------------------------------------------------------------------------- folding

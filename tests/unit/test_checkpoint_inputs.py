@@ -49,6 +49,7 @@ def _same(a, b):
     (None, None, TypeError),
     ("x", None, TypeError),
     (7, lambda: None, Exception),  # a lambda can't be pickled
+    (-5, None, ValueError),  # resumed training would run range(-5, steps)
 ])
 def test_a_refused_save_leaves_the_older_checkpoint_whole(tmp_path, step, extra, error):
     path = tmp_path / "ckpt"
@@ -151,6 +152,27 @@ def test_summarize_wants_the_plans_world():
     for world in (2, 8, 0, -1, 4.0):
         with pytest.raises(ValueError, match=r"world must be the plan's world size \(4\)"):
             summarize(plan, world)
+    alone = simulate([("w", (64, 32))], 1)  # every batch on one process: its world is 1
+    assert summarize(alone, 1)["flop_imbalance"] == 1.0
+    with pytest.raises(ValueError, match=r"world must be the plan's world size \(1\)"):
+        summarize(alone, 8)
+
+
+def test_the_bound_counts_the_plans_own_wire_dtype():
+    shapes = [(f"w{i}", (64, 32)) for i in range(8)]
+    for dtype in (torch.bfloat16, torch.float32):
+        s = summarize(simulate(shapes, 4, comm_dtype=dtype), 4)
+        assert s["bytes_over_bound"] == 1.0, (dtype, s)
+        assert s["bound_bytes"] == 8 * 2 * (3 / 4) * 64 * 32 * dtype.itemsize, (dtype, s)
+
+
+def test_save_refuses_a_path_that_is_an_existing_file(tmp_path):
+    path = tmp_path / "not_a_folder"
+    path.write_text("x")
+    model, opt = _build()
+    with pytest.raises(FileExistsError, match="is an existing file"):
+        checkpoint.save(path, model, opt, step=1)
+    assert path.read_text() == "x"
 
 
 def test_the_count_of_skipped_steps_survives_a_checkpoint(tmp_path):

@@ -56,6 +56,11 @@ def test_report_progress_is_a_no_op_outside_a_launch_and_checks_its_arguments(tm
         report_progress(step=-1)
     with pytest.raises(ValueError, match="total"):
         report_progress(step=1, total=2.5)
+    import torch
+
+    for bad in ("abc", torch.ones(2)):  # refused here as inside a launch, where float() killed the worker
+        with pytest.raises(ValueError, match="loss must be None, a number or a one-element tensor"):
+            report_progress(step=1, loss=bad)
     path = tmp_path / "progress.jsonl"
     progress._open_stream(str(path), rank=3)
     try:

@@ -58,5 +58,5 @@ def reference_plan(strategy: str, specs: Sequence[MatrixSpec], configs: Sequence
                 param_indices=tuple(specs[i].index for i in chunk), matrix_shape=(A, B), num_matrices=k,
                 group=group, ns_config=cfg, ranks=tuple(range(W)), owners=tuple(range(k)),
                 bytes_sent=tuple(sent), bytes_recv=tuple(sent), flops=tuple(flops), rows=specs[chunk[0]].rows,
-                param_shapes=tuple(specs[i].shape for i in chunk), notes=notes))
+                param_shapes=tuple(specs[i].shape for i in chunk), notes=notes, comm_itemsize=comm_itemsize))
     return Plan(tuple(batches))

@@ -82,7 +82,7 @@ class RulePlanner:
             else sum(math.prod(s[:-2]) for s in shapes), group=group, ns_config=self.configs[idx[0]],
             ranks=tuple(ranks), owners=tuple(owners), bytes_sent=tuple(sent), bytes_recv=tuple(recv),
             flops=tuple(flops), rows=first.rows, param_shapes=shapes,
-            shard_dim=first.shard_dim, notes=notes, **extra)
+            shard_dim=first.shard_dim, notes=notes, comm_itemsize=self.itemsize, **extra)
 
     def part_members(self, i: int, part: tuple[int, int] | None) -> list[int]:
         """Matrices of parameter i (indices into ``sources_of(i)``) in ``part`` (None: all): on
