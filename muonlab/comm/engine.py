@@ -189,6 +189,7 @@ def execute_plan(
     counter: CommCounter,
     gate: Callable[[], bool] | None = None,
     overlap: Callable[[], None] | None = None,
+    device: torch.device | None = None,
 ) -> bool:
     """Run every batch of ``plan`` on this rank, recording its spans and communication time in
     ``tracer`` (read them with ``phase_seconds(tracer)``; the callbacks time themselves). Returns
@@ -202,12 +203,13 @@ def execute_plan(
     ``gate()``: called once, after batch 0's Newton-Schulz (see the module's docstring); False
     (or an exception, re-raised) stops the step once the collectives in flight have completed.
     ``overlap()``: called once, behind the first batches' way out, before ``gate``.
+    ``device``: where this rank's tensors live (``PathContext.device``).
     """
     runs = []
     for i, batch in enumerate(plan):
         pg, group_rank = groups[batch.group]
-        runs.append(BatchRun(i, batch, PathContext(pg, group_rank, wire_dtype), prepare=prepare, apply=apply,
-                             orthogonalize=orthogonalize, tracer=tracer, counter=counter))
+        runs.append(BatchRun(i, batch, PathContext(pg, group_rank, wire_dtype, device), prepare=prepare,
+                             apply=apply, orthogonalize=orthogonalize, tracer=tracer, counter=counter))
     if not runs:
         if overlap is not None:
             overlap()

@@ -1209,7 +1209,7 @@ class Muon(Optimizer):
         return execute_plan(
             plan, groups, prepare=prepare, apply=apply, orthogonalize=self._ns_runner(),
             wire_dtype=self.comm_dtype, tracer=self._tracer, counter=counter,
-            gate=commit if gate is not None else None, overlap=overlap,
+            gate=commit if gate is not None else None, overlap=overlap, device=self._device(),
         )
 
     def _device(self) -> torch.device:

@@ -40,6 +40,9 @@ class PathContext:
     """This rank's index in that group."""
     wire_dtype: torch.dtype
     """Dtype of matrices on the wire."""
+    device: torch.device | None = None
+    """Where this rank's tensors live (a rank holding no input of a batch makes its empty buffers
+    there: a CPU tensor can't join an NCCL collective); None: the CPU."""
 
 
 @dataclass(frozen=True, kw_only=True)

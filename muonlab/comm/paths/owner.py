@@ -29,7 +29,9 @@ def run(batch, inputs, ctx):
     sizes = [0] * len(batch.bytes_sent)
     for o, n in zip(batch.owners, batch.param_numels):
         sizes[o] += n
-    send = torch.empty(0, dtype=ctx.wire_dtype) if ortho is None else ortho.to(ctx.wire_dtype).reshape(-1)
+    # a rank that owns nothing has no input to take a device from: the context says where
+    send = (torch.empty(0, dtype=ctx.wire_dtype, device=ctx.device) if ortho is None
+            else ortho.to(ctx.wire_dtype).reshape(-1))
     gathered = yield all_gather(send, sizes, group=ctx.group, group_rank=me)
     segments = list(gathered.split(sizes))
     offsets = [0] * len(segments)

@@ -57,6 +57,9 @@ def run(batch, inputs, ctx):
                                 _splits(outgoing, size, numel, to_owner), group=ctx.group, group_rank=me)
     returned = returned.view(-1, *shape)
     from_owner = {(pos, j): returned[k] for k, (pos, j, _, _) in enumerate(outgoing)}
+    # one dtype for all of a rank's results, the Newton-Schulz output's where it ran any: cast to the
+    # first result's, a kept matrix was rounded to the wire dtype whenever a neighbour had moved
+    out_dtype = ortho.dtype if ortho is not None else wire
     out, num_kept = [], 0
     for pos, (x, js) in enumerate(zip(inputs, held)):
         result = []
@@ -66,7 +69,7 @@ def run(batch, inputs, ctx):
             else:
                 result.append(ortho[num_kept])
                 num_kept += 1
-        out.append(_stack(result, result[0].dtype).view(x.shape) if result else x.new_zeros(x.shape))
+        out.append(_stack(result, out_dtype).view(x.shape) if result else x.new_zeros(x.shape))
     return out
 
 

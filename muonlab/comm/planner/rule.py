@@ -116,11 +116,13 @@ class RulePlanner:
     # ------------------------------------------------------------------ layouts
 
     def _by_layout(self):
-        """Buckets of same group, layout, matrix shape, dtype and config, in first-seen order.
-        Sub-group banks and fallbacks become batches now; the rest is returned by layout, per group."""
+        """Buckets of same group, layout, matrix shape, dtype and config (and for sub-group banks,
+        expert count: it sets the sub-groups' size), in first-seen order. Sub-group banks and
+        fallbacks become batches now; the rest is returned by layout, per group."""
         buckets: dict[tuple, list[int]] = {}
         for i, (spec, cfg) in enumerate(zip(self.specs, self.configs)):
-            buckets.setdefault((spec.group, spec.layout, spec.matrix_shape, spec.dtype, cfg), []).append(i)
+            experts = spec.num_fused if spec.layout == "subgroup" else None  # banks of 2 and 3 experts can't share
+            buckets.setdefault((spec.group, spec.layout, spec.matrix_shape, spec.dtype, cfg, experts), []).append(i)
         row_sharded: dict[GroupKey, list[int]] = {}
         whole: dict[GroupKey | None, list[list[tuple]]] = {}
         replicated: dict[GroupKey, list[int]] = {}
