@@ -153,6 +153,12 @@ EP_MARKS = ("_ep_rank", "_ep_size", "_num_global_experts", "_global_experts")
 """The attributes apply_ep sets on the expert banks it places (see the module docstring)."""
 
 
+def fsdp_module_in(model: nn.Module) -> str | None:
+    """The name of the first FSDP2-sharded module of ``model`` ("the model itself" for the root),
+    None if none is: a model apply_ep or parallelize must not shard again."""
+    return next((n or "the model itself" for n, m in model.named_modules() if isinstance(m, FSDPModule)), None)
+
+
 def check_ep(model: nn.Module, mesh: DeviceMesh, *, block_attr: str = "blocks") -> list[MoE]:
     """:func:`apply_ep`'s checks, which change nothing: the MoE layers it would place, each once.
 
@@ -192,7 +198,7 @@ def check_ep(model: nn.Module, mesh: DeviceMesh, *, block_attr: str = "blocks") 
                 raise ValueError(f"MoE layer {i}'s {name} is already a DTensor (placements {list(bank.placements)}): "
                                  f"apply_ep needs the full, unsharded model; apply it instead of apply_fsdp, "
                                  f"not after it")
-    sharded = next((n or "the model itself" for n, m in model.named_modules() if isinstance(m, FSDPModule)), None)
+    sharded = fsdp_module_in(model)
     if sharded is not None:
         raise ValueError(f"{type(model).__name__} is already FSDP-sharded ({sharded!r} is an FSDP module): apply_ep "
                          f"needs the full, unsharded model; apply it instead of apply_fsdp, not after it")

@@ -69,6 +69,7 @@ from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs, S
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from ..processes import proc_stat
 from . import progress as _progress
 from .device import DEVICE_CHOICES, DEVICE_ENV, check_backend, choose_device, init_process_group
 
@@ -1020,20 +1021,10 @@ workers first (it polls every 0.1 s; it reaps the process, so its exit code can'
 _HAS_PROC = os.path.isdir("/proc/self")
 
 
-def _proc_stat(pid: int | str) -> list[str] | None:
-    """The fields of ``/proc/<pid>/stat`` from the state on (state, ppid, pgrp, ...), or None if
-    there is no such process. Only where ``_HAS_PROC``."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-
-
 def _process_gone(pid: int) -> bool:
     """The process has ended (a zombie counts as ended: it runs nothing)."""
     if _HAS_PROC:
-        fields = _proc_stat(pid)
+        fields = proc_stat(pid)
         return fields is None or fields[0] in ("Z", "X")
     try:  # no /proc here: ask the kernel (a zombie then looks alive)
         os.kill(pid, 0)
@@ -1048,7 +1039,7 @@ def _child_of_this_process(pid: int) -> bool:
     """``pid`` is a child of this process, not yet reaped (without /proc: assumed so)."""
     if not _HAS_PROC:
         return True
-    fields = _proc_stat(pid)
+    fields = proc_stat(pid)
     return fields is not None and int(fields[1]) == os.getpid()
 
 
@@ -1057,7 +1048,7 @@ def _group_running(pgid: int) -> bool:
     if not _HAS_PROC:
         return _signal_group(pgid, 0)
     for entry in os.listdir("/proc"):
-        fields = _proc_stat(entry) if entry.isdigit() else None
+        fields = proc_stat(entry) if entry.isdigit() else None
         if fields is not None and int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
             return True
     return False

@@ -18,11 +18,11 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from .device import collective_device, to_rank_device
-from .expert_parallel import apply_ep, build_ep_mesh, check_ep
+from .expert_parallel import apply_ep, build_ep_mesh, check_ep, fsdp_module_in
 from .mesh import build_mesh
 
 __all__ = ["MODES", "Parallelized", "apply_ddp", "apply_fsdp", "parallelize"]
@@ -113,7 +113,7 @@ def _check_not_parallelized(model: nn.Module, mode: str) -> None:
     if isinstance(model, DistributedDataParallel):
         raise ValueError(f"parallelize(mode {mode!r}) got a model that is already wrapped in DistributedDataParallel; "
                          f"pass the full model (its .module, or a fresh one), parallelized once")
-    sharded = next((n or "the model itself" for n, m in model.named_modules() if isinstance(m, FSDPModule)), None)
+    sharded = fsdp_module_in(model)
     if sharded is not None:
         raise ValueError(f"parallelize(mode {mode!r}) got a model that is already FSDP-sharded ({sharded!r} is an "
                          f"FSDP module); pass the full model, parallelized once")

@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from ..comm.specs import local_shard
+from ..processes import start_time
 
 OFFLOAD_PLACES = (None, "cpu", "disk")
 MAGIC = b"MUONLAB-OFFLOAD\x01"
@@ -261,7 +262,7 @@ class DiskStore(_OffloadedStore):
             except OSError as e:
                 raise OffloadError(e.errno, f"offload_dir {self.dir!r} is not writable ({e.strerror})") from None
             with os.fdopen(fd, "w") as f:
-                f.write(f"{os.getpid()} {_start_time(os.getpid())}")
+                f.write(f"{os.getpid()} {start_time(os.getpid())}")
             _HELD_LOCKS.add(os.path.realpath(self.lock_path))
             return
         raise OffloadError(errno.EBUSY, f"could not take the lock {self.lock_path!r}")
@@ -355,23 +356,13 @@ def _lock_owner(lock_path: str) -> tuple[int, str] | None:
         return None
 
 
-def _start_time(pid: int) -> str:
-    """When process ``pid`` started (Linux: field 22 of /proc/<pid>/stat, in clock ticks since
-    boot), "" where unknown: with the pid it names one process, as pids are reused."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[19]  # fields from the 3rd on, after the name
-    except (OSError, IndexError):
-        return ""
-
-
 def _held_by_a_live_run(owner: tuple[int, str], lock_path: str) -> bool:
     pid, start = owner
     if pid == os.getpid():
         return os.path.realpath(lock_path) in _HELD_LOCKS
     if not _alive(pid):
         return False
-    now = _start_time(pid)
+    now = start_time(pid)
     return not (start and now) or start == now  # unknown start times: the pid alone decides
 
 
