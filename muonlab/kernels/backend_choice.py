@@ -57,11 +57,11 @@ def cache_file(device: torch.device) -> Path:
 
 
 def _key(batch_shape, dtype, cfg) -> str:
-    from .newton_schulz import form_for, fp32_matmul_precision
+    from .newton_schulz import form_for, fp32_matmul_precision, gram_work_dtype
 
     form = form_for(cfg, batch_shape[-2:])
     if form == "gram":
-        form += f"{cfg.gram_restarts}"
+        form += f"{cfg.restarts_in(gram_work_dtype(cfg, dtype, None))}"
     key = f"{tuple(batch_shape)}|{dtype}|{cfg.resolved_coefficients()}|{form}"
     if dtype == torch.float32:  # TF32 or IEEE products, in torch and in the Triton kernels alike
         # Read through the helper (the legacy getter raises once torch's newer API is used), but

@@ -14,6 +14,14 @@ Two algebraically equal forms are offered:
   X_K = Q_K X_0), so for n >> m most of the 4 m^2 n per step disappears. In low precision R drifts
   from Q R_0 Q^T, so the iteration restarts (X = Q X_0, R = X X^T afresh) after the steps listed in
   ``gram_restarts`` (the restart idea is from Dao-AILab's gram-newton-schulz).
+  The gram form never iterates in bf16: rounding R = X X^T to bf16's 8 bits gives it spurious
+  negative eigenvalues (about -4e-3 of the top one) where X has none, and the iteration maps a
+  negative eigenvalue lambda to Z(lambda)^2 lambda, growing it by a^2 (16-67) per step: near-low-rank
+  inputs (what momentum often is) came out with top singular values of 2 to 1e7. It iterates in
+  fp16 instead (``gram_work_dtype``), whose 3 more mantissa bits keep 5 steps bounded with one
+  restart, as Zhang, Amsel, Chen and Dao do in "Gram Newton-Schulz" (2026); where a device has no
+  native fp16 matmul (most CPUs: 2.7 GFLOP/s emulated on this project's AMD EPYC against 860 in
+  bf16) it iterates in fp32. Normalised inputs keep every iterate within fp16's range.
 
 Both work on any leading batch dims (one matrix per expert); each matrix is normalised by its own
 Frobenius norm, never across the batch.
@@ -68,6 +76,12 @@ the normalised matrix into zeros or NaN, and float8 has no matmul here."""
 TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 """Compute dtypes the Triton kernels take: they accumulate ``tl.dot`` in fp32, so fp64 operands
 would be rounded (the gram form returned garbage); fp64 runs on the torch backend only."""
+
+
+GRAM_DTYPES = (torch.float16, torch.float32, torch.float64)
+"""Dtypes the gram form may iterate in (``NSConfig.gram_dtype``): not bf16 (see the module doc)."""
+
+HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def fp32_matmul_precision() -> str:
@@ -313,12 +327,18 @@ class NSConfig:
     """"torch", "triton" (CUDA + triton required; fp32, fp16 or bf16 only, ``TRITON_DTYPES``) or "auto":
     per shape, whichever of the two was measured faster on this device (muonlab.kernels.backend_choice);
     torch off CUDA, under the Triton interpreter, and for other dtypes (fp64)."""
-    gram_restarts: tuple[int, ...] = (2,)
-    """Iterations after which the gram form recomputes R from X."""
+    gram_restarts: tuple[int, ...] | None = None
+    """Iterations after which the gram form recomputes R from X. None: ``DEFAULT_GRAM_RESTARTS``
+    for the dtype it iterates in (``restarts_in``)."""
     gram_min_saving: float | None = None
     """With form "gram": take it only on shapes where it saves at least this share of the plain
     form's FLOPs, the plain form elsewhere (None: on every rectangular shape). Muon's
     ``ns_form="auto"`` sets it (see ``resolve_form``)."""
+    gram_dtype: torch.dtype | None = None
+    """The dtype the gram form iterates in: None picks it from the compute dtype and the device
+    (``gram_work_dtype``: fp16 for a 16-bit compute dtype where the device multiplies fp16
+    natively, else fp32; fp32 and fp64 as they are); or fp16, fp32, fp64. Never bf16, in which the
+    gram form diverges (see the module doc)."""
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -342,13 +362,34 @@ class NSConfig:
         # explicit coefficients become a tuple of triples: the config stays hashable, and one bare
         # triple equals the same triple in a list (one batch key)
         object.__setattr__(self, "coefficients", coefficient_table(self.coefficients))
-        object.__setattr__(self, "gram_restarts", _checked_restarts(self.gram_restarts))
+        if self.gram_restarts is not None:
+            object.__setattr__(self, "gram_restarts", _checked_restarts(self.gram_restarts))
+        if self.gram_dtype is not None and self.gram_dtype not in GRAM_DTYPES:
+            raise ValueError(f"gram_dtype must be None or one of {list(GRAM_DTYPES)}, got {self.gram_dtype!r}: "
+                             "the gram form diverges in bf16 on near-low-rank matrices (use form='plain' "
+                             "for bf16 iterates)")
         if self.gram_min_saving is not None and not (is_number(self.gram_min_saving)
                                                      and 0 <= self.gram_min_saving < 1):
             raise ValueError(f"gram_min_saving must be None or a share in [0, 1), got {self.gram_min_saving!r}")
 
     def resolved_coefficients(self) -> Coefficients:
         return resolve_coefficients(self.coefficients, self.steps)
+
+    def restarts_in(self, dtype: torch.dtype | None) -> tuple[int, ...]:
+        """The gram form's restarts when it iterates in ``dtype`` (None: fp16, a GPU's)."""
+        if self.gram_restarts is not None:
+            return self.gram_restarts
+        return DEFAULT_GRAM_RESTARTS.get(dtype or torch.float16, (2,))
+
+
+DEFAULT_GRAM_RESTARTS = {torch.float16: (1,), torch.float32: (2,), torch.float64: (2,)}
+"""Where the gram form restarts by default, by the dtype it iterates in. Rounding gives R small
+negative eigenvalues that each step multiplies by about a^2 until a restart computes R afresh from
+X (see the module doc). In fp16 a restart after iteration 2 was too late for Polar Express on an
+(8, 200) matrix of condition 1e6 (top singular value 25.7): after iteration 1, as Zhang et al. do,
+every input of tests/kernels/test_bounded.py stays bounded. In fp32 the later restart is the more
+accurate one (10 Muon steps on the shapes of tests/unit/test_ns_accuracy.py: 1.4x the plain form's
+error against 3.3x after iteration 1). For 5 steps both cost the same products."""
 
 
 def _checked_restarts(restarts) -> tuple[int, ...]:
@@ -417,12 +458,14 @@ def newton_schulz(G: torch.Tensor | Sequence[torch.Tensor], config: NSConfig | N
                          f"like G; got {[tuple(t.shape) for t in targets]} of {targets[0].dtype} on {targets[0].device}")
     if num == 0 or rows == 0 or cols == 0:
         return out
-    # one contiguous tensor in the compute dtype: the iterations write it directly, no copy
-    direct = targets[0] if len(targets) == 1 and targets[0].dtype == dtype and targets[0].is_contiguous() else None
     m, n = sorted((rows, cols))
     tall = rows > cols
     form = _form(cfg, m, n)
     use = pick_backend(cfg.backend, device, (num, m, n), dtype, cfg)
+    if form == "gram":  # its own iterate dtype (never bf16: see the module doc)
+        dtype = gram_work_dtype(cfg, dtype, device)
+    # one contiguous tensor in the iterates' dtype: the iterations write it directly, no copy
+    direct = targets[0] if len(targets) == 1 and targets[0].dtype == dtype and targets[0].is_contiguous() else None
     if workspace is None:
         from .workspace import Workspace
 
@@ -442,7 +485,7 @@ def newton_schulz(G: torch.Tensor | Sequence[torch.Tensor], config: NSConfig | N
         else:
             X, spare, *squares = workspace.take(device, [wide, wide, square, square, square, square])
             _load_normalised(X.mT if tall else X, pieces, cfg.eps, scale)
-            result = _gram_iterations(X, spare, coeffs, cfg.gram_restarts, squares, kernels="triton")
+            result = _gram_iterations(X, spare, coeffs, cfg.restarts_in(dtype), squares, kernels="triton")
         store_pieces(result.mT if tall else result, targets)
     else:
         # Two iterate buffers take turns (and the m x m products, two for the plain form and four
@@ -450,7 +493,7 @@ def newton_schulz(G: torch.Tensor | Sequence[torch.Tensor], config: NSConfig | N
         # one of the two (its bytes are dead until the result): the input goes into the one that
         # makes the last write land in ``out``. ``out`` may be G itself: then G is normalised in
         # place or read first.
-        writes = cfg.steps if form == "plain" else _gram_writes(cfg.steps, cfg.gram_restarts)
+        writes = cfg.steps if form == "plain" else _gram_writes(cfg.steps, cfg.restarts_in(dtype))
         products = [square] * (2 if form == "plain" else 4)
         if direct is not None:
             S, *products = workspace.take(device, [stored, *products])
@@ -461,7 +504,7 @@ def newton_schulz(G: torch.Tensor | Sequence[torch.Tensor], config: NSConfig | N
         if form == "plain":
             result = _plain_iterations(first, second, coeffs, *products)
         else:
-            result = _gram_iterations(first, second, coeffs, cfg.gram_restarts, products)
+            result = _gram_iterations(first, second, coeffs, cfg.restarts_in(dtype), products)
         if direct is None:
             store_pieces(result, targets)
     return out
@@ -536,9 +579,17 @@ def _load_normalised(X: torch.Tensor, pieces: list[torch.Tensor], eps: float, sc
     """Fill X (a view of the workspace, the pieces' orientation) with the pieces, cast to X's dtype
     and each matrix divided by its norm. One piece already in X's dtype is read once (the division
     writes X); otherwise the pieces are copied (cast) in, then normalised in place, so the norm is
-    the cast matrix's, as torch.optim.Muon's ``X = G.bfloat16(); X / X.norm()``."""
+    the cast matrix's, as torch.optim.Muon's ``X = G.bfloat16(); X / X.norm()``. Into fp16 from
+    another dtype (the gram form's iterates, see ``gram_work_dtype``) each piece is divided by its
+    fp32 norm on the way in: a cast first would turn entries past 65504 into inf and those under
+    6e-8 into zeros."""
     if len(pieces) == 1 and pieces[0].dtype == X.dtype:
         _normalise_into(X, pieces[0], eps, scale)
+        return
+    if X.dtype == torch.float16 and any(p.dtype != torch.float16 for p in pieces):
+        for piece, dest in zip(pieces, X.split([p.shape[0] for p in pieces])):
+            norms = torch.linalg.vector_norm(piece, dim=(-2, -1), keepdim=True, dtype=torch.float32) * scale
+            torch.div(piece, norms.clamp(min=eps), out=dest)
         return
     load_pieces(X, pieces)
     _normalise_into(X, X, eps, scale)
@@ -588,14 +639,20 @@ validation loss, reaching AdamW's final loss in 193 against 194 steps. The plain
 FORM_CHOICES = ("auto", *FORMS)
 
 
-def resolve_form(form: str) -> dict:
+def resolve_form(form: str, dtype: torch.dtype | str | None = "auto", device: torch.device | str | None = None) -> dict:
     """NSConfig settings for Muon's ``ns_form``: "plain" and "gram" as they are; "auto" the gram
-    form on shapes where it saves ``AUTO_GRAM_SAVING`` of the FLOPs, the plain form elsewhere (the
-    same rule on every device, so a plan is the same on a CPU test and on the GPU node)."""
+    form on shapes where it saves ``AUTO_GRAM_SAVING`` of the FLOPs, the plain form elsewhere. And
+    the plain form everywhere where the gram form would iterate in a wider dtype than the compute
+    dtype ``dtype`` resolves to on ``device`` (a 16-bit dtype on a CPU without native fp16 matmul:
+    ``gram_work_dtype``), which would make it slower, not faster. Without a device (a plan made
+    from shapes, ``muonlab.simulate``), the GPU rule."""
     if form not in FORM_CHOICES:
         raise ValueError(f"unknown Newton-Schulz form {form!r} (Muon's ns_form); choose one of {FORM_CHOICES}")
     if form != "auto":
         return dict(form=form)
+    compute = resolve_dtype(dtype, device) if device is not None else None
+    if compute in HALF_DTYPES and not native_fp16_matmul(device):
+        return dict(form="plain")
     return dict(form="gram", gram_min_saving=AUTO_GRAM_SAVING)
 
 
@@ -672,18 +729,43 @@ def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torc
 
 
 BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
+FP16_CPU_FLAGS = ("avx512_fp16", "amx_fp16")
+
+
+def native_fp16_matmul(device: torch.device | str | None) -> bool:
+    """Whether ``device`` multiplies fp16 matrices natively: CUDA, and CPUs listing
+    ``FP16_CPU_FLAGS``. None (a plan made without a device, ``muonlab.simulate``): as on a GPU."""
+    if device is None or torch.device(device).type != "cpu":
+        return True
+    return bool(cpu_flags(FP16_CPU_FLAGS))
+
+
+def gram_work_dtype(cfg: NSConfig, dtype: torch.dtype, device: torch.device | str | None) -> torch.dtype:
+    """The dtype the gram form iterates in for compute dtype ``dtype`` on ``device`` (None: the
+    GPU rule): ``cfg.gram_dtype`` if set; else fp16 for a 16-bit compute dtype where the device
+    multiplies fp16 natively, fp32 where it doesn't; fp32 and fp64 as they are."""
+    if cfg.gram_dtype is not None:
+        return cfg.gram_dtype
+    if dtype in HALF_DTYPES:
+        return torch.float16 if native_fp16_matmul(device) else torch.float32
+    return dtype
+
 
 
 @functools.cache
-def cpu_bf16_flags() -> tuple[str, ...] | None:
-    """Which of ``BF16_CPU_FLAGS`` (native bf16 matmul) /proc/cpuinfo lists; None where it can't
-    be read or lists no flags."""
+def cpu_flags(wanted: tuple[str, ...]) -> tuple[str, ...] | None:
+    """Which of ``wanted`` /proc/cpuinfo lists; None where it can't be read or lists no flags."""
     try:
         with open("/proc/cpuinfo") as f:
             flags = next((line.split() for line in f if line.startswith("flags")), None)
     except OSError:
         return None
-    return None if flags is None else tuple(f for f in BF16_CPU_FLAGS if f in flags)
+    return None if flags is None else tuple(f for f in wanted if f in flags)
+
+
+def cpu_bf16_flags() -> tuple[str, ...] | None:
+    """Which of ``BF16_CPU_FLAGS`` (native bf16 matmul) /proc/cpuinfo lists (None: unreadable)."""
+    return cpu_flags(BF16_CPU_FLAGS)
 
 
 def cpu_has_native_bf16() -> bool:
@@ -746,7 +828,7 @@ def _gram_flops(m: int, n: int, cfg: NSConfig, symmetric: bool = False) -> int:
     mm = 2 * m**3
     sym_x, sym_mm = (gram_x // 2, mm // 2) if symmetric else (gram_x, mm)
     total = sym_x  # R_0
-    restarts = set(cfg.gram_restarts)
+    restarts = set(cfg.restarts_in(None))  # a GPU's; for 5 steps every default costs the same
     q_is_identity = True
     for k in range(cfg.steps):
         total += sym_mm  # R @ R

@@ -16,8 +16,8 @@ from dataclasses import replace
 
 import torch
 
-from .newton_schulz import (NSConfig, Overwrite, batch_pieces, form_for, load_pieces, newton_schulz, pick_backend,
-                            possible_backends, resolve_dtype, store_pieces)
+from .newton_schulz import (NSConfig, Overwrite, batch_pieces, form_for, gram_work_dtype, load_pieces, newton_schulz,
+                            pick_backend, possible_backends, resolve_dtype, store_pieces)
 from .workspace import Workspace, max_batch_matrices
 
 MIN_BUDGET = {"cuda": 256 * 2**20, "cpu": 8 * 2**20}
@@ -66,8 +66,10 @@ def matrices_within(budget_bytes: int, shape, dtype: torch.dtype, cfg: NSConfig 
     else:
         on_triton = "triton" in possible_backends(cfg.backend, device, dtype)
     input_itemsize = None if input_dtype is None else input_dtype.itemsize
+    work_itemsize = gram_work_dtype(cfg, dtype, device).itemsize if form == "gram" else None
     return max_batch_matrices(shape, dtype.itemsize, budget_bytes, reuses_input, form,
-                              backend="triton" if on_triton else "torch", input_itemsize=input_itemsize)
+                              backend="triton" if on_triton else "torch", input_itemsize=input_itemsize,
+                              work_itemsize=work_itemsize)
 
 
 def _even_sizes(total: int, size: int) -> tuple[int, int]:

@@ -57,7 +57,8 @@ class Workspace:
 
 
 def batch_bytes_per_matrix(m: int, n: int, itemsize: int, reuses_input: bool = False, form: str = "plain",
-                           backend: str = "torch", input_itemsize: int | None = None) -> int:
+                           backend: str = "torch", input_itemsize: int | None = None,
+                           work_itemsize: int | None = None) -> int:
     """Transient bytes one m x n matrix (m <= n) adds to a Newton-Schulz batch: its input, the
     workspace's iterate and two m x m products, and the output, which doubles as the second
     iterate (see ``newton_schulz``): 3 m n + 2 m^2 elements. ``reuses_input``: the result
@@ -72,18 +73,28 @@ def batch_bytes_per_matrix(m: int, n: int, itemsize: int, reuses_input: bool = F
     dtype (Muon's local path hands over fp32 momentum to bf16 Newton-Schulz: counted at bf16, it
     took 1.86x the budget). An input that isn't reused counts at it. An ``Overwrite`` input in
     another dtype is no iterate but its own output, and both iterates are then the workspace's:
-    the same bytes on the torch path (one m n to spare on Triton's)."""
+    the same bytes on the torch path (one m n to spare on Triton's).
+
+    ``work_itemsize`` (None: ``itemsize``): the iterates' own, where they are not in the compute
+    dtype (the gram form's, ``muonlab.kernels.newton_schulz.gram_work_dtype``). Then neither the
+    input nor the output can serve as an iterate: the input (also the output where
+    ``reuses_input``), the output, and all iterates and products at ``work_itemsize``."""
     squares = 4 if form == "gram" else 2
     iterates = 2 + (1 if backend == "triton" else 0)  # the output (or reused input) and the spare
-    given = 0 if reuses_input else (itemsize if input_itemsize is None else input_itemsize) * m * n
+    input_bytes = (itemsize if input_itemsize is None else input_itemsize) * m * n
+    if work_itemsize is not None and work_itemsize != itemsize:
+        output = 0 if reuses_input else itemsize * m * n
+        return input_bytes + output + work_itemsize * (iterates * m * n + squares * m * m)
+    given = 0 if reuses_input else input_bytes
     return given + itemsize * (iterates * m * n + squares * m * m)
 
 
 def max_batch_matrices(shape: tuple[int, int], itemsize: int, budget_bytes: int, reuses_input: bool = False,
-                       form: str = "plain", backend: str = "torch", input_itemsize: int | None = None) -> int:
+                       form: str = "plain", backend: str = "torch", input_itemsize: int | None = None,
+                       work_itemsize: int | None = None) -> int:
     """How many matrices of ``shape`` one Newton-Schulz call may take within ``budget_bytes``
     (at least one: a single matrix larger than the budget still has to be orthogonalized; any
     number of matrices with a zero dim, which take no bytes)."""
     m, n = sorted(int(d) for d in shape)
-    per_matrix = batch_bytes_per_matrix(m, n, itemsize, reuses_input, form, backend, input_itemsize)
+    per_matrix = batch_bytes_per_matrix(m, n, itemsize, reuses_input, form, backend, input_itemsize, work_itemsize)
     return max(1, budget_bytes // per_matrix) if per_matrix else sys.maxsize

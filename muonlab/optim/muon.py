@@ -1244,4 +1244,5 @@ class Muon(Optimizer):
     def _ns_config(self, group: dict) -> NSConfig:
         """A Muon group's Newton-Schulz settings with the optimizer-wide dtype, form and backend."""
         return NSConfig(steps=group["ns_steps"], coefficients=group["ns_coefficients"], eps=group["eps"],
-                        dtype=self.ns_dtype, **resolve_form(self.ns_form), backend=self.ns_backend)
+                        dtype=self.ns_dtype, **resolve_form(self.ns_form, self.ns_dtype, self._device()),
+                        backend=self.ns_backend)

@@ -1,4 +1,5 @@
 import copy
+import importlib
 
 import pytest
 import torch
@@ -59,13 +60,28 @@ def test_ns_form_auto_takes_gram_where_it_saves_a_fifth_of_the_flops():
 
     wide, square = torch.nn.Parameter(torch.randn(16, 64)), torch.nn.Parameter(torch.randn(32, 32))
     wide.grad, square.grad = torch.randn(16, 64), torch.randn(32, 32)
-    opt = Muon([wide, square])
+    opt = Muon([wide, square], ns_dtype=torch.float32)  # fp32: the gram form iterates in fp32 too
     assert opt.ns_form == "auto"
     cfg = opt._ns_config(opt.param_groups[0])
     assert (cfg.form, cfg.gram_min_saving) == ("gram", AUTO_GRAM_SAVING)
     # the form that runs: gram on 16 x 64 (it saves 33%), plain on the square matrix
     assert {tuple(b.param_shapes[0]): form_for(b.ns_config, b.param_shapes[0]) for b in opt.plan()} == \
         {(16, 64): "gram", (32, 32): "plain"}
+
+
+@pytest.mark.parametrize("native_fp16", [False, True])
+def test_ns_form_auto_in_bf16_takes_gram_only_where_fp16_is_native(monkeypatch, native_fp16):
+    # the gram form never iterates in bf16 (it diverged on near-low-rank momentum): fp16 where the
+    # device multiplies it natively, else fp32, which would make it slower than the plain form in
+    # bf16: there "auto" keeps the plain form
+    ns = importlib.import_module("muonlab.kernels.newton_schulz")  # the package exports a function of that name
+    monkeypatch.setattr(ns, "native_fp16_matmul", lambda device: native_fp16)
+    wide = torch.nn.Parameter(torch.randn(16, 64))
+    wide.grad = torch.randn(16, 64)
+    opt = Muon([wide], ns_dtype=torch.bfloat16)
+    cfg = opt._ns_config(opt.param_groups[0])
+    assert form_for(cfg, (16, 64)) == ("gram" if native_fp16 else "plain")
+    assert ns.gram_work_dtype(cfg, torch.bfloat16, "cpu") == (torch.float16 if native_fp16 else torch.float32)
 
 
 def test_parity_with_torch_muon_fp32_is_tight(monkeypatch):

@@ -305,7 +305,7 @@ def test_a_scaled_norm_keeps_fp64():
         assert (got - want).abs().max() < 1e-12
 
 
-@pytest.mark.parametrize("restarts, match", [(None, "sequence of iteration indices"), (2, "sequence"),
+@pytest.mark.parametrize("restarts, match", [((2, None), "got None"), (2, "sequence"),
                                              ("2", "sequence"), ((1.5,), "got 1.5"), ((True,), "got True")])
 def test_bad_gram_restarts_name_the_option(restarts, match):
     with pytest.raises(TypeError, match=f"gram_restarts.*{match}"):
