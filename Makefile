@@ -23,10 +23,12 @@ data/cache/corpus.meta.json: setup data/prepare.py
 demo: setup data/cache/corpus.meta.json
 	$(PY) -m muonlab.cli demo
 
+# ruff check first: pyflakes' findings ([tool.ruff] in pyproject.toml) across the repository, notebooks excepted.
 # tests/ includes tests/browser (JupyterLab in headless Chromium; skipped where none is installed).
 # Notebooks: strict nbval, every cell not marked # NBVAL_IGNORE_OUTPUT compared with its stored
 # output (notebooks/_store_outputs.py writes them), after notebooks/nbval_sanitize.cfg.
 test: setup data/cache/corpus.meta.json
+	$(VENV)/bin/ruff check .
 	CI=1 $(PY) -m pytest -q tests
 	CI=1 $(PY) -m pytest -q -p no:cacheprovider --nbval --nbval-sanitize-with notebooks/nbval_sanitize.cfg notebooks
 

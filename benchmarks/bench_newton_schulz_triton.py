@@ -111,7 +111,7 @@ def gpu_bench(quick: bool):
     peak_ms = do_bench(lambda: big @ big, return_mode="median")
     peak_tflops = 2 * 8192**3 / peak_ms / 1e9
     print(f"torch.matmul bf16 8192^3: {peak_ms:.3f} ms = {peak_tflops:.1f} TFLOP/s", flush=True)
-    del big
+    big = None  # frees it (not `del`: the lambda above reads the name)
 
     coefficients = COEFFICIENTS["keller"]
     # One static-shape graph per (shape, dtype); the default limit would fall back to eager.
@@ -136,7 +136,7 @@ def gpu_bench(quick: bool):
             tag = "bf16" if dtype == torch.bfloat16 else "fp32"
             timings[f"triton {tag}"] = do_bench(lambda: newton_schulz_triton(X, coefficients), return_mode="median")
             timings[f"torch.compile {tag}"] = do_bench(lambda: compiled(X, coefficients), return_mode="median")
-            del X
+            X = None  # frees it (not `del`: the lambdas above read the name)
         base = timings["torch.compile bf16"]
         for impl, ms in timings.items():
             tflops = plain / ms / 1e9
@@ -280,7 +280,7 @@ def eager_bench(quick: bool):
         rows.append([f"({batch}, {m}, {n})", f"{t_plain:.3f}", f"{t_ws:.3f}", f"{t_torch:.3f}",
                      f"{t_plain / t_torch:.2f}", g_triton, g_torch, f"{diff.abs().max().item():.2e}"])
         print(" | ".join(rows[-1]), flush=True)
-        del X, ws, diff
+        X = ws = diff = None  # frees them (not `del`: torch_chain and the lambdas above read the names)
         torch.cuda.empty_cache()
     note = (
         "5 Keller iterations in bf16 on normalised inputs, do_bench medians (ms, wall time between CUDA events, so "

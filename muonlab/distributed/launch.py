@@ -101,7 +101,8 @@ class WorkerError(RuntimeError):
 
 
 class WorkerTimeout(WorkerError):
-    """:func:`launch` ran out of time; ``ranks`` are the ranks still running then.
+    """:func:`launch` ran out of time; ``ranks`` are the ranks still running their function then (a
+    rank that had returned and was waiting for the others is not among them).
 
     ``phase`` says which limit expired: ``"startup"`` (``startup_timeout_s``: not every rank had
     initialised its process group) or ``"run"`` (``timeout_s``, counted from when every rank had).
@@ -153,7 +154,10 @@ def _call_in_process_group(
     on_error: Callable[[], None] | None = None,
     on_ready: Callable[[], None] | None = None,
     startup_timeout_s: float | None = None,
+    on_return: Callable[[], bool] | None = None,
 ) -> Any:
+    """``on_return`` (under :func:`launch`) runs once ``fn`` has returned and waits for the other
+    ranks itself; it says whether they all returned too (False: one failed, so no barrier)."""
     # Connecting waits for the slowest rank's start-up (importing torch under load can take
     # minutes), so it gets the start-up limit; collectives get timeout_s from then on.
     init_process_group(device, backend, timeout_s=timeout_s, connect_timeout_s=startup_timeout_s)
@@ -166,7 +170,7 @@ def _call_in_process_group(
             on_error()
         _teardown(wait_for_peers=False)
         raise
-    _teardown(wait_for_peers=True)
+    _teardown(wait_for_peers=on_return() if on_return is not None else True)
     return result
 
 
@@ -204,6 +208,24 @@ def _write_status(status_dir: str, rank: int, kind: str, text: str) -> None:
         f.write(text)
 
 
+_PEER_POLL_S = 0.05
+
+
+def _wait_for_peers(status_dir: str, num_procs: int) -> bool:
+    """Wait until every rank has returned from its function (True) or one has failed or ended
+    without returning (False), as their status files say. No clock of its own: the launcher's run
+    clock ends a wait for a hung rank. (The teardown barrier's collective timeout used to end it
+    about when the launcher's clock ran out, so the hung rank was reported with or without this one,
+    or this one as failed, by chance.)"""
+    while True:
+        returned = _ranks_in(status_dir, "returned")
+        if _ranks_in(status_dir, "failed") or _ranks_in(status_dir, "done") - returned:
+            return False
+        if len(returned) >= num_procs:
+            return True
+        time.sleep(_PEER_POLL_S)
+
+
 @record
 def _worker_entry(
     payload: bytes,
@@ -219,10 +241,11 @@ def _worker_entry(
 
     ``device`` is the launcher's choice for every rank ("cpu" or "cuda": ``cuda:LOCAL_RANK``), and
     ``timeouts`` is (collective timeout, start-up limit). Status files in ``status_dir`` tell the
-    launcher this rank's pid, when its process group is up ("ready"), a sys.exit ("exit"), the
-    time of a failure ("failed") and that it is finished ("done"). ``report_progress`` appends to
-    ``<run_dir>/rank<r>/progress.jsonl``; a failure's traceback also goes to this rank's stderr
-    log there (elastic records it only in error.json). The worker leads a process group of its
+    launcher this rank's pid, when its process group is up ("ready"), that its function returned
+    ("returned"; it then waits for the others by these files, see :func:`_wait_for_peers`), a
+    sys.exit ("exit"), the time of a failure ("failed") and that it is finished ("done").
+    ``report_progress`` appends to ``<run_dir>/rank<r>/progress.jsonl``; a failure's traceback also
+    goes to this rank's stderr log there (elastic records it only in error.json). The worker leads a process group of its
     own, which the launcher ends with the launch (:func:`_lead_own_process_group`).
     """
     _lead_own_process_group()
@@ -230,6 +253,10 @@ def _worker_entry(
     rank = int(os.environ["RANK"])
     _write_status(status_dir, rank, "pid", str(os.getpid()))
     _progress._open_stream(os.path.join(_rank_dir(run_dir, rank), _progress.PROGRESS_FILE), rank)
+
+    def mark_returned() -> bool:
+        _write_status(status_dir, rank, "returned", "")
+        return _wait_for_peers(status_dir, int(os.environ["WORLD_SIZE"]))
 
     def mark_failed() -> None:
         # elastic's error files stamp whole seconds. This finer stamp, taken before the process
@@ -247,6 +274,7 @@ def _worker_entry(
         result = _call_in_process_group(
             fn, device, backend, timeouts[0], args, kwargs, on_error=mark_failed,
             on_ready=lambda: _write_status(status_dir, rank, "ready", ""), startup_timeout_s=timeouts[1],
+            on_return=mark_returned,
         )
         return pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
     except SystemExit as e:
@@ -701,8 +729,10 @@ def launch(
     passed to ``fn``. ``fn``, the arguments and the return values are pickled. A worker that
     calls ``sys.exit(0)`` (or ``sys.exit()``) counts as returning None; ``sys.exit(n)`` with
     ``n != 0`` is a failure ("rank R exited with code n"). Before returning, the ranks wait for each
-    other (a barrier), so a fast rank never closes connections a slow one still needs; a worker that
-    destroys the process group itself (as torchrun scripts end) skips that.
+    other (until every rank has returned, then a barrier), so a fast rank never closes connections a
+    slow one still needs; a worker that destroys the process group itself (as torchrun scripts end)
+    skips the barrier. That wait has no clock of its own: ``timeout_s`` ends it, and a rank waiting
+    there is not named by the WorkerTimeout.
 
     Two clocks: the workers have ``startup_timeout_s`` seconds from being started until every rank
     has initialised its process group (start-up imports torch, which can take minutes on a loaded
@@ -1072,8 +1102,9 @@ def _vanished(status_dir: str, gone_since: dict[int, float]) -> list[int]:
 
 def _wait_for_agent(agent_done: threading.Event, nprocs: int, limits: tuple[float, float],
                     status_dir: str, tick: Callable[[], None]) -> dict[str, Any] | None:
-    """None once the agent is done, or what timed out: {"phase", "ready", "running"}, or the
-    ranks whose process vanished: {"vanished": [...]}. elastic's agent waits for a result from a
+    """None once the agent is done, or what timed out: {"phase", "ready", "running"} ("running": the
+    ranks still in their function, neither returned nor failed), or the ranks whose process
+    vanished: {"vanished": [...]}. elastic's agent waits for a result from a
     worker that ended with exit code 0 and none (``os._exit(0)``) until the timeout; the launch
     does not.
 
@@ -1091,7 +1122,8 @@ def _wait_for_agent(agent_done: threading.Event, nprocs: int, limits: tuple[floa
             return {"vanished": vanished}
         if time.monotonic() >= deadline:
             ready = _ranks_in(status_dir, "ready")
-            running = sorted(set(range(nprocs)) - _ranks_in(status_dir, "done"))
+            finished = set().union(*(_ranks_in(status_dir, kind) for kind in ("returned", "failed", "done")))
+            running = sorted(set(range(nprocs)) - finished)
             return {"phase": phase, "ready": ready, "running": running}
     return None
 

@@ -31,7 +31,7 @@ from . import nonfinite
 from .agreement import Agreement
 from .offload import StateStores
 from .routing import check_not_flat
-from .validation import (ADAMW_DEFAULTS, MUON_DEFAULTS, SETTINGS, check_comm_dtype, check_hyperparameters,
+from .validation import (SETTINGS, check_comm_dtype, check_hyperparameters,
                          check_memory_options, checked_fused_banks, fmt_shape, grad_layout_mismatch, is_number,
                          state_mismatch)
 

@@ -388,6 +388,9 @@ class StateStores:
             raise TypeError(f"keep_muon_momentum_in_memory must be a bool, got {keep_muon_momentum_in_memory!r}")
         if place != "disk" and offload_dir is not None:
             raise ValueError(f'offload_dir is only used with state_offload="disk", got state_offload={place!r}')
+        if place is None and keep_muon_momentum_in_memory:
+            raise ValueError('keep_muon_momentum_in_memory=True needs state_offload ("cpu" or "disk"): without '
+                             'it all state is already in memory on the parameters\' device')
         self.place = place
         resident = ResidentStore(momentum_dtype)
         momentum_away = place is not None and not keep_muon_momentum_in_memory

@@ -61,6 +61,15 @@ def hang_on_rank0(pid_dir: str) -> int:
     return dist.get_rank()
 
 
+def hang_on_rank(hanging_rank: int) -> int:
+    """``hanging_rank`` sleeps for ever; the others return their rank at once (and wait in the
+    launcher's teardown for the hanging one)."""
+    if dist.get_rank() == hanging_rank:
+        while True:
+            time.sleep(1)
+    return dist.get_rank()
+
+
 def exit_on_rank(exiting_rank: int, code, out_dir: str | None = None, linger_s: float = 0.0) -> int:
     """``sys.exit(code)`` on one rank after ``linger_s`` seconds; the others return their rank at
     once, without a collective. With ``out_dir``, each rank writes the wall time at which its

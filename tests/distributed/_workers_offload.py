@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 
-import torch
 import torch.distributed as dist
 
 from muonlab import Muon, checkpoint, muon_param_groups

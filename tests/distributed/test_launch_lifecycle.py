@@ -87,6 +87,22 @@ def test_processes_a_worker_starts_end_with_a_timed_out_or_finished_launch(tmp_p
 
 
 @pytest.mark.timeout(240)
+def test_a_timeout_names_only_the_ranks_still_in_their_function(tmp_path, monkeypatch):
+    # Rank 0 returns at once and waits for rank 1, which sleeps for ever. That wait used to end on
+    # the collective timeout (timeout_s), racing the launcher's clock of the same length: rank 0 was
+    # named with rank 1, or failed in its teardown barrier, by chance. A few runs: one may pass by luck.
+    monkeypatch.setenv(RUNS_DIR_ENV, str(tmp_path))
+    for attempt in range(3):
+        with pytest.raises(WorkerTimeout) as info:
+            launch(workers.hang_on_rank, 2, 1, timeout_s=3, name=f"hang{attempt}")
+        err = info.value
+        assert (err.phase, err.ranks) == ("run", [1]), f"attempt {attempt}: {err}"
+        assert "rank 1 still running" in str(err), str(err)
+        # the rank that returned waited on no clock of its own, so it recorded no error
+        assert not (tmp_path / f"hang{attempt}" / "rank0" / "error.json").exists(), f"attempt {attempt}"
+
+
+@pytest.mark.timeout(240)
 def test_a_worker_that_destroys_the_process_group_itself_returns_normally():
     assert launch(workers.destroy_group_then_return, 2, timeout_s=150) == {0: 0, 1: 1}
 

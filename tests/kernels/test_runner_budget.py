@@ -76,7 +76,7 @@ def test_auto_chunks_fit_the_backend_picked_for_their_own_size(monkeypatch):
 
     monkeypatch.setattr(ns_module, "pick_backend", pick)
     monkeypatch.setattr(runner_module, "pick_backend", pick)
-    on_triton, arenas = [], []
+    on_triton = []
     real = tns.newton_schulz_triton
     monkeypatch.setattr(tns, "newton_schulz_triton",
                         lambda X, *a, **k: on_triton.append(X.shape[0]) or real(X, *a, **k))

@@ -142,6 +142,8 @@ def test_bad_options_are_refused_at_construction(tmp_path):
         build(state_offload="cpu", offload_dir=str(tmp_path))
     with pytest.raises(TypeError, match="keep_muon_momentum_in_memory"):
         build(state_offload="cpu", keep_muon_momentum_in_memory="yes")
+    with pytest.raises(ValueError, match="keep_muon_momentum_in_memory=True needs state_offload"):
+        build(keep_muon_momentum_in_memory=True)
 
 
 def test_unwritable_offload_dir_is_named(tmp_path):
