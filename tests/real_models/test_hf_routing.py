@@ -2,12 +2,14 @@
 
 The expected routing is the rule of muonlab/optim/routing.py:
   1. exclude patterns, 1-D parameters, nn.Embedding tables and weights tied to one -> AdamW
-  2. the output head -> AdamW: the last nn.Linear / transformers Conv1D in registration order that
-     is not inside an nn.ModuleList (lm_head, classifier), and any Linear shaped like an embedding
+  2. the output head -> AdamW (in a model with embeddings, convolutions or a list of blocks, as
+     all of these have): the last nn.Linear / transformers Conv1D in registration order that is
+     not inside an nn.ModuleList (lm_head, classifier), and any Linear shaped like an embedding
   3. other nn.Linear and Conv1D weights -> Muon
   4. convolution kernels -> AdamW
-  5. raw parameters (owned by none of those modules): a size-1 dim -> AdamW (ViT's cls token and
-     position embeddings), 2-D -> AdamW (MoE routers), 3-D or more -> Muon (fused expert banks)
+  5. raw parameters (owned by none of those modules): a size-1 matrix dim -> AdamW (ViT's cls
+     token); one matrix named as a table, tokens or a router -> AdamW (ViT's position embeddings,
+     MoE routers in a module named gate); 3-D or more -> Muon (fused expert banks)
 
 Each model's expectation is written out by name pattern, kind by kind, and every parameter must
 fall in exactly one kind: a parameter the expectation does not know about fails the test instead
@@ -27,7 +29,7 @@ from muonlab import muon_param_groups
 
 from . import _workers as W
 
-ADAMW_KINDS = ("1-D", "embedding", "head", "router", "raw size-1", "conv")
+ADAMW_KINDS = ("1-D", "embedding", "head", "router", "raw token or table", "conv")
 ALGORITHM = {kind: "adamw" for kind in ADAMW_KINDS} | {"muon": "muon"}
 
 
@@ -104,7 +106,7 @@ MODELS = {
     "vit": (_vit, dict(
         muon=["vit.layers.*.attention.[qkvo]_proj.weight", "vit.layers.*.mlp.fc[12].weight"],
         conv=["vit.embeddings.patch_embeddings.projection.weight"],
-        **{"raw size-1": ["vit.embeddings.cls_token", "vit.embeddings.position_embeddings"]},
+        **{"raw token or table": ["vit.embeddings.cls_token", "vit.embeddings.position_embeddings"]},
         head=["classifier.weight"]), 12),
     "bert": (_bert, dict(
         muon=["bert.encoder.layer.*.attention.self.query.weight", "bert.encoder.layer.*.attention.self.key.weight",

@@ -427,7 +427,7 @@ def test_simulate_plans_a_model_of_two_dtypes_as_its_run_does_and_checks_options
     from muonlab.comm.cost import HardwareProfile
     from muonlab.simulate import simulate
 
-    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8, bias=False) for _ in range(3)])  # the last: the head
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8, bias=False) for _ in range(3)])  # a plain stack: all on Muon
     model[1].to(torch.bfloat16)
     run = [(b.path, b.names) for b in Muon(muon_param_groups(model)).plan()]
     assert len(run) == 2 and [(b.path, b.names) for b in simulate(model, 1)] == run

@@ -158,7 +158,8 @@ def test_vit_tokens_position_table_patch_conv_and_classifier_go_to_adamw():
     muon = sorted(n for n, a in routes.items() if a == "muon")
     assert muon == sorted(f"blocks.{i}.{m}.weight" for i in range(2) for m in ("qkv", "proj", "fc1", "fc2"))
     reasons = _reasons(groups)
-    assert "dim of size 1" in reasons["cls_token"] and "dim of size 1" in reasons["pos_embed"]
+    # a (1, m, n) raw tensor is a one-expert bank by its shape: the position table is told by its name
+    assert "dim of size 1" in reasons["cls_token"] and "named as an embedding or position table" in reasons["pos_embed"]
     assert reasons["head.weight"] == "output head (last Linear/Conv1D outside repeated blocks)"
     assert "output head" in groups.table() and "conv='muon'" in reasons["patch_embed.weight"]
     assert set(groups.views.values()) == {"matrix"}
