@@ -614,27 +614,27 @@ def form_for(cfg: NSConfig, shape: Sequence[int]) -> str:
 
 AUTO_GRAM_SAVING = 0.2
 """Where ``ns_form="auto"`` takes the gram form: shapes on which it saves at least 20% of the plain
-form's FLOPs. On an H100 (benchmarks/results/gpu_step.md, bf16, torch backend) the gram form ran the
-1B set (2048 x 6144 and 2048 x 8192: 26% and 33% fewer FLOPs) 1.29x faster than the plain form, the
-GPT-2 set 1.17x and the (128, 768, 2048) bank (22% fewer) 1.18x, each also faster than the plain
-form on Triton; but the (64, 1408, 2048) bank, where it saves nothing (-1%), 5% slower. On this
-project's 2-core Intel Xeon with AMX bf16 units, once its products lived in the workspace, a whole
-Muon step ran 1.13x faster than with the plain form on the 1B set / 8 in bf16 and 1.27x in fp32,
-1.10x on the (128, 96, 256) bank, and 1.20x on a width-256 GPT's matrices
-(benchmarks/results/optimizer_step.md); on a 2-core AMD EPYC with AVX512-BF16, 1.29x in bf16 and
-1.28x in fp32 on the 1B set / 8 (benchmarks/results/gpu_step_cpu_proxy.md). There the gram form's
-1B/8 step adds about 7 MiB more RSS than the plain form's (1.30x torch.optim.Muon's against 1.15x)
-while its tensor bytes are equal within 0.3 MiB: about half of it is the CPU matmul library's cache
-of kernels for the gram form's extra product shapes (3-4 MiB with oneDNN's primitive cache off),
-the rest what the C allocator keeps. Numerics in
-bf16, against the fp32 plain result: on a gradient-like spectrum (a low-rank signal over noise) the
-gram form is closer than the plain form (8.4% against 10.8% at 768 x 2048), on flat Gaussian
-matrices about twice as far (1.9% against 1.1%), and with the "polar_express" coefficients about
-2.5x as far (10% against 4% at 64 x 256; from the exact polar factor 12% against 10%, where Keller's
-coefficients stay 22% away in either form). Training the small GPT
-(benchmarks/results/convergence_form_{gram,plain}.md, 3 seeds) ended at 1.998 against 2.003
-validation loss, reaching AdamW's final loss in 193 against 194 steps. The plain form
-(``ns_form="plain"``) keeps the bits of torch.optim.Muon's iteration."""
+form's FLOPs, and only where its iterates (``gram_work_dtype``) are no wider than the compute
+dtype (see ``resolve_form``).
+
+Time. On an H100 (benchmarks/results/gpu_step.md, bf16 compute, torch backend, measured while the
+gram form still iterated in bf16; fp16 runs at the same tensor-core rate) the gram form ran the 1B
+set (2048 x 6144 and 2048 x 8192: 26% and 33% fewer FLOPs) 1.29x faster than the plain form, the
+GPT-2 set 1.17x and the (128, 768, 2048) bank (22% fewer) 1.18x; the (64, 1408, 2048) bank, where
+it saves nothing (-1%), 5% slower. On CPUs the gram form in fp32 made a whole fp32 Muon step
+1.27-1.28x faster (benchmarks/results/optimizer_step.md, gpu_step_cpu_proxy.md); a 16-bit step on
+a CPU without fp16 matmul keeps the plain form.
+
+Accuracy. Ten Muon steps on (64, 64), (32, 96), (96, 32), (48, 80), (64, 512) and (512, 64)
+against an fp64 run (tests/unit/test_ns_accuracy.py, every schedule, random and near-rank-2
+gradients): the default's worst relative error is 0.83-1.00x the plain form's in bf16 (the gram
+form in fp16 under the GPU rule) and 0.73-1.25x in fp32; the test holds it within 1.5x. The gram
+form in bf16, as it was until 2026-11-26, was 3.7x as far and unbounded on near-low-rank inputs.
+
+Bits. The plain form computes torch.optim.Muon's iteration; one matrix at a time (a batch of one)
+it gives torch's bits. Batched, the CPU's batched products may round differently from one matrix's
+(bf16, four 16 x 32 matrices: one draw in 50 differed in the last bits), and over a run the
+differences grow (2.3e-3 off torch.optim.Muon after 30 steps in one measured case)."""
 
 FORM_CHOICES = ("auto", *FORMS)
 

@@ -160,11 +160,15 @@ class Muon(Optimizer):
         ns_dtype: Newton-Schulz compute dtype. "auto": bf16 on CUDA (like torch.optim.Muon), and on
             a CPU bf16 only with native bf16 matmul, else fp32 (emulated bf16 runs at a third of
             fp32's rate); or a dtype (fp32 for tight parity).
-        ns_form: "plain", "gram" (fewer FLOPs on rectangular matrices, see newton_schulz) or
-            "auto": the gram form where it saves at least 20% of the FLOPs (1.17-1.29x faster on
-            an H100; a whole step 1.10-1.27x faster on a 2-core CPU), the plain form elsewhere (see
-            muonlab.kernels.newton_schulz.AUTO_GRAM_SAVING). "plain" keeps the bits of
-            torch.optim.Muon's iteration, with two exceptions in the update itself. Tall bf16
+        ns_form: "plain", "gram" (fewer FLOPs on rectangular matrices, see newton_schulz; its
+            iterates are fp16 where the device multiplies fp16 natively, else fp32, never bf16) or
+            "auto": the gram form where it saves at least 20% of the FLOPs and its iterates are no
+            wider than ns_dtype (on a CPU without fp16 matmul, a 16-bit ns_dtype keeps the plain
+            form), the plain form elsewhere; its error stays within 1.5x of the plain form's (see
+            muonlab.kernels.newton_schulz.AUTO_GRAM_SAVING for the time and accuracy measured).
+            "plain" computes torch.optim.Muon's iteration; matrix by matrix it keeps torch's bits,
+            but batched products may round differently (last-bit differences that grow over a
+            run). In the update itself: tall bf16
             parameters (rows > cols) may differ in the last bf16 bit: torch adds its update as a
             transposed view, muonlab as a contiguous tensor, and torch's bf16 ``add_`` rounds the
             two layouts differently. A tensor lr is read as a Python float, so lr * ratio and
