@@ -55,6 +55,10 @@ class _Planned(NamedTuple):
     """GroupKey -> (torch ProcessGroup, this rank's index in it)."""
     owners: dict[int, tuple]
     """Replicated (DDP) parameter index -> (process group, owner's global rank, owned here)."""
+    grads_compared: bool = False
+    """Whether the replicas' gradients were compared across ranks (see ``_check_ranks_agree``):
+    False for a plan made outside a step, or where a gradient was not finite; the next step that
+    uses it compares them then."""
 
 
 def _dist_on() -> bool:
@@ -117,11 +121,21 @@ def _layout(p: torch.Tensor) -> tuple:
             tuple(getattr(p, "placements", ())))
 
 
-def _checksum(p: torch.Tensor) -> tuple[float, float]:
-    """Sum and sum of squares in fp64: equal on replicas (bit-identical tensors), cheap, and
-    different for another tensor of the same shape (another init, another layer)."""
-    t = local_shard(p).detach().double()
-    return float(t.sum()), float(t.square().sum())
+def _checksums(tensors: list[torch.Tensor | None]) -> list[tuple[float, float] | None]:
+    """Each tensor's (local shard's) sum and sum of squares in fp64, None for None: equal on
+    replicas (bit-identical tensors, of any float dtype), cheap, and different for another tensor
+    of the same shape (another init, another layer, a gradient of other data). Read to the host
+    once per device (on a GPU one synchronisation, not two per tensor)."""
+    pairs: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
+    for k, x in enumerate(tensors):
+        if x is not None:
+            t = local_shard(x).detach().double()
+            pairs.setdefault(t.device, []).append((k, torch.stack((t.sum(), t.square().sum()))))
+    out: list[tuple[float, float] | None] = [None] * len(tensors)
+    for items in pairs.values():
+        for (k, _), values in zip(items, torch.stack([pair for _, pair in items]).tolist()):
+            out[k] = tuple(values)
+    return out
 
 
 class Muon(Optimizer):
@@ -201,7 +215,10 @@ class Muon(Optimizer):
             one chunk per distinct chunk shape, held between steps. Ignored on CPU.
         process_group: the group replicated (plain-tensor, DDP) parameters are divided over;
             default: the default group when torch.distributed runs with more than one rank.
-            DTensor parameters always use their own mesh.
+            DTensor parameters always use their own mesh. Replicas must hold equal weights and
+            equal (DDP-averaged) gradients; both are compared when a plan is made (see
+            ``_check_ranks_agree``). For a model per rank, each trained on its own data, give
+            each rank a group of its own (``dist.new_group([rank])``).
         comm_dtype: dtype of matrices on the wire: bf16, or fp32 for exact parity (not fp16:
             momentum travels before it is normalised, and fp16's range can't hold it).
         remainder_path: "auto", "all_to_all" or "agrs" for row-sharded batches of fewer than W
@@ -665,7 +682,7 @@ class Muon(Optimizer):
         if check_group is not None:
             self._agreement.check(check_group, self._step_description(work))
         indices = self._muon_indices(work["muon"])
-        planned = self._plan_for(indices) if indices else None
+        planned = self._plan_for(indices, stepping=True) if indices else None
         if planned and (planned.owners or self._replica_home):  # moves values, changes none: safe before the check
             t0 = self._tracer.mark()
             if planned.owners:
@@ -841,13 +858,16 @@ class Muon(Optimizer):
             return self.process_group
         return dist.group.WORLD if _dist_on() and dist.get_world_size() > 1 else None
 
-    def _plan_for(self, indices: tuple[int, ...], collective: bool = True) -> "_Planned":
+    def _plan_for(self, indices: tuple[int, ...], collective: bool = True, stepping: bool = False) -> "_Planned":
         """The plan for these Muon parameters. Cached: it depends only on metadata and on the
         settings below (part of the key, so changing one re-plans).
 
         A new plan is first checked against the other ranks' and its sub-groups made, both
         collectives. ``collective=False`` (``plan()``, which one rank may call alone) skips them
-        and leaves the plan uncached, so the step still checks it."""
+        and leaves the plan uncached, so the step still checks it. ``stepping``: called by a step,
+        whose gradients (all present) are compared too; a plan made outside a step
+        (consolidate_state, release_unowned_state: gradients there need not be a step's) has
+        them compared by the first step that uses it, in one more exchange of the same check."""
         entries = self._muon_entries()
         # one config per group (settings may change between steps, so made anew each step)
         by_group = {id(g): self._ns_config(g) for g in self.param_groups if g["algorithm"] == "muon"}
@@ -869,8 +889,9 @@ class Muon(Optimizer):
                 specs.append(spec)
                 if spec.group not in groups:
                     groups[spec.group] = process_group_for(p, spec, replicate)
+            compared = False
             if collective:  # before planning: disagreeing ranks can't plan alike
-                self._check_ranks_agree(specs, configs, [entries[i][1] for i in indices])
+                compared = self._check_ranks_agree(specs, configs, [entries[i][1] for i in indices], grads=stepping)
             plan = plan_batches(
                 specs, configs, comm_itemsize=torch.empty(0, dtype=self.comm_dtype).element_size(),
                 remainder_path=self.remainder_path, strategy=self.strategy, profile=self.hardware_profile,
@@ -886,34 +907,65 @@ class Muon(Optimizer):
                     pg, me = groups[b.group]
                     owners.update({i: (pg, dist.get_global_rank(pg, o), o == me)
                                    for i, o in zip(b.param_indices, b.owners)})
-            planned = _Planned(plan, {s.index: s for s in specs}, groups, owners)
+            planned = _Planned(plan, {s.index: s for s in specs}, groups, owners, compared)
             if not collective:
                 return planned
             self._plans[cache_key] = planned
+        elif stepping and not self._plans[cache_key].grads_compared:  # (the cache is alike on every rank)
+            planned = self._plans[cache_key]
+            compared = self._check_ranks_agree([planned.specs[i] for i in indices], configs,
+                                               [entries[i][1] for i in indices], grads=True)
+            self._plans[cache_key] = planned._replace(grads_compared=compared)
         return self._plans[cache_key]
 
-    def _check_ranks_agree(self, specs: list[MatrixSpec], configs: tuple, params: list[torch.Tensor]) -> None:
+    def _check_ranks_agree(self, specs: list[MatrixSpec], configs: tuple, params: list[torch.Tensor],
+                           grads: bool = False) -> bool:
         """Every rank must plan the same matrices, or collectives would pair up wrongly and hang.
         (Every step first compares what each rank is about to do, see muonlab.optim.agreement;
         this check, on a new plan only, adds each spec's layout and the replicas' checksums.)
 
         One all_gather_object, once per new plan, of (name, global shape, layout, settings) per
-        parameter, and a checksum of each replicated (plain-tensor) one: a plain tensor under a
+        parameter, and checksums of each replicated (plain-tensor) one: a plain tensor under a
         multi-rank group is taken as a replica (DDP), updated from one owner's result, so replicas
         that differ (independent models per rank, parameters listed in another order) would
         silently train wrong. The workspace budget too: it groups matrices into batches. A
         mismatch is a ValueError naming the ranks and the parameter (or the budgets).
+
+        ``grads`` (a step's plan, every gradient present): the replicas' gradients are compared
+        in the same exchange. Equal weights with different gradients are a model without DDP
+        given each rank's own data: each matrix would take its owner rank's update everywhere,
+        the replicas staying equal, each matrix trained on one rank's data, with no error. DDP's
+        all-reduced gradients are bit-identical on every rank (fp32 or bf16 alike: the checksums
+        are exact fp64 sums), so they pass. A gradient with an inf or NaN on some rank is left to
+        the non-finite check (skip or raise); that parameter's gradients are compared by the
+        next step using this plan (while steps are skipped, each repeats the exchange). Only a
+        new plan is checked (the first step, and a change of the layout, the settings or the set
+        of parameters with gradients): gradients that diverge only at a later step (data
+        parallelism switched off mid-run, a rank skipping the all-reduce) are not caught, since
+        comparing them at every step would put a collective that exists only to check into the
+        steady-state step (see DESIGN.md, Two phases). The cost, once per plan: each replica's
+        gradient summed in fp64 and 16 bytes per replica more in the exchange. Measured at 2 gloo
+        ranks sharing 2 CPU cores under DDP: the tests' small GPT (8 matrices, 14k elements)
+        +0.2 ms on a first step of 17 ms; 16 matrices of 3.1M elements +4 to 6 ms (the sums) on
+        one of 250 ms. A DDP or FSDP2 run plans once; plans are cached per key, so only a plan
+        setting that takes a new value at every step (a schedule of ns_steps or eps) would pay
+        this at every step.
+
+        Returns whether nothing is left to compare: False where the gradients were not compared
+        (``grads`` False, or a gradient not finite on some rank) for some replicated parameter.
         """
         group = self._check_group()  # the ranks that step together (a group of one: nothing to compare)
         if group is None or dist.get_world_size(group) == 1:
-            return
+            return True
         mine = [(s.name, s.shape, s.layout, s.num_fused, c, s.view) for s, c in zip(specs, configs)]
-        sums = [_checksum(p) if s.layout == "replicated" else None for s, p in zip(specs, params)]
+        replicas = [s.layout == "replicated" for s in specs]
+        sums = _checksums([p if r else None for r, p in zip(replicas, params)])
+        grad_sums = _checksums([p.grad if r and grads else None for r, p in zip(replicas, params)])
         everyone = [None] * dist.get_world_size(group)
-        dist.all_gather_object(everyone, (mine, sums, self._ns_runner().budget_bytes), group=group)
+        dist.all_gather_object(everyone, (mine, sums, grad_sums, self._ns_runner().budget_bytes), group=group)
         ranks = dist.get_process_group_ranks(group)
-        first, first_sums, first_budget = everyone[0]
-        for rank, (theirs, their_sums, their_budget) in zip(ranks, everyone):
+        first, first_sums, first_grad_sums, first_budget = everyone[0]
+        for rank, (theirs, their_sums, _, their_budget) in zip(ranks, everyone):
             if their_budget != first_budget:  # it groups matrices into batches: plans would differ
                 raise ValueError(f"ranks disagree on the Newton-Schulz workspace budget: rank {ranks[0]} has "
                                  f"{first_budget} bytes, rank {rank} has {their_budget}; pass the same "
@@ -934,6 +986,28 @@ class Muon(Optimizer):
                         "several ranks is taken as a replica (DDP). Wrap the model in DDP or FSDP2 "
                         "(muonlab.distributed.parallelize) so replicas start equal, or give a model of "
                         "its own to each rank with process_group=dist.new_group([rank])")
+        if not grads:
+            return not any(replicas)
+        compared = True
+        for k, (spec, replica) in enumerate(zip(specs, replicas)):
+            if not replica:
+                continue
+            theirs = [entry[2][k] for entry in everyone]
+            if not all(pair is not None and math.isfinite(pair[0]) and math.isfinite(pair[1]) for pair in theirs):
+                compared = False  # the non-finite check's (the step skips or raises); compared next step
+                continue
+            differ = [rank for rank, pair in zip(ranks, theirs) if pair != first_grad_sums[k]]
+            if differ:
+                raise ValueError(
+                    f"replicated parameter {spec.name!r} of shape {spec.shape} has equal weights but a different "
+                    f"gradient on rank(s) {', '.join(map(str, differ))} than on rank {ranks[0]} (gradient "
+                    f"checksums {first_grad_sums[k]} vs {theirs[ranks.index(differ[0])]}): a plain tensor under a "
+                    "process group of several ranks is taken as a replica (DDP) and updated everywhere from its "
+                    "owner rank's result, so each matrix would follow one rank's data alone. For data-parallel "
+                    'training wrap the model in DDP (muonlab.distributed.parallelize(model, "ddp")), which '
+                    "averages the gradients before the step; for a model per rank trained on its own data, "
+                    "give each rank's optimizer process_group=dist.new_group([rank])")
+        return compared
 
     def plan(self) -> list[BatchPlan]:
         """One record per batch (names, shape, path, ranks, bytes, FLOPs), from global metadata only."""
@@ -1124,7 +1198,7 @@ class Muon(Optimizer):
         (``_part_of``), so the stages below never see the rest of the bank.
         """
         entries = self._muon_entries()
-        plan, specs, groups, owners = planned
+        plan, specs, groups, owners = planned.plan, planned.specs, planned.groups, planned.owners
         # (parameter index, its batch) whose momentum buffer (part) is written at the gate
         deferred: list[tuple[int, BatchPlan]] = []
         before_gate = gate is not None  # until the gate passes, momentum buffers are only read

@@ -1,14 +1,17 @@
 """Workers for test_replicas.py: replicated (DDP) Muon matrices whose owner changes between
-steps keep their momentum (it follows the owner), and plan() called on one rank alone, or a
-process group of one rank per model, runs no collective with the others."""
+steps keep their momentum (it follows the owner), plan() called on one rank alone, or a
+process group of one rank per model, runs no collective with the others, and a small GPT
+trained on each rank's own data without DDP (refused), under DDP, or per rank in its own group."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-from muonlab import Muon
+from muonlab import Muon, muon_param_groups
 from muonlab.optim.muon import MOMENTUM_MOVE
+
+from ._common import DTYPES, SMALL_GPT, build_gpt, rank_rows, shifted, token_batches
 
 SHAPES = {"big": (8, 8), "p1": (4, 4), "p2": (4, 4)}
 STEPS = 4
@@ -175,3 +178,130 @@ def switch_strategy(at: int) -> dict:
             p.grad = g[n].clone() if has_grad(n, step) else None
         opt.step()
     return dict(params={n: p.detach().clone() for n, p in ps.items()})
+
+
+# ---------------------------------------------------------------- replicas trained on different data
+
+GPT_HYPER = dict(lr=0.02, momentum=0.9, weight_decay=0.01, ns_dtype=torch.float32, comm_dtype=torch.float32)
+GPT_STEPS = 2
+
+
+def _gpt(precision: str):
+    return build_gpt(**SMALL_GPT).to(DTYPES[precision])  # one seed: equal weights on every rank
+
+
+def rank_batches(rank: int, steps: int = GPT_STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``rank``'s rows of deterministic global batches: each rank's own data."""
+    return [shifted(rank_rows(b, rank)) for b in token_batches(7, 2, SMALL_GPT["context"] + 1, steps)]
+
+
+def _snapshot(model, opt) -> dict:
+    """Every parameter and state value (AdamW's step counts included), and the skip count."""
+    out = {("param", n): p.detach().clone() for n, p in model.named_parameters()}
+    names = {p: n for n, p in model.named_parameters()}
+    for p, state in opt.state.items():
+        for key, value in state.items():
+            out[(names[p], key)] = value.detach().clone() if torch.is_tensor(value) else value
+    out["skipped_steps"] = opt.skipped_steps
+    return out
+
+
+def _equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) if torch.is_tensor(a[k]) else a[k] == b[k]
+                                        for k in a)
+
+
+def forgot_ddp(precision: str, before: str | None = None) -> dict:
+    """A small GPT from one seed on every rank (equal weights), each rank on its own rows, no DDP
+    wrapper, the optimizer under the default group: a user who forgot DDP. ``before`` the step on
+    different data, on the same rows everywhere (equal gradients: legitimate replicas):
+
+    * "step": a step with the first Muon matrix frozen, so the different data arrives with a new
+      plan and state already exists (momentum, AdamW step counts);
+    * "nan": a step whose gradient of the first Muon matrix holds a NaN on the last rank only
+      (skipped); the plan it made has its gradients compared by the next step;
+    * "consolidate": consolidate_state() (no gradients yet), which makes the plan outside a step;
+      the first step compares the gradients.
+
+    Returns the error of the step and whether the parameters, the state and the skip count are as
+    before it, with the Muon matrices' names and shapes."""
+    torch.set_num_threads(1)
+    model = _gpt(precision)
+    opt = Muon(muon_param_groups(model), **GPT_HYPER)
+    names = {p: n for n, p in model.named_parameters()}
+    muon = {names[p]: tuple(p.shape) for g in opt.param_groups if g["algorithm"] == "muon" for p in g["params"]}
+    first = next(p for p in names if names[p] in muon)
+    if before in ("step", "nan"):
+        x, y = rank_batches(0, 1)[0]
+        model(x, y).backward()
+        if before == "step":
+            first.grad = None
+        elif dist.get_rank() == dist.get_world_size() - 1:
+            first.grad.view(-1)[0] = float("nan")
+        opt.step()
+        opt.zero_grad()
+    elif before == "consolidate":
+        opt.consolidate_state()
+    x, y = rank_batches(dist.get_rank())[0]
+    model(x, y).backward()
+    snapshot = _snapshot(model, opt)
+    try:
+        opt.step()
+        error = None
+    except ValueError as err:
+        error = str(err)
+    return dict(error=error, unchanged=_equal(snapshot, _snapshot(model, opt)), muon=muon, state=len(opt.state),
+                skipped=opt.skipped_steps)
+
+
+def forgot_ddp_runs(cases) -> dict:
+    """forgot_ddp for each (precision, before) in one launch (a refused step leaves the group usable)."""
+    return {case: forgot_ddp(*case) for case in cases}
+
+
+def with_ddp(precision: str) -> dict:
+    """forgot_ddp's run under parallelize(model, "ddp"): all-reduced, bit-identical gradients pass
+    the check. The parameters after GPT_STEPS steps."""
+    from muonlab.distributed import parallelize
+
+    torch.set_num_threads(1)
+    model, inner, _ = parallelize(_gpt(precision), "ddp")
+    opt = Muon(muon_param_groups(inner), **GPT_HYPER)
+    for x, y in rank_batches(dist.get_rank()):
+        model(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach().clone() for n, p in inner.named_parameters()}
+
+
+def with_ddp_runs(precisions) -> dict:
+    return {precision: with_ddp(precision) for precision in precisions}
+
+
+def single_process_global(precision: str) -> dict:
+    """with_ddp's reference: one process on both ranks' rows together."""
+    model = _gpt(precision)
+    opt = Muon(muon_param_groups(model), **GPT_HYPER)
+    for (x0, y0), (x1, y1) in zip(rank_batches(0), rank_batches(1)):
+        model(torch.cat([x0, x1]), torch.cat([y0, y1])).backward()
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def model_per_rank(alone: bool = False) -> dict:
+    """forgot_ddp's run with process_group=dist.new_group([rank]) (``alone``: in one process, no
+    group): each rank trains its own model on its own rows. The parameters after GPT_STEPS steps;
+    in one process, those of rank 0's and rank 1's rows."""
+    torch.set_num_threads(1)
+    out = {}
+    for rank in ((0, 1) if alone else (dist.get_rank(),)):
+        group = None if alone else [dist.new_group([r]) for r in range(dist.get_world_size())][rank]
+        model = _gpt("fp32")
+        opt = Muon(muon_param_groups(model), process_group=group, **GPT_HYPER)
+        for x, y in rank_batches(rank):
+            model(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+        out[rank] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return out

@@ -1,6 +1,7 @@
 """Replicated (DDP) Muon matrices across steps whose owners change, calls that must not involve
-the other ranks (muonlab.optim.muon: _relocate_momentum, plan(), process_group), and gradients
-laid out unlike their parameters."""
+the other ranks (muonlab.optim.muon: _relocate_momentum, plan(), process_group), gradients
+laid out unlike their parameters, and replicas given different gradients (a model without DDP
+on each rank's own data: _check_ranks_agree)."""
 
 import math
 
@@ -10,6 +11,7 @@ import torch
 from muonlab.distributed import launch
 
 from . import _workers_replicas as W
+from ._common import rel_displacement
 
 
 @pytest.mark.timeout(300)
@@ -121,3 +123,53 @@ def test_a_gradient_laid_out_unlike_its_parameter_is_refused_by_name(kind, place
         assert out["error"] and re.search(rf"parameter 'w' of shape \(6, 4\) has a gradient with placements "
                                           rf"{placements}", out["error"]), (rank, out)
         assert out["unchanged"], rank
+
+
+@pytest.mark.timeout(300)
+def test_replicas_with_different_gradients_are_refused_by_name_before_anything_changes():
+    """Forgot DDP: equal weights, each rank its own data, plain tensors under the default group.
+    Each matrix took its owner rank's update on every rank, both ranks ended equal and 6e-4 to
+    2.2e-2 away from training alone, with no error. The plan's checksum exchange compares the
+    replicas' gradients too, fp32 and bf16 ones, on a fresh optimizer and after a step with equal
+    gradients (state and AdamW step counts exist when the new plan refuses); a plan made outside
+    a step (consolidate_state) or whose gradients held a NaN (skipped) is compared by the next
+    step."""
+    import re
+
+    cases = [("fp32", None), ("bf16", None), ("fp32", "step"), ("fp32", "nan"), ("fp32", "consolidate")]
+    results = launch(W.forgot_ddp_runs, 2, cases, timeout_s=120)
+    for case in cases:
+        errors = {rank: out[case]["error"] for rank, out in results.items()}
+        assert errors[0] and errors[0] == errors[1], (case, errors)
+        m = re.match(r"replicated parameter '([\w.]+)' of shape (\(\d+, \d+\)) has equal weights but a different "
+                     r"gradient on rank\(s\) 1 than on rank 0", errors[0])
+        assert m and str(results[0][case]["muon"][m[1]]) == m[2], (case, errors[0])
+        assert 'parallelize(model, "ddp")' in errors[0] and "process_group=dist.new_group([rank])" in errors[0]
+        for rank, out in results.items():
+            assert out[case]["unchanged"], (case, rank)
+            assert (out[case]["state"] > 0) == (case[1] in ("step", "consolidate")), (case, rank)
+            assert out[case]["skipped"] == (case[1] == "nan"), (case, rank)
+
+
+@pytest.mark.timeout(300)
+def test_replicas_under_ddp_pass_the_gradient_check():
+    """The same run under parallelize(model, "ddp"): gradients all-reduced, bit-identical on every
+    rank (fp32 and bf16), so the check passes and the replicas train as one process on all rows."""
+    results = launch(W.with_ddp_runs, 2, ("fp32", "bf16"), timeout_s=120)
+    for precision in ("fp32", "bf16"):
+        got = [out[precision] for out in results.values()]
+        assert all(torch.equal(got[0][n], got[1][n]) for n in got[0]), precision
+    start = {n: p.detach().clone() for n, p in W._gpt("fp32").named_parameters()}
+    assert rel_displacement(results[0]["fp32"], W.single_process_global("fp32"), start) <= 1e-5
+
+
+@pytest.mark.timeout(300)
+def test_a_model_per_rank_under_its_own_group_trains_on_its_own_data():
+    """process_group=dist.new_group([rank]), the other way the error suggests: each rank trains
+    independently, as one process on its rows alone."""
+    alone = W.model_per_rank(alone=True)
+    results = launch(W.model_per_rank, 2, timeout_s=120)
+    for rank, out in results.items():
+        for n, p in out[rank].items():
+            torch.testing.assert_close(p, alone[rank][n], rtol=1e-5, atol=1e-5, msg=f"{n} on rank {rank}")
+    assert not all(torch.equal(alone[0][n], alone[1][n]) for n in alone[0])
