@@ -200,12 +200,16 @@ def top_singular_values(mats: list[torch.Tensor], vecs: list[torch.Tensor], iter
         if betas[i]:
             b = torch.stack(betas[i], 1)
             t = t + torch.diag_embed(b, 1) + torch.diag_embed(b, -1)
-        values, vectors = torch.linalg.eigh(t.double())
+        t = t.double()
+        # a matrix with inf or NaN (a diverged run) has no spectrum: NaN, where eigh would raise
+        broken = ~torch.isfinite(t).all(dim=2).all(dim=1)
+        values, vectors = torch.linalg.eigh(torch.where(broken[:, None, None], torch.zeros_like(t), t))
         ritz = torch.bmm(vectors[:, :, -1:].mT.to(v.dtype), torch.stack(basis[i], 1)).squeeze(1)
         norm = ritz.norm(dim=1, keepdim=True)
-        sigmas.append(values[:, -1].clamp_min(0).sqrt().to(v.dtype))
+        top = values[:, -1].clamp_min(0).sqrt()
+        sigmas.append(torch.where(broken, torch.full_like(top, math.nan), top).to(v.dtype))
         # a top Ritz value of 0 (a zero matrix) has no direction: its eigenvector may be a restart vector
-        found = (values[:, -1:] > 0) & (norm > 0)
+        found = (values[:, -1:] > 0) & (norm > 0) & ~broken.unsqueeze(1)
         out.append(torch.where(found, ritz / norm.clamp_min(1e-30), v))
     return sigmas, out
 
