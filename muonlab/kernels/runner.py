@@ -8,6 +8,9 @@ matrix needs), runs each chunk into the same reused workspace, and writes each r
 the batch's output. With ``graphs=True`` (CUDA only) each chunk shape's chain is captured once in a
 CUDA graph and replayed: a step's Newton-Schulz then costs one launch per chunk instead of three
 per iteration, which matters below width ~4096 where eager launches leave the GPU waiting.
+
+Every chunk's output passes ``health`` (muonlab.kernels.health): while a step records, each
+matrix's Frobenius norm against sqrt(min(m, n)) is counted on the device, with no host read.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from dataclasses import replace
 
 import torch
 
+from .health import UpdateHealth
 from .newton_schulz import (NSConfig, Overwrite, batch_pieces, form_for, gram_work_dtype, load_pieces, newton_schulz,
                             pick_backend, possible_backends, resolve_dtype, store_pieces)
 from .workspace import Workspace, max_batch_matrices
@@ -136,6 +140,8 @@ class NewtonSchulzRunner:
         self.graphs = graphs
         self.workspace = Workspace()
         self._graphed: dict[tuple, _Graphed] = {}
+        self.health = UpdateHealth()
+        """Counts the orthogonalized matrices that are not sane, per step (``UpdateHealth``)."""
 
     def chunk_size(self, shape: tuple[int, int], dtype: torch.dtype, reuses_input: bool = False,
                    cfg: NSConfig | None = None, device: torch.device | str | None = None,
@@ -163,6 +169,7 @@ class NewtonSchulzRunner:
                     self._graph_for(chunk, chunk_cfg, dtype)(chunk, dest)
                 else:
                     newton_schulz(chunk, chunk_cfg, workspace=self.workspace, out=dest)
+                self.health.observe(dest)
         if out is None:
             return mats
         return out.view(mats.shape) if isinstance(mats, torch.Tensor) else out
@@ -213,7 +220,8 @@ class NewtonSchulzRunner:
         return self.workspace.nbytes + graphed
 
     def __getstate__(self):
-        return dict(budget_bytes=self.budget_bytes, graphs=self.graphs)  # buffers and graphs are scratch
+        # buffers, graphs and the health counters are scratch
+        return dict(budget_bytes=self.budget_bytes, graphs=self.graphs)
 
     def __setstate__(self, state):
         self.__init__(state["budget_bytes"], graphs=state["graphs"])

@@ -683,6 +683,9 @@ class Muon(Optimizer):
             self._agreement.check(check_group, self._step_description(work))
         indices = self._muon_indices(work["muon"])
         planned = self._plan_for(indices, stepping=True) if indices else None
+        runner = self._ns_runner() if planned else self._runner
+        if runner is not None:  # count this step's unhealthy updates, on the device (see last_step_stats)
+            runner.health.begin_step()
         if planned and (planned.owners or self._replica_home):  # moves values, changes none: safe before the check
             t0 = self._tracer.mark()
             if planned.owners:
@@ -738,8 +741,10 @@ class Muon(Optimizer):
         when read (on CUDA, reading them synchronises)."""
         self._stats = dict(bytes_sent=dict(counter.sent), bytes_recv=dict(counter.recv), calls=dict(counter.calls),
                            seconds=None, skipped=skipped, skipped_steps=self.skipped_steps, **nonfinite,
-                           nonfinite_seconds=seconds or None)
+                           nonfinite_seconds=seconds or None, unhealthy_updates=None, worst_update_ratio=None)
         self._stats_tracer = self._tracer
+        if self._runner is not None:  # a skipped step applied nothing: its updates are not counted
+            (self._runner.health.drop_step if skipped else self._runner.health.end_step)()
 
     def _step_description(self, work: dict[str, list]) -> list[tuple]:
         """What this rank is about to do, for muonlab.optim.agreement: each parameter with a
@@ -878,6 +883,8 @@ class Muon(Optimizer):
         cache_key = (indices, configs, layouts, self.comm_dtype, self.strategy, self.remainder_path,
                      self.hardware_profile)
         if cache_key not in self._plans:
+            if self._runner is not None:  # a new plan is made outside the hot step: the place to read them
+                self._runner.health.warn_unread(" (read when making a new plan)")
             for i in indices:  # still a matrix Muon can update (it may have changed since construction)
                 self._check_param(entries[i][1], "muon")
             replicate = self._replicate_group()
@@ -1025,9 +1032,25 @@ class Muon(Optimizer):
         CUDA they are GPU time, and the first read after a step synchronises the device once.
         ``nonfinite_seconds``: the non-finite check's host seconds, "check" (its start: the fused
         pass, the flags' exchange launched) and "wait" (for the flags, at the commit point); None
-        when off."""
+        when off.
+
+        ``unhealthy_updates``: how many of the matrices this rank orthogonalized in the step have a
+        Frobenius norm above 1.5 x sqrt(min(m, n)) or not finite (an orthogonal factor's is at
+        most sqrt(min(m, n)); Newton-Schulz's with the shipped coefficients about 1.2x that at
+        most), and ``worst_update_ratio`` the largest norm / sqrt(min(m, n)) of the step's matrices
+        (None: no matrix; NaN: one was NaN); 0 and None for a skipped step (muonlab.kernels.health).
+        They are counted on the device during the step and read here (one synchronisation on
+        CUDA). When a completed step since the last read flagged a matrix, reading them (or
+        making a new plan, e.g. after a setting changed) also gives one RuntimeWarning naming
+        how many and the worst ratio, with settings to try."""
         if self._stats.get("seconds", {}) is None:
             self._stats["seconds"] = self._phase_seconds()
+        if self._stats and self._stats.get("unhealthy_updates", 0) is None:
+            report = self._runner.health.last_step() if self._runner is not None else None
+            self._stats["unhealthy_updates"] = report.flagged if report else 0
+            self._stats["worst_update_ratio"] = report.worst if report else None
+        if self._runner is not None:
+            self._runner.health.warn_unread(stacklevel=2)
         return copy.deepcopy(self._stats)
 
     def _phase_seconds(self) -> dict[str, float]:
