@@ -23,7 +23,7 @@ from .comm.planner import REFERENCE_STRATEGIES, plan_batches, reference_plan
 from .comm.records import Plan, per_rank
 from .comm.specs import GroupKey, MatrixSpec, check_view, chunk_sizes, default_view, fused_row_layout
 from .distributed.mesh import MeshAxis
-from .kernels.newton_schulz import NSConfig, ns_flops, resolve_form
+from .kernels.newton_schulz import NSConfig, ns_flops, resolve_dtype, resolve_form
 from .kernels.runner import matrices_within
 from .optim.routing import muon_param_groups
 from .optim.validation import check_comm_dtype, check_workspace_bytes, checked_fused_banks, whole_number
@@ -149,8 +149,9 @@ def simulate(
     fused_banks: dict[str, int] | None = None,
     matrix_views: dict[str, str] | None = None,
     workspace_bytes: int | None = None,
-    ns_dtype: torch.dtype = torch.bfloat16,
+    ns_dtype: torch.dtype | str = torch.bfloat16,
     ns_backend: str = "torch",
+    device: torch.device | str | None = None,
 ) -> Plan:
     """The plan (records as ``Muon.plan()``) for these Muon matrices on a mesh.
 
@@ -163,7 +164,7 @@ def simulate(
         strategy: "muonlab", or a reference strategy: "padded_all_to_all", "xtuner".
         profile: hardware profile name or HardwareProfile (path choice under "auto").
         ns_form: "plain", "gram", or "auto" (Muon's default: the gram form where it saves 20% of
-            the FLOPs), as Muon's ``ns_form``.
+            the FLOPs and runs no wider than ``ns_dtype``), as Muon's ``ns_form``.
         fused_banks: {name: E} for 2-D parameters stacking E matrices on dim 0 (as in Muon).
         matrix_views: {name: view} overriding a parameter's matrix view (as in Muon).
         workspace_bytes: Muon's Newton-Schulz budget per rank, which splits buckets of whole
@@ -175,12 +176,17 @@ def simulate(
             matrices per local batch, as Muon(ns_backend="triton") plans on a GPU. Muon's "auto"
             picks per batch shape from timings taken on the device itself, which a simulation
             doesn't have: pass the backend it chose ("torch" off CUDA).
+        device: the device the run is on, for the choices that follow it as Muon's do
+            (``ns_dtype="auto"``, and where ``ns_form="auto"`` keeps the plain form: a 16-bit
+            dtype on a CPU without fp16 matmul); None: a GPU's. A plan to compare with a run
+            passes the run's device (its workers' ``rank_device()``) and its ``ns_dtype``.
     """
     if strategy not in SIMULATED_STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; choose one of {SIMULATED_STRATEGIES}")
     check_workspace_bytes(workspace_bytes)
     check_comm_dtype(comm_dtype)  # as Muon checks them
     NSConfig(dtype=ns_dtype)
+    compute_dtype = resolve_dtype(ns_dtype, device if device is not None else "cuda")
     if ns_backend not in SIMULATED_BACKENDS:
         raise ValueError(f"simulate's ns_backend must be one of {SIMULATED_BACKENDS}, got {ns_backend!r}"
                          + ("; 'auto' is timed on the device itself: pass the backend it chose"
@@ -202,13 +208,14 @@ def simulate(
     if isinstance(params_or_shapes, torch.nn.Module):  # a run batches each dtype apart
         dtypes = {name: str(p.dtype) for name, p in params_or_shapes.named_parameters()}
         specs = [dataclasses.replace(s, dtype=dtypes[s.name]) for s in specs]
-    configs = [NSConfig(steps=ns_steps, **resolve_form(ns_form), backend=ns_backend)] * len(specs)
+    form = resolve_form(ns_form, compute_dtype, device)
+    configs = [NSConfig(steps=ns_steps, **form, backend=ns_backend)] * len(specs)
     itemsize = torch.empty(0, dtype=comm_dtype).element_size()
     if strategy == "muonlab":
         limit = None
         if workspace_bytes is not None:  # what Muon._max_local_matrices gives a run with this budget
             def limit(shape, cfg):
-                return matrices_within(workspace_bytes, shape, ns_dtype, cfg, reuses_input=True)
+                return matrices_within(workspace_bytes, shape, compute_dtype, cfg, reuses_input=True)
         return plan_batches(specs, configs, comm_itemsize=itemsize, remainder_path=remainder_path, profile=profile,
                             max_local_matrices=limit)
     return reference_plan(strategy, specs, configs, comm_itemsize=itemsize)

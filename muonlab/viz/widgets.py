@@ -48,12 +48,14 @@ def plot_val_loss_vs_time(histories: dict, *, ax=None, title: str = "validation 
 
 def muon_trainer(cfg: GPTConfig, *, steps: int, batch_size: int = 16, seed: int = 0,
                  eval_every: int = 0, eval_batches: int = 4, adamw_lr: float = 3e-3,
-                 progress: bool = True, **muon_kwargs) -> Callable[..., History]:
+                 progress: bool = True, spectral_every: int = 0, **muon_kwargs) -> Callable[..., History]:
     """A callback ``run(lr, momentum, ns_steps, ns_coefficients) -> History`` for ``training_panel``.
 
     Every call trains a fresh ``GPT(cfg)`` from the same seed on the same batches, so two calls
     differ only in the optimizer settings. ``progress`` shows ``train``'s tqdm bar while it runs
-    (inside the panel when the panel calls it). Extra keyword arguments go to ``Muon`` (e.g. ns_dtype).
+    (inside the panel when the panel calls it); ``spectral_every`` records spectra into
+    ``History.spectral`` as ``train`` does (``muonlab.run_checks`` reads them). Extra keyword
+    arguments go to ``Muon`` (e.g. ns_dtype).
     """
 
     def run(lr: float, momentum: float, ns_steps: int, ns_coefficients: str) -> History:
@@ -64,7 +66,7 @@ def muon_trainer(cfg: GPTConfig, *, steps: int, batch_size: int = 16, seed: int 
         opt = make_optimizer("muon", model, lr=lr, adamw_lr=adamw_lr, momentum=momentum,
                              ns_steps=int(ns_steps), ns_coefficients=ns_coefficients, **muon_kwargs)
         return train(model, opt, steps=steps, batch_size=batch_size, seed=seed, eval_every=eval_every,
-                     eval_batches=eval_batches, progress=progress, desc="muon")
+                     eval_batches=eval_batches, progress=progress, desc="muon", spectral_every=spectral_every)
 
     return run
 

@@ -443,3 +443,28 @@ def test_simulate_plans_a_model_of_two_dtypes_as_its_run_does_and_checks_options
     for field, value in [("intra_bw", 0), ("matmul_flops", float("nan")), ("latency_s", -1.0), ("ranks_per_node", 0)]:
         with pytest.raises(ValueError, match=field):
             HardwareProfile(**{**good, field: value})
+
+
+def test_simulate_for_a_device_plans_the_forms_and_flops_a_run_there_takes(monkeypatch):
+    """simulate(device=...) follows a run's device as Muon does: "auto" dtype, and the plain form
+    where the gram form would iterate wider than a 16-bit dtype (a CPU without fp16 matmul)."""
+    import importlib
+
+    import torch
+
+    import muonlab
+    from muonlab.simulate import simulate
+
+    ns = importlib.import_module("muonlab.kernels.newton_schulz")
+    shapes = [("wide", (16, 64)), ("tall", (96, 32)), ("square", (32, 32))]
+    for native_fp16 in (False, True):
+        monkeypatch.setattr(ns, "native_fp16_matmul", lambda device: native_fp16)
+        for dtype in (torch.bfloat16, torch.float32, "auto"):
+            params = [(n, torch.nn.Parameter(torch.randn(s))) for n, s in shapes]
+            opt = muonlab.Muon(params, ns_dtype=dtype)
+            sim = simulate(shapes, 1, ns_dtype=dtype, device="cpu")
+            assert [(b.names, b.flops) for b in sim] == [(b.names, b.flops) for b in opt.plan()], (native_fp16, dtype)
+    # without a device: a GPU's rule (the gram form on the rectangular shapes in bf16)
+    monkeypatch.setattr(ns, "native_fp16_matmul", lambda device: device is None or torch.device(device).type != "cpu")
+    gpu, cpu = simulate(shapes, 1), simulate(shapes, 1, device="cpu")
+    assert sum(sum(b.flops) for b in gpu) < sum(sum(b.flops) for b in cpu)
