@@ -17,10 +17,8 @@ is kept (two vectors take turns, so a step that raises leaves the last one whole
 only when read: ``last_step`` and ``take_unread`` are the host reads (Muon: when its stats are
 read, and when it makes a new plan, outside the hot step), and they synchronise.
 
-On this project's 2-core CPU the check took 1.5-2.0% of a width-256, 4-layer GPT's Muon step
-with bf16 Newton-Schulz and 0.7-0.9% with fp32, by 1 or 2 torch threads
-(benchmarks/results/health.md): the norm reads every output once more, which is about all it
-costs there; on a GPU that read is small against Newton-Schulz's matmuls.
+Its cost is one more read of every output (benchmarks/bench_health.py measures it against a step
+without the check; results in benchmarks/results/health.md).
 """
 
 from __future__ import annotations

@@ -160,7 +160,8 @@ def test_simulated_plan_equals_the_runtime_plan(world_results):
     world, results = world_results
     model = GPT(GPTConfig(**W.GPT_CFG))
     for mode in ("fsdp", "ddp"):
-        sim = simulate(model, world, layout=mode, profile="cpu_gloo", comm_dtype=torch.bfloat16)
+        sim = simulate(model, world, layout=mode, profile="cpu_gloo", comm_dtype=torch.bfloat16,
+                       ns_dtype=torch.bfloat16, device="cpu")  # the workers' (gloo on the CPU)
         runtime = results[0]["gpt"][(mode, "bf16")]["plan"]
         if world == 1:
             assert {row[0] for row in runtime} == {b.path for b in sim} == {"local"}

@@ -139,8 +139,9 @@ def test_simulated_plan_equals_the_runtime_plan(results, case):
 
     ep, num_experts, precision = case
     dtype = W.DTYPES["fp32" if precision == W.PARTS else precision]
-    budget = dict(workspace_bytes=1, ns_dtype=dtype) if precision == W.PARTS else {}
-    sim = simulate(W.build_model(num_experts), (NUM_RANKS // ep, ep), profile="cpu_gloo", comm_dtype=dtype, **budget)
+    budget = dict(workspace_bytes=1) if precision == W.PARTS else {}
+    sim = simulate(W.build_model(num_experts), (NUM_RANKS // ep, ep), profile="cpu_gloo", comm_dtype=dtype,
+                   ns_dtype=dtype, device="cpu", **budget)  # the workers' dtype and device (gloo on the CPU)
     runtime = [row[:4] + row[5:6] + row[7:8] for row in results[0][case]["plan"]]
     assert [(b.path, b.names, b.owners, b.bytes_sent, b.flops, b.part) for b in sim] == runtime
 
