@@ -161,7 +161,9 @@ round next to the configurations; median). "of matmul" is the achieved Newton-Sc
 (`ns_flops` / median time) as a fraction of that rate in the same dtype.
 
 Input: a standard Gaussian matrix per shape (seed 0), {args.steps} steps, `eps=1e-7`, gram form
-with the default `gram_restarts=(2,)`; time includes the cast to the compute dtype and the
+with the default restarts (after iteration 1 when it iterates in fp16, 2 in fp32 and fp64:
+`DEFAULT_GRAM_RESTARTS`; a bf16 compute dtype iterates in fp16 on CUDA, fp32 on a CPU without fp16
+matmul); time includes the cast to the compute dtype and the
 normalisation, as in `newton_schulz`. Orthogonality, in fp64 on the output: singular value range
 (worst matrix of a batch), ||O - U V^T||_F / sqrt(m) against the exact polar factor U V^T of the
 input from an SVD, and ||O O^T - I||_F / sqrt(m) (m = the short side; batch: mean over matrices).

@@ -128,7 +128,8 @@ def main(argv=None) -> None:
         params = [nn.Parameter(p.detach().clone()) for _, p in hidden]
         for p, g in zip(params, grads):
             p.grad = g.clone()
-        flops = sum(ns_flops(p.shape, NSConfig(steps=NS_STEPS, **resolve_form(form))) for p in params)
+        dtype = torch.bfloat16 if dname == "bf16" else torch.float32  # the form "auto" takes follows dtype and device
+        flops = sum(ns_flops(p.shape, NSConfig(steps=NS_STEPS, **resolve_form(form, dtype, "cpu"))) for p in params)
         runs.append(dict(label=label, opt=factory(params), dtype=dname, form=form, flops=flops, times=[]))
 
     probe = MatmulProbe(args.matmul_n)
