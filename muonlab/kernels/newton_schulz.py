@@ -629,7 +629,8 @@ Accuracy. Ten Muon steps on (64, 64), (32, 96), (96, 32), (48, 80), (64, 512) an
 against an fp64 run (tests/unit/test_ns_accuracy.py, every schedule, random and near-rank-2
 gradients): the default's worst relative error is 0.83-1.00x the plain form's in bf16 (the gram
 form in fp16 under the GPU rule) and 0.73-1.25x in fp32; the test holds it within 1.5x. The gram
-form in bf16, as it was until 2026-11-26, was 3.7x as far and unbounded on near-low-rank inputs.
+form in bf16, as it was until 2026-11-26, was 3.6x as far (random gradients, Keller) and 2,200x
+(Polar Express, near-rank-2 gradients: it diverged).
 
 Bits. The plain form computes torch.optim.Muon's iteration; one matrix at a time (a batch of one)
 it gives torch's bits. Batched, the CPU's batched products may round differently from one matrix's
