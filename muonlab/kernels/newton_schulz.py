@@ -388,8 +388,9 @@ negative eigenvalues that each step multiplies by about a^2 until a restart comp
 X (see the module doc). In fp16 a restart after iteration 2 was too late for Polar Express on an
 (8, 200) matrix of condition 1e6 (top singular value 25.7): after iteration 1, as Zhang et al. do,
 every input of tests/kernels/test_bounded.py stays bounded. In fp32 the later restart is the more
-accurate one (10 Muon steps on the shapes of tests/unit/test_ns_accuracy.py: 1.4x the plain form's
-error against 3.3x after iteration 1). For 5 steps both cost the same products."""
+accurate one (10 Muon steps with random gradients and Keller's coefficients, on shapes from 32 x 96
+to 512 x 64, against fp64: 1.4x the plain form's error, against 3.3x after iteration 1). For 5
+steps both cost the same products."""
 
 
 def _checked_restarts(restarts) -> tuple[int, ...]:
