@@ -646,14 +646,14 @@ def resolve_form(form: str, dtype: torch.dtype | str | None = "auto", device: to
     form on shapes where it saves ``AUTO_GRAM_SAVING`` of the FLOPs, the plain form elsewhere. And
     the plain form everywhere where the gram form would iterate in a wider dtype than the compute
     dtype ``dtype`` resolves to on ``device`` (a 16-bit dtype on a CPU without native fp16 matmul:
-    ``gram_work_dtype``), which would make it slower, not faster. Without a device (a plan made
+    ``default_gram_dtype``), which would make it slower, not faster. Without a device (a plan made
     from shapes, ``muonlab.simulate``), the GPU rule."""
     if form not in FORM_CHOICES:
         raise ValueError(f"unknown Newton-Schulz form {form!r} (Muon's ns_form); choose one of {FORM_CHOICES}")
     if form != "auto":
         return dict(form=form)
     compute = resolve_dtype(dtype, device) if device is not None else None
-    if compute in HALF_DTYPES and not native_fp16_matmul(device):
+    if compute is not None and default_gram_dtype(compute, device).itemsize > compute.itemsize:
         return dict(form="plain")
     return dict(form="gram", gram_min_saving=AUTO_GRAM_SAVING)
 
@@ -742,15 +742,19 @@ def native_fp16_matmul(device: torch.device | str | None) -> bool:
     return bool(cpu_flags(FP16_CPU_FLAGS))
 
 
-def gram_work_dtype(cfg: NSConfig, dtype: torch.dtype, device: torch.device | str | None) -> torch.dtype:
-    """The dtype the gram form iterates in for compute dtype ``dtype`` on ``device`` (None: the
-    GPU rule): ``cfg.gram_dtype`` if set; else fp16 for a 16-bit compute dtype where the device
-    multiplies fp16 natively, fp32 where it doesn't; fp32 and fp64 as they are."""
-    if cfg.gram_dtype is not None:
-        return cfg.gram_dtype
+def default_gram_dtype(dtype: torch.dtype, device: torch.device | str | None) -> torch.dtype:
+    """The dtype the gram form iterates in by default for compute dtype ``dtype`` on ``device``
+    (None: the GPU rule): fp16 for a 16-bit compute dtype where the device multiplies fp16
+    natively, fp32 where it doesn't; fp32 and fp64 as they are."""
     if dtype in HALF_DTYPES:
         return torch.float16 if native_fp16_matmul(device) else torch.float32
     return dtype
+
+
+def gram_work_dtype(cfg: NSConfig, dtype: torch.dtype, device: torch.device | str | None) -> torch.dtype:
+    """The dtype the gram form iterates in under ``cfg``: its ``gram_dtype`` if set, else
+    ``default_gram_dtype``."""
+    return cfg.gram_dtype if cfg.gram_dtype is not None else default_gram_dtype(dtype, device)
 
 
 

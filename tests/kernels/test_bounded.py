@@ -59,10 +59,11 @@ def assert_bounded(G: torch.Tensor, names: list[str], **settings) -> None:
 
 
 FORMS = [("plain", None), ("gram", None), ("gram", torch.float16), ("gram", torch.float32)]
+FORM_IDS = ["plain", "gram-auto", "gram-fp16", "gram-fp32"]
 
 
 @pytest.mark.parametrize("coefficients", sorted(PRESETS))
-@pytest.mark.parametrize("form,gram_dtype", FORMS, ids=["plain", "gram-auto", "gram-fp16", "gram-fp32"])
+@pytest.mark.parametrize("form,gram_dtype", FORMS, ids=FORM_IDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64], ids=str)
 @pytest.mark.parametrize("shape", [(64, 256), (256, 64), (8, 200), (48, 48)])
 def test_torch_backend_is_bounded(coefficients, form, gram_dtype, dtype, shape):
@@ -75,7 +76,7 @@ def test_torch_backend_is_bounded(coefficients, form, gram_dtype, dtype, shape):
 
 
 @pytest.mark.parametrize("coefficients", sorted(PRESETS))
-@pytest.mark.parametrize("form,gram_dtype", FORMS, ids=["plain", "gram-auto", "gram-fp16", "gram-fp32"])
+@pytest.mark.parametrize("form,gram_dtype", FORMS, ids=FORM_IDS)
 @pytest.mark.parametrize("source", [torch.bfloat16, torch.float32], ids=str)
 def test_inputs_in_other_dtypes_are_normalised_before_the_cast(coefficients, form, gram_dtype, source):
     # a bf16 or fp32 input scaled past fp16's range (or under its smallest subnormal) must be
@@ -98,7 +99,7 @@ def test_gram_form_refuses_bf16_iterates():
 
 
 @pytest.mark.parametrize("coefficients", sorted(PRESETS))
-@pytest.mark.parametrize("form,gram_dtype", FORMS, ids=["plain", "gram-auto", "gram-fp16", "gram-fp32"])
+@pytest.mark.parametrize("form,gram_dtype", FORMS, ids=FORM_IDS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
 def test_triton_backend_is_bounded(coefficients, form, gram_dtype, dtype):
     # under the interpreter on CPU (set by tests/conftest.py); bf16 tl.dot is wrong there, so bf16
@@ -117,7 +118,7 @@ def test_triton_backend_is_bounded(coefficients, form, gram_dtype, dtype):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 Triton kernels need a GPU (wrong under the interpreter)")
 @pytest.mark.parametrize("coefficients", sorted(PRESETS))
-@pytest.mark.parametrize("form,gram_dtype", FORMS, ids=["plain", "gram-auto", "gram-fp16", "gram-fp32"])
+@pytest.mark.parametrize("form,gram_dtype", FORMS, ids=FORM_IDS)
 def test_triton_backend_is_bounded_in_bf16_on_a_gpu(coefficients, form, gram_dtype):
     inputs = training_like_inputs(256, 768)
     G = torch.stack(list(inputs.values())).to(torch.float32).cuda()
