@@ -17,19 +17,6 @@ while batch i+1's runs (async collectives). A batch without a way back is applie
 without a way out (the local and owner paths) starts only after the previous batch's Newton-Schulz:
 taking its inputs early would overlap nothing and hold two batches' inputs at once.
 
-An optional ``overlap()`` is work of the caller's that needs no result of the step (e.g. starting
-that check): it runs once, right after out(0) and out(1) are issued, so that on a GPU their
-transfer is not queued behind it.
-
-An optional ``gate()`` is the caller's commit point (e.g. the wait for a non-finite flag whose
-all-reduce travelled meanwhile). It runs after [wait out(0), NS(0), back(0)], before anything is
-applied and before batch 2's inputs are taken: ``prepare`` of the batches started before it (0,
-and 1 when it has a way out) must change nothing (the caller commits their momentum once the gate
-passes), and batch 0's outputs are held until then even on a path without a way back. A gate that
-returns False or raises stops the step there; its decision must be the same on every rank, so
-every rank stops at the same point: the collectives in flight (out(1), back(0)) are waited for
-first, so none is left pending and the next step's line up.
-
 Times are the tracer's marks (muonlab.trace): wall clock on CPU, CUDA events on the compute stream
 on a GPU, so nothing here synchronises; ``phase_seconds(tracer)`` reads the totals after the step.
 """
@@ -66,7 +53,6 @@ class BatchRun:
         self._tracer, self._counter = tracer, counter
         self._bytes = {"out": (0, 0), "back": (0, 0)}
         self._item = None
-        self._held = None  # outputs ready but not yet applied (a held batch without a way back)
         self._start = self._back_start = None  # marks: the way out issued, the way back issued
         self.started = self.done = False
 
@@ -89,21 +75,6 @@ class BatchRun:
         self._item = self._advance(None, "out")
         tracer.tally(COMMUNICATION, self._start, tracer.mark())
 
-    def abandon(self) -> None:
-        """Wait for its collective in flight, if any (recorded as its way out or back, like one
-        whose batch goes on: it moved its bytes), then drop the batch without applying it."""
-        tracer = self._tracer
-        t0 = tracer.mark()
-        item, self._item, self._held = self._item, None, None
-        if isinstance(item, Pending):
-            item.wait()
-        self._gen.close()
-        t1 = tracer.mark()
-        tracer.tally(COMMUNICATION, t0, t1)
-        if isinstance(item, Pending):
-            self._record_comm("out" if self._back_start is None else "back", t1)
-        self.done = True
-
     def _record_comm(self, direction: str, end) -> None:
         """The span of the way ``direction`` ("out" or "back"), from its issue to ``end``."""
         sent, recv = self._bytes[direction]
@@ -111,9 +82,8 @@ class BatchRun:
         self._tracer.add(f"comm_{direction}", start, end, path=self.path, batch=self.index,
                          bytes_sent=sent, bytes_recv=recv)
 
-    def compute(self, hold: bool = False) -> None:
-        """Wait for the way out, orthogonalize, issue the way back (or apply, without one; with
-        ``hold``, keep the outputs for ``finish`` instead)."""
+    def compute(self) -> None:
+        """Wait for the way out, orthogonalize, issue the way back (or apply, without one)."""
         tracer = self._tracer
         t0 = tracer.mark()
         mats, self._item = self._item, None
@@ -135,9 +105,7 @@ class BatchRun:
         except StopIteration as done:  # no way back: the outputs are ready
             outputs = done.value
         tracer.tally(COMMUNICATION, self._back_start, tracer.mark())
-        if outputs is not None and hold:
-            self._held = outputs
-        elif outputs is not None:
+        if outputs is not None:
             self._apply_outputs(outputs)
 
     def _apply_outputs(self, outputs: list) -> None:
@@ -147,10 +115,6 @@ class BatchRun:
     def finish(self) -> None:
         """Wait for the way back, then apply this rank's output per parameter of the batch."""
         if self.done:
-            return
-        if self._held is not None:
-            outputs, self._held = self._held, None
-            self._apply_outputs(outputs)
             return
         tracer = self._tracer
         t0 = tracer.mark()
@@ -187,22 +151,16 @@ def execute_plan(
     wire_dtype: torch.dtype,
     tracer: Tracer,
     counter: CommCounter,
-    gate: Callable[[], bool] | None = None,
-    overlap: Callable[[], None] | None = None,
     device: torch.device | None = None,
-) -> bool:
+) -> None:
     """Run every batch of ``plan`` on this rank, recording its spans and communication time in
-    ``tracer`` (read them with ``phase_seconds(tracer)``; the callbacks time themselves). Returns
-    False when ``gate`` stopped the step, else True.
+    ``tracer`` (read them with ``phase_seconds(tracer)``; the callbacks time themselves).
 
     ``groups``: {GroupKey: (torch ProcessGroup, this rank's index in it)} for every batch's group.
     ``prepare(batch)``: this rank's input per parameter of the batch (None where it has none).
     ``apply(batch, outputs)``: consume this rank's orthogonalized output per parameter.
     ``orthogonalize(mats, ns_config)``: Newton-Schulz on what a path yields, a stack of whole
     matrices or a list of pieces (``Overwrite`` pieces take the result in place).
-    ``gate()``: called once, after batch 0's Newton-Schulz (see the module's docstring); False
-    (or an exception, re-raised) stops the step once the collectives in flight have completed.
-    ``overlap()``: called once, behind the first batches' way out, before ``gate``.
     ``device``: where this rank's tensors live (``PathContext.device``).
     """
     runs = []
@@ -211,35 +169,15 @@ def execute_plan(
         runs.append(BatchRun(i, batch, PathContext(pg, group_rank, wire_dtype, device), prepare=prepare,
                              apply=apply, orthogonalize=orthogonalize, tracer=tracer, counter=counter))
     if not runs:
-        if overlap is not None:
-            overlap()
-        return gate is None or gate()
+        return
     runs[0].start()
     for i, run in enumerate(runs):
         following = runs[i + 1] if i + 1 < len(runs) else None
         if following is not None and PATHS[following.path].out_share > 0:
             following.start()  # its way out travels behind this batch's Newton-Schulz
-        if i == 0 and overlap is not None:
-            overlap()
-        run.compute(hold=gate is not None and i == 0)
-        if i == 0 and gate is not None and not _passes(gate, [r for r in runs[:2] if r.started]):
-            return False
+        run.compute()
         if i >= 1:
             runs[i - 1].finish()  # its way back travelled behind this batch's Newton-Schulz
         if following is not None and not following.started:
             following.start()
     runs[-1].finish()
-    return True
-
-
-def _passes(gate: Callable[[], bool], started: list[BatchRun]) -> bool:
-    """Call the gate; if it stops the step (False or an exception), first complete and drop the
-    batches already started."""
-    passed = False
-    try:
-        passed = gate()
-    finally:
-        if not passed:
-            for run in started:
-                run.abandon()
-    return passed

@@ -42,13 +42,10 @@ def muon_momentum_(
     momentum: float,
     nesterov: bool,
     form: str,
-    write_buffers: bool = True,
 ) -> list[torch.Tensor]:
     """Update momentum buffers in place; return the Newton-Schulz inputs (the buffers' dtype,
     grad-shaped), back to back in one new buffer where the buffers share a dtype and device (a
     batch's Newton-Schulz then reads them as one tensor, without a stacking copy).
-    ``write_buffers=False``: the same inputs, the buffers left as they are (a step that may still
-    be skipped; ``momentum_update_`` writes them later, with the same bits).
 
     "ema" (torch.optim.Muon): m <- lerp(m, g, 1 - mu); input lerp(g, m, mu) or m.
     "sum" (Moonlight, Dion): M <- mu M + g; input g + mu M or M.
@@ -64,9 +61,6 @@ def muon_momentum_(
     if not bufs:
         return []
     outs = _packed_like(bufs)
-    if not write_buffers:
-        _inputs_only(outs, grads, bufs, momentum=momentum, nesterov=nesterov, form=form)
-        return outs
     if outs[0].is_cuda:
         _momentum_foreach(outs, _cast_all(grads, bufs), bufs, momentum=momentum, nesterov=nesterov, form=form)
         return outs
@@ -80,19 +74,6 @@ def muon_momentum_(
         else:
             torch.add(g, buf, alpha=momentum, out=o)
     return outs
-
-
-def momentum_update_(grads: Sequence[torch.Tensor], bufs: Sequence[torch.Tensor], *, momentum: float,
-                     form: str) -> None:
-    """``muon_momentum_``'s buffer update alone, with its arithmetic (so its bits): one foreach
-    call per stage on a GPU, a loop over the tensors on a CPU."""
-    if not bufs:
-        return
-    if bufs[0].is_cuda:
-        _update_foreach_(_cast_all(grads, bufs), bufs, momentum, form)
-        return
-    for g, buf in zip(grads, bufs):
-        _update_one_(buf, g.to(buf.dtype), momentum, form)
 
 
 def _cast_all(grads, bufs) -> list[torch.Tensor]:
@@ -114,31 +95,6 @@ def _update_one_(buf: torch.Tensor, g: torch.Tensor, momentum: float, form: str)
         buf.lerp_(g, 1 - momentum)
     else:
         buf.mul_(momentum).add_(g)
-
-
-def _inputs_only(outs, grads, bufs, *, momentum: float, nesterov: bool, form: str) -> None:
-    """``muon_momentum_``'s inputs with the buffers untouched.
-
-    On a CPU each input's place first takes the updated momentum, then the Nesterov input is made
-    from it in place: the loop's own elementwise ops, so its bits, with one pass less than
-    updating copies of the buffers and nothing allocated beyond the inputs. On a GPU the foreach
-    stages run on copies of the buffers: its foreach ops need not round like the per-tensor ops
-    (on a CPU, ``_foreach_mul_`` on bf16 rounds its scalar to bf16 first; ``mul_`` does not), so
-    only the same calls promise the same bits."""
-    if outs[0].is_cuda:
-        _momentum_foreach(outs, _cast_all(grads, bufs), [b.clone() for b in bufs], momentum=momentum,
-                          nesterov=nesterov, form=form)
-        return
-    for o, g, buf in zip(outs, grads, bufs):
-        g = g.to(buf.dtype)
-        if form == "ema":
-            torch.lerp(buf, g, 1 - momentum, out=o)
-        else:
-            torch.mul(buf, momentum, out=o).add_(g)
-        if nesterov and form == "ema":
-            torch.lerp(g, o, momentum, out=o)
-        elif nesterov:
-            torch.add(g, o, alpha=momentum, out=o)
 
 
 def _momentum_foreach(outs, grads, bufs, *, momentum: float, nesterov: bool, form: str) -> None:

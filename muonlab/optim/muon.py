@@ -7,6 +7,7 @@ orthogonalizing them lives in ``muonlab.comm`` (plan + paths). This file only wi
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import time
 from collections.abc import Iterable
@@ -28,8 +29,9 @@ from ..kernels.runner import NewtonSchulzRunner, default_budget
 from ..trace import Span, Tracer
 from . import functional as F
 from . import nonfinite
-from .agreement import Agreement
+from .agreement import Agreement, digest
 from .offload import StateStores
+from .prepared import PreparedStep, group_key, settings_values, step_digest
 from .routing import check_not_flat
 from .validation import (SETTINGS, check_comm_dtype, check_hyperparameters,
                          check_memory_options, checked_fused_banks, fmt_shape, grad_layout_mismatch, is_number,
@@ -234,9 +236,9 @@ class Muon(Optimizer):
         nonfinite: an inf or NaN in any gradient on any rank makes every rank "skip" the step
             (decided together by one exchange of per-rank flags; parameters and state untouched,
             counted in ``skipped_steps`` and ``last_step_stats()``), "raise" a ValueError naming
-            the parameter and rank, or is "ignore"d. The flags travel while the first batches are
-            moved and orthogonalized; nothing is written before they arrive (those batches read
-            their momentum buffers and write them after, see ``_muon_step``).
+            the parameter and rank, or is "ignore"d. The flags travel in the step's one control
+            exchange with the ranks' agreement digest, before anything is written or moved
+            (see ``_control``); on a GPU reading this rank's flag synchronises once per step.
         strategy: "muonlab" (the planner) or "redundant" (every rank gathers and orthogonalizes
             every matrix: the baseline, for benchmarks and parity).
         state_offload: None (state on the parameters' device), "cpu" (momentum and AdamW moments
@@ -317,6 +319,8 @@ class Muon(Optimizer):
         self._names: dict[torch.Tensor, str] = {}
         self._views: dict[str, str] = {}
         self._plans: dict[tuple, tuple] = {}
+        self._prepared: PreparedStep | None = None  # the last prepared step (see step())
+        self._settings_checked: tuple | None = None  # the groups' settings when last checked
         # Muon entry index -> global rank holding a replicated matrix's momentum (see
         # _relocate_momentum); absent: not known yet, found by _resolve_homes at the next step
         self._replica_home: dict[int, int] = {}
@@ -617,11 +621,12 @@ class Muon(Optimizer):
     # ------------------------------------------------------------------ copies
 
     def _copied_state(self) -> dict:
-        # torch's copies drop hooks too; the plan cache holds live process groups and is rebuilt.
+        # torch's copies drop hooks too; the plan cache and the prepared step hold live process
+        # groups and are rebuilt.
         # An instance attribute over a method is a wrapper someone installed (an LR scheduler wraps
         # step, holding a reference to THIS optimizer): a copy keeps its own method
-        return {k: v for k, v in vars(self).items() if k != "_plans" and not k.startswith("_optimizer_")
-                and not callable(getattr(type(self), k, None))}
+        return {k: v for k, v in vars(self).items() if k not in ("_plans", "_prepared")
+                and not k.startswith("_optimizer_") and not callable(getattr(type(self), k, None))}
 
     def __getstate__(self) -> dict:
         """Everything but hooks and the plan cache, so a pickled Muon keeps its settings and names."""
@@ -633,6 +638,8 @@ class Muon(Optimizer):
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)  # also what torch's load_state_dict calls, with state and groups only
         self.__dict__.setdefault("_plans", {})
+        self.__dict__["_prepared"] = None  # made again at the next step (it holds live process groups)
+        self.__dict__.setdefault("_settings_checked", None)
         self.__dict__.setdefault("_replica_home", {})  # pickled before momentum followed its owner
         self.__dict__.setdefault("_agreement", Agreement())  # pickled before the per-step agreement
         if "_tracer" in self.__dict__ and "_spare_tracer" not in self.__dict__:  # pickled before GPU spans
@@ -657,11 +664,21 @@ class Muon(Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        """One step, in the order it runs:
+
+        1. the prepared step (``_prepared_step``): validation, the step's description, the work
+           lists; reused while nothing it depends on changed (``muonlab.optim.prepared``);
+        2. the control exchange (``_control``): every rank about to take the same step, and no
+           gradient non-finite on any rank; both decided before anything is written;
+        3. the plan (``_plan_for``, cached; checked across ranks when new);
+        4. the hot step: momentum moved to the matrices' owners where needed, AdamW, then the
+           Muon batches (``_muon_step``: momentum, paths, Newton-Schulz, update).
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        work = self._collect()  # raises before any state changes
+        prepared = self._prepared_step()  # raises before any state changes
         self._offload.check()  # an offload file truncated or replaced: raise before any read
         if self._tracer is self._stats_tracer:
             # record into the other tracer: if this step raises, the last step's stats can still
@@ -669,72 +686,97 @@ class Muon(Optimizer):
             self._tracer, self._spare_tracer = self._spare_tracer, self._tracer
         self._tracer.reset(self._trace_device())
         counter = CommCounter()
-        seconds: dict[str, float] = {}  # the check's host seconds: start, and the wait for its flags
-        started: list[nonfinite.NonfiniteCheck] = []  # the check, once started
-        check_group = self._check_group()
-
-        def start_check() -> None:
-            if self.nonfinite != "ignore":
-                started.append(self._nonfinite_check(work, check_group, seconds))
-
-        # every rank about to take the same step, then the plan: both may raise (ranks disagree),
-        # and nothing may have changed by then
-        if check_group is not None:
-            self._agreement.check(check_group, self._step_description(work))
-        indices = self._muon_indices(work["muon"])
-        planned = self._plan_for(indices, stepping=True) if indices else None
-        runner = self._ns_runner() if planned else self._runner
-        if runner is not None:  # count this step's unhealthy updates, on the device (see last_step_stats)
-            runner.health.begin_step()
-        if planned and (planned.owners or self._replica_home):  # moves values, changes none: safe before the check
+        seconds: dict[str, float] = {}  # the check's host seconds: its pass, and the exchange
+        bad_ranks, bad_names = self._control(prepared, seconds)
+        if bad_ranks:  # "skip" (under "raise" _control raised)
+            self.skipped_steps += 1
+            self._record_stats(counter, seconds, skipped=True, nonfinite_ranks=bad_ranks, nonfinite_params=bad_names)
+            return loss
+        planned = self._planned_for(prepared)
+        if planned is not None:  # count this step's unhealthy updates, on the device (see last_step_stats)
+            self._ns_runner().health.begin_step()
+        if planned and (planned.owners or self._replica_home):  # where momentum lives follows the plan
             t0 = self._tracer.mark()
             if planned.owners:
                 self._relocate_momentum(planned.owners, counter)
             if self._replica_home:
                 self._spread_momentum(planned, counter)
             self._tracer.tally(COMMUNICATION, t0, self._tracer.mark())
-
-        def commit_point() -> bool:
-            """The step's commit point: the check decides (go on, skip or raise), then AdamW."""
-            if started and self._skips(started[0], counter, seconds):
-                return False
-            with self._tracer.span("adamw"):
-                for group, params in work["adamw"]:
-                    self._adamw_group(group, params)
-            return True
-
-        # The check starts once the first batches' way out is in flight (on a GPU its pass then
-        # runs while they transfer instead of delaying them; on 2 gloo ranks sharing 2 cores the
-        # step measured the same either way), its flags travel while batch 0 is
-        # orthogonalized, and the engine calls commit_point() after batch 0's Newton-Schulz,
-        # before anything is written (see _muon_step). Offloaded momentum is written back as soon
-        # as it is fetched, so there (and without a group or a Muon batch) the check resolves first.
-        if (planned and self.nonfinite != "ignore" and check_group is not None
-                and self._offload.place_of("momentum_buffer") is None):
-            done = self._muon_step(indices, planned, counter, gate=commit_point, overlap=start_check)
-        else:
-            start_check()
-            done = commit_point()
-            if done and planned:
-                self._muon_step(indices, planned, counter)
-        if done:
-            self._record_stats(counter, seconds, skipped=False)
+        with self._tracer.span("adamw"):
+            for group, params in prepared.work["adamw"]:
+                self._adamw_group(group, params)
+        if planned is not None:
+            self._muon_step(prepared.indices, planned, counter)
+        self._record_stats(counter, seconds, skipped=False)
         return loss
 
-    def _skips(self, check: nonfinite.NonfiniteCheck, counter: CommCounter, seconds: dict) -> bool:
-        """Wait for the check; True (stats recorded) if this step is skipped, raise under "raise"."""
+    def _prepared_step(self) -> PreparedStep:
+        """The prepared step for this step: the last one while its key holds, else a new one
+        (validation first: a refused gradient or setting raises before anything changes). The
+        settings read per step are checked whenever they changed."""
+        key = (tuple(group_key(g) for g in self.param_groups), self.ns_dtype, self.ns_form, self.ns_backend,
+               self.comm_dtype, self.strategy, self.remainder_path, self.hardware_profile, self.nonfinite,
+               self.workspace_bytes, self.process_group)
+        settings = settings_values(self.param_groups)
+        if settings != self._settings_checked:
+            for gi, group in enumerate(self.param_groups):
+                check_hyperparameters(group, group["algorithm"], "", f" in parameter group {gi}")
+        prepared = self._prepared
+        if prepared is None or prepared.key != key:
+            work = self._collect()
+            group = self._check_group()
+            together = group is not None and dist.get_world_size(group) > 1  # else nothing to agree on
+            prepared = PreparedStep(
+                key=key, work=work, indices=self._muon_indices(work["muon"]),
+                checked=tuple(p for kind in ("muon", "adamw") for _, ps in work[kind] for p in ps),
+                static_digest=digest(self._step_description(work, settings=False)) if together else 0,
+                check_group=group if together else None)
+            self._prepared = prepared
+        self._settings_checked = settings
+        return prepared
+
+    def _control(self, prepared: PreparedStep, seconds: dict) -> tuple[list[int], list[str]]:
+        """The step's commit decision, before anything is written: the non-finite check's flag of
+        this rank (one fused pass over the grads), then one exchange with the other ranks of the
+        step's group carrying it and the step's digest (``Agreement.check``: a rank that
+        disagrees makes every rank raise the same error). Returns the global ranks with a
+        non-finite gradient (the same on every rank) and this rank's culprits; raises under
+        ``nonfinite="raise"``. ``seconds``: "check" (the pass) and "wait" (the exchange), host
+        seconds, when the check is on."""
+        checking = self.nonfinite != "ignore"
         t0 = time.perf_counter()
-        bad_ranks, bad_names = check.result()
-        seconds["wait"] = time.perf_counter() - t0
+        flagged = checking and nonfinite.found([p.grad for p in prepared.checked])
+        t1 = time.perf_counter()
+        group = prepared.check_group
+        if group is not None:
+            bad_ranks = self._agreement.check(
+                group, step_digest(prepared, self._settings_checked), flagged,
+                lambda: self._step_description(prepared.work))
+        else:
+            bad_ranks = [dist.get_rank() if _dist_on() else 0] if flagged else []
+        if checking:
+            seconds.update(check=t1 - t0, wait=time.perf_counter() - t1)
         if not bad_ranks:
-            return False
+            return [], []
+        names = nonfinite.culprits([p.grad for p in prepared.checked], lambda i: self._names.get(
+            prepared.checked[i], f"of shape {fmt_shape(prepared.checked[i].shape)}")) if flagged else []
         if self.nonfinite == "raise":
-            mine = f"; here: {', '.join(bad_names)}" if bad_names else ""
+            mine = f"; here: {', '.join(names)}" if names else ""
             raise ValueError(f"non-finite gradient on rank(s) {bad_ranks}{mine}")
-        self.skipped_steps += 1
-        # bytes: what moved before the decision (the batches started before the gate, drained)
-        self._record_stats(counter, seconds, skipped=True, nonfinite_ranks=bad_ranks, nonfinite_params=bad_names)
-        return True
+        return bad_ranks, names
+
+    def _planned_for(self, prepared: PreparedStep) -> _Planned | None:
+        """The prepared step's plan (None: no Muon parameter has a gradient), made (and checked
+        across ranks, gradients included) by ``_plan_for`` on the first step that needs it, then
+        kept with the prepared step."""
+        if not prepared.indices:
+            return None
+        if prepared.planned is None:
+            planned = self._plan_for(prepared.indices, stepping=True)
+            if not planned.grads_compared:  # compared by the next step that uses this plan
+                return planned
+            self._prepared = prepared = dataclasses.replace(prepared, planned=planned)
+        return prepared.planned
 
     def _record_stats(self, counter: CommCounter, seconds: dict, skipped: bool, **nonfinite) -> None:
         """What ``last_step_stats()`` reports for this step; seconds=None: filled from the spans
@@ -746,10 +788,10 @@ class Muon(Optimizer):
         if self._runner is not None:  # a skipped step applied nothing: its updates are not counted
             (self._runner.health.drop_step if skipped else self._runner.health.end_step)()
 
-    def _step_description(self, work: dict[str, list]) -> list[tuple]:
+    def _step_description(self, work: dict[str, list], settings: bool = True) -> list[tuple]:
         """What this rank is about to do, for muonlab.optim.agreement: each parameter with a
         gradient (its name, or its place for an unnamed one; global shape, dtype; its group's
-        settings and Newton-Schulz config), then the step's options."""
+        Newton-Schulz config and, with ``settings``, its settings), then the step's options."""
         place: dict[int, str] = {}  # of unnamed parameters, made only if one has a gradient
 
         def name_of(p: torch.Tensor) -> str:
@@ -763,18 +805,18 @@ class Muon(Optimizer):
         items = []
         for kind in ("muon", "adamw"):
             for group, params in work[kind]:
-                settings = tuple((k, float(group[k]) if torch.is_tensor(group[k]) else group[k])
-                                 for k in SETTINGS[kind])
+                fields = ()
+                if settings:
+                    fields = tuple((k, float(group[k]) if torch.is_tensor(group[k]) else group[k])
+                                   for k in SETTINGS[kind])
                 if kind == "muon":
-                    settings += (("newton_schulz", repr(self._ns_config(group))),)
+                    fields += (("newton_schulz", repr(self._ns_config(group))),)
                 for p in params:
-                    fields = (("shape", tuple(p.shape)), ("dtype", str(p.dtype))) + settings
-                    items.append((kind, name_of(p), fields))
+                    items.append((kind, name_of(p), (("shape", tuple(p.shape)), ("dtype", str(p.dtype))) + fields))
         items.append(("options", "", (("nonfinite", self.nonfinite), ("comm_dtype", str(self.comm_dtype)),
-                                      ("workspace budget (workspace_bytes)", self._ns_runner().budget_bytes),
+                                      ("workspace budget (workspace_bytes)",
+                                       self._ns_runner().budget_bytes if self._muon_entries() else None),
                                       ("strategy", self.strategy), ("remainder_path", self.remainder_path),
-                                      # where momentum lives orders the step's collectives (the
-                                      # check's flags travel before the first batch when offloaded)
                                       ("momentum offload", self._offload.place_of("momentum_buffer") or "none"))))
         return items
 
@@ -782,23 +824,12 @@ class Muon(Optimizer):
         """The process group whose ranks decide a skip together (None: this process alone)."""
         return self._replicate_group() if self.process_group is None else self.process_group
 
-    def _nonfinite_check(self, work, group, seconds: dict) -> nonfinite.NonfiniteCheck:
-        """Started: ranks of ``group`` whose gradients hold an inf or NaN (all ranks agree), and
-        this rank's culprits; ``seconds["check"]``: the host seconds it took to start."""
-        t0 = time.perf_counter()
-        params = [p for kind in ("muon", "adamw") for _, ps in work[kind] for p in ps]
-        check = nonfinite.start([p.grad for p in params], group,
-                                lambda i: self._names.get(params[i], f"of shape {fmt_shape(params[i].shape)}"))
-        seconds["check"] = time.perf_counter() - t0
-        return check
-
     def _collect(self) -> dict[str, list]:
         """Parameters with grads, per group; every grad, and the shape of each one's state, is
-        checked before anything is modified."""
+        checked before anything is modified (when a prepared step is made: torch itself refuses a
+        grad of another shape, dtype or device than its parameter's)."""
         work: dict[str, list] = {"muon": [], "adamw": []}
-        for gi, group in enumerate(self.param_groups):
-            # checked again at every step: a scheduler or a user may have written any value since
-            check_hyperparameters(group, group["algorithm"], "", f" in parameter group {gi}")
+        for group in self.param_groups:
             params = []
             for p in group["params"]:
                 g = p.grad
@@ -1206,25 +1237,15 @@ class Muon(Optimizer):
         position = {id(p): i for i, (_, p) in enumerate(self._muon_entries())}
         return tuple(position[id(p)] for _, params in work for p in params)
 
-    def _muon_step(self, indices: tuple[int, ...], planned: "_Planned", counter: CommCounter,
-                   gate=None, overlap=None) -> bool:
+    def _muon_step(self, indices: tuple[int, ...], planned: "_Planned", counter: CommCounter) -> None:
         """Batch by batch (see muonlab.comm.engine): momentum on the local shards, move,
         orthogonalize, move back, update; only the batches in flight hold inputs and outputs.
-
-        With ``gate`` (the step's commit point, called by the engine after batch 0's
-        Newton-Schulz), the batches started before it read their momentum buffers without
-        writing them (their inputs hold the updated momentum, with the same bits) and the buffers
-        are updated only if the gate lets the step go on; False: the gate stopped the step and no
-        buffer was written. Resident momentum only. ``overlap()`` (the check's start) runs
-        once the first batches' way out is in flight. A batch holding one part of a bank
-        (``BatchPlan.part``) reads and writes that part of its grad, momentum and parameter
-        (``_part_of``), so the stages below never see the rest of the bank.
+        A batch holding one part of a bank (``BatchPlan.part``) reads and writes that part of its
+        grad, momentum and parameter (``_part_of``), so the stages below never see the rest of the
+        bank. The step's commit decision was taken before (``_control``): everything here writes.
         """
         entries = self._muon_entries()
         plan, specs, groups, owners = planned.plan, planned.specs, planned.groups, planned.owners
-        # (parameter index, its batch) whose momentum buffer (part) is written at the gate
-        deferred: list[tuple[int, BatchPlan]] = []
-        before_gate = gate is not None  # until the gate passes, momentum buffers are only read
 
         def on_this_rank(i: int) -> bool:
             # a replicated matrix's momentum and Newton-Schulz run on its owner rank only
@@ -1237,15 +1258,6 @@ class Muon(Optimizer):
                 return None
             return on_this_rank(i)
 
-        def momentum_now(i: int, batch) -> torch.Tensor:
-            """Parameter i's momentum buffer (its part in ``batch``), to read; zeros (its state to
-            be) where it has none: a skipped step must not even create empty state."""
-            p = entries[i][1]
-            state = self.state.get(p)
-            if state:
-                return _part_of(batch, local_shard(state["momentum_buffer"]))
-            return torch.zeros_like(_part_of(batch, local_shard(p)), dtype=self._offload.dtype(p, "momentum_buffer"))
-
         def grad_of(i: int, batch) -> torch.Tensor:
             return _part_of(batch, local_shard(entries[i][1].grad), read_only=True)
 
@@ -1254,41 +1266,19 @@ class Muon(Optimizer):
             inputs = dict.fromkeys(batch.param_indices)
             with self._tracer.span("momentum", batch=batch.index):
                 mine = [i for i in batch.param_indices if on_this_rank(i)]
-                if before_gate:  # the step may still be skipped: the inputs now, the buffers at the gate
-                    deferred.extend((i, batch) for i in mine)
-                    runs = [[(i, (momentum_now(i, batch),)) for i in mine]]
-                else:
-                    items = [(i, entries[i][1], self._state_for(entries[i][1], "muon")) for i in mine]
-                    # the store hands out each momentum on the device (fetching the next meanwhile;
-                    # of a bank in parts, this batch's part); resident buffers are the state
-                    # itself, so they can be updated all at once
-                    fetched = self._offload.each(items, ("momentum_buffer",), view=lambda t: _part_of(batch, t))
-                    resident = self._offload.place_of("momentum_buffer") is None
-                    runs = [list(fetched)] if resident else ([f] for f in fetched)
+                items = [(i, entries[i][1], self._state_for(entries[i][1], "muon")) for i in mine]
+                # the store hands out each momentum on the device (fetching the next meanwhile;
+                # of a bank in parts, this batch's part); resident buffers are the state
+                # itself, so they can be updated all at once
+                fetched = self._offload.each(items, ("momentum_buffer",), view=lambda t: _part_of(batch, t))
+                resident = self._offload.place_of("momentum_buffer") is None
+                runs = [list(fetched)] if resident else ([f] for f in fetched)
                 for run in runs:
                     for settings, members in _by_settings(run, lambda i: _momentum_settings(entries[i][0])):
                         outs = F.muon_momentum_([grad_of(i, batch) for i, _ in members],
-                                                [buf for _, (buf,) in members], **dict(settings),
-                                                write_buffers=not before_gate)
+                                                [buf for _, (buf,) in members], **dict(settings))
                         inputs.update(zip((i for i, _ in members), outs))
             return [inputs[i] for i in batch.param_indices]
-
-        def commit() -> bool:
-            """The gate, then the deferred momentum buffers updated (made now if new)."""
-            nonlocal before_gate
-            if not gate():
-                return False
-            before_gate = False
-            with self._tracer.span("momentum"):  # the buffers of the batches started before the gate
-                for settings, members in _by_settings(deferred, lambda i: _momentum_settings(entries[i][0])):
-                    settings = dict(settings)
-                    F.momentum_update_(
-                        [grad_of(i, batch) for i, batch in members],
-                        [_part_of(batch, local_shard(self._state_for(entries[i][1], "muon")["momentum_buffer"]))
-                         for i, batch in members],
-                        momentum=settings["momentum"], form=settings["form"])
-            deferred.clear()
-            return True
 
         def apply(batch, outputs: list[torch.Tensor]) -> None:
             """3. update, with the lr ratio from each matrix's GLOBAL shape."""
@@ -1307,11 +1297,8 @@ class Muon(Optimizer):
                     )
 
         # 2. move, orthogonalize, move back
-        return execute_plan(
-            plan, groups, prepare=prepare, apply=apply, orthogonalize=self._ns_runner(),
-            wire_dtype=self.comm_dtype, tracer=self._tracer, counter=counter,
-            gate=commit if gate is not None else None, overlap=overlap, device=self._device(),
-        )
+        execute_plan(plan, groups, prepare=prepare, apply=apply, orthogonalize=self._ns_runner(),
+                     wire_dtype=self.comm_dtype, tracer=self._tracer, counter=counter, device=self._device())
 
     def _device(self) -> torch.device:
         """Where this rank's Muon shards live (the first Muon parameter's device)."""

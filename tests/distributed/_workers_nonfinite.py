@@ -1,5 +1,6 @@
-"""Workers for test_nonfinite_distributed.py: muonlab.optim.nonfinite on DTensor grads, and Muon's
-step with the check deferred to the commit point (skip, raise, and bit-identical otherwise)."""
+"""Workers for test_nonfinite_distributed.py: muonlab.optim.nonfinite on DTensor grads with the
+flags shared by the step's control exchange, and Muon's step with the check on (skip, raise, and
+bit-identical to the check off otherwise)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,18 @@ import torch.distributed as dist
 
 from muonlab import Muon
 from muonlab.optim import nonfinite
+from muonlab.optim.agreement import Agreement
 
 from muonlab.comm.specs import local_shard
 
 from ._common import full
+
+
+def _flagged(grads, group, name_of=None) -> tuple[list[int], list[str]]:
+    """(ranks with a non-finite grad, as the control exchange shares them; this rank's culprits)."""
+    found = nonfinite.found(grads)
+    ranks = Agreement().check(group, 7, found, lambda: [])
+    return ranks, nonfinite.culprits(grads, name_of) if found else []
 
 
 def check_dtensor_grads():
@@ -29,21 +38,21 @@ def check_dtensor_grads():
         fulls = [torch.randn(s, generator=torch.Generator().manual_seed(i)).to(dtype) for i, s in enumerate(shapes)]
         grads = [distribute_tensor(f, mesh, [Shard(0)]) for f in fulls]
         names = [f"g{i}" for i in range(len(grads))]
-        out[f"clean_{dtype}"] = nonfinite.start(grads, dist.group.WORLD, names.__getitem__).result()
+        out[f"clean_{dtype}"] = _flagged(grads, dist.group.WORLD, names.__getitem__)
         if rank == world - 1:
             grads[2].to_local().view(-1)[-1] = float("nan")
-        out[f"nan_{dtype}"] = nonfinite.start(grads, dist.group.WORLD, names.__getitem__).result()
+        out[f"nan_{dtype}"] = _flagged(grads, dist.group.WORLD, names.__getitem__)
     # a subgroup of the first and last ranks: ranks come back as global ranks
     sub = dist.new_group([0, world - 1])
     if rank in (0, world - 1):
         g = torch.ones(3)
         if rank == world - 1:
             g[1] = float("-inf")
-        out["subgroup"] = nonfinite.start([g], sub).result()
+        out["subgroup"] = _flagged([g], sub)
     return out
 
 
-# ---------------------------------------------------------------- Muon's deferred commit
+# ---------------------------------------------------------------- Muon's step with the check
 
 SHAPES = [(8, 16), (8, 16), (8, 16), (16, 8), (16, 8), (12, 12), (5, 7), (4, 6, 8)]
 """Several same-shape batches (a multi-batch plan), rows that don't divide by 2 (uneven shards),
@@ -102,17 +111,17 @@ def _equal(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def deferred_commit_is_bit_identical() -> dict:
-    """With the check on ("skip": the flags' wait moved to the gate, the first batches' momentum
-    drafted and committed after it) and off ("ignore": momentum written in place, no gate), every
-    momentum form, bf16 momentum of fp32 parameters, and the redundant strategy (paths without a
-    way back), from fresh state on: after each step, parameters and state are equal bit for bit."""
+def check_on_and_off_are_bit_identical() -> dict:
+    """With the check on ("skip": flags in the control exchange) and off ("ignore"), every
+    momentum form, bf16 momentum of fp32 parameters, the redundant strategy (paths without a way
+    back) and a bank in parts, from fresh state on: after each step, parameters and state are equal
+    bit for bit."""
     mesh = _mesh()
     out = {}
     cases = [dict(momentum_form=form, nesterov=nesterov) for form in ("ema", "sum") for nesterov in (True, False)]
     cases.append(dict(momentum_dtype=torch.bfloat16))
     cases.append(dict(strategy="redundant"))  # every batch gathered whole: no way back
-    cases.append(dict(workspace_bytes=1))  # the bank in parts of one matrix per rank: parts drafted
+    cases.append(dict(workspace_bytes=1))  # the bank in parts of one matrix per rank
     for k, case in enumerate(cases):
         runs = {policy: _params(mesh) for policy in ("skip", "ignore")}
         opts = {policy: _muon(runs[policy], nonfinite=policy, **case) for policy in runs}
@@ -133,29 +142,19 @@ def skipped_steps_leave_no_trace(state_offload: str | None = None, bank: bool = 
     first batch, of its last batch, and in the AdamW vector: every rank skips each of them with
     parameters and state unchanged, and the run ends equal to one that never saw them."""
     from muonlab.comm import engine
-    from muonlab.comm.collectives import Pending
 
-    drained = []  # per batch dropped at a gate: was its collective in flight complete when dropped?
-    abandon = engine.BatchRun.abandon
-
-    def watched(run):
-        item = run._item
-        abandon(run)
-        drained.append(not isinstance(item, Pending) or item.work.is_completed())
-
-    engine.BatchRun.abandon = watched
-    events = []  # per step: batches started and the check's start, in order
-    start_batch, start_check = engine.BatchRun.start, nonfinite.start
+    events = []  # per step: batches started and the check, in order
+    start_batch, check = engine.BatchRun.start, nonfinite.found
 
     def started_batch(run):
         events[-1].append(run.index)
         start_batch(run)
 
-    def started_check(*args, **kwargs):
+    def checked(*args, **kwargs):
         events[-1].append("check")
-        return start_check(*args, **kwargs)
+        return check(*args, **kwargs)
 
-    engine.BatchRun.start, nonfinite.start = started_batch, started_check
+    engine.BatchRun.start, nonfinite.found = started_batch, checked
     mesh = _mesh()
     ref_params, params = _params(mesh, bank), _params(mesh, bank)
     ref = _muon(ref_params, state_offload=state_offload, workspace_bytes=workspace_bytes)
@@ -176,15 +175,14 @@ def skipped_steps_leave_no_trace(state_offload: str | None = None, bank: bool = 
             comm = [s for s in opt.last_step_spans() if s.name in ("comm_out", "comm_back")]
             out["skips"].append(dict(unchanged=_equal(before, _snapshot(params, opt)), skipped=stats["skipped"],
                                      ranks=stats["nonfinite_ranks"], names=stats["nonfinite_params"],
-                                     state=len(opt.state),
-                                     span_bytes=(sum(s.bytes_sent for s in comm), sum(s.bytes_recv for s in comm)),
+                                     state=len(opt.state), comm_spans=len(comm),
                                      stats_bytes=(sum(stats["bytes_sent"].values()),
                                                   sum(stats["bytes_recv"].values()))))
         else:
             _set_grads(ref_params, mesh, step)
             ref.step()
     out["skipped_steps"] = opt.skipped_steps
-    out["drained"] = drained
+    engine.BatchRun.start, nonfinite.found = start_batch, check
     out["equal_to_clean_run"] = _equal(_snapshot(params, opt), _snapshot(ref_params, ref))
     return out
 

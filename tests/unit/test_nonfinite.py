@@ -18,33 +18,30 @@ def test_one_nonfinite_grad_among_many_is_found_and_named(dtype, bad):
     grads = _grads(dtype)
     grads[7].view(-1)[3] = bad
     before = [g.clone() for g in grads]
-    ranks, names = nonfinite.start(grads, None, lambda i: f"g{i}").result()
-    assert ranks == [0] and names == ["g7"]
+    assert nonfinite.found(grads)
+    assert nonfinite.culprits(grads, lambda i: f"g{i}") == ["g7"]
     for a, b in zip(grads, before):  # rewritten as itself: values (and NaNs) unchanged
         assert torch.equal(a, b) or torch.equal(a.isnan(), b.isnan())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_finite_grads_pass_with_no_per_grad_work(dtype, monkeypatch):
-    def name_of(i):
-        raise AssertionError("names looked up on the common path")
-
     def isfinite(t):
         raise AssertionError("a per-grad isfinite on the common path")
 
     monkeypatch.setattr(torch, "isfinite", isfinite)
 
     grads = _grads(dtype) + [torch.full((3, 3), 3e38, dtype=torch.float32)]  # huge but finite
-    assert nonfinite.start(grads, None, name_of).result() == ([], [])
+    assert not nonfinite.found(grads)
 
 
 def test_mixed_dtypes_and_views_that_cant_be_written():
     grads = _grads(torch.float32, 4) + _grads(torch.bfloat16, 4) + [torch.ones(1).expand(4, 4)]
-    assert nonfinite.start(grads).result() == ([], [])
+    assert not nonfinite.found(grads)
     grads.append(torch.tensor(float("nan")).expand(2, 3))
-    ranks, names = nonfinite.start(grads).result()
-    assert ranks == [0] and names == ["grad 9 of shape (2, 3)"]
+    assert nonfinite.found(grads)
+    assert nonfinite.culprits(grads) == ["grad 9 of shape (2, 3)"]
 
 
 def test_no_grads():
-    assert nonfinite.start([]).result() == ([], [])
+    assert not nonfinite.found([]) and nonfinite.culprits([]) == []

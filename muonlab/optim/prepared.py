@@ -1,0 +1,79 @@
+"""The prepared step: what a Muon step depends on that rarely changes, made once and reused.
+
+A step has a part that depends on the layout, the settings and which parameters have gradients
+(validating them, describing the step for the ranks' agreement, the plan, the Newton-Schulz
+configs) and a part that repeats (momentum, paths, Newton-Schulz, update, AdamW). Muon makes a
+``PreparedStep`` on the first step and again only when its ``key`` changes; the key is built at
+every step from Python attributes alone (no device read), so a steady-state step pays a tuple
+comparison for it. Settings that a scheduler may change at every step (lr, momentum, weight decay,
+betas) are not in the key: they are read by the hot step, checked when they change
+(``settings_values``), and enter the step's agreement digest through ``step_digest``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .agreement import digest
+from .validation import SETTINGS
+
+PLAN_SETTINGS = {"muon": ("ns_steps", "ns_coefficients", "eps"), "adamw": ()}
+"""The group settings a prepared step is made from (the Newton-Schulz config, which the plan's
+batches carry): a change of one makes a new prepared step. The other settings are read per step."""
+
+
+def frozen(value: Any) -> Any:
+    """``value`` as an immutable, comparable value: lists as tuples (a list changed in place would
+    otherwise compare equal to the key holding it), one-element tensors (a tensor lr) as floats."""
+    if isinstance(value, (list, tuple)):
+        return tuple(frozen(v) for v in value)
+    if isinstance(value, torch.Tensor):
+        return float(value)
+    return value
+
+
+def group_key(group: dict) -> tuple:
+    """One parameter group's part of the prepared step's key: its algorithm, plan settings, and per
+    parameter its identity, global shape, dtype, device, placements (a DTensor's) and whether (as
+    which type) it has a gradient."""
+    algorithm = group["algorithm"]
+    return (algorithm, frozen(tuple(group.get(k) for k in PLAN_SETTINGS.get(algorithm, ()))),
+            tuple((id(p), p.shape, p.dtype, p.device, getattr(p, "placements", None),
+                   None if p.grad is None else type(p.grad)) for p in group["params"]))
+
+
+def settings_values(groups: list[dict]) -> tuple:
+    """Every group's settings (``SETTINGS`` of its algorithm, and a "momentum" a scheduler cycles
+    into an AdamW group), frozen: compared at every step, checked when they change."""
+    return tuple(frozen(tuple(g.get(k) for k in SETTINGS.get(g.get("algorithm"), ())) + (g.get("momentum"),))
+                 for g in groups)
+
+
+@dataclass(frozen=True)
+class PreparedStep:
+    """What a step reuses while its key holds."""
+
+    key: tuple
+    work: dict[str, list[tuple[dict, list[torch.Tensor]]]]
+    """Per algorithm ("muon", "adamw"): (group, its parameters with a gradient), in the optimizer's
+    order; a parameter's grad is read at each step."""
+    indices: tuple[int, ...]
+    """The Muon entry index of each Muon parameter with a gradient: what the plan covers."""
+    checked: tuple[torch.Tensor, ...]
+    """Every parameter with a gradient (Muon's, then AdamW's): the non-finite check reads their grads."""
+    static_digest: int
+    """Digest of the step's description without the per-step settings (``step_digest`` adds them);
+    0 where no other rank takes the step."""
+    check_group: Any
+    """The process group whose ranks take the step together (None: this process alone, or a group
+    of one rank: nothing to exchange)."""
+    planned: Any = None
+    """The plan with what it needs (Muon's ``_Planned``), once made and checked across ranks."""
+
+
+def step_digest(prepared: PreparedStep, settings: tuple) -> int:
+    """The digest the ranks compare at this step: the prepared step's and the current settings."""
+    return digest([prepared.static_digest, settings])
