@@ -215,7 +215,8 @@ def simulate(
         limit = None
         if workspace_bytes is not None:  # what Muon._max_local_matrices gives a run with this budget
             def limit(shape, cfg):
-                return matrices_within(workspace_bytes, shape, compute_dtype, cfg, reuses_input=True)
+                dtype = resolve_dtype(ns_dtype, device if device is not None else "cuda", shape)
+                return matrices_within(workspace_bytes, shape, dtype, cfg, reuses_input=True)
         return plan_batches(specs, configs, comm_itemsize=itemsize, remainder_path=remainder_path, profile=profile,
                             max_local_matrices=limit)
     return reference_plan(strategy, specs, configs, comm_itemsize=itemsize)

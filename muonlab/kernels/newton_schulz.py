@@ -443,7 +443,7 @@ def newton_schulz(G: torch.Tensor | Sequence[torch.Tensor], config: NSConfig | N
     pieces = batch_pieces(G)
     cfg = _config(config, settings)
     device = pieces[0].device
-    dtype = resolve_dtype(cfg.dtype, device) or pieces[0].dtype
+    dtype = resolve_dtype(cfg.dtype, device, pieces[0].shape) or pieces[0].dtype
     if dtype not in NS_DTYPES:  # dtype=None computes in G's dtype
         raise TypeError(f"G has dtype {pieces[0].dtype}; with dtype=None Newton-Schulz computes in G's dtype, "
                         f"which must be one of {list(NS_DTYPES)} (or pass dtype=)")
@@ -718,15 +718,32 @@ def pick_backend(backend: str, device: torch.device | str, batch_shape: tuple[in
     return faster_backend(batch_shape, dtype, cfg, torch.device(device))
 
 
-def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype | None:
-    """The compute dtype "auto" means on ``device``: bf16 on CUDA (tensor cores, as torch.optim.Muon
-    uses), and on a CPU bf16 only where it lists native bf16 matmul (AVX512_BF16 or AMX-BF16);
-    without it bf16 matmul is emulated at about a third of fp32's rate, so fp32 is both faster and
-    more accurate there. Other values pass through."""
+CPU_FP32_MAX_WORK = 2**17
+"""On a CPU with native bf16 matmul, "auto" still computes a matrix in fp32 when its m^2 n (m its
+smaller side, n its larger: one product's multiply-adds) is at most this: there a bf16 product's
+fixed cost (oneDNN's, per call) outweighs its arithmetic. Measured on an AVX512-BF16 CPU, batches
+of 12 (benchmarks/results/cpu_dtype.md): fp32 faster up to it, bf16 from the next size measured on.
+"""
+
+
+def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device,
+                  matrix_shape: Sequence[int] | None = None) -> torch.dtype | None:
+    """The compute dtype "auto" means on ``device`` (for a matrix of ``matrix_shape``, when given):
+    bf16 on CUDA (tensor cores, as torch.optim.Muon uses); on a CPU bf16 only where it lists
+    native bf16 matmul (AVX512_BF16 or AMX-BF16), and there only for matrices larger than
+    ``CPU_FP32_MAX_WORK``: without native bf16, matmul is emulated at about a third of fp32's
+    rate, and small products are faster in fp32 either way, so fp32 is both faster and more
+    accurate there. Other values pass through."""
     if dtype != "auto":
         return dtype
     if torch.device(device).type == "cpu":
-        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+        if not cpu_has_native_bf16():
+            return torch.float32
+        if matrix_shape is not None:
+            m, n = sorted(int(d) for d in matrix_shape[-2:])
+            if m * m * n <= CPU_FP32_MAX_WORK:
+                return torch.float32
+        return torch.bfloat16
     return torch.bfloat16
 
 

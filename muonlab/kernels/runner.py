@@ -158,7 +158,7 @@ class NewtonSchulzRunner:
         pieces = batch_pieces(mats, "mats", writable=overwrite)  # (k, A, B) each, checked as newton_schulz does
         first = pieces[0]
         shape = tuple(first.shape[-2:])
-        dtype = resolve_dtype(cfg.dtype, first.device) or first.dtype
+        dtype = resolve_dtype(cfg.dtype, first.device, shape) or first.dtype
         total = sum(p.shape[0] for p in pieces)
         out = None if overwrite else torch.empty((total, *shape), dtype=dtype, device=first.device)
         reuses_input = overwrite and first.dtype == dtype

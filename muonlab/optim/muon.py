@@ -174,8 +174,10 @@ class Muon(Optimizer):
 
     Args beyond the hyperparameters:
         ns_dtype: Newton-Schulz compute dtype. "auto": bf16 on CUDA (like torch.optim.Muon), and on
-            a CPU bf16 only with native bf16 matmul, else fp32 (emulated bf16 runs at a third of
-            fp32's rate); or a dtype (fp32 for tight parity).
+            a CPU bf16 only with native bf16 matmul and for matrices above
+            ``muonlab.kernels.newton_schulz.CPU_FP32_MAX_WORK``, else fp32 (emulated bf16 runs at a
+            third of fp32's rate; small products are faster in fp32); or a dtype (fp32 for tight
+            parity).
         ns_form: "plain", "gram" (fewer FLOPs on rectangular matrices, see newton_schulz; its
             iterates are fp16 where the device multiplies fp16 natively, else fp32, never bf16) or
             "auto": the gram form where it saves at least 20% of the FLOPs and its iterates are no
@@ -1324,7 +1326,7 @@ class Muon(Optimizer):
         is the compute dtype, and count at the momentum's itemsize otherwise (fp32 momentum into
         bf16 Newton-Schulz: twice the bytes); the first Muon parameter's momentum dtype stands
         for all."""
-        dtype = resolve_dtype(cfg.dtype, self._device()) or torch.float32
+        dtype = resolve_dtype(cfg.dtype, self._device(), shape) or torch.float32
         momentum = self._offload.dtype(self._muon_entries()[0][1], "momentum_buffer")
         return self._ns_runner().chunk_size(shape, dtype, reuses_input=momentum == dtype, cfg=cfg,
                                             device=self._device(), input_dtype=momentum)

@@ -220,7 +220,25 @@ def test_ns_dtype_auto_follows_the_device():
     assert resolve_dtype("auto", torch.device("cuda", 0)) == torch.bfloat16
     assert resolve_dtype(torch.float16, torch.device("cpu")) == torch.float16
     assert resolve_dtype(None, torch.device("cpu")) is None
-    assert newton_schulz(torch.randn(8, 8)).dtype == expected_cpu
+    assert newton_schulz(torch.randn(64, 64)).dtype == expected_cpu
+    assert newton_schulz(torch.randn(8, 8)).dtype == torch.float32  # small: fp32 on every CPU
+
+
+@pytest.mark.parametrize("flags", [("avx512_bf16",), ()], ids=["native-bf16", "no-bf16"])
+def test_ns_dtype_auto_on_a_cpu_follows_the_matrix_size(flags, monkeypatch):
+    """On a CPU with native bf16 matmul, small matrices (m^2 n at most CPU_FP32_MAX_WORK) still
+    take fp32, in either orientation; without it every size does; CUDA is bf16 whatever the size."""
+    import sys
+
+    ns = sys.modules["muonlab.kernels.newton_schulz"]
+    monkeypatch.setattr(ns, "cpu_flags", lambda wanted: tuple(f for f in flags if f in wanted))
+    cpu, large = torch.device("cpu"), torch.bfloat16 if flags else torch.float32
+    edge = ns.CPU_FP32_MAX_WORK // (32 * 32)  # a 32 x edge matrix: m^2 n right at the limit
+    for shape, want in [((8, 8), torch.float32), ((32, edge), torch.float32), ((edge, 32), torch.float32),
+                        ((32, edge + 1), large), ((64, 64), large), ((3, 256, 256), large), (None, large)]:
+        assert resolve_dtype("auto", cpu, shape) == want, shape
+    assert resolve_dtype("auto", torch.device("cuda", 0), (8, 8)) == torch.bfloat16
+    assert resolve_dtype(torch.bfloat16, cpu, (8, 8)) == torch.bfloat16  # a dtype given is kept
 
 
 def test_backend_choice_is_cached_on_disk_per_device_and_versions(tmp_path, monkeypatch):
