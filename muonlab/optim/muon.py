@@ -31,6 +31,7 @@ from . import functional as F
 from . import nonfinite
 from .agreement import Agreement, digest
 from .offload import StateStores
+from .replicas import check_ranks_agree
 from .prepared import PreparedStep, group_key, settings_values, step_digest
 from .routing import check_not_flat
 from .validation import (SETTINGS, check_comm_dtype, check_hyperparameters,
@@ -58,7 +59,7 @@ class _Planned(NamedTuple):
     owners: dict[int, tuple]
     """Replicated (DDP) parameter index -> (process group, owner's global rank, owned here)."""
     grads_compared: bool = False
-    """Whether the replicas' gradients were compared across ranks (see ``_check_ranks_agree``):
+    """Whether the replicas' gradients were compared across ranks (see ``muonlab.optim.replicas.check_ranks_agree``):
     False for a plan made outside a step, or where a gradient was not finite; the next step that
     uses it compares them then."""
 
@@ -121,23 +122,6 @@ def _layout(p: torch.Tensor) -> tuple:
     dtype, device and (for a DTensor) placements."""
     return (id(p), tuple(p.shape), tuple(local_shard(p).shape), p.dtype, p.device,
             tuple(getattr(p, "placements", ())))
-
-
-def _checksums(tensors: list[torch.Tensor | None]) -> list[tuple[float, float] | None]:
-    """Each tensor's (local shard's) sum and sum of squares in fp64, None for None: equal on
-    replicas (bit-identical tensors, of any float dtype), cheap, and different for another tensor
-    of the same shape (another init, another layer, a gradient of other data). Read to the host
-    once per device (on a GPU one synchronisation, not two per tensor)."""
-    pairs: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
-    for k, x in enumerate(tensors):
-        if x is not None:
-            t = local_shard(x).detach().double()
-            pairs.setdefault(t.device, []).append((k, torch.stack((t.sum(), t.square().sum()))))
-    out: list[tuple[float, float] | None] = [None] * len(tensors)
-    for items in pairs.values():
-        for (k, _), values in zip(items, torch.stack([pair for _, pair in items]).tolist()):
-            out[k] = tuple(values)
-    return out
 
 
 class Muon(Optimizer):
@@ -221,7 +205,7 @@ class Muon(Optimizer):
             default: the default group when torch.distributed runs with more than one rank.
             DTensor parameters always use their own mesh. Replicas must hold equal weights and
             equal (DDP-averaged) gradients; both are compared when a plan is made (see
-            ``_check_ranks_agree``). For a model per rank, each trained on its own data, give
+            ``muonlab.optim.replicas.check_ranks_agree``). For a model per rank, each trained on its own data, give
             each rank a group of its own (``dist.new_group([rank])``).
         comm_dtype: dtype of matrices on the wire: bf16, or fp32 for exact parity (not fp16:
             momentum travels before it is normalised, and fp16's range can't hold it).
@@ -931,7 +915,8 @@ class Muon(Optimizer):
                     groups[spec.group] = process_group_for(p, spec, replicate)
             compared = False
             if collective:  # before planning: disagreeing ranks can't plan alike
-                compared = self._check_ranks_agree(specs, configs, [entries[i][1] for i in indices], grads=stepping)
+                compared = check_ranks_agree(self._check_group(), specs, configs, [entries[i][1] for i in indices],
+                                             self._ns_runner().budget_bytes, grads=stepping)
             plan = plan_batches(
                 specs, configs, comm_itemsize=torch.empty(0, dtype=self.comm_dtype).element_size(),
                 remainder_path=self.remainder_path, strategy=self.strategy, profile=self.hardware_profile,
@@ -953,101 +938,10 @@ class Muon(Optimizer):
             self._plans[cache_key] = planned
         elif stepping and not self._plans[cache_key].grads_compared:  # (the cache is alike on every rank)
             planned = self._plans[cache_key]
-            compared = self._check_ranks_agree([planned.specs[i] for i in indices], configs,
-                                               [entries[i][1] for i in indices], grads=True)
+            compared = check_ranks_agree(self._check_group(), [planned.specs[i] for i in indices], configs,
+                                         [entries[i][1] for i in indices], self._ns_runner().budget_bytes, grads=True)
             self._plans[cache_key] = planned._replace(grads_compared=compared)
         return self._plans[cache_key]
-
-    def _check_ranks_agree(self, specs: list[MatrixSpec], configs: tuple, params: list[torch.Tensor],
-                           grads: bool = False) -> bool:
-        """Every rank must plan the same matrices, or collectives would pair up wrongly and hang.
-        (Every step first compares what each rank is about to do, see muonlab.optim.agreement;
-        this check, on a new plan only, adds each spec's layout and the replicas' checksums.)
-
-        One all_gather_object, once per new plan, of (name, global shape, layout, settings) per
-        parameter, and checksums of each replicated (plain-tensor) one: a plain tensor under a
-        multi-rank group is taken as a replica (DDP), updated from one owner's result, so replicas
-        that differ (independent models per rank, parameters listed in another order) would
-        silently train wrong. The workspace budget too: it groups matrices into batches. A
-        mismatch is a ValueError naming the ranks and the parameter (or the budgets).
-
-        ``grads`` (a step's plan, every gradient present): the replicas' gradients are compared
-        in the same exchange. Equal weights with different gradients are a model without DDP
-        given each rank's own data: each matrix would take its owner rank's update everywhere,
-        the replicas staying equal, each matrix trained on one rank's data, with no error. DDP's
-        all-reduced gradients are bit-identical on every rank (fp32 or bf16 alike: the checksums
-        are exact fp64 sums), so they pass. A gradient with an inf or NaN on some rank is left to
-        the non-finite check (skip or raise); that parameter's gradients are compared by the
-        next step using this plan (while steps are skipped, each repeats the exchange). Only a
-        new plan is checked (the first step, and a change of the layout, the settings or the set
-        of parameters with gradients): gradients that diverge only at a later step (data
-        parallelism switched off mid-run, a rank skipping the all-reduce) are not caught, since
-        comparing them at every step would put a collective that exists only to check into the
-        steady-state step (see DESIGN.md, Two phases). The cost, once per plan: each replica's
-        gradient summed in fp64 and 16 bytes per replica more in the exchange. Measured at 2 gloo
-        ranks sharing 2 CPU cores under DDP: the tests' small GPT (8 matrices, 14k elements)
-        +0.2 ms on a first step of 17 ms; 16 matrices of 3.1M elements +4 to 6 ms (the sums) on
-        one of 250 ms. A DDP or FSDP2 run plans once; plans are cached per key, so only a plan
-        setting that takes a new value at every step (a schedule of ns_steps or eps) would pay
-        this at every step.
-
-        Returns whether nothing is left to compare: False where the gradients were not compared
-        (``grads`` False, or a gradient not finite on some rank) for some replicated parameter.
-        """
-        group = self._check_group()  # the ranks that step together (a group of one: nothing to compare)
-        if group is None or dist.get_world_size(group) == 1:
-            return True
-        mine = [(s.name, s.shape, s.layout, s.num_fused, c, s.view) for s, c in zip(specs, configs)]
-        replicas = [s.layout == "replicated" for s in specs]
-        sums = _checksums([p if r else None for r, p in zip(replicas, params)])
-        grad_sums = _checksums([p.grad if r and grads else None for r, p in zip(replicas, params)])
-        everyone = [None] * dist.get_world_size(group)
-        dist.all_gather_object(everyone, (mine, sums, grad_sums, self._ns_runner().budget_bytes), group=group)
-        ranks = dist.get_process_group_ranks(group)
-        first, first_sums, first_grad_sums, first_budget = everyone[0]
-        for rank, (theirs, their_sums, _, their_budget) in zip(ranks, everyone):
-            if their_budget != first_budget:  # it groups matrices into batches: plans would differ
-                raise ValueError(f"ranks disagree on the Newton-Schulz workspace budget: rank {ranks[0]} has "
-                                 f"{first_budget} bytes, rank {rank} has {their_budget}; pass the same "
-                                 "workspace_bytes on every rank")
-            if theirs != first:
-                for a, b in zip(first, theirs):
-                    if a != b:
-                        raise ValueError(
-                            f"ranks disagree on the Muon parameters: rank {ranks[0]} has {a[0]!r} of shape {a[1]} "
-                            f"({a[2]}), rank {rank} has {b[0]!r} of shape {b[1]} ({b[2]})")
-                raise ValueError(f"ranks disagree on the Muon parameters: rank {ranks[0]} has {len(first)} "
-                                 f"with gradients, rank {rank} has {len(theirs)}")
-            for spec, a, b in zip(specs, first_sums, their_sums):
-                if a != b:
-                    raise ValueError(
-                        f"replicated parameter {spec.name!r} of shape {spec.shape} differs between rank {ranks[0]} "
-                        f"and rank {rank} (checksums {a} vs {b}): a plain tensor under a process group of "
-                        "several ranks is taken as a replica (DDP). Wrap the model in DDP or FSDP2 "
-                        "(muonlab.distributed.parallelize) so replicas start equal, or give a model of "
-                        "its own to each rank with process_group=dist.new_group([rank])")
-        if not grads:
-            return not any(replicas)
-        compared = True
-        for k, (spec, replica) in enumerate(zip(specs, replicas)):
-            if not replica:
-                continue
-            theirs = [entry[2][k] for entry in everyone]
-            if not all(pair is not None and math.isfinite(pair[0]) and math.isfinite(pair[1]) for pair in theirs):
-                compared = False  # the non-finite check's (the step skips or raises); compared next step
-                continue
-            differ = [rank for rank, pair in zip(ranks, theirs) if pair != first_grad_sums[k]]
-            if differ:
-                raise ValueError(
-                    f"replicated parameter {spec.name!r} of shape {spec.shape} has equal weights but a different "
-                    f"gradient on rank(s) {', '.join(map(str, differ))} than on rank {ranks[0]} (gradient "
-                    f"checksums {first_grad_sums[k]} vs {theirs[ranks.index(differ[0])]}): a plain tensor under a "
-                    "process group of several ranks is taken as a replica (DDP) and updated everywhere from its "
-                    "owner rank's result, so each matrix would follow one rank's data alone. For data-parallel "
-                    'training wrap the model in DDP (muonlab.distributed.parallelize(model, "ddp")), which '
-                    "averages the gradients before the step; for a model per rank trained on its own data, "
-                    "give each rank's optimizer process_group=dist.new_group([rank])")
-        return compared
 
     def plan(self) -> list[BatchPlan]:
         """One record per batch (names, shape, path, ranks, bytes, FLOPs), from global metadata only."""
@@ -1063,9 +957,9 @@ class Muon(Optimizer):
         (MOMENTUM_MOVE); the small control messages (the ranks' agreement digests, the non-finite
         flags) are not counted. The seconds come from the step's spans (``phase_seconds``): on
         CUDA they are GPU time, and the first read after a step synchronises the device once.
-        ``nonfinite_seconds``: the non-finite check's host seconds, "check" (its start: the fused
-        pass, the flags' exchange launched) and "wait" (for the flags, at the commit point); None
-        when off.
+        ``nonfinite_seconds``: the non-finite check's host seconds, "check" (the fused pass and the
+        read of this rank's flag) and "wait" (the control exchange that shares the flags with the
+        agreement digest; 0 for a single process); None when off.
 
         ``unhealthy_updates``: how many of the matrices this rank orthogonalized in the step have a
         Frobenius norm above 1.5 x sqrt(min(m, n)) or not finite (an orthogonal factor's is at
