@@ -36,11 +36,12 @@ def frozen(value: Any) -> Any:
 
 
 def group_key(group: dict) -> tuple:
-    """One parameter group's part of the prepared step's key: its algorithm, plan settings, and per
-    parameter its identity, global shape, dtype, device, placements (a DTensor's) and whether (as
-    which type) it has a gradient."""
+    """One parameter group's part of the prepared step's key: the group itself (the hot step reads
+    its settings from that dict), its algorithm, plan settings, and per parameter its identity,
+    global shape, dtype, device, placements (a DTensor's) and whether (as which type) it has a
+    gradient."""
     algorithm = group["algorithm"]
-    return (algorithm, frozen(tuple(group.get(k) for k in PLAN_SETTINGS.get(algorithm, ()))),
+    return (id(group), algorithm, frozen(tuple(group.get(k) for k in PLAN_SETTINGS.get(algorithm, ()))),
             tuple((id(p), p.shape, p.dtype, p.device, getattr(p, "placements", None),
                    None if p.grad is None else type(p.grad)) for p in group["params"]))
 
