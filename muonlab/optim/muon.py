@@ -59,9 +59,9 @@ class _Planned(NamedTuple):
     owners: dict[int, tuple]
     """Replicated (DDP) parameter index -> (process group, owner's global rank, owned here)."""
     grads_compared: bool = False
-    """Whether the replicas' gradients were compared across ranks (see ``muonlab.optim.replicas.check_ranks_agree``):
-    False for a plan made outside a step, or where a gradient was not finite; the next step that
-    uses it compares them then."""
+    """Whether the replicas' gradients were compared across ranks (see
+    ``muonlab.optim.replicas.check_ranks_agree``): False for a plan made outside a step, or where a
+    gradient was not finite; the next step that uses it compares them then."""
 
 
 def _dist_on() -> bool:
@@ -205,8 +205,8 @@ class Muon(Optimizer):
             default: the default group when torch.distributed runs with more than one rank.
             DTensor parameters always use their own mesh. Replicas must hold equal weights and
             equal (DDP-averaged) gradients; both are compared when a plan is made (see
-            ``muonlab.optim.replicas.check_ranks_agree``). For a model per rank, each trained on its own data, give
-            each rank a group of its own (``dist.new_group([rank])``).
+            ``muonlab.optim.replicas.check_ranks_agree``). For a model per rank, each trained on its
+            own data, give each rank a group of its own (``dist.new_group([rank])``).
         comm_dtype: dtype of matrices on the wire: bf16, or fp32 for exact parity (not fp16:
             momentum travels before it is normalised, and fp16's range can't hold it).
         remainder_path: "auto", "all_to_all" or "agrs" for row-sharded batches of fewer than W
