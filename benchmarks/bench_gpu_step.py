@@ -387,6 +387,8 @@ def first_step_child(set_name: str, label: str, dtype_name: str, factor: int, th
     device = torch.device("cuda" if cuda else "cpu")
     shapes = scaled(SETS[set_name], factor)
     params = make_params(shapes, getattr(torch, dtype_name), device)
+    if label in (DION_EAGER, DION_GRAPH):
+        _dion_classes()  # its import is not its construction
     sync(device)
     t0 = time.perf_counter()
     factory = factory_of(label)
@@ -564,8 +566,9 @@ def main(argv=None):
         print(text_table(FIRST_HEAD, first_rows))
         body += ["", "## The first step (a fresh process per configuration, bf16 parameters)", "",
                  "The very first `step()` of a fresh optimizer in a fresh process (the device synchronised around "
-                 "it), its construction timed apart, and the second step beside it: what a run pays once before "
-                 "the steps the table above times. muonlab's row has every default on, its non-finite check "
+                 "it), its construction timed apart (with any lazy import the constructor triggers; Dion's module "
+                 "import excluded), and the second step beside it: what a run pays once before the steps the "
+                 "table above times. muonlab's row has every default on, its non-finite check "
                  "included (the speed table's muonlab rows run with `nonfinite=\"ignore\"`)"
                  + ("; its cold row starts with empty Triton and muonlab caches (TRITON_CACHE_DIR, "
                     "MUONLAB_CACHE_DIR), as on a fresh machine, the warm one with the caches this run's speed "

@@ -1,6 +1,13 @@
 """muonlab's distributed Muon against Dion's (microsoft/dion) and XTuner's FSDP2 Muon, side by side.
 
-    .venv/bin/python benchmarks/bench_peers.py [--world 2 4] [--rounds 20] [--warmup 3] [--kinds K ...]
+    .venv/bin/python benchmarks/bench_peers.py [--sets gpt small48] [--world 2 4] [--rounds 20]
+        [--small-rounds 400] [--warmup 3] [--kinds K ...] [--out PATH] [--fetch-only]
+
+Two sets (``--sets``, both by default): "gpt", compute-bound (below), and "small48", host-bound: the
+48 hidden matrices of ``GPT(GPTConfig(d_model=8, n_layers=12, n_heads=2))`` (benchmarks/_sets.py),
+where a step is nearly all fixed host cost (``--small-rounds`` of them, they are short). For every
+optimizer, one untimed step after the warm-up counts its collectives: bytes, torch.distributed
+calls, and the gloo process group's operations (torch.profiler's ``gloo:<op>`` events, rank 0).
 
 ``--kinds`` runs a subset (muonlab is always in: the ratios are to it). With muonlab's variants
 alone (``--kinds muonlab muonlab-again muonlab-ignore``) the rounds are short, so many of them fit
@@ -19,7 +26,7 @@ The peers are never vendored: they are copied at a pinned commit into benchmarks
 
 A peer that is absent is skipped with a line saying so.
 
-Parameters: the 32 hidden matrices of an 8-layer width-256 GPT plus 4 one-of-a-kind shapes (36),
+Parameters of "gpt": the 32 hidden matrices of an 8-layer width-256 GPT plus 4 one-of-a-kind shapes (36),
 FSDP2-style Shard(0) DTensors on a 1-D gloo mesh, one copy per optimizer, the same grads. All
 optimizers run in ONE process group, in alternating rounds (each round steps every optimizer once,
 in balanced orders: each optimizer follows every other equally often), barrier to barrier; per
@@ -233,7 +240,13 @@ def main(argv=None):
     ap.add_argument("--kinds", nargs="+", choices=KINDS, default=KINDS,
                     help="the optimizers to run (muonlab is always in: the ratios are to it)")
     ap.add_argument("--out", default=None, help="default: results/peers.md, or peers_check.md without peers")
+    ap.add_argument("--fetch-only", action="store_true",
+                    help="copy the peers into benchmarks/_peers and stop (e.g. before carrying them to a GPU machine)")
     args = ap.parse_args(argv)
+    if args.fetch_only:
+        missing = fetch_peers(Path(args.mirrors))
+        print("\n".join(f"{p}: {why or 'present'}" for p, why in missing.items()))
+        return
     wanted = ["muonlab"] + [k for k in KINDS if k in args.kinds and k != "muonlab"]
     peers_wanted = [k for k in ("dion", "xtuner") if k in wanted]
     missing = fetch_peers(Path(args.mirrors)) if peers_wanted else {}
@@ -265,7 +278,7 @@ def main(argv=None):
         "'torch.distributed calls' every call to a torch.distributed collective (object collectives and barriers "
         "included), 'process-group ops' every operation the gloo process group ran (torch.profiler's gloo events: "
         "also those DTensor's functional collectives issue, and the inner gathers of an object collective).",
-        *(["## Goals", "", *goals] if goals else []),
+        *(["## Goals (this run)\n\n" + "\n".join(goals)] if goals else []),
         *sections,
         "'time / muonlab' > 1: slower than muonlab with its non-finite check on. "
         "muonlab-ignore is muonlab with nonfinite=\"ignore\": its ratio is the safety check's cost. "
