@@ -16,11 +16,16 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
 import torch
 import torch.distributed as dist
 
 from muonlab import Muon
 from muonlab.distributed import MeshAxis
+
+from _rounds import balanced_orders
+from _sets import small48_matrices
 
 PEERS_DIR = Path(__file__).resolve().parent / "_peers"
 LR, MOMENTUM, EPS = 0.02, 0.95, 1e-7
@@ -31,7 +36,18 @@ D_MODEL, N_LAYERS = 256, 8
 ODD_SHAPES = [(512, 192), (192, 512), (320, 256), (256, 96)]
 
 
-def matrix_shapes(d_model: int = D_MODEL, n_layers: int = N_LAYERS) -> list[tuple[str, tuple[int, int]]]:
+SETS = ("gpt", "small48")
+
+
+def matrix_shapes(set_name: str = "gpt", d_model: int = D_MODEL,
+                  n_layers: int = N_LAYERS) -> list[tuple[str, tuple[int, int]]]:
+    """(name, global shape) of a set's matrices. "gpt": the hidden matrices of a width-``d_model``,
+    ``n_layers``-layer GPT plus ODD_SHAPES (compute-bound); "small48": benchmarks/_sets.py's 48
+    small matrices (host-bound; their rows, 24, 8 and 32, divide by 2 and 4 as XTuner requires)."""
+    if set_name == "small48":
+        return small48_matrices()
+    if set_name != "gpt":
+        raise ValueError(f"unknown matrix set {set_name!r}; expected one of {SETS}")
     per_layer = [("attn.qkv", (3 * d_model, d_model)), ("attn.proj", (d_model, d_model)),
                  ("mlp.fc", (4 * d_model, d_model)), ("mlp.out", (d_model, 4 * d_model))]
     gpt = [(f"blocks.{i}.{n}", s) for i in range(n_layers) for n, s in per_layer]
@@ -57,7 +73,9 @@ def keller_ns(G: torch.Tensor, epsilon=EPS) -> torch.Tensor:
 # ------------------------------------------------------------------ byte counting at the collectives
 
 _COUNTED = ("all_to_all_single", "all_to_all", "all_gather_into_tensor", "all_gather", "reduce_scatter_tensor",
-            "reduce_scatter", "all_reduce", "broadcast", "scatter", "gather", "send", "recv", "isend", "irecv")
+            "reduce_scatter", "all_reduce", "broadcast", "scatter", "gather", "send", "recv", "isend", "irecv",
+            "all_gather_object", "broadcast_object_list", "barrier")
+_NO_BYTES = ("all_gather_object", "broadcast_object_list", "barrier")  # calls; their bytes are not known here
 
 
 def _nbytes(t) -> int:
@@ -66,6 +84,8 @@ def _nbytes(t) -> int:
 
 def _bytes_of(name: str, args, kwargs, world: int, me: int) -> tuple[int, int]:
     """(sent, received) by this rank, its own chunk excluded: the convention of muonlab's counter."""
+    if name in _NO_BYTES:
+        return 0, 0
     if name == "all_to_all_single":
         out, inp = args[0], args[1]
         out_splits = args[2] if len(args) > 2 else kwargs.get("output_split_sizes")
@@ -120,6 +140,19 @@ def counting_collectives(tally: dict):
             setattr(dist, name, fn)
 
 
+@contextlib.contextmanager
+def counting_process_group_ops(ops: Counter):
+    """Count the process group's operations run inside the block, by kind ("all_to_all", ...):
+    torch.profiler's ``gloo:<op>`` events, which every path to the process group records (the
+    torch.distributed functions, DTensor's functional collectives, object collectives' inner
+    gathers), where ``counting_collectives`` sees only the torch.distributed calls."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        yield ops
+    ops.update(e.name.split(":", 1)[1] for e in prof.events() if e.name.startswith("gloo:"))
+
+
 # ------------------------------------------------------------------ the optimizers
 
 
@@ -156,30 +189,29 @@ def build_optimizer(kind: str, params: list[tuple[str, torch.nn.Parameter]], mes
     return cls(tensors, distributed_mesh=mesh, **kw)
 
 
-def _make_params(mesh):
+def _make_params(mesh, shapes):
     from torch.distributed.tensor import Shard, distribute_tensor
 
     out = []
-    for seed, (name, shape) in enumerate(matrix_shapes()):
+    for seed, (name, shape) in enumerate(shapes):
         full = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
         out.append((name, torch.nn.Parameter(distribute_tensor(full, mesh, [Shard(0)]))))
     return out
 
 
-def _make_grads(mesh, step: int):
+def _make_grads(mesh, shapes, step: int):
     from torch.distributed.tensor import Shard, distribute_tensor
 
     return [distribute_tensor(torch.randn(shape, generator=torch.Generator().manual_seed(1000 * step + seed)),
                               mesh, [Shard(0)])
-            for seed, (_, shape) in enumerate(matrix_shapes())]
+            for seed, (_, shape) in enumerate(shapes)]
 
 
-def _agreement(kinds: list[str], mesh) -> dict[str, float]:
+def _agreement(kinds: list[str], mesh, shapes) -> dict[str, float]:
     """Max over matrices of ||U - U_torch|| / ||U_torch|| after two steps from the same start, U the
     whole-matrix update (X_before - X_after) / (lr * ratio) and U_torch torch.optim.Muon's."""
-    shapes = matrix_shapes()
-    steps = [_make_grads(mesh, s) for s in (0, 1)]
-    ref = [torch.nn.Parameter(p.full_tensor().clone()) for _, p in _make_params(mesh)]
+    steps = [_make_grads(mesh, shapes, s) for s in (0, 1)]
+    ref = [torch.nn.Parameter(p.full_tensor().clone()) for _, p in _make_params(mesh, shapes)]
     ref_opt = torch.optim.Muon(ref, lr=LR, momentum=MOMENTUM, nesterov=True, weight_decay=0.0,
                                ns_coefficients=KELLER, eps=EPS, ns_steps=5, adjust_lr_fn="match_rms_adamw")
     for grads in steps:
@@ -190,7 +222,7 @@ def _agreement(kinds: list[str], mesh) -> dict[str, float]:
     ref_update = [b - p.detach() for b, p in zip(before, ref)]
     out = {}
     for kind in kinds:
-        params = _make_params(mesh)
+        params = _make_params(mesh, shapes)
         opt = build_optimizer(kind, params, mesh)
         for grads in steps:
             before = [p.detach().full_tensor() for _, p in params]
@@ -205,26 +237,30 @@ def _agreement(kinds: list[str], mesh) -> dict[str, float]:
     return out
 
 
-def balanced_orders(n: int) -> list[list[int]]:
-    """Orders of n items in which each item directly follows every other equally often (a Williams
-    design: n orders for even n, 2n for odd). A plain rotation of [a, b, c, d] puts b after a in
-    three rounds of four, so b always runs on what a left behind (allocator, caches): an A/A run of
-    two identical muonlab optimizers in that rotation measured the second 1.5% faster."""
-    first, lo, hi = [0], 1, n - 1
-    while len(first) < n:
-        first.append(lo)
-        lo += 1
-        if len(first) < n:
-            first.append(hi)
-            hi -= 1
-    orders = [[(x + i) % n for x in first] for i in range(n)]
-    return orders if n % 2 == 0 else orders + [o[::-1] for o in orders]
+def _muonlab_stats(opt) -> dict:
+    """What muonlab's last_step_stats() gives this benchmark, tolerant of keys that a later version
+    drops or leaves None (the step's structure is changing): seconds per phase, the safety check's
+    host seconds ("check", "wait"), bytes and calls counted by muonlab itself."""
+    stats = opt.last_step_stats()
+    nonfinite = stats.get("nonfinite_seconds") or {}
+    seconds = stats.get("seconds")
+    return dict(phases=seconds if isinstance(seconds, dict) else {},
+                check=nonfinite.get("check", math.nan), wait=nonfinite.get("wait", math.nan),
+                sent=sum((stats.get("bytes_sent") or {}).values()), recv=sum((stats.get("bytes_recv") or {}).values()),
+                calls=sum((stats.get("calls") or {}).values()))
 
 
-def peers_worker(kinds: list[str], rounds: int, warmup: int) -> dict:
+def _median(values: list[float]) -> float:
+    finite = [v for v in values if not math.isnan(v)]
+    return statistics.median(finite) if finite else math.nan
+
+
+def peers_worker(kinds: list[str], rounds: int, warmup: int, set_name: str = "gpt") -> dict:
     """Alternating rounds: each round steps every optimizer once, in balanced orders (each
-    optimizer follows every other equally often),
-    barrier to barrier. Returns per-optimizer step seconds per round, bytes per step, phases."""
+    optimizer follows every other equally often), barrier to barrier. Before the timed rounds, one
+    untimed step of every optimizer counts its collectives (bytes and torch.distributed calls at
+    the call, process-group operations from torch.profiler). Returns per-optimizer step seconds
+    per round, the counts, muonlab's phases."""
     from torch.distributed.device_mesh import init_device_mesh
 
     torch.set_num_threads(1)
@@ -233,42 +269,57 @@ def peers_worker(kinds: list[str], rounds: int, warmup: int) -> dict:
     os.environ["TORCHDYNAMO_DISABLE"] = "1"
     torch._dynamo.config.disable = True
     world = dist.get_world_size()
+    shapes = matrix_shapes(set_name)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=(MeshAxis.DP.value,))
     kinds = [k for k in kinds if k.startswith("muonlab") or _import_peer(k) is not None]
-    agreement = _agreement(kinds, mesh)
-    params = {k: _make_params(mesh) for k in kinds}
+    agreement = _agreement(kinds, mesh, shapes)
+    params = {k: _make_params(mesh, shapes) for k in kinds}
     opts = {k: build_optimizer(k, params[k], mesh) for k in kinds}
-    grads = _make_grads(mesh, 7)
+    grads = _make_grads(mesh, shapes, 7)
     times = {k: [] for k in kinds}
     tally = {k: dict(sent=0, recv=0, calls=0) for k in kinds}
+    ops = {k: Counter() for k in kinds}
     phases = {k: [] for k in kinds}
     check_s, wait_s = [], []  # muonlab's safety check inside its steps: start, and the wait at the gate
     orders = balanced_orders(len(kinds))
-    for r in range(warmup + rounds):
-        order = [kinds[i] for i in orders[r % len(orders)]]
-        for k in order:
-            for (_, p), g in zip(params[k], grads):
-                p.grad = g
-            counting = r == warmup and not k.startswith("muonlab")
+
+    def set_grads(k):
+        for (_, p), g in zip(params[k], grads):
+            p.grad = g
+
+    for r in range(warmup):
+        for i in orders[r % len(orders)]:
+            set_grads(kinds[i])
+            dist.barrier()
+            opts[kinds[i]].step()
+    for k in kinds:  # the counting step, untimed: the wrappers and the profiler cost host time
+        set_grads(k)
+        dist.barrier()
+        with counting_collectives(tally[k]), counting_process_group_ops(ops[k]):
+            opts[k].step()
+        dist.barrier()
+        if k.startswith("muonlab"):  # its matrix bytes from its own counter (control messages excluded)
+            st = _muonlab_stats(opts[k])
+            tally[k].update(sent=st["sent"], recv=st["recv"], muonlab_calls=st["calls"])
+    for r in range(rounds):
+        for i in orders[r % len(orders)]:
+            k = kinds[i]
+            set_grads(k)
             dist.barrier()
             t0 = time.perf_counter()
-            with counting_collectives(tally[k]) if counting else contextlib.nullcontext():
-                opts[k].step()
+            opts[k].step()
             dist.barrier()  # the step is done when the slowest rank is done
-            if r >= warmup:
-                times[k].append(time.perf_counter() - t0)
-                if k.startswith("muonlab"):
-                    stats = opts[k].last_step_stats()
-                    phases[k].append(stats["seconds"])
-                    if k == "muonlab":
-                        check_s.append(stats["nonfinite_seconds"]["check"])
-                        wait_s.append(stats["nonfinite_seconds"]["wait"])
-                    if r == warmup:
-                        tally[k] = dict(sent=sum(stats["bytes_sent"].values()),
-                                        recv=sum(stats["bytes_recv"].values()), calls=sum(stats["calls"].values()))
+            times[k].append(time.perf_counter() - t0)
+            if k.startswith("muonlab"):
+                st = _muonlab_stats(opts[k])
+                if st["phases"]:
+                    phases[k].append(st["phases"])
+                if k == "muonlab":
+                    check_s.append(st["check"])
+                    wait_s.append(st["wait"])
     # the check it replaced, alone on the same grads: an isfinite per grad, then a blocking all-reduce
     before_s = []
-    for _ in range(rounds):
+    for _ in range(min(rounds, 50)):
         dist.barrier()
         t0 = time.perf_counter()
         bad = [i for i, g in enumerate(grads) if not torch.isfinite(g.to_local()).all()]
@@ -276,14 +327,19 @@ def peers_worker(kinds: list[str], rounds: int, warmup: int) -> dict:
         flags[dist.get_rank()] = float(bool(bad))
         dist.all_reduce(flags)
         before_s.append(time.perf_counter() - t0)
-    plan = Counter(b.path for b in opts["muonlab"].plan()) if "muonlab" in opts else {}
+    plan = {}
+    if "muonlab" in opts:
+        try:
+            plan = dict(Counter(b.path for b in opts["muonlab"].plan()))
+        except Exception as e:  # the plan's API may change under the optimizer's restructuring
+            plan = {f"n/a ({type(e).__name__})": 0}
     median_phases = {k: {ph: statistics.median(s[ph] for s in v) for ph in v[0]} for k, v in phases.items() if v}
-    return dict(kinds=kinds, times=times, bytes=tally, agreement=agreement, phases=median_phases,
-                start_s=statistics.median(check_s), wait_s=statistics.median(wait_s),
-                before_s=statistics.median(before_s), plan=dict(plan),
-                world=world)
+    return dict(kinds=kinds, times=times, bytes=tally, ops={k: dict(c) for k, c in ops.items()},
+                agreement=agreement, phases=median_phases,
+                start_s=_median(check_s), wait_s=_median(wait_s),
+                before_s=statistics.median(before_s), plan=plan, world=world, set_name=set_name)
 
 
-def lower_bound_bytes(world: int, itemsize: int = 2) -> float:
+def lower_bound_bytes(world: int, set_name: str = "gpt", itemsize: int = 2) -> float:
     """Sum over matrices of 2 (W-1)/W of its bytes in the wire dtype: gathered once, scattered once."""
-    return sum(2 * (world - 1) / world * math.prod(s) * itemsize for _, s in matrix_shapes())
+    return sum(2 * (world - 1) / world * math.prod(s) * itemsize for _, s in matrix_shapes(set_name))

@@ -1,7 +1,22 @@
-"""One Muon step on the hidden matrices of real model sizes: muonlab vs torch.optim.Muon, speed and memory.
+"""One Muon step on the hidden matrices of real model sizes: muonlab vs torch.optim.Muon (and
+microsoft/dion's Muon), speed and memory, and the first step's time.
 
     python benchmarks/bench_gpu_step.py              # on a GPU: the full shapes; on a CPU: shapes / 8 per side
     python benchmarks/bench_gpu_step.py --sets gpt2 --repeats 5 --out /tmp/step.md
+
+Dion (microsoft/dion at the commit bench_peers.py pins, dion/muon.py, one device:
+``distributed_mesh=None``) runs from benchmarks/_peers/, where bench_peers.py copies it from a git
+mirror (a GPU machine has no mirror: carry the folder there); absent, its rows are skipped with a
+line saying so. Its torch.compile decorators are off (TORCHDYNAMO_DISABLE=1, set before it is
+imported; muonlab does not use torch.compile), and it gets the 5-step Keller Newton-Schulz in bf16
+that torch.optim.Muon runs (bench_peers' ``keller_ns``): the same FLOPs. "dion eager" runs on CPU
+and GPU; "dion + CudaGraphOptimizer" (dion/cuda_graph.py: one eager step, then the whole step
+captured in a CUDA graph and replayed) only on CUDA.
+
+First step (``--first-step-sets``): the time of the very first ``step()`` of a fresh optimizer, in a
+fresh process (construction timed apart, the second step beside it), for torch.optim.Muon, muonlab
+defaults and dion eager; on CUDA muonlab's also with cold caches (empty TRITON_CACHE_DIR and
+MUONLAB_CACHE_DIR: a fresh machine), where the warm row has the caches this run's speed table left.
 
 Matrix sets (every Linear weight of the transformer blocks, or one expert bank):
   1b:    24 x [6144x2048, 2048x2048, 8192x2048, 2048x8192]   (a 1B-like model, 1.2 B Muon parameters)
@@ -61,8 +76,45 @@ SETS = {
 LR, MOMENTUM = 0.02, 0.95
 
 
-def configs(cuda: bool) -> dict:
-    """label -> factory(params); params of a bank are one 3-D tensor (torch.optim.Muon: its matrices)."""
+PEERS_DIR = Path(__file__).resolve().parent / "_peers"
+DION_EAGER, DION_GRAPH = "dion eager", "dion + CudaGraphOptimizer"
+
+
+def dion_available() -> str:
+    """'' when benchmarks/_peers/dion is there, else why not."""
+    if (PEERS_DIR / "dion" / "muon.py").exists() and (PEERS_DIR / "dion" / "cuda_graph.py").exists():
+        return ""
+    return ("no benchmarks/_peers/dion (bench_peers.py copies it from a git mirror; on a machine without one, "
+            "carry the folder there)")
+
+
+def _dion_classes():
+    """Dion's Muon and CudaGraphOptimizer, imported with torch.compile off (its decorators read
+    TORCHDYNAMO_DISABLE when the module is imported)."""
+    os.environ["TORCHDYNAMO_DISABLE"] = "1"
+    torch._dynamo.config.disable = True
+    if str(PEERS_DIR) not in sys.path:
+        sys.path.insert(0, str(PEERS_DIR))
+    from dion.cuda_graph import CudaGraphOptimizer
+    from dion.muon import Muon as DionMuon
+    return DionMuon, CudaGraphOptimizer
+
+
+def dion_opt(graph: bool):
+    """A factory for Dion's Muon on one device (no mesh), with torch.optim.Muon's iteration and
+    momentum settings; ``graph``: wrapped in its CudaGraphOptimizer, captured after one eager step."""
+    def make(ps):
+        from _peers_workers import keller_ns
+
+        DionMuon, CudaGraphOptimizer = _dion_classes()
+        opt = DionMuon(ps, lr=LR, mu=MOMENTUM, nesterov=True, epsilon=1e-7, newton_schulz_func=keller_ns)
+        return CudaGraphOptimizer(opt, warmup_steps=1) if graph else opt
+    return make
+
+
+def configs(cuda: bool, peers: bool = False) -> dict:
+    """label -> factory(params); params of a bank are one 3-D tensor (torch.optim.Muon: its matrices).
+    ``peers``: Dion's rows too, when benchmarks/_peers has it (the graph row only on CUDA)."""
     def muonlab_opt(**kw):
         return lambda ps: muonlab.Muon(ps, lr=LR, momentum=MOMENTUM, nonfinite="ignore", **kw)
 
@@ -78,6 +130,23 @@ def configs(cuda: bool) -> dict:
         out["muonlab triton gram"] = muonlab_opt(ns_backend="triton", ns_form="gram")
         out["muonlab torch plain + graphs"] = muonlab_opt(ns_backend="torch", ns_form="plain", ns_graphs=True)
         out["muonlab triton plain + graphs"] = muonlab_opt(ns_backend="triton", ns_form="plain", ns_graphs=True)
+    if peers and not dion_available():
+        out[DION_EAGER] = dion_opt(graph=False)
+        if cuda:
+            out[DION_GRAPH] = dion_opt(graph=True)
+    return out
+
+
+FIRST_DEFAULTS = "muonlab defaults (safety checks on)"
+
+
+def first_step_factories(peers: bool = True) -> dict:
+    """The first-step table's configurations: torch.optim.Muon, muonlab with every default (its
+    non-finite check on: the speed table's muonlab rows turn it off), and Dion eager."""
+    out = {"torch.optim.Muon": None,
+           FIRST_DEFAULTS: lambda ps: muonlab.Muon(ps, lr=LR, momentum=MOMENTUM)}
+    if peers and not dion_available():
+        out[DION_EAGER] = dion_opt(graph=False)
     return out
 
 
@@ -91,6 +160,10 @@ def factory_of(label: str):
         mib = float(label.split()[2])
         return lambda ps: muonlab.Muon(ps, lr=LR, momentum=MOMENTUM, nonfinite="ignore",
                                        workspace_bytes=int(mib * 2**20))
+    if label in (DION_EAGER, DION_GRAPH):
+        return dion_opt(graph=label == DION_GRAPH)
+    if label == FIRST_DEFAULTS:
+        return first_step_factories()[label]
     return configs(False)[label]
 
 
@@ -167,7 +240,7 @@ def speed_table(set_name, shapes, dtype, device, args, factories=None):
     """On CPU every round steps every configuration once in a rotating order (load hits them
     alike); on a GPU, where a 1B set of fp32 parameters per configuration would not all fit, each
     configuration is built, measured (memory, then time) and freed in turn."""
-    factories = factories or configs(device.type == "cuda")
+    factories = factories or configs(device.type == "cuda", peers=True)
     n = 8192 if device.type == "cuda" else 1024
     probe, runs = [], []
     for label, factory in factories.items():
@@ -183,7 +256,8 @@ def speed_table(set_name, shapes, dtype, device, args, factories=None):
             print(f"  {label}: skipped ({type(e).__name__}: {e})")
             continue
         # the Newton-Schulz FLOPs this configuration runs (its plan's: the gram form runs fewer)
-        ns_flops_run = plain_flops(shapes) if factory is None else sum(sum(b.flops) for b in opt.plan())
+        # (torch.optim.Muon and Dion: the plain form of the shapes, as their iteration is)
+        ns_flops_run = sum(sum(b.flops) for b in opt.plan()) if hasattr(opt, "plan") else plain_flops(shapes)
         run = dict(label=label, params=params, opt=opt, times=[], ns_flops=ns_flops_run)
         if device.type == "cuda":
             run["resident"] = torch.cuda.memory_allocated() - base
@@ -303,6 +377,76 @@ def memory_added(set_name, label, args, view="rss", env=None) -> float:
     return statistics.median(runs)
 
 
+# ---------------------------------------------------------------------------- first step, one process per config
+
+def first_step_child(set_name: str, label: str, dtype_name: str, factor: int, threads: int) -> None:
+    """One fresh process: build the parameters, then the optimizer (timed), then its first and
+    second ``step()`` (each timed, the device synchronised around it); prints JSON seconds."""
+    torch.set_num_threads(threads)
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    shapes = scaled(SETS[set_name], factor)
+    params = make_params(shapes, getattr(torch, dtype_name), device)
+    if label in (DION_EAGER, DION_GRAPH):
+        _dion_classes()  # its import is not its construction
+    sync(device)
+    t0 = time.perf_counter()
+    factory = factory_of(label)
+    if factory is None:  # torch.optim.Muon: 2-D only, a bank as its matrices (as make_optimizer does)
+        params = [torch.nn.Parameter(m.clone()) for p in params for m in (p.detach().unbind(0) if p.ndim == 3
+                                                                          else [p.detach()])]
+        for q in params:
+            q.grad = torch.randn_like(q).mul_(1e-3)
+        t0 = time.perf_counter()
+        opt = torch.optim.Muon(params, lr=LR, momentum=MOMENTUM, adjust_lr_fn="original")
+    else:
+        opt = factory(params)
+    t1 = time.perf_counter()
+    opt.step()
+    sync(device)
+    t2 = time.perf_counter()
+    opt.step()
+    sync(device)
+    t3 = time.perf_counter()
+    print(json.dumps(dict(construct_s=t1 - t0, first_s=t2 - t1, second_s=t3 - t2)))
+
+
+def first_step_rows(set_names, dtype_name: str, args, cuda: bool) -> list[list]:
+    """Rows of FIRST_HEAD: per set and configuration, one fresh process each; on CUDA muonlab's
+    defaults also with empty Triton and muonlab caches (a fresh machine)."""
+    import tempfile
+
+    rows = []
+    for set_name in set_names:
+        runs = [(label, None) for label in first_step_factories()]
+        if cuda:
+            runs.insert(2, (FIRST_DEFAULTS, "cold"))
+        for label, cold in runs:
+            env = dict(os.environ)
+            with tempfile.TemporaryDirectory() as tmp:
+                if cold:
+                    env.update(TRITON_CACHE_DIR=f"{tmp}/triton", MUONLAB_CACHE_DIR=f"{tmp}/muonlab")
+                t0 = time.perf_counter()
+                out = subprocess.run([sys.executable, __file__, "--first-step-child", set_name, label, dtype_name,
+                                      str(args.factor), str(args.threads)], capture_output=True, text=True, env=env)
+                wall = time.perf_counter() - t0
+            name = label + (" (cold caches)" if cold else "")
+            if out.returncode != 0:
+                why = (out.stderr.strip().splitlines() or ["?"])[-1]
+                print(f"  first step {set_name} {name}: failed ({why})")
+                rows.append([set_name, name, "failed", why, "", "", ""])
+                continue
+            got = json.loads(out.stdout.strip().splitlines()[-1])
+            rows.append([set_name, name, f"{1e3 * got['construct_s']:.1f}", f"{1e3 * got['first_s']:.1f}",
+                         f"{1e3 * got['second_s']:.1f}", f"{got['first_s'] / got['second_s']:.1f}x", f"{wall:.1f}"])
+            print(f"  first step {set_name} {name}: {rows[-1][2:]}", flush=True)
+    return rows
+
+
+FIRST_HEAD = ["set", "configuration", "construct ms", "first step() ms", "second step() ms",
+              "first / second", "process wall s"]
+
+
 MEMORY_HEAD = ["set", "configuration", "param MiB (bf16)", "RSS a step adds MiB (state + transient)",
                "vs torch.optim.Muon", "tensor bytes a step adds MiB", "vs torch.optim.Muon"]
 
@@ -357,15 +501,22 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=None)
     ap.add_argument("--memory-only", action="store_true", help="CPU: only the memory table (it is not load-sensitive)")
+    ap.add_argument("--no-memory", action="store_true", help="CPU: no memory tables, no budget sweep (they take most of the run)")
     ap.add_argument("--memory-runs", type=int, default=3, help="CPU: fresh processes per memory figure (median)")
     ap.add_argument("--budgets", default="2,4,8,16,32",
                     help="CPU: workspace budgets (MiB) for the trade-off table; '' for none")
     ap.add_argument("--sweep-sets", default="1b,bank64", help="CPU: the sets of the trade-off table")
+    ap.add_argument("--first-step-sets", default=None,
+                    help="sets of the first-step table, bf16 (default: gpt2,1b on GPU, gpt2 on CPU); '' for none")
     ap.add_argument("--memory-child", nargs=5, help=argparse.SUPPRESS)
+    ap.add_argument("--first-step-child", nargs=5, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.memory_child:
         set_name, label, dtype_name, factor, view = args.memory_child
         return memory_child(set_name, label, dtype_name, int(factor), view)
+    if args.first_step_child:
+        set_name, label, dtype_name, factor, threads = args.first_step_child
+        return first_step_child(set_name, label, dtype_name, int(factor), int(threads))
     torch.set_num_threads(args.threads)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -390,7 +541,7 @@ def main(argv=None):
     if rows:
         body += [f"bf16 matmul measured in the same rounds: median {statistics.median(rates):.1f} TFLOP/s.", "",
                  "## Step time" + (" and GPU memory" if cuda else ""), "", md_table(head, rows)]
-    if not cuda:
+    if not cuda and not args.no_memory:
         mem_rows = cpu_memory_rows(set_names, args)
         print(text_table(MEMORY_HEAD, mem_rows))
         body += ["", "## Memory a step adds on this CPU (bf16 parameters, a fresh process per configuration, "
@@ -408,6 +559,31 @@ def main(argv=None):
                      "faster on this CPU and cost memory. The defaults' budget here is "
                      f"{default_budget(0, 'cpu') / 2**20:g} MiB (the CPU floor; 5% of parameter bytes above "
                      "it).", "", md_table(sweep_head, sweep_rows)]
+    first_sets = [x for x in (args.first_step_sets if args.first_step_sets is not None
+                              else ("gpt2,1b" if cuda else "gpt2")).split(",") if x]
+    if first_sets and not args.memory_only:
+        first_rows = first_step_rows(first_sets, "bfloat16", args, cuda)
+        print(text_table(FIRST_HEAD, first_rows))
+        body += ["", "## The first step (a fresh process per configuration, bf16 parameters)", "",
+                 "The very first `step()` of a fresh optimizer in a fresh process (the device synchronised around "
+                 "it), its construction timed apart (with any lazy import the constructor triggers; Dion's module "
+                 "import excluded), and the second step beside it: what a run pays once before the steps the "
+                 "table above times. muonlab's row has every default on, its non-finite check "
+                 "included (the speed table's muonlab rows run with `nonfinite=\"ignore\"`)"
+                 + ("; its cold row starts with empty Triton and muonlab caches (TRITON_CACHE_DIR, "
+                    "MUONLAB_CACHE_DIR), as on a fresh machine, the warm one with the caches this run's speed "
+                    "table left. Dion under its CudaGraphOptimizer has no row: its first step is the eager "
+                    "step (the capture is the second)." if cuda else
+                    ". No GPU here: no Triton, no CUDA graphs, so no cold-cache row."),
+                 "", md_table(FIRST_HEAD, first_rows)]
+    why = dion_available()
+    body += ["", "Dion (`microsoft/dion@0a059a4542e5`, dion/muon.py on one device, torch.compile off, torch.optim.Muon's "
+             "5-step Keller iteration in bf16 via `newton_schulz_func`, Nesterov, momentum 0.95): "
+             + (f"skipped: {why}." if why else
+                "'dion eager' rows above" + ("; 'dion + CudaGraphOptimizer' wraps it in dion/cuda_graph.py's "
+                                             "CudaGraphOptimizer (one eager step, then captured and replayed)."
+                                             if cuda else "; 'dion + CudaGraphOptimizer' is GPU-only (CUDA graphs) "
+                                             "and has no row on this CPU."))]
     note = (f"GPU: {torch.cuda.get_device_name()}." if cuda else "No GPU: the CPU proxy.") + \
         f" Load average {load_start} at the start, {load()} at the end; {time.perf_counter() - t_start:.0f} s."
     out = args.out or results_path("gpu_step" if cuda else "gpu_step_cpu_proxy")

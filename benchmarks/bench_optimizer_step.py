@@ -1,6 +1,8 @@
 """Optimizer step time: muonlab.Muon (bf16/fp32 x plain/gram) vs torch.optim.Muon, in one process.
 
-The parameters are the hidden matrices of a 12-layer, width-256 GPT (every Linear weight inside the
+Two matrix sets (``--sets``, both by default):
+
+gpt256: the compute-bound set. The parameters are the hidden matrices of a 12-layer, width-256 GPT (every Linear weight inside the
 transformer blocks: qkv, attention output, MLP in and out; 48 matrices, 4 shapes). Each optimizer
 gets its own copy of them and the same fixed random gradients. After warm-up steps, every round
 times one ``step()`` of each configuration in a rotating order (so load from other jobs hits them
@@ -11,8 +13,21 @@ Accuracy: one fresh step of each configuration on one matrix of every shape; the
 (recovered from the parameter change) is compared with muonlab's fp32 plain Newton-Schulz of the
 same momentum input and with the exact polar factor from an SVD.
 
+small48: the host-bound set, the 48 hidden matrices of ``GPT(GPTConfig(d_model=8, n_layers=12,
+n_heads=2))`` (24x8, 8x8, 32x8, 8x32 per layer; benchmarks/_sets.py), whose Newton-Schulz work is
+tiny: a step's time is the optimizer's fixed host cost. torch.optim.Muon, muonlab defaults (twice:
+the second copy, identical, is the run's noise floor) and muonlab defaults with
+``nonfinite="ignore"`` (the safety checks' cost) step in alternating rounds in balanced orders
+(benchmarks/_rounds.py), with ``torch.set_num_threads`` at each of ``--small-threads`` (1 first:
+the figure the goal is judged on; see the results for why); ratios are medians of per-round
+ratios with bootstrap intervals.
+
+For both sets, "host time per matrix" is the step time divided by the number of matrices, with its
+ratio to torch.optim.Muon's (the per-round ratio of the same steps).
+
     python benchmarks/bench_optimizer_step.py             # what results/optimizer_step.md holds
-    python benchmarks/bench_optimizer_step.py --layers 2 --repeats 3 --out /tmp/step.md
+    python benchmarks/bench_optimizer_step.py --sets small48 --small-rounds 200 --out /tmp/small.md
+    python benchmarks/bench_optimizer_step.py --sets gpt256 --layers 2 --repeats 3 --out /tmp/step.md
 """
 
 from __future__ import annotations
@@ -35,6 +50,8 @@ from muonlab.optim import functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _machine import MatmulProbe, load  # noqa: E402
 from _report import md_table, results_path, text_table, write_report  # noqa: E402
+from _rounds import balanced_orders, ratio_summary  # noqa: E402
+from _sets import SMALL48, small48_matrices  # noqa: E402
 
 LR, MOMENTUM, NS_STEPS = 0.02, 0.95, 5
 KELLER = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's default, = muonlab's "keller" preset
@@ -69,7 +86,13 @@ CONFIGS = [
     # what a user gets: ns_dtype="auto" is bf16 on a CPU with native bf16 matmul, else fp32
     ("muonlab defaults", lambda ps: muonlab.Muon(ps, lr=LR, momentum=MOMENTUM),
      "bf16" if resolve_dtype("auto", torch.device("cpu")) == torch.bfloat16 else "fp32", "auto"),
+    # the same without the safety checks (no non-finite check): their cost is the difference
+    ("muonlab defaults, nonfinite=\"ignore\"",
+     lambda ps: muonlab.Muon(ps, lr=LR, momentum=MOMENTUM, nonfinite="ignore"),
+     "bf16" if resolve_dtype("auto", torch.device("cpu")) == torch.bfloat16 else "fp32", "auto"),
 ]
+TORCH_LABEL, DEFAULTS_LABEL, IGNORE_LABEL = CONFIGS[0][0], "muonlab defaults", CONFIGS[-1][0]
+SETS = ("gpt256", "small48")
 
 
 def hidden_matrices(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -97,16 +120,8 @@ def applied_update(factory, weight: torch.Tensor, grad: torch.Tensor) -> torch.T
     return -p.detach().double() / ratio
 
 
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--layers", type=int, default=12)
-    ap.add_argument("--width", type=int, default=256)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=15, help="timed rounds (one step per configuration)")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--matmul-n", type=int, default=1024)
-    ap.add_argument("--out", default=str(results_path("optimizer_step")))
-    args = ap.parse_args(argv)
+def gpt256_report(args) -> tuple[str, list]:
+    """The compute-bound set's sections (markdown) and its rows of the host-time-per-matrix table."""
     torch.set_num_threads(args.threads)
     load_start, t_start = load(), time.perf_counter()
 
@@ -133,9 +148,10 @@ def main(argv=None) -> None:
         runs.append(dict(label=label, opt=factory(params), dtype=dname, form=form, flops=flops, times=[]))
 
     probe = MatmulProbe(args.matmul_n)
+    orders = balanced_orders(len(runs))
     for r in range(args.warmup + args.repeats):
         probe.probe(record=r >= args.warmup)
-        order = runs[r % len(runs):] + runs[: r % len(runs)]
+        order = [runs[i] for i in orders[r % len(orders)]]
         for run in order:
             t0 = time.perf_counter()
             run["opt"].step()
@@ -202,7 +218,7 @@ def main(argv=None) -> None:
 
     bf16_isa = cpu_bf16_support()
     speedup = {label: med[labels[0]] / med[label] for label in labels}
-    best_label = max(labels[1:], key=lambda label: speedup[label])
+    best_label = max(labels[1:-1], key=lambda label: speedup[label])
     bf16_best = max(labels[1:3], key=lambda label: speedup[label])
     goal = "meets" if speedup[best_label] >= 2 else "misses"
     head_line = (f"The issue's goal is at least 2x over torch.optim.Muon. The fastest configuration here, "
@@ -257,9 +273,10 @@ def main(argv=None) -> None:
         "as an \"output head (shaped like the embedding)\", because they happen to have the token "
         "embedding's shape; they are hidden matrices, so they are benchmarked here."
         if not_routed else "`muon_param_groups` routes all of them to Muon.")
-    conditions = f"""Shared with other jobs while this ran (load average {load_start} at the start,
-{load_end} at the end, on 2 cores), so absolute times are noisy; the configurations were timed
-round-robin in one process (one step each per round, rotating order, {args.warmup} warm-up rounds,
+    conditions = f"""The compute-bound set (gpt256), at {args.threads} torch threads. Shared with other jobs while
+this ran (load average {load_start} at the start, {load_end} at the end, on 2 cores), so absolute times
+are noisy; the configurations were timed in rounds in one process (one step each per round, in
+balanced orders: each follows every other equally often; {args.warmup} warm-up rounds,
 {args.repeats} timed rounds) and the ratios come from medians of the same rounds. Total wall time
 {total_s:.0f} s."""
     md = f"""Parameters: the hidden matrices of `GPT(GPTConfig(d_model={args.width}, n_layers={args.layers}))`,
@@ -309,9 +326,152 @@ Against the fp32 plain reference, bf16 plain differs by at most {worst(labels[1]
 mantissa bits), bf16 Gram by at most {worst(labels[2]):.1e} (rounding in R = X X^T carries through
 the Gram iteration), fp32 Gram by at most {worst(labels[4]):.1e}.
 """
+    per_matrix = per_matrix_rows(
+        f"gpt256, {args.threads} thread{'s' * (args.threads > 1)}", len(hidden),
+        {label: run["times"] for label, run in zip(labels, runs)})
+    return conditions + "\n\n" + md, per_matrix
+
+
+PER_MATRIX_HEAD = ["set, threads", "configuration", "median step ms", "host time per matrix us",
+                   "time / torch.optim.Muon (median of rounds)", "95% interval (bootstrap)",
+                   "median-of-rounds ratio to muonlab defaults"]
+
+
+def per_matrix_rows(set_label: str, num_matrices: int, times: dict[str, list[float]]) -> list[list]:
+    """Rows of PER_MATRIX_HEAD for torch.optim.Muon and the muonlab configurations given, from
+    per-round step times (round i of every configuration measured in the same round)."""
+    rows = []
+    base, ours = times[TORCH_LABEL], times[DEFAULTS_LABEL]
+    for label, t in times.items():
+        if label != TORCH_LABEL and not label.startswith("muonlab defaults"):
+            continue
+        med, low, high, _ = ratio_summary(t, base)
+        to_ours = ratio_summary(t, ours)[0]
+        rows.append([set_label, label, f"{1e3 * statistics.median(t):.2f}",
+                     f"{1e6 * statistics.median(t) / num_matrices:.1f}", f"{med:.3f}", f"{low:.3f}-{high:.3f}",
+                     f"{to_ours:.3f}"])
+    return rows
+
+
+def small48_factories() -> dict:
+    """torch.optim.Muon as in CONFIGS, muonlab defaults twice (an A/A pair: the noise floor) and
+    muonlab defaults with nonfinite="ignore"."""
+    by_label = {label: factory for label, factory, _, _ in CONFIGS}
+    return {TORCH_LABEL: by_label[TORCH_LABEL], DEFAULTS_LABEL: by_label[DEFAULTS_LABEL],
+            "muonlab defaults (again)": by_label[DEFAULTS_LABEL], IGNORE_LABEL: by_label[IGNORE_LABEL]}
+
+
+def small48_rounds(threads: int, rounds: int, warmup: int) -> tuple[dict[str, list[float]], float]:
+    """Step times per configuration and round, every configuration stepped once per round in
+    balanced orders, at ``threads`` torch threads; and the wall seconds it took."""
+    torch.set_num_threads(threads)
+    t0 = time.perf_counter()
+    matrices = small48_matrices()
+    gen = torch.Generator().manual_seed(1)
+    values = [torch.randn(shape, generator=gen) * 0.3 for _, shape in matrices]
+    grads = [torch.randn(shape, generator=gen) * 1e-2 for _, shape in matrices]
+    opts = {}
+    for label, factory in small48_factories().items():
+        params = [nn.Parameter(v.clone()) for v in values]
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        opts[label] = factory(params)
+    labels = list(opts)
+    orders = balanced_orders(len(labels))
+    times = {label: [] for label in labels}
+    for r in range(warmup + rounds):
+        for i in orders[r % len(orders)]:
+            label = labels[i]
+            t = time.perf_counter()
+            opts[label].step()
+            dt = time.perf_counter() - t
+            if r >= warmup:
+                times[label].append(dt)
+    return times, time.perf_counter() - t0
+
+
+def small48_report(args) -> tuple[str, list, dict]:
+    """The host-bound set's section, its rows of the host-time-per-matrix table, and the goal's
+    figures (at the first thread count)."""
+    load_start = load()
+    matrices = small48_matrices()
+    shapes: dict[tuple[int, int], int] = {}
+    for _, s in matrices:
+        shapes[s] = shapes.get(s, 0) + 1
+    rows, walls, goal = [], [], {}
+    for n, threads in enumerate(args.small_threads):
+        times, wall = small48_rounds(threads, args.small_rounds if n == 0 else args.small_rounds_more_threads,
+                                     args.small_warmup)
+        walls.append(f"{wall:.0f} s at {threads} thread{'s' * (threads > 1)}")
+        rows += per_matrix_rows(f"small48, {threads} thread{'s' * (threads > 1)}", len(matrices), times)
+        if not goal:
+            med, low, high, _ = ratio_summary(times[DEFAULTS_LABEL], times[TORCH_LABEL])
+            again = ratio_summary(times["muonlab defaults (again)"], times[DEFAULTS_LABEL])[:3]
+            ignore = ratio_summary(times[IGNORE_LABEL], times[DEFAULTS_LABEL])[:3]
+            goal = dict(threads=threads, ratio=(med, low, high), again=again, ignore=ignore,
+                        ms={k: 1e3 * statistics.median(v) for k, v in times.items()})
+        print(text_table(PER_MATRIX_HEAD, rows[-len(times):]), flush=True)
+    torch.set_num_threads(args.threads)
+    med, low, high = goal["ratio"]
+    verdict = ("meets" if high <= 1.0 else "misses" if low > 1.0 else
+               "is within this run's noise of")
+    shape_txt = ", ".join(f"{n} x {s[0]}x{s[1]}" for s, n in shapes.items())
+    threads_txt = ", ".join(map(str, args.small_threads))
+    md = f"""## The host-bound set (small48)
+
+Parameters: the {len(matrices)} hidden matrices of `GPT(GPTConfig(d_model={SMALL48['d_model']}, n_layers={SMALL48['n_layers']}, n_heads={SMALL48['n_heads']}))` ({shape_txt}; `muon_param_groups` routes every one of them to Muon), fp32, fixed random gradients, the same settings as above. Newton-Schulz on these shapes is a few thousand FLOPs per matrix, so a step's time is the optimizer's fixed host cost: per step (validation, agreement, the non-finite check, planning) and per matrix or batch (dispatching each tensor operation). torch.optim.Muon, muonlab defaults twice (an A/A pair: the second copy's ratio to the first is this run's noise floor) and muonlab defaults with `nonfinite="ignore"` (without the safety checks) each step once per round, in balanced orders (each follows every other equally often), {args.small_warmup} warm-up rounds then {args.small_rounds} timed rounds at {args.small_threads[0]} thread{'s' * (args.small_threads[0] > 1)} (other thread counts: {threads_txt}); the ratios are medians of per-round ratios with 95% bootstrap intervals. Load average {load_start} before, {load()} after; {'; '.join(walls)}.
+
+Threads: the goal is judged at {goal['threads']} thread{'s' * (goal['threads'] > 1)} (`torch.set_num_threads({goal['threads']})`). On matrices of 8 to 32 rows, torch's intra-op parallelism has nothing to split: a second thread only adds the cost of waking it and waiting for it on every small operation, and on this 2-core machine shared with other jobs that wait is long and erratic (the 2-thread rows below: slower and noisier for every optimizer). A process that steps a model this small would run with one thread (as every distributed worker here does: one thread per rank), so one thread measures the host cost itself rather than the thread pool's handoffs under load. The 2-thread rows (torch's default here; {args.small_rounds_more_threads} rounds) are kept beside it for comparison: the small48 rows of the table above.
+
+Goal (one process, {len(matrices)} small matrices, safety checks on): muonlab defaults' step time at most 1.0x torch.optim.Muon's. Measured at {goal['threads']} thread{'s' * (goal['threads'] > 1)}: {med:.3f}x ({low:.3f}-{high:.3f}), {goal['ms'][DEFAULTS_LABEL]:.2f} ms against {goal['ms'][TORCH_LABEL]:.2f} ms, which {verdict} it. The safety checks' cost: `nonfinite="ignore"` over the defaults {goal['ignore'][0]:.3f} ({goal['ignore'][1]:.3f}-{goal['ignore'][2]:.3f}); the A/A pair {goal['again'][0]:.3f} ({goal['again'][1]:.3f}-{goal['again'][2]:.3f}).
+"""
+    return md, rows, goal
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sets", nargs="+", choices=SETS, default=list(SETS))
+    ap.add_argument("--layers", type=int, default=12, help="gpt256: layers")
+    ap.add_argument("--width", type=int, default=256, help="gpt256: width")
+    ap.add_argument("--warmup", type=int, default=2, help="gpt256: warm-up rounds")
+    ap.add_argument("--repeats", type=int, default=15, help="gpt256: timed rounds (one step per configuration)")
+    ap.add_argument("--threads", type=int, default=2, help="gpt256: torch threads")
+    ap.add_argument("--matmul-n", type=int, default=1024)
+    ap.add_argument("--small-threads", type=int, nargs="+", default=[1, 2],
+                    help="small48: torch threads, one pass each (the first is the goal's)")
+    ap.add_argument("--small-rounds", type=int, default=600, help="small48: timed rounds at the first thread count")
+    ap.add_argument("--small-rounds-more-threads", type=int, default=150,
+                    help="small48: timed rounds at the other thread counts (slow and noisy under load)")
+    ap.add_argument("--small-warmup", type=int, default=20, help="small48: warm-up rounds")
+    ap.add_argument("--out", default=None,
+                    help="default: results/optimizer_step.md with both sets, else results/optimizer_step_SET.md")
+    args = ap.parse_args(argv)
+    sets = [s for s in SETS if s in args.sets]
+    out = args.out or results_path("optimizer_step" if len(sets) == len(SETS) else f"optimizer_step_{sets[0]}")
+    load_start, t_start = load(), time.perf_counter()
+    parts, per_matrix = [], []
+    if "gpt256" in sets:
+        md, rows = gpt256_report(args)
+        parts.append(md)
+        per_matrix += rows
+    if "small48" in sets:
+        md, rows, _ = small48_report(args)
+        per_matrix = rows + per_matrix
+        small_md = md
+    parts.append("## Host time per matrix\n\n"
+                 "The step time divided by the number of matrices (48 in each set at the default sizes), and the per-round ratio to "
+                 "torch.optim.Muon's (the same as the ratio of step times: the same matrices), with the safety "
+                 "checks on (muonlab defaults) and off (`nonfinite=\"ignore\"`). In the small set it is nearly all "
+                 "fixed host cost; in gpt256 mostly Newton-Schulz.\n\n" + md_table(PER_MATRIX_HEAD, per_matrix))
+    if "small48" in sets:
+        parts.append(small_md)
     print()
-    write_report(args.out, "Optimizer step: muonlab.Muon vs torch.optim.Muon", md,
-                 script=__file__, argv=argv, machine_note=conditions)
+    print(text_table(PER_MATRIX_HEAD, per_matrix))
+    torch.set_num_threads(args.threads)  # the machine line reports the gpt256 set's threads
+    write_report(out, "Optimizer step: muonlab.Muon vs torch.optim.Muon", "\n\n".join(parts),
+                 script=__file__, argv=argv,
+                 machine_note=f"Load average {load_start} at the start, {load()} at the end (2 cores shared "
+                              f"with other jobs); {time.perf_counter() - t_start:.0f} s in all.")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,13 @@
 """muonlab's distributed Muon against Dion's (microsoft/dion) and XTuner's FSDP2 Muon, side by side.
 
-    .venv/bin/python benchmarks/bench_peers.py [--world 2 4] [--rounds 20] [--warmup 3] [--kinds K ...]
+    .venv/bin/python benchmarks/bench_peers.py [--sets gpt small48] [--world 2 4] [--rounds 20]
+        [--small-rounds 400] [--warmup 3] [--kinds K ...] [--out PATH] [--fetch-only]
+
+Two sets (``--sets``, both by default): "gpt", compute-bound (below), and "small48", host-bound: the
+48 hidden matrices of ``GPT(GPTConfig(d_model=8, n_layers=12, n_heads=2))`` (benchmarks/_sets.py),
+where a step is nearly all fixed host cost (``--small-rounds`` of them, they are short). For every
+optimizer, one untimed step after the warm-up counts its collectives: bytes, torch.distributed
+calls, and the gloo process group's operations (torch.profiler's ``gloo:<op>`` events, rank 0).
 
 ``--kinds`` runs a subset (muonlab is always in: the ratios are to it). With muonlab's variants
 alone (``--kinds muonlab muonlab-again muonlab-ignore``) the rounds are short, so many of them fit
@@ -19,7 +26,7 @@ The peers are never vendored: they are copied at a pinned commit into benchmarks
 
 A peer that is absent is skipped with a line saying so.
 
-Parameters: the 32 hidden matrices of an 8-layer width-256 GPT plus 4 one-of-a-kind shapes (36),
+Parameters of "gpt": the 32 hidden matrices of an 8-layer width-256 GPT plus 4 one-of-a-kind shapes (36),
 FSDP2-style Shard(0) DTensors on a 1-D gloo mesh, one copy per optimizer, the same grads. All
 optimizers run in ONE process group, in alternating rounds (each round steps every optimizer once,
 in balanced orders: each optimizer follows every other equally often), barrier to barrier; per
@@ -35,8 +42,8 @@ after two steps from the same start, against torch.optim.Muon on full matrices.
 from __future__ import annotations
 
 import argparse
+import math
 import os
-import random
 import statistics
 import subprocess
 import sys
@@ -44,9 +51,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _peers_workers import PEERS_DIR, lower_bound_bytes, matrix_shapes, peers_worker  # noqa: E402
+from _peers_workers import PEERS_DIR, SETS, lower_bound_bytes, matrix_shapes, peers_worker  # noqa: E402
 from _machine import load  # noqa: E402
 from _report import md_table, results_path, write_report  # noqa: E402
+from _rounds import median_interval  # noqa: E402
 
 from muonlab.distributed import launch  # noqa: E402
 
@@ -88,40 +96,106 @@ def fetch_peers(mirrors: Path) -> dict[str, str]:
     return missing
 
 
-def median_interval(values: list[float], level: float = 0.95, resamples: int = 2000, seed: int = 0):
-    """A percentile-bootstrap interval for the median of ``values`` (resampled with replacement):
-    how far this run's median ratio could move with other rounds of the same noise."""
-    rng = random.Random(seed)
-    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples))
-    return medians[int((1 - level) / 2 * resamples)], medians[int((1 + level) / 2 * resamples) - 1]
-
-
-def summarize(res: dict, world: int) -> tuple[list, list, dict]:
-    """Rows of the time table and the bytes table from the ranks' results."""
+def summarize(res: dict, world: int, set_name: str) -> tuple[list, list, dict, dict]:
+    """Rows of the time table and the bytes table from the ranks' results, muonlab's phases, and
+    the figures the text and the goals use."""
     r0 = res[0]
     kinds = r0["kinds"]
     # a step's time: the slowest rank's, per round (barrier to barrier they are nearly equal)
     per_round = {k: [max(res[r]["times"][k][i] for r in res) for i in range(len(r0["times"][k]))] for k in kinds}
     base = per_round["muonlab"]
-    bound = lower_bound_bytes(world)
-    time_rows, byte_rows = [], []
+    bound = lower_bound_bytes(world, set_name)
+    time_rows, byte_rows, ratio = [], [], {}
     for k in kinds:
         ratios = [t / b for t, b in zip(per_round[k], base)]
         low, high = median_interval(ratios)
-        time_rows.append([k, f"{1e3 * statistics.median(per_round[k]):.1f}", f"{statistics.median(ratios):.3f}",
+        ratio[k] = (statistics.median(ratios), low, high)
+        time_rows.append([k, f"{1e3 * statistics.median(per_round[k]):.2f}", f"{statistics.median(ratios):.3f}",
                           f"{low:.3f}-{high:.3f}", f"{min(ratios):.2f}-{max(ratios):.2f}",
                           f"{r0['agreement'][k]:.2e}"])
         sent = sum(res[r]["bytes"][k]["sent"] for r in res)
         recv = sum(res[r]["bytes"][k]["recv"] for r in res)
-        calls = res[0]["bytes"][k]["calls"]
-        byte_rows.append([k, f"{sent:,}", f"{recv:,}", calls, f"{bound:,.0f}", f"{sent / bound:.3f}"])
+        ops = r0["ops"][k]
+        ops_txt = ", ".join(f"{name} {n}" for name, n in sorted(ops.items(), key=lambda kv: -kv[1]))
+        byte_rows.append([k, f"{sent:,}", f"{recv:,}", f"{bound:,.0f}", f"{sent / bound:.3f}",
+                          r0["bytes"][k]["calls"], sum(ops.values()), ops_txt or "none"])
     check = {key: max(res[r][key] for r in res) for key in ("start_s", "wait_s", "before_s")}
     if {"muonlab-again", "muonlab-ignore"} <= set(kinds):
         # the check off against BOTH check-on copies, per round: the two copies are equally valid
         # samples of the same step, so their mean halves the check-on side's noise in the ratio
         both = [i / ((a + b) / 2) for i, a, b in zip(per_round["muonlab-ignore"], base, per_round["muonlab-again"])]
         check["off_vs_both"] = (statistics.median(both), *median_interval(both))
-    return time_rows, byte_rows, r0["phases"], dict(check, step_s=statistics.median(base), plan=r0["plan"])
+    return time_rows, byte_rows, r0["phases"], dict(check, step_s=statistics.median(base), plan=r0["plan"],
+                                                     ratio=ratio)
+
+
+def _pct(seconds: float, step_s: float) -> str:
+    return "n/a" if math.isnan(seconds) else f"{1e3 * seconds:.2f} ms ({100 * seconds / step_s:.1f}%)"
+
+
+def world_section(set_name: str, world: int, res: dict) -> tuple[str, dict]:
+    """One (set, W) section of the results and its figures."""
+    time_rows, byte_rows, phases, check = summarize(res, world, set_name)
+    phase_rows = [[k, *(f"{1e3 * v:.2f}" for v in p.values())] for k, p in phases.items()]
+    lines = [
+        f"### {set_name}, W = {world}",
+        "",
+        md_table(["optimizer", "median step ms", "time / muonlab (median of rounds)",
+                  "95% interval of that median (bootstrap)", "range of rounds",
+                  "max rel. error vs torch.optim.Muon"], time_rows),
+        "",
+        md_table(["optimizer", "bytes sent (all ranks)", "bytes received", "lower bound", "bytes / bound",
+                  "torch.distributed calls (rank 0)", "process-group ops (rank 0)", "ops by kind"], byte_rows),
+        "",
+    ]
+    if phase_rows:
+        lines += ["muonlab's time per phase (rank 0, median over rounds; from last_step_stats()['seconds']):", "",
+                  md_table(["optimizer", *(f"{name} ms" for name in next(iter(phases.values())))], phase_rows), ""]
+    lines.append(
+        "The safety check inside muonlab's steps (last_step_stats()['nonfinite_seconds'], host clock; per-rank "
+        "medians over the rounds, the largest rank's; % of muonlab's median step): the check's pass ('check') "
+        f"{_pct(check['start_s'], check['step_s'])}; the exchange that carries its flags with the ranks' "
+        f"agreement digest ('wait') {_pct(check['wait_s'], check['step_s'])}; a check done the old way, alone "
+        f"(an isfinite per grad, then a blocking all-reduce) {_pct(check['before_s'], check['step_s'])}.")
+    if "off_vs_both" in check:
+        lines += ["", "muonlab-ignore against both check-on copies (per round, its time over the mean of muonlab's "
+                  "and muonlab-again's; median and its 95% bootstrap interval): "
+                  "{:.3f} ({:.3f}-{:.3f}).".format(*check["off_vs_both"])]
+    lines += ["", f"muonlab's plan (batches per path): {check['plan']}."]
+    return "\n".join(lines), check
+
+
+def _interval(r) -> str:
+    return f"{r[0]:.3f} ({r[1]:.3f}-{r[2]:.3f})"
+
+
+def goal_lines(figures: dict) -> list[str]:
+    """The team's goals, each with this run's figure (median of per-round ratios and its interval)."""
+    out = []
+
+    def verdict(r, at_least: float) -> str:  # r: (median, low, high) of a ratio that should be >= at_least
+        return "met" if r[1] >= at_least else "missed" if r[2] < at_least else "not decided by this run (interval straddles it)"
+
+    got = figures.get(("small48", 2))
+    if got and "dion" in got["ratio"]:
+        r = got["ratio"]["dion"]
+        out.append(f"- small48, W = 2: Dion's step time at least 1.1x muonlab's: {_interval(r)}, {verdict(r, 1.1)}.")
+    got = figures.get(("gpt", 2)) or figures.get(("gpt", min((w for s, w in figures if s == "gpt"), default=0)))
+    if got:
+        for peer in ("dion", "xtuner"):
+            if peer in got["ratio"]:
+                r = got["ratio"][peer]
+                out.append(f"- gpt, W = {got['world']}: muonlab ahead of {peer} (time / muonlab > 1): "
+                           f"{_interval(r)}, {verdict(r, 1.0)}.")
+        if "off_vs_both" in got:
+            r = got["off_vs_both"]
+            out.append(f"- gpt, W = {got['world']}: the safety checks cost at most 2% of the step "
+                       f"(muonlab-ignore / muonlab >= 0.98): {_interval(r)}, {verdict(r, 0.98)}.")
+        elif "muonlab-ignore" in got["ratio"]:
+            r = got["ratio"]["muonlab-ignore"]
+            out.append(f"- gpt, W = {got['world']}: the safety checks cost at most 2% of the step "
+                       f"(muonlab-ignore / muonlab >= 0.98): {_interval(r)}, {verdict(r, 0.98)}.")
+    return out
 
 
 def peers_paragraphs() -> list[str]:
@@ -143,15 +217,36 @@ def peers_paragraphs() -> list[str]:
     ]
 
 
+def set_paragraph(set_name: str, rounds: int, warmup: int) -> str:
+    n = len(matrix_shapes(set_name))
+    what = ("the 32 hidden matrices of an 8-layer width-256 GPT and 4 one-of-a-kind shapes: 512x192, 192x512, "
+            "320x256, 256x96; compute-bound" if set_name == "gpt" else
+            "the 48 hidden matrices of `GPT(GPTConfig(d_model=8, n_layers=12, n_heads=2))`: 24x8, 8x8, 32x8, 8x32 "
+            "per layer; host-bound: Newton-Schulz is tiny, so a step is nearly all fixed host cost")
+    return (f"Set {set_name}: {n} matrices ({what}), FSDP2-style Shard(0) DTensors on a 1-D gloo mesh. "
+            f"{rounds} alternating rounds after {warmup} warm-up rounds, one process group; a round steps every "
+            "optimizer once, in balanced orders (a Williams design: each optimizer directly follows every other "
+            "equally often), barrier to barrier, the slowest rank's time.")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
+    ap.add_argument("--sets", nargs="+", choices=SETS, default=list(SETS))
     ap.add_argument("--world", type=int, nargs="+", default=[2, 4])
-    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=20, help="timed rounds of the gpt set")
+    ap.add_argument("--small-rounds", type=int, default=400, help="timed rounds of the small48 set")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--mirrors", default="/work/.mirror")
     ap.add_argument("--kinds", nargs="+", choices=KINDS, default=KINDS,
                     help="the optimizers to run (muonlab is always in: the ratios are to it)")
+    ap.add_argument("--out", default=None, help="default: results/peers.md, or peers_check.md without peers")
+    ap.add_argument("--fetch-only", action="store_true",
+                    help="copy the peers into benchmarks/_peers and stop (e.g. before carrying them to a GPU machine)")
     args = ap.parse_args(argv)
+    if args.fetch_only:
+        missing = fetch_peers(Path(args.mirrors))
+        print("\n".join(f"{p}: {why or 'present'}" for p, why in missing.items()))
+        return
     wanted = ["muonlab"] + [k for k in KINDS if k in args.kinds and k != "muonlab"]
     peers_wanted = [k for k in ("dion", "xtuner") if k in wanted]
     missing = fetch_peers(Path(args.mirrors)) if peers_wanted else {}
@@ -160,69 +255,42 @@ def main(argv=None):
             print(f"skipping {peer}: {why}")
     kinds = [k for k in wanted if not missing.get(k)]
     os.environ["TORCHDYNAMO_DISABLE"] = "1"  # the peers' torch.compile decorators: eager, like muonlab
-    sections = []
+    sets = [s for s in SETS if s in args.sets]
+    paragraphs, sections, figures = [], [], {}
     load_before = load()
-    for world in args.world:
-        res = launch(peers_worker, world, kinds, args.rounds, args.warmup, timeout_s=900)
-        time_rows, byte_rows, phases, check = summarize(res, world)
-        phase_rows = [[k, *(f"{1e3 * v:.2f}" for v in p.values())] for k, p in phases.items()]
-        phase_header = ["optimizer", *(f"{name} ms" for name in next(iter(phases.values())))]
-        text = "\n".join([
-            f"## W = {world}",
-            "",
-            md_table(["optimizer", "median step ms", "time / muonlab (median of rounds)",
-                      "95% interval of that median (bootstrap)", "range of rounds",
-                      "max rel. error vs torch.optim.Muon"], time_rows),
-            "",
-            md_table(["optimizer", "bytes sent (all ranks)", "bytes received", "calls (rank 0)",
-                      "lower bound", "bytes / bound"], byte_rows),
-            "",
-            "muonlab's time per phase (rank 0, median over rounds; from last_step_stats()['seconds']):",
-            "",
-            md_table(phase_header, phase_rows),
-            "",
-            "The safety check inside muonlab's steps (last_step_stats()['nonfinite_seconds'], host clock; "
-            "per-rank medians over the rounds, the largest rank's; % of muonlab's median step): "
-            "start() (fused check, the flags' exchange launched: one all_to_all_single on gloo; behind the "
-            "first two batches' way out) "
-            f"{1e3 * check['start_s']:.2f} ms ({100 * check['start_s'] / check['step_s']:.1f}%); the wait for "
-            f"the flags at the commit point (after batch 0's Newton-Schulz; the flags travel behind "
-            f"those two batches' way out) {1e3 * check['wait_s']:.2f} ms "
-            f"({100 * check['wait_s'] / check['step_s']:.1f}%); the check it replaced, alone (an isfinite per "
-            f"grad, then a blocking all-reduce) {1e3 * check['before_s']:.2f} ms "
-            f"({100 * check['before_s'] / check['step_s']:.1f}%).",
-            *([] if "off_vs_both" not in check else [
-                "",
-                "muonlab-ignore against both check-on copies (per round, its time over the mean of muonlab's and "
-                "muonlab-again's; median and its 95% bootstrap interval): "
-                "{:.3f} ({:.3f}-{:.3f}).".format(*check["off_vs_both"])]),
-            "",
-            f"muonlab's plan (batches per path): {check['plan']}.",
-        ])
-        print(text)
-        sections.append(text)
+    for set_name in sets:
+        rounds = args.rounds if set_name == "gpt" else args.small_rounds
+        paragraphs.append(set_paragraph(set_name, rounds, args.warmup))
+        sections.append(f"## Set {set_name}")
+        for world in args.world:
+            res = launch(peers_worker, world, kinds, rounds, args.warmup, set_name, timeout_s=900)
+            text, check = world_section(set_name, world, res)
+            figures[(set_name, world)] = dict(check, world=world)
+            print(text, flush=True)
+            sections.append(text)
     skipped = [f"{p} skipped: {why}." for p, why in missing.items() if why]
-    n = len(matrix_shapes())
+    goals = goal_lines(figures)
     body = "\n\n".join([
-        f"Parameters: {n} matrices (the 32 hidden matrices of an 8-layer width-256 GPT and 4 one-of-a-kind "
-        "shapes: 512x192, 192x512, 320x256, 256x96), FSDP2-style Shard(0) DTensors on a 1-D gloo mesh. "
-        f"{args.rounds} alternating rounds after {args.warmup} warm-up rounds, one process group; a "
-        "round steps every optimizer once, in balanced orders (a Williams design: each optimizer directly follows "
-        "every other equally often), barrier to barrier, the slowest rank's time.",
+        *paragraphs,
         *(peers_paragraphs() if peers_wanted else []),
+        "Collectives are counted in one untimed step of each optimizer after the warm-up: bytes at the "
+        "torch.distributed calls (muonlab's from its own counter, which leaves out its small control messages), "
+        "'torch.distributed calls' every call to a torch.distributed collective (object collectives and barriers "
+        "included), 'process-group ops' every operation the gloo process group ran (torch.profiler's gloo events: "
+        "also those DTensor's functional collectives issue, and the inner gathers of an object collective).",
+        *(["## Goals (this run)\n\n" + "\n".join(goals)] if goals else []),
         *sections,
-        "'time / muonlab' > 1: slower than muonlab with its non-finite check on (goal: >= 1.1 for both peers). "
-        "muonlab-ignore is muonlab with nonfinite=\"ignore\": its ratio is the safety check's cost (goal: >= 0.98). "
+        "'time / muonlab' > 1: slower than muonlab with its non-finite check on. "
+        "muonlab-ignore is muonlab with nonfinite=\"ignore\": its ratio is the safety check's cost. "
         "muonlab-again is a second muonlab, identical to the first (check on): its ratio, 1 in a perfect measurement, "
-        "is this run's noise floor for such an A/B. "
-        "bytes / bound: goal <= 1.005 for muonlab.",
+        "is this run's noise floor for such an A/B. bytes / bound: goal <= 1.005 for muonlab.",
         *skipped,
     ])
     title = "muonlab vs Dion and XTuner distributed Muon (FSDP2, gloo)"
     if not peers_wanted:  # muonlab's variants alone: the safety check's A/B
         title = "muonlab's safety check: its cost in an A/B of muonlab's variants (FSDP2, gloo)"
-    write_report(results_path("peers" if peers_wanted else "peers_check"), title, body,
-                 script=__file__, argv=argv,
+    out = args.out or results_path("peers" if peers_wanted else "peers_check")
+    write_report(out, title, body, script=__file__, argv=argv,
                  machine_note=f"Gloo, W ranks of 1 thread each sharing {os.cpu_count()} cores. Load average "
                               f"{load_before} before, {load()} after (other work shares this machine).")
 

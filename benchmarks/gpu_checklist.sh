@@ -7,8 +7,14 @@
 #                                             # (timed: the goal is < 2 min); unit tests with the
 #                                             # CUDA-only ones (GPU spans vs torch.profiler); the
 #                                             # worker modes on one GPU over NCCL
-#   bash benchmarks/gpu_checklist.sh step     # benchmarks/bench_gpu_step.py (the GPU table)
+#   bash benchmarks/gpu_checklist.sh step     # benchmarks/bench_gpu_step.py (the GPU table, Dion eager and
+#                                             # under its CudaGraphOptimizer, the first-step table)
 #   bash benchmarks/gpu_checklist.sh triton   # benchmarks/bench_newton_schulz_triton.py
+#
+# Dion's rows need benchmarks/_peers/dion, which is gitignored and which the GPU machine cannot fetch
+# (no mirror there): run `PYTHONPATH=. python benchmarks/bench_peers.py --fetch-only` here first, and
+# name benchmarks/_peers in the device call's carry list; without it the rows are skipped with a line
+# saying so.
 #
 # Logs and results go to $OUT (the device tool's folder that comes back; ./gpu_out elsewhere), a
 # few files per stage. A stage goes on past a failing step, so one call shows everything.
