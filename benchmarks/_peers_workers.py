@@ -280,7 +280,7 @@ def peers_worker(kinds: list[str], rounds: int, warmup: int, set_name: str = "gp
     tally = {k: dict(sent=0, recv=0, calls=0) for k in kinds}
     ops = {k: Counter() for k in kinds}
     phases = {k: [] for k in kinds}
-    check_s, wait_s = [], []  # muonlab's safety check inside its steps: start, and the wait at the gate
+    check_s, wait_s = [], []  # muonlab's safety check inside its steps: the pass, and the control exchange
     orders = balanced_orders(len(kinds))
 
     def set_grads(k):
