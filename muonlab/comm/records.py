@@ -36,7 +36,9 @@ class BatchPlan:
     ranks: tuple[int, ...]
     """Group-local ranks that take part (send, receive or compute)."""
     owners: tuple[int, ...] = ()
-    """Group-local rank that orthogonalizes each parameter of the batch (empty for local)."""
+    """Group-local rank that orthogonalizes each parameter of the batch (empty for local). A rank
+    may own several (all_to_all and agrs gather all of a rank's matrices of a batch in one
+    collective, orthogonalize them as one stack, and return them in one)."""
     bytes_sent: tuple[int, ...] = ()
     bytes_recv: tuple[int, ...] = ()
     flops: tuple[int, ...] = ()

@@ -1,6 +1,7 @@
 """The planner on metadata alone: no processes, any world size."""
 
 import math
+from collections import Counter
 
 import pytest
 
@@ -51,14 +52,20 @@ def test_sharded_bytes_meet_the_lower_bound_and_flops_balance(size):
         assert worst <= 4 / 3 * target, (worst, target)
 
 
-def test_full_batches_use_all_to_all_and_remainders_follow_the_option():
-    specs = row_specs([(16, 8)] * 6, 4)  # one batch of 4, a remainder of 2
-    plan = plan_batches(specs, [CFG] * 6)
-    assert [b.path for b in plan] == ["all_to_all", "all_to_all"]
-    assert plan.batches[0].owners == (0, 1, 2, 3) and len(plan.batches[1].owners) == 2
-    agrs = plan_batches(specs, [CFG] * 6, remainder_path="agrs")
-    assert [b.path for b in agrs] == ["all_to_all", "agrs"]
-    assert agrs.batches[1].total_bytes > plan.batches[1].total_bytes  # the gather moves more
+def test_a_bucket_is_one_all_to_all_batch_and_a_small_bucket_follows_the_remainder_option():
+    # 6 matrices of one shape on 4 ranks: one batch, owners 2, 2, 1, 1 under the structured rule
+    # (was a batch of 4 and a remainder of 2); a bucket of 2 < 4 matrices is a remainder batch on
+    # the option's path
+    specs = row_specs([(16, 8)] * 6 + [(16, 12)] * 2, 4)
+    plan = plan_batches(specs, [CFG] * 8, row_assignment="structured")
+    by_shape = {b.matrix_shape: b for b in plan}
+    assert len(plan) == 2 and by_shape[(16, 8)].path == "all_to_all"
+    assert sorted(Counter(by_shape[(16, 8)].owners).values()) == [1, 1, 2, 2]
+    assert len(set(by_shape[(16, 12)].owners)) == 2
+    agrs = {b.matrix_shape: b for b in plan_batches(specs, [CFG] * 8, remainder_path="agrs",
+                                                    row_assignment="structured")}
+    assert agrs[(16, 8)].path == "all_to_all" and agrs[(16, 12)].path == "agrs"
+    assert agrs[(16, 12)].total_bytes > by_shape[(16, 12)].total_bytes  # the gather moves more
 
 
 def test_empty_trailing_shards_send_nothing_and_do_not_own_remainders():
@@ -164,7 +171,9 @@ def _loop_agrs_bytes(rows, cols, owners, itemsize):
     return sent, recv
 
 
-@pytest.mark.parametrize("size, dim, owners", [(4, 6, [0, 1]), (4, 10, [0, 1, 2, 3]), (3, 7, [2]), (8, 5, [4, 0, 6])])
+@pytest.mark.parametrize("size, dim, owners", [(4, 6, [0, 1]), (4, 10, [0, 1, 2, 3]), (3, 7, [2]), (8, 5, [4, 0, 6]),
+                                               # owners of several matrices (megabatches), empty shards among them
+                                               (4, 10, [0, 1, 2, 3, 0, 1]), (4, 2, [0, 0, 3, 1, 2]), (2, 7, [1, 1, 1])])
 def test_closed_form_bytes_match_the_pairwise_reference(size, dim, owners):
     from muonlab.comm.paths import agrs, all_to_all
 

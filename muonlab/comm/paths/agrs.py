@@ -2,8 +2,9 @@
 
 Out: every rank's rows of all k matrices are all-gathered (one collective that NCCL runs at ring
 bandwidth; XTuner's FSDP2 Muon uses it for remainders). Each rank then holds every matrix but
-orthogonalizes only its own share (matrix i on its owner). Back: the owner sends each rank its rows
-of the result, as in ``all_to_all`` (a reduce-scatter of mostly-zero buffers would move W x more).
+orthogonalizes only its own share (matrix i on its owner; an owner may own several, as on
+``all_to_all``). Back: the owners send each rank its rows of the results, as in ``all_to_all`` (a
+reduce-scatter of mostly-zero buffers would move W x more).
 The gather moves more bytes than ``all_to_all`` (every rank receives every matrix); the planner
 weighs that against its cheaper collective.
 """
@@ -15,36 +16,35 @@ from collections.abc import Sequence
 import torch
 
 from ..collectives import all_gather, pack
-from .all_to_all import my_matrix, my_rows, send_back
+from .all_to_all import my_rows, owned_positions, owner_counts, send_back
 from .base import CommPath
 
 
 def bytes_per_rank(rows: Sequence[int], cols: int, owners: Sequence[int], itemsize: int):
     """(sent, recv) per group rank. Out: all-gather of every rank's rows of all k matrices;
-    back: as all_to_all."""
+    back: as all_to_all (``owners`` may repeat)."""
     size, k = len(rows), len(owners)
-    owned = set(owners)
     chunks = [r * cols * itemsize for r in rows]
     total = sum(chunks)
     sent = [(size - 1) * k * c for c in chunks]
     recv = [k * (total - c) for c in chunks]
-    for q, c in enumerate(chunks):  # the way back: owners return each rank its rows
-        if q in owned:
-            sent[q] += total - c
-        recv[q] += c * (len(owned) - (q in owned))
+    for q, (c, m) in enumerate(zip(chunks, owner_counts(owners, size))):  # the way back, as all_to_all's
+        sent[q] += m * (total - c)
+        recv[q] += c * (k - m)
     return sent, recv
 
 
 def run(batch, inputs, ctx):
     rows, cols, me = batch.rows, batch.matrix_shape[1], ctx.group_rank
-    k, mine = len(inputs), my_matrix(batch, me)
+    k, mine = len(inputs), owned_positions(batch, me)
     send = pack(inputs, ctx.wire_dtype, like=inputs[0])
     sizes = [k * r * cols for r in rows]
     flat = yield all_gather(send, sizes, group=ctx.group, group_rank=me)
     mats = None
-    if mine is not None:
+    if mine:
+        # each source's rows of this rank's matrices, side by side: (m, A, B) in batch order
         blocks = [seg.view(k, r, cols)[mine] for seg, r in zip(flat.split(sizes), rows)]
-        mats = torch.cat(blocks).view(1, *batch.matrix_shape)
+        mats = torch.cat(blocks, dim=1)
     ortho = yield mats
     returned = yield send_back(batch, inputs, ortho, ctx)
     return my_rows(batch, inputs, returned, me)

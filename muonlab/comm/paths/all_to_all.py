@@ -1,14 +1,23 @@
 """The ``all_to_all`` path: row-sharded matrices, each gathered whole on one owner rank and back.
 
-Batch of k <= W same-shape 2-D matrices, matrix i owned by rank o_i (distinct). Out: every rank
-sends its rows of matrix i to o_i, in one all_to_all_single whose split sizes follow the uneven
-(torch.chunk) shards, so no padding travels. The owner stacks the row blocks into the whole
-matrix and orthogonalizes it. Back: the owner sends each rank its rows of the result.
+A batch holds same-shape 2-D matrices, matrix i owned by rank o_i; an owner may own several (a
+"megabatch", as dion's Muon sends one all-to-all per direction per same-shape group), so a bucket
+of same-shape matrices travels in one collective each way however many matrices it holds. Out:
+every rank sends its rows of each matrix to that matrix's owner, in one all_to_all_single whose
+split sizes follow the uneven (torch.chunk) shards, so no padding travels. Each owner stacks the
+row blocks into its whole matrices and orthogonalizes them as one (m, A, B) stack. Back: each
+owner sends every rank its rows of the results.
+
+Order on the wire: a rank's send buffer holds the owners' matrices owner by owner, each owner's
+in batch order (``owner_order``); an owner's matrices keep that order in its stack and on the way
+back, so every rank finds each block without any index travelling with it.
+
 Bytes: each matrix crosses the wire once out and once back, minus the owner's own rows.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -17,58 +26,90 @@ from ..collectives import Pending, all_to_all, pack
 from .base import CommPath
 
 
+def owner_counts(owners: Sequence[int], size: int) -> list[int]:
+    """Matrices each group rank owns in a batch (0 for most ranks of a small batch)."""
+    counts = [0] * size
+    for o in owners:
+        counts[o] += 1
+    return counts
+
+
 def bytes_per_rank(rows: Sequence[int], cols: int, owners: Sequence[int], itemsize: int):
     """(sent, recv) per group rank. Out: each rank sends its rows of matrix i to owner i; back:
-    owner i returns each rank's rows.
+    owner i returns each rank's rows. ``owners`` may repeat (an owner of several matrices).
 
-    With chunk_q = rows[q] * cols * itemsize, T = sum of chunks and K distinct owners, rank q sends
-    chunk_q to every owner but itself on the way out, and an owner sends T - chunk_o back (and
-    receives as much on the way out): closed forms, so a 2048-rank batch costs O(W).
+    With chunk_q = rows[q] * cols * itemsize, T = sum of chunks, n matrices and m_q of them owned
+    by rank q: rank q sends chunk_q for each of the n - m_q matrices it does not own on the way
+    out, and T - chunk_q for each of its m_q on the way back; it receives as much (the mirror
+    image): closed forms, so a 2048-rank batch costs O(W + n).
     """
-    owned = set(owners)
     chunks = [r * cols * itemsize for r in rows]
-    total, k = sum(chunks), len(owned)
-    sent = [c * (k - (q in owned)) + ((total - c) if q in owned else 0) for q, c in enumerate(chunks)]
+    total, n = sum(chunks), len(owners)
+    counts = owner_counts(owners, len(rows))
+    sent = [c * (n - m) + m * (total - c) for c, m in zip(chunks, counts)]
     return sent, list(sent)
 
 
-def my_matrix(batch, group_rank: int) -> int | None:
-    """Which matrix of the batch this rank owns (at most one), by position."""
-    return batch.owners.index(group_rank) if group_rank in batch.owners else None
+def owned_positions(batch, group_rank: int) -> list[int]:
+    """Positions in the batch of the matrices this rank orthogonalizes, in batch order."""
+    return [pos for pos, o in enumerate(batch.owners) if o == group_rank]
+
+
+def owner_order(batch) -> list[int]:
+    """The batch's positions owner by owner (each owner's in batch order): the order matrices
+    take in a send buffer on the way out and in a receive buffer on the way back."""
+    return sorted(range(len(batch.owners)), key=batch.owners.__getitem__)
+
+
+def whole_matrices(flat: torch.Tensor, rows: Sequence[int], num_owned: int, shape) -> torch.Tensor | None:
+    """An owner's (num_owned, A, B) stack from the way out's buffer, which holds each source
+    rank's rows of all its matrices in turn (None for a rank that owns none)."""
+    if not num_owned:
+        return None
+    if num_owned == 1:  # the source blocks follow one another as the matrix's rows: no copy
+        return flat.view(1, *shape)
+    cols = shape[1]
+    segments = flat.split([num_owned * r * cols for r in rows])
+    return torch.cat([seg.view(num_owned, r, cols) for seg, r in zip(segments, rows)], dim=1)
 
 
 def send_back(batch, inputs, ortho, ctx) -> Pending:
-    """Owners send each rank its rows of the result (this path's way back, shared by agrs)."""
+    """Owners send each rank its rows of their results (this path's way back, shared by agrs).
+    ``ortho``: this rank's (m, A, B) results in batch order (None: it owns none)."""
     rows, cols, me = batch.rows, batch.matrix_shape[1], ctx.group_rank
     size = len(rows)
-    if ortho is not None:
-        send = ortho.to(ctx.wire_dtype).reshape(-1)
-        send_splits = [rows[q] * cols for q in range(size)]
+    owned = len(ortho) if ortho is not None else 0
+    if owned == 1:
+        send = ortho.to(ctx.wire_dtype).reshape(-1)  # its rows already lie rank by rank
+    elif owned:
+        # destination-major: every rank's rows of all this owner's matrices, one rank after another
+        bounds = list(itertools.accumulate(rows, initial=0))
+        send = pack([ortho[:, lo:hi] for lo, hi in zip(bounds, bounds[1:])], ctx.wire_dtype, like=ortho)
     else:
         send = inputs[0].new_empty(0, dtype=ctx.wire_dtype)
-        send_splits = [0] * size
-    owners = set(batch.owners)
-    recv_splits = [rows[me] * cols if q in owners else 0 for q in range(size)]
+    send_splits = [owned * rows[q] * cols for q in range(size)]
+    counts = owner_counts(batch.owners, size)
+    recv_splits = [counts[q] * rows[me] * cols for q in range(size)]
     return all_to_all(send, send_splits, recv_splits, group=ctx.group, group_rank=me)
 
 
 def my_rows(batch, inputs, flat: torch.Tensor, group_rank: int) -> list[torch.Tensor]:
-    """This rank's rows of every matrix, from the way back's buffer."""
-    # received blocks arrive in source-rank order, i.e. in owner-rank order
+    """This rank's rows of every matrix, from the way back's buffer (``owner_order``: blocks
+    arrive in source-rank order, i.e. owner by owner, each owner's in batch order)."""
     n = batch.rows[group_rank] * batch.matrix_shape[1]  # may be 0: an empty trailing shard
-    per_owner = {o: flat[k * n:(k + 1) * n] for k, o in enumerate(sorted(set(batch.owners)))}
-    return [per_owner[o].view(x.shape) for o, x in zip(batch.owners, inputs)]
+    slot = {pos: k for k, pos in enumerate(owner_order(batch))}
+    return [flat[slot[pos] * n:(slot[pos] + 1) * n].view(x.shape) for pos, x in enumerate(inputs)]
 
 
 def run(batch, inputs, ctx):
     rows, cols, me = batch.rows, batch.matrix_shape[1], ctx.group_rank
-    size, mine = len(rows), my_matrix(batch, me)
-    by_owner = dict(zip(batch.owners, inputs))
-    send = pack([by_owner[q] for q in range(size) if q in by_owner], ctx.wire_dtype, like=inputs[0])
-    send_splits = [rows[me] * cols if q in by_owner else 0 for q in range(size)]
-    recv_splits = [rows[q] * cols if mine is not None else 0 for q in range(size)]
+    size = len(rows)
+    counts = owner_counts(batch.owners, size)
+    send = pack([inputs[pos] for pos in owner_order(batch)], ctx.wire_dtype, like=inputs[0])
+    send_splits = [counts[q] * rows[me] * cols for q in range(size)]
+    recv_splits = [counts[me] * rows[q] * cols for q in range(size)]
     flat = yield all_to_all(send, send_splits, recv_splits, group=ctx.group, group_rank=me)
-    ortho = yield flat.view(1, *batch.matrix_shape) if mine is not None else None
+    ortho = yield whole_matrices(flat, rows, counts[me], batch.matrix_shape)
     returned = yield send_back(batch, inputs, ortho, ctx)
     return my_rows(batch, inputs, returned, me)
 

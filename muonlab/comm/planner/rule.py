@@ -23,14 +23,15 @@ from ..specs import GroupKey, MatrixSpec
 from .loads import RankLoads, least_loaded, lpt_makespan
 
 ROW_RULES = ("structured", "capped", "lpt")
-"""How row-sharded matrices get owners:
-  "structured": each (shape, settings) bucket in rounds of W, one matrix per rank (balanced batch
-                by batch, fewest collectives); each bucket's leftovers on distinct, least-loaded
-                ranks (one remainder batch per bucket);
+"""How row-sharded matrices get owners (each (shape, settings) bucket then travels as one batch,
+``RulePlanner._plan_row_sharded``, so the rules differ in balance, not in collectives):
+  "structured": each bucket in rounds of W, one matrix per rank per round (every rank owns the
+                floor or ceiling of k/W of a bucket's k matrices); each bucket's leftovers on
+                distinct, least-loaded ranks;
   "capped":     as structured, but no rank goes past the LPT makespan: a bucket whose leftovers
                 don't fit on distinct ranks under it takes a second round;
   "lpt":        every matrix of the group, largest first, to the least-loaded rank (max-rank FLOPs
-                <= 4/3 of the optimum, but more, smaller batches)."""
+                <= 4/3 of the optimum, but a bucket's matrices less evenly spread)."""
 
 
 def even_limit(total: int, limit: int) -> int:
@@ -199,37 +200,65 @@ class RulePlanner:
     # ------------------------------------------------------------------ row-sharded (FSDP2)
 
     def _plan_row_sharded(self, group: GroupKey, items: list[int]) -> None:
-        """One owner per matrix (``row_assignment``), then each (shape, config) bucket packed into
-        batches in which every owner appears once: W matrices make a full all_to_all batch (each
-        rank receives one whole matrix), fewer a remainder batch on ``remainder_path``."""
+        """One owner per matrix (``row_assignment``), then each (shape, config) bucket as one
+        batch in which an owner may own several matrices (a megabatch: one collective each way
+        per bucket, however many matrices it holds), cut into several only where an owner's share
+        exceeds the workspace budget (``_row_runs``). A batch of at least W matrices goes by
+        all_to_all; fewer (a bucket smaller than the group) is a remainder on ``remainder_path``."""
         owner_of = self._row_owners(group, items)
-        size = group.size
-        sub_batches: dict[tuple, list[list[int]]] = {}
+        buckets: dict[tuple, list[int]] = {}
         for i in items:
-            batches = sub_batches.setdefault((self.specs[i].matrix_shape, self.configs[i]), [])
-            free = next((b for b in batches if owner_of[i] not in {owner_of[j] for j in b}), None)
-            if free is None:
-                batches.append([i])
-            else:
-                free.append(i)
-        for (shape, _), batches in sub_batches.items():
-            for idx in batches:
-                rows = self.specs[idx[0]].rows
-                owners = [owner_of[i] for i in idx]
-                flops = [0] * size
-                for i, o in zip(idx, owners):
-                    flops[o] += self.flops_of(i)
-                if len(idx) == size:
-                    candidates, notes = ["all_to_all"], ""
-                else:
-                    candidates = ["all_to_all", "agrs"] if self.remainder_path == "auto" else [self.remainder_path]
-                    notes = f"remainder: {len(idx)} < {size} matrices"
-                options = []
-                for path in candidates:
-                    module = agrs if path == "agrs" else all_to_all
-                    sent, recv = module.bytes_per_rank(rows, shape[1], owners, self.itemsize)
-                    options.append(self.make(path, idx, group, range(size), owners, sent, recv, flops, notes))
-                self.batches.append(min(options, key=lambda b: batch_seconds(b, self.profile)))
+            buckets.setdefault((self.specs[i].matrix_shape, self.configs[i]), []).append(i)
+        for (shape, cfg), bucket in buckets.items():
+            for idx in self._row_runs(bucket, owner_of, shape, cfg):
+                self.batches.append(self._row_batch(group, idx, [owner_of[i] for i in idx], shape))
+
+    def _row_runs(self, idx: list[int], owner_of: dict[int, int], shape, cfg) -> list[list[int]]:
+        """A bucket of row-sharded matrices as batches in which no owner holds more matrices than
+        ``max_local_matrices`` (what it orthogonalizes at once: its received stack), as even as
+        the owners' shares allow; None: the whole bucket, one batch."""
+        if self.max_local_matrices is None:
+            return [idx]
+        return self._runs_per_owner(idx, owner_of, [1] * len(idx), self.max_local_matrices(shape, cfg))
+
+    def _runs_per_owner(self, idx: list[int], owner_of: dict[int, int], counts: list[int],
+                        per_owner: int) -> list[list[int]]:
+        """``idx`` cut into batches in which each owner holds at most about ``per_owner`` matrices
+        (``counts[n]``: matrices of parameter ``idx[n]``; one larger than the cap alone is still an
+        owner's share of a batch), evened over the fewest batches the busiest owner needs
+        (``even_limit``); each owner's matrices keep their order, its first ones in the first
+        batch."""
+        held = Counter()
+        for i, n in zip(idx, counts):
+            held[owner_of[i]] += n
+        per_owner = even_limit(max(held.values()), max(1, per_owner))
+        taken: Counter = Counter()  # matrices each owner has placed so far
+        runs: dict[int, list[int]] = {}
+        for i, n in zip(idx, counts):
+            o = owner_of[i]
+            runs.setdefault(taken[o] // per_owner, []).append(i)
+            taken[o] += n
+        return [runs[j] for j in sorted(runs)]
+
+    def _row_batch(self, group: GroupKey, idx: list[int], owners: list[int], shape) -> BatchPlan:
+        """The batch of row-sharded matrices ``idx`` owned by ``owners``; a remainder (fewer
+        matrices than ranks) takes ``remainder_path``, or under "auto" whichever of all_to_all and
+        agrs the cost model finds faster."""
+        size, rows = group.size, self.specs[idx[0]].rows
+        flops = [0] * size
+        for i, o in zip(idx, owners):
+            flops[o] += self.flops_of(i)
+        if len(idx) >= size:
+            candidates, notes = ["all_to_all"], ""
+        else:
+            candidates = ["all_to_all", "agrs"] if self.remainder_path == "auto" else [self.remainder_path]
+            notes = f"remainder: {len(idx)} < {size} matrices"
+        options = []
+        for path in candidates:
+            module = agrs if path == "agrs" else all_to_all
+            sent, recv = module.bytes_per_rank(rows, shape[1], owners, self.itemsize)
+            options.append(self.make(path, idx, group, range(size), owners, sent, recv, flops, notes))
+        return min(options, key=lambda b: batch_seconds(b, self.profile))
 
     def _row_owners(self, group: GroupKey, items: list[int]) -> dict[int, int]:
         size, load = group.size, self.loads.view(group)
@@ -256,7 +285,7 @@ class RulePlanner:
         return owner_of
 
     def _place_leftovers(self, leftovers: list[list[int]], size: int, load, owner_of: dict[int, int]) -> None:
-        """Each bucket's leftovers on distinct ranks (one remainder batch), largest buckets first;
+        """Each bucket's leftovers on distinct ranks, largest buckets first;
         "capped" keeps every rank under the LPT makespan, opening another round if needed."""
         flops_of = self.flops_of
         cap = lpt_makespan(list(load), [flops_of(i) for idx in leftovers for i in idx])
@@ -384,16 +413,5 @@ class RulePlanner:
         is still one owner's share of a batch. Without a budget: the whole bucket, one batch."""
         if self.max_local_matrices is None:
             return [idx]
-        per_owner = max(1, self.max_local_matrices(shape, cfg) // size)
-        held = Counter()
-        for i in idx:
-            held[owner_of[i]] += self.specs[i].num_matrices
-        most = max(held.values())
-        per_owner = even_limit(most, per_owner)
-        taken = [0] * size  # matrices each owner has placed so far
-        runs: dict[int, list[int]] = {}
-        for i in idx:
-            o = owner_of[i]
-            runs.setdefault(taken[o] // per_owner, []).append(i)
-            taken[o] += self.specs[i].num_matrices
-        return [runs[j] for j in sorted(runs)]
+        per_owner = self.max_local_matrices(shape, cfg) // size
+        return self._runs_per_owner(idx, owner_of, [self.specs[i].num_matrices for i in idx], per_owner)

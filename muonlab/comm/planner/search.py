@@ -36,7 +36,8 @@ def plan_batches(
         specs: one MatrixSpec per Muon parameter, in the optimizer's order (same on every rank).
         configs: the Newton-Schulz config of each parameter; only equal configs share a batch.
         comm_itemsize: bytes per element on the wire (2 for bf16, 4 for fp32).
-        remainder_path: path of a row-sharded batch with fewer matrices than ranks; "auto"
+        remainder_path: path of a row-sharded batch with fewer matrices than ranks (a bucket
+            smaller than the group, or a budget's last cut of one); "auto"
             takes whichever of all_to_all and agrs has the lower modelled time under ``profile``.
         strategy: "muonlab" or "redundant" (see STRATEGIES).
         profile: a cost.HardwareProfile or its name (default "cpu_gloo"), for "auto" and "best".
@@ -46,9 +47,10 @@ def plan_batches(
         max_local_matrices: ``f(matrix shape, config) -> int``, the most matrices per rank one batch
             of whole matrices may hold (the optimizer's workspace budget); a larger bucket becomes
             several batches of whole parameters, and an expert bank larger than it, batches of
-            its parts (``BatchPlan.part``); a bucket of replicated parameters, batches of about
-            that many matrices in all (their all-gather reaches every rank). None: one batch
-            per bucket.
+            its parts (``BatchPlan.part``); a bucket of row-sharded matrices, batches in which no
+            owner gathers more than that many; a bucket of replicated parameters, batches of
+            about that many matrices in all (their all-gather reaches every rank). None: one
+            batch per bucket.
     """
     if row_assignment not in ROW_ASSIGNMENTS:
         raise ValueError(f"row_assignment must be one of {ROW_ASSIGNMENTS}, got {row_assignment!r}")
