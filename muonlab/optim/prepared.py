@@ -27,11 +27,12 @@ batches carry): a change of one makes a new prepared step. The other settings ar
 
 def frozen(value: Any) -> Any:
     """``value`` as an immutable, comparable value: lists as tuples (a list changed in place would
-    otherwise compare equal to the key holding it), one-element tensors (a tensor lr) as floats."""
+    otherwise compare equal to the key holding it), tensors (a tensor lr) as their values: a float
+    for one element, a tuple otherwise (refused by name when the settings are checked)."""
     if isinstance(value, (list, tuple)):
         return tuple(frozen(v) for v in value)
     if isinstance(value, torch.Tensor):
-        return float(value)
+        return value.item() if value.numel() == 1 else ("tensor", tuple(value.flatten().tolist()))
     return value
 
 

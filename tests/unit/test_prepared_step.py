@@ -108,6 +108,11 @@ def test_a_bad_setting_written_between_steps_is_refused_before_anything_changes(
     with pytest.raises(ValueError, match="parameter group 1"):
         opt.step()
     opt.param_groups[1]["betas"] = (0.9, 0.95)
+    opt.param_groups[0]["lr"] = torch.tensor([0.02, 0.01])  # a tensor lr of two elements
+    with pytest.raises(ValueError, match="a tensor lr must have exactly one element in parameter group 0"):
+        opt.step()
+    assert all(torch.equal(a, p) for a, p in zip(before, (*params, bias)))
+    opt.param_groups[0]["lr"] = torch.tensor(0.02)
     opt.step()  # fixed: steps again
 
 
