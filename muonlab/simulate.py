@@ -186,7 +186,8 @@ def simulate(
     check_workspace_bytes(workspace_bytes)
     check_comm_dtype(comm_dtype)  # as Muon checks them
     NSConfig(dtype=ns_dtype)
-    compute_dtype = resolve_dtype(ns_dtype, device if device is not None else "cuda")
+    run_device = device if device is not None else "cuda"  # without a device, the GPU rule
+    compute_dtype = resolve_dtype(ns_dtype, run_device)
     if ns_backend not in SIMULATED_BACKENDS:
         raise ValueError(f"simulate's ns_backend must be one of {SIMULATED_BACKENDS}, got {ns_backend!r}"
                          + ("; 'auto' is timed on the device itself: pass the backend it chose"
@@ -215,7 +216,7 @@ def simulate(
         limit = None
         if workspace_bytes is not None:  # what Muon._max_local_matrices gives a run with this budget
             def limit(shape, cfg):
-                dtype = resolve_dtype(ns_dtype, device if device is not None else "cuda", shape)
+                dtype = resolve_dtype(ns_dtype, run_device, shape)
                 return matrices_within(workspace_bytes, shape, dtype, cfg, reuses_input=True)
         return plan_batches(specs, configs, comm_itemsize=itemsize, remainder_path=remainder_path, profile=profile,
                             max_local_matrices=limit)

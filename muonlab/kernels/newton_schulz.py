@@ -774,7 +774,6 @@ def gram_work_dtype(cfg: NSConfig, dtype: torch.dtype, device: torch.device | st
     return cfg.gram_dtype if cfg.gram_dtype is not None else default_gram_dtype(dtype, device)
 
 
-
 @functools.cache
 def cpu_flags(wanted: tuple[str, ...]) -> tuple[str, ...] | None:
     """Which of ``wanted`` /proc/cpuinfo lists; None where it can't be read or lists no flags."""

@@ -692,7 +692,7 @@ class Muon(Optimizer):
             for group, params in prepared.work["adamw"]:
                 self._adamw_group(group, params)
         if planned is not None:
-            self._muon_step(prepared.indices, planned, counter)
+            self._muon_step(planned, counter)
         self._record_stats(counter, seconds, skipped=False)
         return loss
 
@@ -1133,7 +1133,7 @@ class Muon(Optimizer):
         position = {id(p): i for i, (_, p) in enumerate(self._muon_entries())}
         return tuple(position[id(p)] for _, params in work for p in params)
 
-    def _muon_step(self, indices: tuple[int, ...], planned: "_Planned", counter: CommCounter) -> None:
+    def _muon_step(self, planned: "_Planned", counter: CommCounter) -> None:
         """Batch by batch (see muonlab.comm.engine): momentum on the local shards, move,
         orthogonalize, move back, update; only the batches in flight hold inputs and outputs.
         A batch holding one part of a bank (``BatchPlan.part``) reads and writes that part of its
