@@ -142,6 +142,8 @@ class NewtonSchulzRunner:
         self._graphed: dict[tuple, _Graphed] = {}
         self.health = UpdateHealth()
         """Counts the orthogonalized matrices that are not sane, per step (``UpdateHealth``)."""
+        self.ran: dict[tuple[int, int], dict[str, str]] = {}
+        """{matrix shape: {"dtype", "form", "backend"}} as last run, for reports of what "auto" chose."""
 
     def chunk_size(self, shape: tuple[int, int], dtype: torch.dtype, reuses_input: bool = False,
                    cfg: NSConfig | None = None, device: torch.device | str | None = None,
@@ -165,6 +167,8 @@ class NewtonSchulzRunner:
         if total and all(shape):  # matrices with a zero dim: nothing to orthogonalize, no bytes to cut by
             for start, chunk, chunk_cfg in self._sized_chunks(pieces, dtype, cfg, reuses_input):
                 dest = chunk if out is None else out[start:start + sum(p.shape[0] for p in chunk)]
+                self.ran[shape] = dict(dtype=str(dtype).removeprefix("torch."), form=form_for(chunk_cfg, shape),
+                                       backend=chunk_cfg.backend)
                 if self.graphs and first.is_cuda:
                     self._graph_for(chunk, chunk_cfg, dtype)(chunk, dest)
                 else:

@@ -24,7 +24,7 @@ from ..comm.paths.subgroup import ranks_per_expert, subgroups_for
 from ..comm.planner import REMAINDER_PATHS, STRATEGIES, plan_batches
 from ..comm.records import BatchPlan, Plan, part_range
 from ..comm.specs import MatrixSpec, check_view, even_share_bytes, local_shard, matrix_spec, process_group_for
-from ..kernels.newton_schulz import NSConfig, resolve_dtype, resolve_form
+from ..kernels.newton_schulz import NSConfig, form_for, possible_backends, resolve_dtype, resolve_form
 from ..kernels.runner import NewtonSchulzRunner, default_budget
 from ..trace import Span, Tracer
 from . import functional as F
@@ -947,6 +947,27 @@ class Muon(Optimizer):
         """One record per batch (names, shape, path, ranks, bytes, FLOPs), from global metadata only."""
         plan = self._plan_for(tuple(range(len(self._muon_entries()))), collective=False).plan
         return list(plan)
+
+    def resolved_choices(self) -> list[dict]:
+        """What ``ns_dtype``, ``ns_form`` and ``ns_backend`` ("auto" or not) mean for each batch of
+        the plan: one dict per batch with its names, matrix shape, path and the Newton-Schulz
+        dtype, form and backend. After a step these are what ran on this rank; before one (or for
+        a batch this rank did not orthogonalize) the dtype and form follow the same rules from the
+        shapes, and an "auto" backend reads "auto (timed at the first step)" where two could run."""
+        runner_ran = self._runner.ran if self._runner is not None else {}
+        device = self._device()
+        rows = []
+        for batch in self.plan():
+            shape = tuple(batch.matrix_shape)
+            ran = runner_ran.get(shape)
+            if ran is None:
+                cfg = batch.ns_config
+                dtype = resolve_dtype(cfg.dtype, device, shape) or self._muon_entries()[0][1].dtype
+                backends = possible_backends(cfg.backend, device, dtype)
+                ran = dict(dtype=str(dtype).removeprefix("torch."), form=form_for(cfg, shape),
+                           backend=backends[0] if len(backends) == 1 else "auto (timed at the first step)")
+            rows.append(dict(batch=batch.index, names=batch.names, shape=shape, path=batch.path, **ran))
+        return rows
 
     def last_step_stats(self) -> dict:
         """Bytes counted at each collective (per path) and seconds per phase, for the last step
