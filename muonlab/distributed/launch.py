@@ -78,7 +78,7 @@ try:
 except ImportError:  # not on Windows: there a run directory is not locked
     fcntl = None
 
-__all__ = ["WorkerError", "WorkerTimeout", "launch", "run_worker", "worker_main"]
+__all__ = ["WorkerError", "WorkerTimeout", "launch", "run_worker", "shutdown_workers", "worker_main"]
 
 # Seconds a signalled worker gets to exit (and elastic's agent to notice) before the next step.
 _TERM_GRACE_S = 5.0
@@ -208,7 +208,7 @@ def _write_status(status_dir: str, rank: int, kind: str, text: str) -> None:
         f.write(text)
 
 
-_PEER_POLL_S = 0.05
+_PEER_POLL_S = 0.01
 
 
 def _wait_for_peers(status_dir: str, num_procs: int) -> bool:
@@ -715,6 +715,7 @@ def launch(
     startup_timeout_s: float = 600,
     name: str | None = None,
     progress: bool | None = None,
+    warm: bool | None = None,
     **kwargs: Any,
 ) -> dict[int, Any]:
     """Run ``fn(*args, **kwargs)`` in ``nprocs`` new local processes; return ``{rank: result}``.
@@ -774,6 +775,9 @@ def launch(
     _check_importable(fn)
     _check_launch_args(nprocs, backend, {"timeout_s": timeout_s, "startup_timeout_s": startup_timeout_s},
                        name, progress)
+    if warm is not None and not isinstance(warm, bool):
+        raise ValueError(f"warm must be None (warm in a notebook kernel, cold elsewhere), True or False, "
+                         f"got {warm!r}")
     # Decided here, once, so a bad choice fails before anything starts and every rank agrees;
     # each worker then takes cuda:LOCAL_RANK (or the CPU) by the same rule.
     chosen = choose_device(device, local_rank=0, local_world_size=nprocs).type
@@ -786,7 +790,8 @@ def launch(
     run_dir, lock = _claim_run_dir(fn, name, nprocs)
     try:
         return _launch_in(run_dir, fn, nprocs, payload, (chosen, backend),
-                          (float(timeout_s), float(startup_timeout_s)), name or _short_name(fn), progress)
+                          (float(timeout_s), float(startup_timeout_s)), name or _short_name(fn), progress,
+                          _progress.in_notebook_kernel() if warm is None else warm)
     finally:
         lock.close()  # the run directory is free for the next launch under its name
 
@@ -821,28 +826,153 @@ def _check_launch_args(nprocs: int, backend: str | None, timeouts: dict[str, flo
 
 
 def _launch_in(run_dir: str, fn: Callable[..., Any], nprocs: int, payload: bytes, device_backend: tuple,
-               limits: tuple[float, float], label: str, progress: bool | None) -> dict[int, Any]:
-    """launch()'s run in its claimed run directory: start the workers, wait, hand back their results
-    or the error; whatever happened, end what the workers started and drop the status files."""
+               limits: tuple[float, float], label: str, progress: bool | None, warm: bool) -> dict[int, Any]:
+    """launch()'s run in its claimed run directory: run the workers (fresh ones, or the warm pool's),
+    wait, hand back their results or the error; whatever happened, end what the workers started,
+    record where the time went (``launch.json``) and drop the status files."""
+    started_wall = time.time()
     status_dir = os.path.abspath(os.path.join(run_dir, STATUS_DIR))  # made empty by _claim_run_dir
-    config = _launch_config(nprocs, limits[1], run_dir)
     sys_path = [os.getcwd() if entry == "" else entry for entry in sys.path]
-    entry_args = (payload, *device_backend, limits, sys_path, status_dir, os.getpid(), os.path.abspath(run_dir))
+    up_already = [0]  # ranks up before this launch began: all of a reused warm pool's
     monitor = _progress.ProgressMonitor(label, [_rank_dir(run_dir, rank) for rank in range(nprocs)],
-                                        lambda: len(_ranks_in(status_dir, "ready")), _display_for(progress))
-    _WORKER_STARTS.watch(config.run_id)
-    failed = True
+                                        lambda: _phase(status_dir, nprocs, up_already[0]), _display_for(progress))
+    failed, workers = True, "cold"
     try:
-        with _launch_settings(run_dir, status_dir, config.run_id):
-            outcome = _run_agent(config, entry_args, limits, status_dir, monitor.poll)
+        if warm:
+            workers = "warm"  # until _run_warm says which
+            outcome, workers = _run_warm(nprocs, payload, device_backend, limits, (run_dir, status_dir),
+                                         sys_path, monitor.poll, up_already)
+        else:
+            outcome = _run_cold(nprocs, payload, device_backend, limits, (run_dir, status_dir), sys_path,
+                                monitor.poll)
         results = _results(fn, nprocs, limits, outcome, (run_dir, status_dir))
         failed = False
         return results
     finally:
-        monitor.close(failed)
+        timings = _timings(status_dir, nprocs, monitor.state, started_wall, workers)
+        timings["teardown_s"] = _since(timings.pop("last_return_wall"))
+        timings["total_s"] = time.time() - started_wall
+        monitor.close(failed, timings)
+        _write_launch_info(run_dir, dict(timings, nprocs=nprocs, failed=failed))
+        shutil.rmtree(status_dir, ignore_errors=True)
+
+
+def _run_cold(nprocs: int, payload: bytes, device_backend: tuple, limits: tuple[float, float],
+              dirs: tuple[str, str], sys_path: list[str], tick: Callable[[], None]) -> dict[str, Any]:
+    """Fresh workers for this launch alone, through elastic's agent; every process they started
+    ended before it returns."""
+    run_dir, status_dir = dirs
+    config = _launch_config(nprocs, limits[1], run_dir)
+    entry_args = (payload, *device_backend, limits, sys_path, status_dir, os.getpid(), os.path.abspath(run_dir))
+    _WORKER_STARTS.watch(config.run_id)
+    try:
+        with _launch_settings(run_dir, status_dir, config.run_id):
+            return _run_agent(config, entry_args, limits, status_dir, tick)
+    finally:
         _end_process_groups(_worker_pids(status_dir, config.run_id))
         _WORKER_STARTS.forget(config.run_id)
-        shutil.rmtree(status_dir, ignore_errors=True)
+
+
+def _run_warm(nprocs: int, payload: bytes, device_backend: tuple, limits: tuple[float, float],
+              dirs: tuple[str, str], sys_path: list[str], tick: Callable[[], None],
+              up_already: list[int]) -> tuple[dict[str, Any], str]:
+    """This launch as a task of the warm pool (:mod:`muonlab.distributed.warm`): the idle pool on
+    the same ranks, device, backend and environment, else a new one. Returns the outcome and what
+    ran it ("reused warm", "new warm" or, while another thread's launch holds the pool, "cold")."""
+    from . import warm as _warm
+
+    run_dir, status_dir = dirs
+    key = _warm.pool_key(nprocs, *device_backend)
+    pool, why_new = _warm.take_pool(key)
+    if why_new == "busy":  # one pool at a time: a concurrent launch runs as a cold one
+        return _run_cold(nprocs, payload, device_backend, limits, dirs, sys_path, tick), "cold"
+    task = _warm.Task(payload, limits, tuple(sys_path), status_dir, os.path.abspath(run_dir), os.getcwd())
+    reused = pool is not None
+    up_already[0] = nprocs if reused else 0
+    if pool is None:
+        pool = _warm.WorkerPool(key, _launch_config(nprocs, limits[1], run_dir), device_backend)
+        _warm.register(pool)
+    pool.last_run_dir = run_dir
+    try:
+        with _launch_settings(run_dir, status_dir, pool.run_id):
+            if reused:
+                pool.send(task)
+            else:
+                pool.start(task)
+            outcome = _warm.wait_for_task(pool, status_dir, limits, tick)
+        if "values" in outcome:
+            pool.finished_task(status_dir)
+    finally:
+        _warm.release(pool)
+    return outcome, "reused warm" if reused else "new warm"
+
+
+def _phase(status_dir: str, nprocs: int, up_already: int = 0) -> _progress.LaunchPhase:
+    """How far the ranks are, from their status files: started (pid written; ``up_already`` were
+    up before the launch), process group up, returned from the function."""
+    up, ready, returned = (len(_ranks_in(status_dir, kind)) for kind in ("pid", "ready", "returned"))
+    return _progress.LaunchPhase(max(up, up_already), ready, returned)
+
+
+def _status_times(status_dir: str, kind: str) -> list[float]:
+    """When each rank wrote its ``kind`` status file (wall clock, from the file's mtime)."""
+    times = []
+    for path in _files_in(status_dir, f"rank*.{kind}"):
+        try:
+            times.append(os.stat(path).st_mtime)
+        except OSError:
+            pass
+    return times
+
+
+def _timings(status_dir: str, nprocs: int, state: _progress.ProgressState, started_wall: float,
+             workers: str) -> dict[str, Any]:
+    """Seconds from the launch's start until every rank had its process group (``startup_s``) and
+    had reported a step (``first_step_s``), and the wall time at which the last rank returned."""
+    ready, returned = _status_times(status_dir, "ready"), _status_times(status_dir, "returned")
+    first_step = state.first_step_time()
+    return {
+        "workers": workers,
+        "startup_s": max(ready) - started_wall if len(ready) >= nprocs else None,
+        "first_step_s": first_step - started_wall if first_step is not None else None,
+        "last_return_wall": max(returned) if len(returned) >= nprocs else None,
+    }
+
+
+def _since(wall: float | None) -> float | None:
+    return None if wall is None else max(0.0, time.time() - wall)
+
+
+LAUNCH_INFO = "launch.json"
+"""A run directory's record of the launch: where its time went (see launch())."""
+
+
+def _write_launch_info(run_dir: str, info: dict) -> None:
+    try:
+        with open(os.path.join(run_dir, LAUNCH_INFO), "w") as f:
+            json.dump(info, f, indent=1)
+    except OSError:  # the record is a convenience: a full disk must not hide the launch's outcome
+        pass
+
+
+def last_launch_info(name: str) -> dict:
+    """The ``launch.json`` of the run named ``name`` (under ``$MUONLAB_RUNS_DIR`` or ``runs``):
+    ``workers`` ("cold", "new warm", "reused warm"), ``startup_s``, ``first_step_s``,
+    ``teardown_s``, ``total_s`` (seconds; None where the launch did not get that far)."""
+    _check_run_name(name)
+    root = os.environ.get(RUNS_DIR_ENV) or "runs"
+    with open(os.path.join(root, name, LAUNCH_INFO)) as f:
+        return json.load(f)
+
+
+def shutdown_workers() -> float | None:
+    """End the warm workers launch() keeps between launches (see launch()'s ``warm``); the next
+    launch starts fresh ones. Returns the seconds the shutdown took, None if none were running."""
+    if "muonlab.distributed.warm" not in sys.modules:  # no warm launch yet: nothing to end
+        return None
+    from .warm import shutdown_workers as shutdown
+
+    return shutdown()
 
 
 def _display_for(progress: bool | None) -> str | None:

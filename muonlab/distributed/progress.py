@@ -7,10 +7,15 @@ it without any handshake that could block a worker.
 
 Launcher side: :class:`ProgressState` folds the lines into per-rank steps and losses (no display,
 so it is tested without a kernel); :class:`ProgressMonitor` tails the files when ``launch`` polls
-it and drives a display: in a notebook a tqdm bar (the slowest rank's step, the latest mean loss)
-and a loss plot redrawn about once a second, elsewhere an optional text bar on stderr. Closing
-leaves a plain-text line ("fsdp: 10/10 steps, loss 3.21 -> 2.95, 84 s") for viewers that cannot
-render widgets.
+it and drives a display: in a notebook a tqdm bar (the slowest rank's step, the latest mean loss,
+the step rate) and a loss plot redrawn about once a second, elsewhere an optional text bar on
+stderr. The bar names the launch's phase (:class:`LaunchPhase`): "ranks up k/N" while the worker
+processes start, "connecting" while they form the process group, "no step yet" until the first
+report, then the steps, then "tearing down" once every rank has returned. The step rate comes
+from the workers' own timestamps (steps between a rank's first and latest report over the time
+between them, the slowest rank's), never from how many steps one poll happened to catch up on.
+Closing leaves a plain-text line ("fsdp: 10/10 steps, loss 3.21 -> 2.95, 84 s (start-up 3.1 s,
+teardown 0.4 s)") for viewers that cannot render widgets.
 """
 
 from __future__ import annotations
@@ -23,11 +28,12 @@ import os
 import sys
 import time
 import warnings
-from typing import Any, TextIO
+from typing import Any, NamedTuple, TextIO
 
 from ..bars import in_notebook_kernel
 
-__all__ = ["PROGRESS_FILE", "ProgressMonitor", "ProgressState", "in_notebook_kernel", "report_progress"]
+__all__ = ["PROGRESS_FILE", "LaunchPhase", "ProgressMonitor", "ProgressState", "in_notebook_kernel",
+           "report_progress"]
 
 PROGRESS_FILE = "progress.jsonl"
 
@@ -96,6 +102,9 @@ class ProgressState:
         self.losses: dict[int, dict[int, float]] = {}  # step -> {rank: loss}
         self.total: int | None = None
         self.bad_lines = 0
+        # per rank, (step, worker's time) of its first and of its latest report: the step rate
+        self.first_report: dict[int, tuple[int, float]] = {}
+        self.last_report: dict[int, tuple[int, float]] = {}
 
     def feed(self, line: str) -> None:
         try:
@@ -107,6 +116,10 @@ class ProgressState:
     def add(self, record: dict) -> None:
         rank, step = int(record["rank"]), int(record["step"])
         self.last_step[rank] = step
+        if record.get("time") is not None:
+            stamp = (step, float(record["time"]))
+            self.first_report.setdefault(rank, stamp)
+            self.last_report[rank] = stamp
         if record.get("total") is not None:
             self.total = int(record["total"])
         if record.get("loss") is not None:
@@ -119,20 +132,79 @@ class ProgressState:
             return 0
         return min(self.last_step.values())
 
+    def steps_per_s(self) -> float | None:
+        """The slowest rank's step rate, from the workers' timestamps: steps between its first and
+        latest report over the seconds between them (None until every rank has two reports apart
+        in time). Start-up and a poll that catches up on many steps at once do not enter it."""
+        rates = []
+        for rank in range(self.num_ranks):
+            if rank not in self.first_report:
+                return None
+            (step0, t0), (step1, t1) = self.first_report[rank], self.last_report[rank]
+            if t1 <= t0 or step1 <= step0:
+                return None
+            rates.append((step1 - step0) / (t1 - t0))
+        return min(rates)
+
+    def first_step_time(self) -> float | None:
+        """The workers' time (time.time()) at which every rank had reported a step (None: not yet)."""
+        if len(self.first_report) < self.num_ranks:
+            return None
+        return max(t for _, t in self.first_report.values())
+
     def mean_losses(self) -> tuple[list[int], list[float]]:
         """(steps, mean loss over the ranks) for the steps every rank has reported a loss for."""
         steps = [s for s in sorted(self.losses) if len(self.losses[s]) == self.num_ranks]
         return steps, [sum(self.losses[s].values()) / self.num_ranks for s in steps]
 
-    def summary(self, name: str, elapsed_s: float, failed: bool = False) -> str:
-        """One plain line: ``"fsdp: 10/10 steps, loss 3.21 -> 2.95, 84 s"``."""
+    def summary(self, name: str, elapsed_s: float, failed: bool = False, timings: dict | None = None) -> str:
+        """One plain line: ``"fsdp: 10/10 steps, loss 3.21 -> 2.95, 84 s"``, then, given the
+        launch's ``timings`` (see :func:`timing_text`), where the time went in brackets."""
         done = f"{self.slowest_step}/{self.total}" if self.total is not None else f"{self.slowest_step}"
         text = f"{name}: {done} steps"
         _, means = self.mean_losses()
         if means:
             text += f", loss {means[0]:.3f} -> {means[-1]:.3f}" if len(means) > 1 else f", loss {means[0]:.3f}"
-        text += f", {elapsed_s:.0f} s"
+        text += f", {elapsed_s:.0f} s" if elapsed_s >= 10 or not timings else f", {elapsed_s:.1f} s"
+        if timings:
+            text += f" ({timing_text(timings)})"
         return text + (" (failed)" if failed else "")
+
+
+def timing_text(timings: dict) -> str:
+    """``"start-up 3.1 s, first step 4.2 s, teardown 0.4 s, warm workers"`` from launch's timings:
+    ``startup_s`` (until every rank had its process group), ``first_step_s`` (until every rank had
+    reported a step), ``teardown_s`` (from the last rank's return to the launch's), ``workers``."""
+    parts = [f"{label} {timings[key]:.1f} s" for key, label in
+             (("startup_s", "start-up"), ("first_step_s", "first step"), ("teardown_s", "teardown"))
+             if timings.get(key) is not None]
+    if timings.get("workers"):
+        parts.append(f"{timings['workers']} workers")  # "cold", "new warm", "reused warm"
+    return ", ".join(parts)
+
+
+class LaunchPhase(NamedTuple):
+    """How far a launch's ranks are: ``up`` have started (their process runs launch's worker code),
+    ``ready`` have their process group, ``returned`` have returned from the function."""
+
+    up: int
+    ready: int
+    returned: int = 0
+
+
+def phase_text(state: ProgressState, phase: LaunchPhase | int) -> str:
+    """What the bar says besides the steps: "ranks up k/N", "connecting", "no step yet", "tearing
+    down", or "" while steps come in. An int ``phase`` is the count of ranks ready."""
+    if not isinstance(phase, LaunchPhase):
+        phase = LaunchPhase(int(phase), int(phase))
+    n = state.num_ranks
+    if phase.returned >= n:
+        return "tearing down"
+    if state.last_step:
+        return ""
+    if phase.ready < n:
+        return f"ranks up {phase.up}/{n}" if phase.up < n else f"connecting {phase.ready}/{n}"
+    return "no step yet"
 
 
 class _Tail:
@@ -159,24 +231,39 @@ class _Tail:
 class _TextDisplay:
     """A tqdm bar on stderr (``progress=True`` outside a notebook)."""
 
+    # tqdm's own rate is left out: the bar's count is set, not stepped, so tqdm would divide the
+    # steps one poll caught up on by the time since its last redraw (once 31,913 step/s)
+    BAR_FORMAT = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]"
+    COUNT_FORMAT = "{desc}: {n_fmt} steps [{elapsed}{postfix}]"
+
     def __init__(self, name: str):
         from tqdm import tqdm
 
         self.name = name
-        self.bar = tqdm(total=None, desc=name, unit="step", file=sys.stderr, leave=False, dynamic_ncols=True)
+        self.bar = tqdm(total=None, desc=name, unit="step", file=sys.stderr, leave=False, dynamic_ncols=True,
+                        bar_format=self.COUNT_FORMAT)
 
-    def update(self, state: ProgressState, ready: int) -> None:
+    def update(self, state: ProgressState, phase: LaunchPhase | int) -> None:
         bar = self.bar
-        starting = ready < state.num_ranks and not state.last_step
-        desc = f"{self.name} (starting {ready}/{state.num_ranks})" if starting else self.name
+        what = phase_text(state, phase)
+        desc = f"{self.name} ({what})" if what else self.name
         if desc != bar.desc:
             bar.set_description_str(desc, refresh=False)
         if state.total is not None and bar.total != state.total:
+            started = bar.start_t
             bar.reset(total=state.total)  # also resizes a notebook bar's widget
+            bar.start_t = started  # elapsed counts from the launch's start, not from here
+            bar.bar_format = self.BAR_FORMAT
         bar.n = state.slowest_step
+        postfix = []
         _, means = state.mean_losses()
         if means:
-            bar.set_postfix_str(f"loss {means[-1]:.3f}", refresh=False)
+            postfix.append(f"loss {means[-1]:.3f}")
+        rate = state.steps_per_s()
+        if rate is not None:
+            postfix.append(f"{rate:.3g} step/s" if rate >= 1 else f"{1 / rate:.3g} s/step")
+        if postfix:
+            bar.set_postfix_str(", ".join(postfix), refresh=False)
         bar.refresh()
 
     def close(self, state: ProgressState, line: str) -> None:
@@ -202,12 +289,13 @@ class _NotebookDisplay(_TextDisplay):
         self.name = name
         self.bar_handle = DisplayHandle()
         self.bar = notebook_bar(name, None, handle=self.bar_handle)
+        self.bar.bar_format = self.COUNT_FORMAT
         self.plot_handle = None
         self.plotted_steps = 0
         self.last_plot = 0.0
 
-    def update(self, state: ProgressState, ready: int) -> None:
-        super().update(state, ready)
+    def update(self, state: ProgressState, phase: LaunchPhase | int) -> None:
+        super().update(state, phase)
         now = time.monotonic()
         if now - self.last_plot >= self.PLOT_EVERY_S:
             self._plot(state)
@@ -266,13 +354,15 @@ class ProgressMonitor:
     ``poll`` (called by launch's wait loop, about every 0.25 s, on the caller's thread, so widget
     and display updates never come from another thread) reads what is new; ``close`` reads the
     rest and leaves the summary line. ``display`` is "notebook", "text" or None (only fold).
+    ``phase_of()`` says how far the ranks are: a :class:`LaunchPhase` (or the count of ranks
+    ready, an int).
     """
 
-    def __init__(self, name: str, rank_dirs: list[str], count_ready, display: str | None):
+    def __init__(self, name: str, rank_dirs: list[str], phase_of, display: str | None):
         self.name = name
         self.state = ProgressState(len(rank_dirs))
         self.tails = [_Tail(os.path.join(d, PROGRESS_FILE)) for d in rank_dirs]
-        self.count_ready = count_ready
+        self.phase_of = phase_of
         self.started = time.monotonic()
         if display not in ("notebook", "text", None):
             raise ValueError(f"display must be 'notebook', 'text' or None, got {display!r}")
@@ -302,16 +392,20 @@ class ProgressMonitor:
                 self.state.feed(line)
 
     def poll(self) -> None:
+        # the phase first: a rank reports its steps before it returns, so steps read after the
+        # phase are never older than it (else "tearing down" could show over 0 steps)
+        phase = self.phase_of()
         self._read()
         if self.display is not None:
-            self._guarded(lambda: self.display.update(self.state, self.count_ready()))
+            self._guarded(lambda: self.display.update(self.state, phase))
 
-    def close(self, failed: bool = False) -> str:
-        """Read what is left, close the display; return the summary line."""
+    def close(self, failed: bool = False, timings: dict | None = None) -> str:
+        """Read what is left, close the display; return the summary line (with the launch's
+        ``timings``, see :func:`timing_text`)."""
         self._read()
-        line = self.state.summary(self.name, time.monotonic() - self.started, failed)
+        line = self.state.summary(self.name, time.monotonic() - self.started, failed, timings)
         if self.display is not None:
-            self._guarded(lambda: self.display.update(self.state, self.count_ready()))
+            self._guarded(lambda: self.display.update(self.state, self.phase_of()))
         if self.display is not None:  # closed even when the last update failed
             self._guarded(lambda: self.display.close(self.state, line))
         if self._dropped:  # its display is gone: the line is shown here instead
