@@ -849,6 +849,7 @@ def _launch_in(run_dir: str, fn: Callable[..., Any], nprocs: int, payload: bytes
         failed = False
         return results
     finally:
+        monitor.read()  # the last steps, for the first step's time
         timings = _timings(status_dir, nprocs, monitor.state, started_wall, workers)
         timings["teardown_s"] = _since(timings.pop("last_return_wall"))
         timings["total_s"] = time.time() - started_wall

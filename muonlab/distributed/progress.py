@@ -386,7 +386,8 @@ class ProgressMonitor:
                     bar.close()
             self.display, self._dropped = None, True
 
-    def _read(self) -> None:
+    def read(self) -> None:
+        """Fold what the ranks wrote since the last read into ``state`` (no display)."""
         for tail in self.tails:
             for line in tail.lines():
                 self.state.feed(line)
@@ -395,14 +396,14 @@ class ProgressMonitor:
         # the phase first: a rank reports its steps before it returns, so steps read after the
         # phase are never older than it (else "tearing down" could show over 0 steps)
         phase = self.phase_of()
-        self._read()
+        self.read()
         if self.display is not None:
             self._guarded(lambda: self.display.update(self.state, phase))
 
     def close(self, failed: bool = False, timings: dict | None = None) -> str:
         """Read what is left, close the display; return the summary line (with the launch's
         ``timings``, see :func:`timing_text`)."""
-        self._read()
+        self.read()
         line = self.state.summary(self.name, time.monotonic() - self.started, failed, timings)
         if self.display is not None:
             self._guarded(lambda: self.display.update(self.state, self.phase_of()))

@@ -187,6 +187,9 @@ def _run_task(task: Task, rank: int, world: int, first: bool, device: str, backe
         fn, args, kwargs = pickle.loads(task.payload)
         if first:
             init_process_group(device, backend, timeout_s=task.timeouts[0], connect_timeout_s=task.timeouts[1])
+            # What exists now (torch, the group, the modules) lives as long as the pool: out of the
+            # collector's sight, each collection between tasks looks at the tasks' objects only.
+            gc.freeze()
         else:  # this launch's collective timeout on the group the pool keeps
             dist.distributed_c10d._set_pg_timeout(timedelta(seconds=task.timeouts[0]))
         _launch._write_status(status_dir, rank, "ready", "")
@@ -259,10 +262,6 @@ def _pool_worker_entry(first_task: Task, device: str, backend: str | None, launc
         _after_task(rank, task.status_dir)
         if outcome == "retire":  # the task destroyed the process group: no further task can run
             return
-        if first:
-            # what exists now (torch, the group, the modules) lives as long as the pool: out of
-            # the collector's sight, later collections look at the tasks' objects only
-            gc.freeze()
         first = False
         try:
             task = inbox.recv()

@@ -1,0 +1,157 @@
+"""Warm workers (launch(..., warm=True), muonlab.distributed.warm): real worker processes over gloo
+on CPU. A second launch on the same ranks reuses the running workers and their process group; a
+failure or a timeout takes the pool down and the next launch starts fresh; nothing outlives
+shutdown_workers(). Each test starts at most two pools (a pool's start is a cold launch's, seconds
+on a loaded machine); every clock counts from when the workers are up."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import pytest
+
+from muonlab.distributed import WorkerError, WorkerTimeout, launch
+from muonlab.distributed.launch import LAUNCH_INFO, RUNS_DIR_ENV, shutdown_workers
+from tests.distributed import _workers_warm as workers
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+
+
+def _running(pid: int) -> bool:
+    """The process exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+
+
+def _wait_gone(pids, limit_s: float = 30.0) -> list[int]:
+    """The pids still running after up to ``limit_s`` (a killed process may take a moment)."""
+    deadline = time.monotonic() + limit_s
+    while any(map(_running, pids)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return [pid for pid in pids if _running(pid)]
+
+
+def _info(name: str) -> dict:
+    with open(os.path.join(os.environ[RUNS_DIR_ENV], name, LAUNCH_INFO)) as f:
+        return json.load(f)
+
+
+def _read(*parts: str) -> str:
+    with open(os.path.join(os.environ[RUNS_DIR_ENV], *parts)) as f:
+        return f.read()
+
+
+@pytest.fixture(autouse=True)
+def _no_pool_left():
+    """Each test starts without a pool and leaves none."""
+    shutdown_workers()
+    yield
+    shutdown_workers()
+
+
+@pytest.mark.timeout(240)
+def test_a_second_launch_reuses_the_workers_and_steps_at_once(capsys):
+    first = launch(workers.pid_and_steps, 2, 3, "first", warm=True, name="warm_first", timeout_s=150)
+    pids = {rank: out["pid"] for rank, out in first.items()}
+    assert _info("warm_first")["workers"] == "new warm"
+
+    started = time.time()
+    second = launch(workers.pid_and_steps, 2, 4, "second", warm=True, name="warm_second", timeout_s=150,
+                    progress=True)
+    elapsed = time.time() - started
+    assert {rank: out["pid"] for rank, out in second.items()} == pids, "the second launch started new workers"
+    assert all(out["world"] == 2 for out in second.values())  # the kept process group still works
+    info = _info("warm_second")
+    assert info["workers"] == "reused warm"
+    # Reused workers are up when the launch starts: its first step comes at once. The bound is
+    # generous for a loaded machine (a cold start-up takes seconds on an idle one).
+    assert info["first_step_s"] is not None and info["first_step_s"] < 3.0, info
+    assert info["startup_s"] < 3.0 and info["teardown_s"] < 3.0 and elapsed < 10.0, (info, elapsed)
+    # the run's own logs and progress stream, not the first run's
+    for rank in range(2):
+        assert f"stdout second rank {rank}" in _read("warm_second", f"rank{rank}", "stdout.log")
+        assert f"stderr second rank {rank}" in _read("warm_second", f"rank{rank}", "stderr.log")
+        assert "second" not in _read("warm_first", f"rank{rank}", "stdout.log")
+        steps = [json.loads(line)["step"] for line in _read("warm_second", f"rank{rank}", "progress.jsonl").splitlines()]
+        assert steps == [1, 2, 3, 4]
+    summary = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warm_second: 4/4 steps")]
+    assert len(summary) == 1 and "reused warm workers" in summary[0] and "teardown" in summary[0], summary
+
+    assert shutdown_workers() is not None
+    assert not _wait_gone(pids.values(), limit_s=0.1), "workers outlived shutdown_workers()"
+    assert shutdown_workers() is None  # nothing left to end
+
+
+@pytest.mark.timeout(240)
+def test_a_task_leaves_no_process_state_or_child_behind(tmp_path):
+    launch(workers.change_process_state, 2, warm=True, timeout_s=150)
+    child_pids = launch(workers.start_child, 2, str(tmp_path), warm=True, timeout_s=150)
+    # the task's child processes ended with the task, though its workers live on
+    assert not _wait_gone(child_pids.values(), limit_s=0.1), "a task's child process outlived it"
+    after = launch(workers.pid_and_steps, 2, 1, "after", warm=True, timeout_s=150)
+    assert len({out["pid"] for out in after.values()}) == 2
+    for out in after.values():
+        assert (out["leak"], out["dtype"], out["grad"], out["cwd"]) == (None, "torch.float32", True, os.getcwd())
+
+
+@pytest.mark.timeout(300)
+def test_a_failing_task_takes_the_pool_down_and_the_next_launch_starts_fresh():
+    before = launch(workers.pid_and_steps, 2, 1, "before", warm=True, timeout_s=150)
+    with pytest.raises(WorkerError) as info:
+        launch(workers.fail_on_rank, 2, 1, warm=True, name="warm_fails", timeout_s=150)
+    err = info.value
+    assert str(err).startswith("rank 1 of 2 failed in tests.distributed._workers_warm.fail_on_rank"), str(err)
+    assert "ValueError: deliberate failure in a warm task on rank 1" in err.failures[1]
+    assert "deliberate failure in a warm task" in _read("warm_fails", "rank1", "stderr.log")
+    old = [out["pid"] for out in before.values()]
+    assert not _wait_gone(old), "the failed pool's workers outlived the launch"
+
+    after = launch(workers.pid_and_steps, 2, 1, "after", warm=True, name="warm_after", timeout_s=150)
+    assert _info("warm_after")["workers"] == "new warm"
+    assert not {out["pid"] for out in after.values()} & set(old)
+    assert _info("warm_fails")["failed"] is True
+
+
+@pytest.mark.timeout(300)
+def test_a_timed_out_task_takes_the_pool_down_and_a_new_rank_count_starts_a_new_pool():
+    one = launch(workers.pid_and_steps, 1, 1, "one", warm=True, timeout_s=150)
+    # another number of ranks: the idle 1-rank pool is ended, a 2-rank one started
+    two = launch(workers.pid_and_steps, 2, 1, "two", warm=True, name="warm_two", timeout_s=150)
+    assert _info("warm_two")["workers"] == "new warm"
+    assert not _wait_gone([one[0]["pid"]], limit_s=0.1), "the 1-rank pool outlived its replacement"
+    with pytest.raises(WorkerTimeout) as info:
+        launch(workers.hang_on_rank, 2, 0, warm=True, timeout_s=3)
+    assert (info.value.phase, info.value.ranks) == ("run", [0]), str(info.value)
+    assert not _wait_gone([out["pid"] for out in two.values()]), "the timed-out pool's workers outlived it"
+    assert shutdown_workers() is None  # the pool went down with the timeout
+
+
+@pytest.mark.timeout(300)
+def test_a_changed_module_starts_a_new_pool(tmp_path, monkeypatch):
+    # A researcher edits the .py file next to the notebook and launches again: the warm workers
+    # imported the old code, so they must not run it.
+    module = tmp_path / "nb_warm_module.py"
+    module.write_text("import os\n\ndef version():\n    return (1, os.getpid())\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import nb_warm_module
+
+    old = launch(nb_warm_module.version, 1, warm=True, timeout_s=150)
+    assert old[0][0] == 1
+    module.write_text("import os\n\ndef version():\n    return (2, os.getpid())\n")
+    os.utime(module, (time.time() + 5, time.time() + 5))  # a new mtime even on a coarse clock
+    new = launch(nb_warm_module.version, 1, warm=True, name="warm_changed", timeout_s=150)
+    assert new[0][0] == 2 and new[0][1] != old[0][1], (old, new)
+    assert _info("warm_changed")["workers"] == "new warm"
+
+
+@pytest.mark.timeout(30)
+def test_warm_must_be_a_bool_or_none(launches_started):
+    with pytest.raises(ValueError, match=r"warm must be None .* True or False, got 'yes'"):
+        launch(workers.pid_and_steps, 1, 1, "x", warm="yes")
+    assert launches_started == []
