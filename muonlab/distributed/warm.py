@@ -197,6 +197,9 @@ def _run_task(task: Task, rank: int, world: int, first: bool, device: str, backe
             result = _launch._call(fn, args, kwargs)
         except BaseException:
             mark_failed()
+            # as a cold worker fails: the group destroyed before the process ends (the pool ends
+            # with this failure anyway), its peers' collectives then fail at once
+            _launch._teardown(wait_for_peers=False)
             raise
         # The cold teardown without destroying the group: no rank goes on before the slowest has
         # returned. (The cold one collects garbage first, so objects of fn's that hold the group
