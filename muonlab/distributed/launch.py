@@ -19,7 +19,9 @@ a live loss plot in a notebook, see :mod:`muonlab.distributed.progress`). A work
 :class:`WorkerError` carrying the worker's traceback and the path of its log;
 a launch whose workers are not all up (process group initialised) within ``startup_timeout_s``, or
 that runs past ``timeout_s`` seconds after that, is stopped, its processes killed, and gives a
-:class:`WorkerTimeout` naming the phase. The worker function must live in a module the children can
+:class:`WorkerTimeout` naming the phase. In a notebook kernel the workers are kept for the next
+launch on the same ranks (warm workers, :mod:`muonlab.distributed.warm`; ``warm=`` and
+:func:`shutdown_workers`). The worker function must live in a module the children can
 import: a function defined in a notebook cell (module ``__main__``), a lambda or a nested function
 is refused before anything starts. The children get the caller's ``sys.path``, so a ``.py`` file
 next to the notebook is found. Spawned children re-run the caller's main script before they start:
@@ -754,11 +756,37 @@ def launch(
     Workers report steps with
     :func:`muonlab.distributed.progress.report_progress`; ``progress`` shows them while the call
     waits: None (default) shows a bar and a live loss plot in a notebook and nothing elsewhere,
-    True a text bar on stderr outside a notebook, False nothing.
+    True a text bar on stderr outside a notebook, False nothing. The bar names the phase ("ranks
+    up k/N", "connecting", "no step yet", "tearing down") and the step rate the workers' own
+    timestamps give; the summary line it leaves says where the time went, and so does
+    ``<run dir>/launch.json`` (:func:`last_launch_info`): ``startup_s`` (until every rank had its
+    process group), ``first_step_s`` (until every rank had reported a step), ``teardown_s`` (from
+    the last rank's return to the call's), ``total_s``, and ``workers`` ("cold", "new warm",
+    "reused warm").
+
+    Warm workers (``warm``): None (default) means warm in a notebook kernel and cold elsewhere;
+    True or False asks for either anywhere. A warm launch leaves its workers running, their process
+    group connected, and the next warm launch on the same ``nprocs``, device, backend and
+    environment (``os.environ``) hands them its function instead of starting processes: its first
+    step comes within a fraction of a second instead of seconds (see
+    benchmarks/results/launch.md). Everything above holds for a warm launch too (its own run
+    directory, logs and progress stream, both clocks, the processes its function starts ended with
+    it, a WorkerError or WorkerTimeout naming the rank); a warm launch that fails, times out or is
+    interrupted ends its workers, so the next one starts fresh. Another ``nprocs``, device, backend
+    or environment, or a change on disk to a module the workers imported (e.g. the .py file next to
+    the notebook), ends the idle workers and starts new ones. Between launches each warm worker is
+    reset to what a fresh one would see (environment, working directory, default dtype, grad mode,
+    intra-op threads); module-level state of the function's own modules, and process subgroups it
+    made, live on, as in any long-lived process. The workers end with the interpreter (``atexit``;
+    if the kernel is killed, with it) or on :func:`shutdown_workers`. Why not warm everywhere:
+    outside a kernel a launch is usually a script's one call, where workers left running buy
+    nothing and a caller may count on no process outliving the call; in a kernel, launching again
+    and again on the same ranks is the common case and the kernel's life bounds the workers'.
+    A launch on another thread while the warm workers are busy runs cold.
 
     Raises:
         ValueError: ``fn`` is not importable by the children (defined in ``__main__``, e.g. a
-            notebook cell, a lambda, or a nested function), ``nprocs < 1``, a timeout is not a
+            notebook cell, a lambda, or a nested function), ``nprocs < 1``, ``warm`` not None/True/False, a timeout is not a
             positive number of seconds up to ``MAX_TIMEOUT_S``, ``backend`` is not None, "gloo" or
             "nccl", ``device`` is not "auto"/"cpu"/"cuda", ``device="cuda"`` with fewer GPUs than
             ``nprocs``, ``backend="nccl"`` for CPU workers, or ``name`` is in use by a launch still
