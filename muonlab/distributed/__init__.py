@@ -14,7 +14,7 @@ warnings.filterwarnings(
 
 from .device import rank_device, to_rank_device  # noqa: E402
 from .expert_parallel import apply_ep, build_ep_mesh  # noqa: E402
-from .launch import WorkerError, WorkerTimeout, launch, run_worker  # noqa: E402
+from .launch import WorkerError, WorkerTimeout, launch, run_worker, shutdown_workers  # noqa: E402
 from .mesh import MeshAxis, build_mesh, mesh_axis_group  # noqa: E402
 from .parallelize import Parallelized, apply_ddp, apply_fsdp, parallelize  # noqa: E402
 from .progress import report_progress  # noqa: E402
@@ -35,5 +35,6 @@ __all__ = [
     "rank_device",
     "report_progress",
     "run_worker",
+    "shutdown_workers",
     "to_rank_device",
 ]

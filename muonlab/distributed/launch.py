@@ -919,7 +919,11 @@ def _run_warm(nprocs: int, payload: bytes, device_backend: tuple, limits: tuple[
     reused = pool is not None
     up_already[0] = nprocs if reused else 0
     if pool is None:
-        pool = _warm.WorkerPool(key, _launch_config(nprocs, limits[1], run_dir), device_backend)
+        try:
+            pool = _warm.WorkerPool(key, _launch_config(nprocs, limits[1], run_dir), device_backend)
+        finally:
+            if pool is None:
+                _warm.unreserve()
         _warm.register(pool)
     pool.last_run_dir = run_dir
     try:

@@ -20,6 +20,8 @@ connected:
   what a task may have changed process-wide (working directory, environment, default dtype,
   grad mode, intra-op threads, CUDA cache); module-level state of the task's own modules is
   kept, as in any long-lived process;
+- on GPUs the workers keep their CUDA context (and each its device) between launches; the
+  cache of freed blocks is emptied after each task, :func:`shutdown_workers` frees the rest;
 - the pool ends with the kernel (``atexit``; if the kernel is killed, the workers get SIGKILL
   from the kernel's death, see ``_die_with_parent``, and EOF on their pipe) or on request:
   :func:`shutdown_workers`.
@@ -253,7 +255,8 @@ def _pool_worker_entry(first_task: Task, device: str, backend: str | None, launc
     for other in inboxes:
         if other is not inbox:
             other.close()
-    env = dict(os.environ)
+    # what every task starts from (not the first launch's status folder, long gone by then)
+    env = {k: v for k, v in os.environ.items() if k != _launch._STATUS_DIR_ENV}
     task, first = first_task, True
     while task is not None:
         rank_dir = _launch._rank_dir(task.run_dir, rank)
@@ -395,36 +398,48 @@ class WorkerPool:
 
 _POOL_LOCK = threading.Lock()
 _POOL: WorkerPool | None = None
+_RESERVED = False  # a launch is starting the next pool: the others run cold meanwhile
 
 
 def take_pool(key: tuple) -> tuple[WorkerPool | None, str]:
     """The idle pool matching ``key``, marked busy, and why a new one is needed otherwise:
-    returns (pool, "") or (None, reason); reason "busy" means a matching pool runs another
-    thread's launch (this launch then runs cold)."""
-    global _POOL
+    returns (pool, "") or (None, reason), the caller then holding the right to start the next
+    pool (:func:`register` it, or :func:`unreserve` if it does not get that far). Reason "busy":
+    another thread's launch holds the pool or is starting one, and this launch runs cold."""
+    global _POOL, _RESERVED
     with _POOL_LOCK:
         pool = _POOL
-        if pool is not None and pool.busy:
+        if _RESERVED or (pool is not None and pool.busy):
             return None, "busy"
         if pool is not None and pool.alive and not pool.agent_done.is_set() and pool.key == key:
-            why = pool.stale()
-            if why is None:
+            if pool.stale() is None:
                 pool.busy = True
                 return pool, ""
-        _POOL = None
+        _POOL, _RESERVED = None, True
     if pool is None:
         return None, "no pool"
     reason = "the pool's workers had ended" if pool.agent_done.is_set() else (
         "other ranks, device, backend or environment" if pool.key != key else pool.stale())
-    with _quiet_elastic(pool.last_run_dir):
-        pool.shutdown()
+    try:
+        with _quiet_elastic(pool.last_run_dir):
+            pool.shutdown()
+    except BaseException:
+        unreserve()
+        raise
     return None, reason
 
 
 def register(pool: WorkerPool) -> None:
-    global _POOL
+    """``pool`` is the pool now (started by the launch that :func:`take_pool` let start one)."""
+    global _POOL, _RESERVED
     with _POOL_LOCK:
-        _POOL = pool
+        _POOL, _RESERVED = pool, False
+
+
+def unreserve() -> None:
+    global _RESERVED
+    with _POOL_LOCK:
+        _RESERVED = False
 
 
 def release(pool: WorkerPool) -> None:
