@@ -155,3 +155,26 @@ def test_warm_must_be_a_bool_or_none(launches_started):
     with pytest.raises(ValueError, match=r"warm must be None .* True or False, got 'yes'"):
         launch(workers.pid_and_steps, 1, 1, "x", warm="yes")
     assert launches_started == []
+
+
+@pytest.mark.timeout(240)
+def test_a_cold_launch_shows_its_phases_in_order_and_records_its_timings(monkeypatch):
+    from muonlab.distributed import progress
+
+    seen = []
+    poll = progress.ProgressMonitor.poll
+
+    def recording_poll(self):
+        seen.append(self.phase_of())
+        poll(self)
+
+    monkeypatch.setattr(progress.ProgressMonitor, "poll", recording_poll)
+    launch(workers.pid_and_steps, 2, 2, "cold", warm=False, name="cold_phases", timeout_s=150)
+    # from no rank up to all returned ("tearing down": a cold teardown takes seconds)
+    assert seen[0].up == 0 and seen[-1] == (2, 2, 2), seen
+    for before, after in zip(seen, seen[1:]):  # each count only grows
+        assert all(b <= a for b, a in zip(before, after)), seen
+    info = _info("cold_phases")
+    assert info["workers"] == "cold" and not info["failed"]
+    assert 0 < info["startup_s"] <= info["first_step_s"] <= info["total_s"], info
+    assert info["teardown_s"] is not None and info["teardown_s"] < info["total_s"], info
