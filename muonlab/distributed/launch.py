@@ -928,10 +928,14 @@ def _run_warm(nprocs: int, payload: bytes, device_backend: tuple, limits: tuple[
     pool.last_run_dir = run_dir
     try:
         with _launch_settings(run_dir, status_dir, pool.run_id):
-            if reused:
-                pool.send(task)
-            else:
-                pool.start(task)
+            try:
+                if reused:
+                    pool.send(task)
+                else:
+                    pool.start(task)
+            except BaseException:  # a pool that did not get its task is of no use to the next launch
+                pool.kill(status_dir)
+                raise
             outcome = _warm.wait_for_task(pool, status_dir, limits, tick)
         if "values" in outcome:
             pool.finished_task(status_dir)
