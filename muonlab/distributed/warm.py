@@ -91,7 +91,7 @@ def _point_output_at(rank_dir: str) -> None:
         os.close(target)
 
 
-def _reset_process_state(task: Task, env: dict[str, str], rank_dir: str) -> None:
+def _reset_process_state(task: Task, env: dict[str, str], rank_dir: str, threads: int) -> None:
     """Undo what an earlier task may have changed process-wide, so a task sees what a fresh worker
     would (the environment the pool started with, the caller's directory, torch's defaults)."""
     os.environ.clear()
@@ -104,8 +104,7 @@ def _reset_process_state(task: Task, env: dict[str, str], rank_dir: str) -> None
             sys.path.insert(0, entry)
     torch.set_default_dtype(torch.float32)
     torch.set_grad_enabled(True)
-    if not torch.cuda.is_initialized():
-        torch.set_num_threads(1)  # as init_process_group sets for CPU workers
+    torch.set_num_threads(threads)
 
 
 def _processes_in_group(pgid: int) -> list[int]:
@@ -257,11 +256,13 @@ def _pool_worker_entry(first_task: Task, device: str, backend: str | None, launc
             other.close()
     # what every task starts from (not the first launch's status folder, long gone by then)
     env = {k: v for k, v in os.environ.items() if k != _launch._STATUS_DIR_ENV}
+    # a fresh worker's intra-op threads: one on a CPU rank (init_process_group's), torch's own else
+    threads = 1 if device == "cpu" else torch.get_num_threads()
     task, first = first_task, True
     while task is not None:
         rank_dir = _launch._rank_dir(task.run_dir, rank)
         _point_output_at(rank_dir)
-        _reset_process_state(task, env, rank_dir)
+        _reset_process_state(task, env, rank_dir, threads)
         outcome = _run_task(task, rank, world, first, device, backend)
         if outcome == "abandon":  # as a cold worker whose peer failed: end, the agent ends the rest
             return
