@@ -91,7 +91,7 @@ def main(argv=None) -> None:
         + md_table(header, rows)
     )
     write_report(results_path("launch"), "launch(): cold and warm workers", body, script=__file__, argv=argv,
-                 machine_note=(f"1-minute load average at the end: {load()}: the 2 cores were shared with other "
+                 machine_note=(f"Load average (1, 5, 15 min) at the end: {load()}: the 2 cores were shared with other "
                                "engineers' processes, so these are wall seconds on a busy machine."))
 
 
