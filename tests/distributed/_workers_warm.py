@@ -57,3 +57,11 @@ def hang_on_rank(rank: int) -> int:
         while True:
             time.sleep(1)
     return dist.get_rank()
+
+
+def exit_on_rank(rank: int, code: int) -> int:
+    """``sys.exit(code)`` on one rank; the other waits in a collective."""
+    if dist.get_rank() == rank:
+        sys.exit(code)
+    dist.barrier()
+    return dist.get_rank()

@@ -116,6 +116,11 @@ def test_a_failing_task_takes_the_pool_down_and_the_next_launch_starts_fresh():
     assert _info("warm_after")["workers"] == "new warm"
     assert not {out["pid"] for out in after.values()} & set(old)
     assert _info("warm_fails")["failed"] is True
+    # sys.exit(n) in a warm task: named with its code, as in a cold one
+    with pytest.raises(WorkerError) as info:
+        launch(workers.exit_on_rank, 2, 1, 3, warm=True, timeout_s=150)
+    assert "rank 1 exited with code 3 (sys.exit(3)" in info.value.failures[1], str(info.value)
+    assert not _wait_gone([out["pid"] for out in after.values()]), "the exited pool's workers outlived it"
 
 
 @pytest.mark.timeout(300)
