@@ -927,8 +927,9 @@ class Muon(MomentumHomes, Optimizer):
 
     def resolved_choices(self) -> list[dict]:
         """What ``ns_dtype``, ``ns_form`` and ``ns_backend`` ("auto" or not) mean for each batch of
-        the plan: one dict per batch with its names, matrix shape, path and the Newton-Schulz
-        dtype, form and backend. After a step these are what ran on this rank; before one (or for
+        the plan: one dict per batch with its names, matrix shape, path, wave (the first batch of
+        the wave it travels in, or None: ``BatchPlan.travels_with``) and the Newton-Schulz dtype,
+        form and backend. After a step these are what ran on this rank; before one (or for
         a batch this rank did not orthogonalize) the dtype and form follow the same rules from the
         shapes, and an "auto" backend reads "auto (timed at the first step)" where two could run."""
         runner_ran = self._runner.ran if self._runner is not None else {}
@@ -943,7 +944,8 @@ class Muon(MomentumHomes, Optimizer):
                 backends = possible_backends(cfg.backend, device, dtype)
                 ran = dict(dtype=str(dtype).removeprefix("torch."), form=form_for(cfg, shape),
                            backend=backends[0] if len(backends) == 1 else "auto (timed at the first step)")
-            rows.append(dict(batch=batch.index, names=batch.names, shape=shape, path=batch.path, **ran))
+            rows.append(dict(batch=batch.index, names=batch.names, shape=shape, path=batch.path,
+                             wave=batch.travels_with, **ran))
         return rows
 
     def last_step_stats(self) -> dict:
