@@ -21,19 +21,34 @@ class CommCounter:
     recv: dict[str, int] = field(default_factory=dict)
     calls: dict[str, int] = field(default_factory=dict)
 
-    def add(self, path: str, sent: int, recv: int) -> None:
+    def add(self, path: str, sent: int, recv: int, calls: int = 1) -> None:
         self.sent[path] = self.sent.get(path, 0) + sent
         self.recv[path] = self.recv.get(path, 0) + recv
-        self.calls[path] = self.calls.get(path, 0) + 1
+        self.calls[path] = self.calls.get(path, 0) + calls
 
 
 class Pending:
-    """A collective in flight: ``wait()`` returns its output tensor."""
+    """A collective in flight: ``wait()`` returns its output tensor.
 
-    def __init__(self, work, out: torch.Tensor, sent: int, recv: int):
+    A deferred one (``all_to_all(..., defer=True)``) is not issued: it holds its ``request``
+    until a ``Coalesced`` sends it with the others of its wave, and its ``wait()`` waits for that."""
+
+    def __init__(self, work, out: torch.Tensor | None, sent: int, recv: int, request: tuple | None = None):
         self.work, self.out, self.sent, self.recv = work, out, sent, recv
+        self.request = request
+        """(send, send_splits, recv_splits) of a deferred all_to_all; None once issued."""
+        self.carrier: Coalesced | None = None
+
+    @property
+    def calls(self) -> int:
+        """Collectives this one issued itself: 0 for a deferred one (its wave's counts once)."""
+        return 0 if self.request is not None or self.carrier is not None else 1
 
     def wait(self) -> torch.Tensor:
+        if self.carrier is not None:
+            self.carrier.wait()
+        elif self.request is not None:  # pragma: no cover - the engine issues every wave it defers
+            raise AssertionError("a deferred all_to_all was waited on before its wave was issued")
         if self.work is not None:
             self.work.wait()
         return self.out
@@ -57,21 +72,59 @@ def pack(tensors, dtype: torch.dtype, *, like: torch.Tensor) -> torch.Tensor:
 
 
 def all_to_all(send: torch.Tensor, send_splits: list[int], recv_splits: list[int], *, group,
-               group_rank: int) -> Pending:
-    """all_to_all_single on a flat tensor with uneven splits (elements), started async."""
+               group_rank: int, defer: bool = False) -> Pending:
+    """all_to_all_single on a flat tensor with uneven splits (elements), started async; with
+    ``defer``, checked and counted but not issued (a ``Coalesced`` issues it with its wave)."""
     size = len(send_splits)
     if len(recv_splits) != size or sum(send_splits) != send.numel():
         raise AssertionError(
             f"all_to_all sizes disagree on group rank {group_rank}: send {send.numel()} elements "
             f"vs splits {send_splits}, recv splits {recv_splits}"
         )
-    send = send.contiguous()
-    out = send.new_empty(sum(recv_splits))
     item = send.element_size()
     sent = (sum(send_splits) - send_splits[group_rank]) * item
     recv = (sum(recv_splits) - recv_splits[group_rank]) * item
+    if defer:
+        return Pending(None, None, sent, recv, request=(send, list(send_splits), list(recv_splits)))
+    send = send.contiguous()
+    out = send.new_empty(sum(recv_splits))
     work = dist.all_to_all_single(out, send, recv_splits, send_splits, group=group, async_op=True)
     return Pending(work, out, sent, recv)
+
+
+class Coalesced:
+    """The deferred all_to_alls of a wave, sent as one all_to_all_single on their group.
+
+    The send buffer is destination-major: for each destination rank, each member's block for it
+    in member order; the received buffer, source-major alike, is cut back into each member's own
+    output (laid out as its own all_to_all would have returned it). Every rank builds its wave
+    from the same plan, so the members, their order and the split sizes agree across ranks."""
+
+    def __init__(self, members: list[Pending], *, group, group_rank: int):
+        requests = [m.request for m in members]
+        dtypes = {r[0].dtype for r in requests}
+        if len(dtypes) != 1:  # pragma: no cover - one path, one wire dtype
+            raise AssertionError(f"a wave's all_to_alls differ in dtype: {sorted(map(str, dtypes))}")
+        size = len(requests[0][1])
+        blocks = [send.split(splits) for send, splits, _ in requests]
+        send = torch.cat([blocks[k][q] for q in range(size) for k in range(len(members))])
+        send_splits = [sum(r[1][q] for r in requests) for q in range(size)]
+        recv_splits = [sum(r[2][q] for r in requests) for q in range(size)]
+        self._members, self._size = members, size
+        self._recv_blocks = [r[2][q] for q in range(size) for r in requests]  # source-major, as received
+        self._pending = all_to_all(send, send_splits, recv_splits, group=group, group_rank=group_rank)
+        for m in members:
+            m.request, m.carrier = None, self
+
+    def wait(self) -> None:
+        """Wait once, then give each member its output."""
+        if self._pending is None:
+            return
+        received = self._pending.wait().split(self._recv_blocks)
+        count = len(self._members)
+        for k, m in enumerate(self._members):
+            m.out = torch.cat([received[q * count + k] for q in range(self._size)])
+        self._pending = None
 
 
 def all_gather(send: torch.Tensor, sizes: list[int], *, group, group_rank: int) -> Pending:

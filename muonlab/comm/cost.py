@@ -2,7 +2,7 @@
 
 The model is deliberately small (an alpha-beta model per collective plus a matmul rate):
 
-    comm(batch)    = collectives x latency + max over ranks of
+    comm(batch)    = collectives x latency (once per wave: see planner/coalesce.py) + max over ranks of
                      max(intra-node bytes / intra_bw, inter-node bytes / inter_bw)
     compute(batch) = per-rank Newton-Schulz FLOPs / matmul rate
     step           = the engine's pipeline replayed with these times (see step_seconds)
@@ -87,6 +87,11 @@ def get_profile(profile: str | HardwareProfile) -> HardwareProfile:
     return PROFILES[profile]
 
 
+def _latency(batch: BatchPlan, profile: HardwareProfile) -> float:
+    """Its collectives' fixed cost; a batch of a wave after the first shares the wave's."""
+    return PATHS[batch.path].collectives * profile.latency_s if batch.pays_latency else 0.0
+
+
 def comm_seconds(batch: BatchPlan, profile: HardwareProfile) -> float:
     """Modelled seconds of a batch's communication: ``collectives x latency`` plus the slowest rank.
 
@@ -129,7 +134,7 @@ def comm_seconds(batch: BatchPlan, profile: HardwareProfile) -> float:
             continue
         for intra in fracs:
             worst = max(worst, traffic * intra / profile.intra_bw, traffic * (1 - intra) / profile.inter_bw)
-    return PATHS[batch.path].collectives * profile.latency_s + worst
+    return _latency(batch, profile) + worst
 
 
 @functools.lru_cache(maxsize=256)

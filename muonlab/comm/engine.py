@@ -15,7 +15,9 @@ the whole model. The order on every rank (the plan is identical everywhere, so c
 so batch i+1's transfer travels while batch i's Newton-Schulz runs, and batch i's way back travels
 while batch i+1's runs (async collectives). A batch without a way back is applied at once. A batch
 without a way out (the local and owner paths) starts only after the previous batch's Newton-Schulz:
-taking its inputs early would overlap nothing and hold two batches' inputs at once.
+taking its inputs early would overlap nothing and hold two batches' inputs at once. A wave of
+small batches (``WaveRun``, planned by muonlab.comm.planner.coalesce) takes one place in that
+order: all its ways out in one collective, all its ways back in another.
 
 Times are the tracer's marks (muonlab.trace): wall clock on CPU, CUDA events on the compute stream
 on a GPU, so nothing here synchronises; ``phase_seconds(tracer)`` reads the totals after the step.
@@ -29,7 +31,7 @@ import torch
 
 from ..kernels.newton_schulz import newton_schulz
 from ..trace import Tracer
-from .collectives import CommCounter, Pending
+from .collectives import Coalesced, CommCounter, Pending
 from .paths import PATHS, PathContext
 from .records import BatchPlan, Plan
 from .specs import GroupKey
@@ -60,7 +62,7 @@ class BatchRun:
         """Resume the generator with ``value``; a collective it yields is counted here, once."""
         item = self._gen.send(value)
         if isinstance(item, Pending):
-            self._counter.add(self.path, item.sent, item.recv)
+            self._counter.add(self.path, item.sent, item.recv, calls=item.calls)
             self._bytes[direction] = (item.sent, item.recv)
         return item
 
@@ -133,6 +135,42 @@ class BatchRun:
         self._apply_outputs(outputs)
 
 
+class WaveRun:
+    """The batches of one wave (``BatchPlan.travels_with``) run as one: every batch takes its
+    inputs and packs its way out, the wave sends them in one collective (``Coalesced``), then
+    every batch orthogonalizes and packs its way back, sent in one more; each batch applies its
+    own outputs. Its members' spans and bytes are their own; the wave counts each collective once.
+    """
+
+    def __init__(self, runs: list[BatchRun], *, group, group_rank: int, tracer: Tracer, counter: CommCounter):
+        self.runs, self.path = runs, runs[0].path
+        self._group, self._group_rank, self._tracer, self._counter = group, group_rank, tracer, counter
+        self.started = self.done = False
+
+    def _send_together(self) -> None:
+        """Issue the members' deferred collectives (the way they are at) as one."""
+        t0 = self._tracer.mark()
+        Coalesced([run._item for run in self.runs], group=self._group, group_rank=self._group_rank)
+        self._counter.add(self.path, 0, 0)
+        self._tracer.tally(COMMUNICATION, t0, self._tracer.mark())
+
+    def start(self) -> None:
+        self.started = True
+        for run in self.runs:
+            run.start()
+        self._send_together()
+
+    def compute(self) -> None:
+        for run in self.runs:
+            run.compute()
+        self._send_together()
+
+    def finish(self) -> None:
+        for run in self.runs:
+            run.finish()
+        self.done = True
+
+
 def phase_seconds(tracer: Tracer) -> dict[str, float]:
     """The communication and Newton-Schulz seconds of the plan(s) ``tracer`` recorded since its
     reset: the sum of the tallied communication intervals (issue, wait, (un)pack) and of the
@@ -163,11 +201,18 @@ def execute_plan(
     matrices or a list of pieces (``Overwrite`` pieces take the result in place).
     ``device``: where this rank's tensors live (``PathContext.device``).
     """
-    runs = []
+    runs: list[BatchRun | WaveRun] = []
     for i, batch in enumerate(plan):
         pg, group_rank = groups[batch.group]
-        runs.append(BatchRun(i, batch, PathContext(pg, group_rank, wire_dtype, device), prepare=prepare,
-                             apply=apply, orthogonalize=orthogonalize, tracer=tracer, counter=counter))
+        in_wave = batch.travels_with is not None
+        run = BatchRun(i, batch, PathContext(pg, group_rank, wire_dtype, device, defer=in_wave), prepare=prepare,
+                       apply=apply, orthogonalize=orthogonalize, tracer=tracer, counter=counter)
+        if in_wave and not batch.pays_latency:  # a later member of the wave just before it
+            runs[-1].runs.append(run)
+        elif in_wave:
+            runs.append(WaveRun([run], group=pg, group_rank=group_rank, tracer=tracer, counter=counter))
+        else:
+            runs.append(run)
     if not runs:
         return
     runs[0].start()

@@ -62,6 +62,14 @@ class BatchPlan:
     comm_itemsize: int = 2
     """Bytes per element on the wire (the comm dtype's itemsize) that ``bytes_sent``/``bytes_recv``
     count: the lower bound of ``muonlab.simulate`` is counted at the same size."""
+    travels_with: int | None = None
+    """Index of the first batch of its wave: the small batches of one wave travel in one collective
+    per direction, issued together (``muonlab.comm.planner.coalesce``). None: it travels alone."""
+
+    @property
+    def pays_latency(self) -> bool:
+        """Whether its collectives are its own: alone, or the wave's first batch."""
+        return self.travels_with is None or self.travels_with == self.index
 
     @property
     def param_numels(self) -> tuple[int, ...]:

@@ -52,8 +52,19 @@ def single_process(world: int, workspace_bytes: int | None = None, steps: int = 
     return {n: p.detach().clone() for n, p in params}
 
 
-def fsdp_run(workspace_bytes: int | None = None, steps: int = STEPS) -> dict:
-    """Muon on parameters sharded by FSDP2's fully_shard, fp32 on the wire and in Newton-Schulz."""
+def no_waves_profile():
+    """The CPU profile with no collective latency: no batch is latency-bound, so none makes a wave
+    (muonlab.comm.planner.coalesce) and each shape's megabatch travels alone."""
+    from dataclasses import replace
+
+    from muonlab.comm.cost import get_profile
+
+    return replace(get_profile("cpu_gloo"), name="cpu_gloo_no_latency", latency_s=0.0)
+
+
+def fsdp_run(workspace_bytes: int | None = None, waves: bool = False, steps: int = STEPS) -> dict:
+    """Muon on parameters sharded by FSDP2's fully_shard, fp32 on the wire and in Newton-Schulz;
+    ``waves``: under the default CPU profile, whose latency makes these small batches one wave."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import distribute_tensor
@@ -66,7 +77,8 @@ def fsdp_run(workspace_bytes: int | None = None, steps: int = STEPS) -> dict:
         module.register_parameter(name, torch.nn.Parameter(init_tensor(shape, seed)))
     fully_shard(module, mesh=mesh)
     params = list(module.named_parameters())
-    opt = Muon(params, ns_dtype=torch.float32, comm_dtype=torch.float32, workspace_bytes=workspace_bytes, **HYPER)
+    opt = Muon(params, ns_dtype=torch.float32, comm_dtype=torch.float32, workspace_bytes=workspace_bytes,
+               hardware_profile=None if waves else no_waves_profile(), **HYPER)
     calls = []
     for step in range(steps):
         for seed, (_, p) in enumerate(params):
@@ -79,7 +91,8 @@ def fsdp_run(workspace_bytes: int | None = None, steps: int = STEPS) -> dict:
     return dict(
         params={n: full(p) for n, p in params}, calls=calls, sent=stats["bytes_sent"], recv=stats["bytes_recv"],
         plan_sent=plan_sent, plan_recv=plan_recv,
-        plan=[(b.path, b.names, b.owners, b.rows, PATHS[b.path].collectives) for b in plan],
+        plan=[(b.path, b.names, b.owners, b.rows, PATHS[b.path].collectives if b.pays_latency else 0,
+               b.travels_with) for b in plan],
     )
 
 

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from muonlab import Muon, muon_param_groups
-from muonlab.optim.muon import MOMENTUM_MOVE
+from muonlab.optim.momentum_homes import MOMENTUM_MOVE
 
 from ._common import DTYPES, SMALL_GPT, build_gpt, rank_rows, shifted, token_batches
 

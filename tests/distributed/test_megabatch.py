@@ -14,9 +14,10 @@ from muonlab.kernels.newton_schulz import newton_schulz
 from . import _workers_megabatch as W
 from ._common import nonzero
 
-# (workspace_bytes,): None, the default budget (every bucket one batch); 1 byte: one matrix per
-# owner per batch, so the buckets are cut into several
-CASES = [(None,), (1,)]
+# (workspace_bytes, waves): None, the default budget (every bucket one batch); 1 byte: one matrix
+# per owner per batch, so the buckets are cut into several. waves: the default CPU profile, under
+# which these small batches travel as waves; without, a profile of no latency (each batch alone)
+CASES = [(None, False), (1, False), (None, True)]
 TOLERANCE = 1e-6  # fp32 on the wire and in Newton-Schulz
 
 
@@ -36,8 +37,8 @@ def test_fsdp2_updates_equal_one_process_with_several_matrices_per_owner(world_r
     world, results = world_results
     start = {n: W.init_tensor(shape, seed) for seed, (n, shape) in enumerate(W.fsdp_shapes(world))}
     for case in CASES:
-        ref = W.single_process(world, *case)
-        moved_tolerance = TOLERANCE if case == (1,) else 10 * TOLERANCE
+        ref = W.single_process(world, case[0])
+        moved_tolerance = TOLERANCE if case[0] == 1 else 10 * TOLERANCE
         plans = [res["fsdp"][case]["plan"] for res in results.values()]
         assert all(p == plans[0] for p in plans), case
         for rank, res in results.items():
@@ -55,7 +56,7 @@ def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
 @pytest.mark.timeout(600)
 def test_fsdp2_megabatches_count_the_bytes_and_calls_they_plan(world_results):
     world, results = world_results
-    unbudgeted, budgeted = (results[0]["fsdp"][case]["plan"] for case in CASES)
+    unbudgeted, budgeted, _ = (results[0]["fsdp"][case]["plan"] for case in CASES)
     moving = [row for row in unbudgeted if row[0] in ("all_to_all", "agrs")]
     # one batch per shape: the FSDP2 model has four
     assert len(moving) == 4, unbudgeted
@@ -70,11 +71,32 @@ def test_fsdp2_megabatches_count_the_bytes_and_calls_they_plan(world_results):
             assert nonzero(r["sent"]) == r["plan_sent"], (case, rank)
             assert nonzero(r["recv"]) == r["plan_recv"], (case, rank)
             planned = Counter()
-            for path, *_, collectives in r["plan"]:
+            for path, *_, collectives, _wave in r["plan"]:
                 planned[path] += collectives
             assert all(calls == {p: n for p, n in planned.items() if n} for calls in r["calls"]), (case, rank)
-    calls = sum(results[0]["fsdp"][(None,)]["calls"][-1].values())
+    calls = sum(results[0]["fsdp"][(None, False)]["calls"][-1].values())
     assert calls == 8, calls  # 4 shapes, one collective each way
+
+
+@pytest.mark.timeout(600)
+def test_fsdp2_waves_send_small_batches_together_with_the_same_updates(world_results):
+    """Under the default CPU profile these small batches are latency-bound: consecutive all_to_all
+    batches travel as one wave (one collective each way for the wave), and the parameters are bit
+    for bit those of the same plan's batches sent one by one."""
+    world, results = world_results
+    alone, waves = (None, False), (None, True)
+    for rank, res in results.items():
+        plan = res["fsdp"][waves]["plan"]
+        assert [row[:4] for row in plan] == [row[:4] for row in res["fsdp"][alone]["plan"]], rank
+        in_waves = [row for row in plan if row[5] is not None]
+        assert len(in_waves) >= 3 and all(row[0] == "all_to_all" for row in in_waves), plan
+        first_batches = {row[5] for row in in_waves}
+        collectives = sum(row[4] for row in plan)
+        assert collectives == 2 * len(first_batches) + sum(row[4] for row in plan if row[5] is None), plan
+        assert all(sum(calls.values()) == collectives for calls in res["fsdp"][waves]["calls"]), rank
+        assert collectives < 8
+        for name, want in res["fsdp"][alone]["params"].items():
+            assert torch.equal(res["fsdp"][waves]["params"][name], want), (rank, name)
 
 
 @pytest.mark.timeout(600)

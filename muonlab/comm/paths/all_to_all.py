@@ -90,7 +90,7 @@ def send_back(batch, inputs, ortho, ctx) -> Pending:
     send_splits = [owned * rows[q] * cols for q in range(size)]
     counts = owner_counts(batch.owners, size)
     recv_splits = [counts[q] * rows[me] * cols for q in range(size)]
-    return all_to_all(send, send_splits, recv_splits, group=ctx.group, group_rank=me)
+    return all_to_all(send, send_splits, recv_splits, group=ctx.group, group_rank=me, defer=ctx.defer)
 
 
 def my_rows(batch, inputs, flat: torch.Tensor, group_rank: int) -> list[torch.Tensor]:
@@ -108,7 +108,7 @@ def run(batch, inputs, ctx):
     send = pack([inputs[pos] for pos in owner_order(batch)], ctx.wire_dtype, like=inputs[0])
     send_splits = [counts[q] * rows[me] * cols for q in range(size)]
     recv_splits = [counts[me] * rows[q] * cols for q in range(size)]
-    flat = yield all_to_all(send, send_splits, recv_splits, group=ctx.group, group_rank=me)
+    flat = yield all_to_all(send, send_splits, recv_splits, group=ctx.group, group_rank=me, defer=ctx.defer)
     ortho = yield whole_matrices(flat, rows, counts[me], batch.matrix_shape)
     returned = yield send_back(batch, inputs, ortho, ctx)
     return my_rows(batch, inputs, returned, me)

@@ -43,6 +43,9 @@ class PathContext:
     device: torch.device | None = None
     """Where this rank's tensors live (a rank holding no input of a batch makes its empty buffers
     there: a CPU tensor can't join an NCCL collective); None: the CPU."""
+    defer: bool = False
+    """The batch travels in a wave (``BatchPlan.travels_with``): its path hands back its
+    collectives unissued (``all_to_all(..., defer=True)``) and the engine sends the wave's together."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -9,6 +9,7 @@ from ...kernels.newton_schulz import NSConfig, ns_flops
 from ..cost import get_profile, step_seconds
 from ..records import Plan, flops_per_rank
 from ..specs import MatrixSpec
+from .coalesce import coalesce
 from .rule import ROW_RULES, RulePlanner
 
 REMAINDER_PATHS = ("auto", "all_to_all", "agrs")
@@ -51,6 +52,9 @@ def plan_batches(
             owner gathers more than that many; a bucket of replicated parameters, batches of
             about that many matrices in all (their all-gather reaches every rank). None: one
             batch per bucket.
+
+    Last, consecutive latency-bound batches become waves that share their collectives
+    (``coalesce``): a profile whose latency is 0 makes none.
     """
     if row_assignment not in ROW_ASSIGNMENTS:
         raise ValueError(f"row_assignment must be one of {ROW_ASSIGNMENTS}, got {row_assignment!r}")
@@ -70,7 +74,7 @@ def plan_batches(
                            max_local_matrices=max_local_matrices, sources=sources).plan()
 
     if row_assignment != "best":
-        return plan_with(row_assignment, rebalance is not False)
+        return coalesce(plan_with(row_assignment, rebalance is not False), profile)
     moves = (True, False) if rebalance is None else (rebalance,)
     options = [plan_with(rule, move) for rule in ROW_RULES for move in moves]
     largest = max((ns_flops(s.matrix_shape, c) for s, c in zip(specs, configs)), default=0)
@@ -78,7 +82,7 @@ def plan_batches(
     # time (a replay of the pipeline over every rank) is modelled only for the best-balanced plans
     balance = [max(_imbalance(p, largest), 1.1) for p in options]
     tied = [p for p, b in zip(options, balance) if b == min(balance)]
-    return min(tied, key=lambda p: step_seconds(p, profile))
+    return coalesce(min(tied, key=lambda p: step_seconds(p, profile)), profile)
 
 
 def _imbalance(plan: Plan, largest_matrix_flops: int) -> float:
