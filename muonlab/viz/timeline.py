@@ -234,12 +234,12 @@ def plot_timeline(spans, ax=None, *, title: str | None = None, label_batches: bo
     handles += [Patch(facecolor=_path_color(p), label=f"comm: {p}") for p in paths_seen]
     # direction and bytes in grey, each swatch unlike the others: solid, hatched, dashed outline
     if "comm_out" in dirs_seen:
-        handles.append(Patch(facecolor="0.5", edgecolor="0.5", label="way out (solid)"))
+        handles.append(Patch(facecolor="0.5", edgecolor="0.5", label="out (solid)"))
     if "comm_back" in dirs_seen:
-        handles.append(Patch(facecolor="0.5", edgecolor="white", hatch="////", label="way back (hatched)"))
+        handles.append(Patch(facecolor="0.5", edgecolor="white", hatch="////", label="back (hatched)"))
     if any(not (r["bytes_sent"] or r["bytes_recv"]) for r in rows if LANES.get(r["name"]) == "comm"):
         handles.append(Patch(facecolor="none", edgecolor="0.3", linestyle=(0, (2, 1.5)), lw=0.9,
-                             label="no bytes on this rank (outline)"))
+                             label="no bytes on this rank"))
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
     return ax
 

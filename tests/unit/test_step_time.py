@@ -259,7 +259,7 @@ def test_timeline_legend_swatches_of_direction_and_bytes_differ():
         r, g, b, a = h.get_facecolor()
         return a > 0.5 and min(r, g, b) < 0.9
 
-    out, back, none = swatch["way out"], swatch["way back"], swatch["no bytes on this rank"]
+    out, back, none = swatch["out"], swatch["back"], swatch["no bytes on this rank"]
     assert filled(out) and not out.get_hatch()
     assert filled(back) and back.get_hatch()
     # the legend's copy of a patch keeps its dashes (what is drawn), not its linestyle's name
