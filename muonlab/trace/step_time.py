@@ -29,7 +29,7 @@ from collections.abc import Iterable
 from .spans import LANES, span_rows
 
 __all__ = ["PHASE_ORDER", "exposed_comm_table", "format_table", "intersection", "merge", "per_step",
-           "phase_table", "total"]
+           "phase_table", "select_steps", "total"]
 
 PHASE_ORDER = ("adamw", "momentum", "comm_out", "newton_schulz", "comm_back", "update")
 """Phases in the order a step runs them (tables list unknown span names after them)."""
@@ -73,13 +73,35 @@ def _is_comm(row: dict) -> bool:
     return LANES.get(row["name"], "compute") == "comm"
 
 
-def per_step(spans) -> list[dict]:
+def select_steps(rows: list[dict], steps) -> list[dict]:
+    """The span rows (``span_rows``'s) of the steps asked for: None every step, an int the last
+    ``steps`` of them, else the step numbers listed (a ValueError names those absent)."""
+    present = sorted({r["step"] for r in rows})
+    if steps is None:
+        return rows
+    if isinstance(steps, int) and not isinstance(steps, bool):
+        if steps < 1:
+            raise ValueError(f"steps must be >= 1 (the last k steps) or a list of step numbers, got {steps}")
+        keep = set(present[-steps:])
+    else:
+        try:
+            keep = set(steps)
+        except TypeError:
+            raise ValueError(f"steps must be None, an int (the last k steps) or a list of step numbers, "
+                             f"got {steps!r}") from None
+        missing = sorted(keep - set(present))
+        if missing:
+            raise ValueError(f"steps {missing} have no spans; the spans hold steps {present}")
+    return [r for r in rows if r["step"] in keep]
+
+
+def per_step(spans, steps=None) -> list[dict]:
     """One dict per (step, rank), ordered by step then rank: ``step``, ``rank``, ``spanned``
     (seconds from the first span to the last), ``phases`` ({span name: seconds covered}),
     ``comm`` and ``exposed`` ({path or "all": seconds}, see the module docstring). Spans without a
-    path count under "all" only."""
+    path count under "all" only. ``steps``: which steps (``select_steps``)."""
     groups: dict[tuple[int, int], list[dict]] = {}
-    for r in span_rows(spans):  # checked: a bad span is named before anything is computed
+    for r in select_steps(span_rows(spans), steps):  # checked: a bad span is named before anything is computed
         groups.setdefault((r["step"], r["rank"]), []).append(r)
     out = []
     for (step, rank), rows in sorted(groups.items()):
@@ -103,13 +125,15 @@ def _spread(values: list[float], scale: float = 1e3) -> tuple[float, float, floa
     return statistics.median(values) * scale, min(values) * scale, max(values) * scale
 
 
-def exposed_comm_table(spans) -> list[dict]:
+def exposed_comm_table(spans, steps=None) -> list[dict]:
     """Per rank and path (then "all", where the rank used several paths), over the steps in which
     the rank used the path: ``steps``,
     ``comm_ms`` (median), ``exposed_ms`` (median), ``exposed_min_ms``, ``exposed_max_ms``,
     ``overlap_share`` (overlapped / communication over those steps; None without communication)
-    and ``exposed_share`` (median exposed / the step's spanned time). See the module docstring."""
-    stepwise = per_step(spans)
+    and ``exposed_share`` (median exposed / the step's spanned time). ``steps``: which steps
+    (``select_steps``: e.g. ``range(1, n)`` leaves out a first step that built the plan). See the
+    module docstring."""
+    stepwise = per_step(spans, steps)
     by_key: dict[tuple[int, str], list[dict]] = {}
     for s in stepwise:
         for path in s["comm"]:
@@ -132,13 +156,14 @@ def exposed_comm_table(spans) -> list[dict]:
     return rows
 
 
-def phase_table(spans) -> list[dict]:
+def phase_table(spans, steps=None) -> list[dict]:
     """Per rank and phase (span name, in ``PHASE_ORDER``), then "exposed comm" and "step" (the
     spanned time), over the steps in which the phase ran on the rank: ``steps``, ``median_ms``,
     ``min_ms``, ``max_ms`` and ``share`` (median of the phase's time / the step's spanned time).
-    A phase's time is the time its spans cover (batches in flight together count once)."""
+    A phase's time is the time its spans cover (batches in flight together count once).
+    ``steps``: which steps (``select_steps``)."""
     by_key: dict[tuple[int, str], list[tuple[float, float]]] = {}  # (rank, phase) -> [(seconds, spanned)]
-    for s in per_step(spans):
+    for s in per_step(spans, steps):
         values = dict(s["phases"])
         if "all" in s["exposed"]:
             values["exposed comm"] = s["exposed"]["all"]

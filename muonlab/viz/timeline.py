@@ -21,7 +21,7 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 from ..comm import records  # noqa: E402
 from ..comm.paths import PATHS  # noqa: E402
 from ..trace.spans import LANES, span_rows  # noqa: E402
-from ..trace.step_time import exposed_comm_table, per_step  # noqa: E402
+from ..trace.step_time import exposed_comm_table, per_step, select_steps  # noqa: E402
 from ..trace.steps import CLOCKS  # noqa: E402
 
 __all__ = ["BYTE_UNITS", "DISTRIBUTION_ABOVE", "FLOP_UNITS", "PATH_COLORS", "PHASE_COLORS", "plot_bytes_by_path",
@@ -89,24 +89,6 @@ def _ranges(numbers: list[int]) -> str:
     return ", ".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in out)
 
 
-def _select_steps(rows: list[dict], steps) -> list[dict]:
-    """The rows of the steps asked for: None every step, an int the last ``steps`` of them, else
-    the step numbers listed (a ValueError names those absent)."""
-    present = sorted({r["step"] for r in rows})
-    if steps is None:
-        return rows
-    if isinstance(steps, int) and not isinstance(steps, bool):
-        if steps < 1:
-            raise ValueError(f"steps must be >= 1 (the last k steps) or a list of step numbers, got {steps}")
-        keep = set(present[-steps:])
-    else:
-        keep = set(steps)
-        missing = sorted(keep - set(present))
-        if missing:
-            raise ValueError(f"steps {missing} have no spans; the spans hold steps {present}")
-    return [r for r in rows if r["step"] in keep]
-
-
 def _step_offsets(rows: list[dict]) -> tuple[dict[int, float], list[tuple[int, float, float]]]:
     """Steps laid end to end: {step: seconds to subtract from its times} and, per step, (step, x
     of its start, x of its end) in seconds on the drawn axis. Every rank of a step shares its
@@ -144,7 +126,7 @@ def plot_timeline(spans, ax=None, *, title: str | None = None, label_batches: bo
     title (``ns_choice_label``). ``clock``: "gpu" or "host" (``StepRecorder.clock``), named in the
     title. Times are ms.
     """
-    rows = _select_steps(span_rows(spans), steps)
+    rows = select_steps(span_rows(spans), steps)
     shift, placed = _step_offsets(rows) if rows else ({}, [])
     several = len(placed) > 1
     if title is None:
@@ -244,16 +226,18 @@ def plot_timeline(spans, ax=None, *, title: str | None = None, label_batches: bo
     return ax
 
 
-def plot_step_time(spans, axes=None, *, title: str | None = None, clock: str | None = None):
+def plot_step_time(spans, axes=None, *, steps=None, title: str | None = None, clock: str | None = None):
     """Where the step time of many steps went, per rank (``muonlab.trace.step_time``).
 
     Left: per rank and path, the median communication per step split into its exposed part (solid,
     with the min-max over steps as an error bar) and its part overlapped by compute (pale), the
     overlap share written above. Right: each rank's exposed communication (solid) and spanned step
-    time (dotted) step by step: the step-to-step variation. ``axes``: None or a pair. Returns the pair.
+    time (dotted) step by step: the step-to-step variation. ``steps``: which steps count (as
+    ``plot_timeline``'s, e.g. ``range(1, n)`` to leave out a first step that built the plan).
+    ``axes``: None or a pair. Returns the pair.
     """
-    table = exposed_comm_table(spans)
-    stepwise = per_step(spans)
+    table = exposed_comm_table(spans, steps=steps)
+    stepwise = per_step(spans, steps=steps)
     if axes is None:  # constrained: the legends beside and below the panels keep their room
         _, axes = plt.subplots(1, 2, figsize=(12, 3.9), gridspec_kw=dict(width_ratios=[1, 1.3]),
                                layout="constrained")

@@ -103,6 +103,19 @@ def statistics_median(values):
     return values[len(values) // 2]
 
 
+def test_tables_over_the_steps_asked_for():
+    spans = hand_made_steps()
+    # steps 1 and 2 only: path a exposed 7 and 4 ms
+    a = exposed_comm_table(spans, steps=[1, 2])[0]
+    assert a["steps"] == 2 and (a["exposed_min_ms"], a["exposed_max_ms"]) == pytest.approx((4, 7))
+    assert exposed_comm_table(spans, steps=range(1, 3)) == exposed_comm_table(spans, steps=2)
+    assert phase_table(spans, steps=1)[0]["steps"] == 1
+    with pytest.raises(ValueError, match=r"steps \[5\] have no spans"):
+        phase_table(spans, steps=[5])
+    with pytest.raises(ValueError, match="steps must be None, an int"):
+        per_step(spans, steps=2.5)
+
+
 def test_phase_table_per_rank_in_step_order_with_exposed_and_step_last():
     rows = phase_table(hand_made_steps())
     assert [r["phase"] for r in rows] == ["adamw", "comm_out", "newton_schulz", "comm_back", "update",
