@@ -78,8 +78,13 @@ class StepRecorder:
 
     @property
     def clock(self) -> str:
-        """"gpu" where the spans are CUDA-event times (a parameter on a GPU), "host" elsewhere."""
-        on_gpu = any(p.device.type == "cuda" for g in self.optimizer.param_groups for p in g["params"])
+        """"gpu" where the spans are CUDA-event times, "host" where they are wall-clock times: Muon's
+        own rule for its tracer (the Muon parameters' device), else any parameter on a GPU."""
+        rule = getattr(self.optimizer, "_trace_device", None)
+        if callable(rule):
+            on_gpu = rule().type == "cuda"
+        else:
+            on_gpu = any(p.device.type == "cuda" for g in self.optimizer.param_groups for p in g["params"])
         return "gpu" if on_gpu else "host"
 
     def spans(self) -> list[Span]:

@@ -199,6 +199,22 @@ def test_recorder_keeps_the_last_steps_numbered_and_bounded():
     assert rec.completed == 5 and rec.steps == [12, 13, 14]  # detached: nothing more recorded
 
 
+def test_recorder_keeps_gpu_times_and_synchronises_once_per_recorded_step(monkeypatch):
+    """On CUDA the kept spans are the event times (FakeCuda's clock: 1 ms per record), resolved
+    in the step's post-hook: one synchronisation per recorded step, none for a step not recorded."""
+    from test_trace import FakeCuda  # tests/unit's fake CUDA events
+
+    cuda = FakeCuda(monkeypatch)
+    model, opt = _muon_and_model()
+    monkeypatch.setattr(opt, "_trace_device", lambda: torch.device("cuda", 0))  # the work stays on CPU
+    rec = StepRecorder(opt, every=2)
+    assert rec.clock == "gpu"
+    _train(model, opt, 3)
+    assert rec.steps == [0, 2] and cuda.syncs == 2
+    compute = [s for s in rec.spans() if s.name in ("momentum", "newton_schulz", "update", "adamw")]
+    assert compute and all(s.duration == pytest.approx(1e-3, abs=1e-6) for s in compute)
+
+
 def test_recorder_every_k_steps():
     model, opt = _muon_and_model()
     rec = StepRecorder(opt, every=2)
