@@ -60,3 +60,11 @@ def test_exposed_communication_table_and_chrome_trace_of_the_run(results, mode, 
     assert len(events) == len(rows) + WORLD * KEEP  # every span, and each rank's step
     assert {(e["pid"], e["args"]["step"]) for e in events} == {(q, s) for q in range(WORLD)
                                                               for s in range(STEPS - KEEP, STEPS)}
+    # Perfetto's rule over the steps too: within a thread, events nest or follow one another
+    by_thread = {}
+    for e in events:
+        by_thread.setdefault((e["pid"], e["tid"]), []).append((e["ts"], e["ts"] + e["dur"]))
+    for thread, spans in by_thread.items():
+        spans.sort()
+        for a, b in zip(spans, spans[1:]):
+            assert b[0] >= a[1] - 1e-3 or b[1] <= a[1] + 1e-3, (mode, thread, a, b)
