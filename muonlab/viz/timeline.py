@@ -28,8 +28,10 @@ __all__ = ["BYTE_UNITS", "DISTRIBUTION_ABOVE", "FLOP_UNITS", "PATH_COLORS", "PHA
            "ns_choice_label", "plot_plan", "plot_rank_distribution", "plot_step_time", "plot_timeline", "scale_for"]
 
 PATH_COLORS = {name: path.color for name, path in PATHS.items()}
-PHASE_COLORS = {"momentum": "#8c564b", "newton_schulz": "#9467bd", "update": "#e377c2", "adamw": "#bcbd22"}
+# momentum a dark red-brown: tab:brown was padded_all_to_all's colour to within 0.1 per channel
+PHASE_COLORS = {"momentum": "#843c39", "newton_schulz": "#9467bd", "update": "#e377c2", "adamw": "#bcbd22"}
 _OTHER = "#000000"
+_DIRECTION = "#3a3a5a"  # the direction swatches' fill: unlike black (_OTHER) and every path's colour
 _HATCH = {"comm_out": "", "comm_back": "////"}
 DISTRIBUTION_ABOVE = 64
 """Per-rank views of more ranks than this are drawn as a distribution: a bar per rank would be
@@ -217,11 +219,12 @@ def plot_timeline(spans, ax=None, *, title: str | None = None, label_batches: bo
 
     handles = [Patch(facecolor=PHASE_COLORS.get(p, _OTHER), label=p) for p in phases_seen]
     handles += [Patch(facecolor=_path_color(p), label=f"comm: {p}") for p in paths_seen]
-    # direction and bytes in grey, each swatch unlike the others: solid, hatched, dashed outline
+    # direction and bytes in a dark grey (no path's colour: the local path is mid grey), each
+    # swatch unlike the others: solid, hatched, dashed outline
     if "comm_out" in dirs_seen:
-        handles.append(Patch(facecolor="0.5", edgecolor="0.5", label="out (solid)"))
+        handles.append(Patch(facecolor=_DIRECTION, edgecolor=_DIRECTION, label="out (solid)"))
     if "comm_back" in dirs_seen:
-        handles.append(Patch(facecolor="0.5", edgecolor="white", hatch="////", label="back (hatched)"))
+        handles.append(Patch(facecolor=_DIRECTION, edgecolor="white", hatch="////", label="back (hatched)"))
     if any(not (r["bytes_sent"] or r["bytes_recv"]) for r in rows if LANES.get(r["name"]) == "comm"):
         handles.append(Patch(facecolor="none", edgecolor="0.3", linestyle=(0, (2, 1.5)), lw=0.9,
                              label="no bytes on this rank"))

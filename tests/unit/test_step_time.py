@@ -12,6 +12,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from muonlab import Muon, muon_param_groups  # noqa: E402
+from muonlab.comm.paths import PATHS  # noqa: E402
 from muonlab.trace import (Span, StepRecorder, exposed_comm_table, format_table, phase_table,  # noqa: E402
                            to_chrome_trace, write_chrome_trace)
 from muonlab.trace.step_time import intersection, merge, per_step, total  # noqa: E402
@@ -293,6 +294,23 @@ def test_timeline_legend_swatches_of_direction_and_bytes_differ():
     assert filled(back) and back.get_hatch()
     # the legend's copy of a patch keeps its dashes (what is drawn), not its linestyle's name
     assert not filled(none) and not none.get_hatch() and none._dash_pattern[1]
+
+
+def test_timeline_legend_swatches_are_told_apart_with_every_path():
+    """No two swatches alike: the local path's grey once matched the way-out swatch's."""
+    spans = hand_made_steps() + [Span("momentum", T0 + 0.019, T0 + 0.0195, batch=3)]
+    spans[1].bytes_sent = 0
+    for k, path in enumerate(PATHS):
+        spans.append(Span("comm_out", T0 + 0.02, T0 + 0.021, path=path, batch=10 + k, bytes_sent=4))
+    legend = plot_timeline(spans).get_legend()
+    looks = [(t.get_text(), h.get_facecolor(), h.get_hatch() or "", bool(h._dash_pattern[1]))
+             for t, h in zip(legend.get_texts(), legend.legend_handles)]
+    assert len(looks) == len(PATHS) + 2 + 4 + 3  # paths, "a" and "b" (black), phases, directions and bytes
+    for i, (name, face, hatch, dashed) in enumerate(looks):
+        for other, face2, hatch2, dashed2 in looks[i + 1:]:
+            if (hatch, dashed) == (hatch2, dashed2) and not (name.startswith("comm: ") and other.startswith("comm: ")
+                                                            and face == face2):
+                assert max(abs(a - b) for a, b in zip(face[:3], face2[:3])) > 0.12, (name, other)
 
 
 def test_plot_step_time_draws_each_rank_and_path():
