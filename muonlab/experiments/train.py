@@ -31,7 +31,7 @@ from ..models import GPT, GPTConfig
 from ..models.gpt import moe_config
 from ..optim import Muon, muon_param_groups
 from ..optim.validation import check_whole
-from ..trace import gather_spans
+from ..trace import StepRecorder, gather_spans
 
 __all__ = ["COMM_DTYPES", "MODES", "plan_rows", "tensor_devices", "train_worker"]
 
@@ -40,6 +40,8 @@ MODES = ("fsdp", "ddp", "ep")
 COMM_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # Experts each token goes to in train_worker's MoE GPT (moe_config's default; not an argument).
 MOE_TOP_K = GPTConfig.top_k
+STEPS_KEPT = 50
+"""The last steps whose spans ``train_worker`` returns (``step_spans``)."""
 
 
 def plan_rows(plan) -> list[dict]:
@@ -91,8 +93,10 @@ def train_worker(
     plan_table (str), plan_bytes_sent / plan_bytes_recv (this rank's nonzero bytes per path
     according to the plan), stats (``last_step_stats()``), plan_batches (the ``BatchPlan`` records,
     for ``muonlab.viz.planner.plot_plan_per_rank``), device (this rank's, e.g. "cuda:0" or "cpu"),
-    devices (``tensor_devices``: where the parameters and optimizer state ended up), and spans:
-    every rank's spans of the last step as dicts on rank 0, None on the other ranks. Per-rank
+    devices (``tensor_devices``: where the parameters and optimizer state ended up), spans: every
+    rank's spans of the last step as dicts on rank 0, None on the other ranks, step_spans: the same
+    for the last ``STEPS_KEPT`` steps, numbered (``muonlab.trace.StepRecorder``), span_clock: "gpu"
+    or "host" (what the spans time), and ns_choices (``Muon.resolved_choices()``). Per-rank
     entries of a plan row are group-local (a batch of expert banks in "ep" mode is planned over the
     ``MeshAxis.FSDP`` axis only).
 
@@ -110,6 +114,7 @@ def train_worker(
     extra = {} if remainder_path is None else dict(remainder_path=remainder_path)  # None: Muon's default
     opt = Muon(muon_param_groups(inner), lr=lr, adamw_lr=adamw_lr, comm_dtype=COMM_DTYPES[comm_dtype_name],
                ns_dtype=COMM_DTYPES[ns_dtype_name], **extra)
+    recorder = StepRecorder(opt, keep=STEPS_KEPT)
     losses, mean_losses, step_seconds = _train(model, opt, steps, batch_per_rank, context, seed)
 
     plan = opt.plan()
@@ -118,12 +123,14 @@ def train_worker(
     # bytes_for_rank maps it, and leaves out paths that move nothing here, as the collectives do.
     plan_sent, plan_recv = bytes_for_rank(plan, rank)
     spans = gather_spans(opt.last_step_spans())
+    step_spans = recorder.gather()
     return dict(
         rank=rank, world_size=world, mode=mode, losses=losses, mean_losses=mean_losses,
         step_seconds=step_seconds, plan=plan_rows(plan), plan_table=table(plan),
         plan_bytes_sent=plan_sent, plan_bytes_recv=plan_recv, stats=opt.last_step_stats(),
         plan_batches=list(plan), device=str(rank_device()), devices=tensor_devices(inner, opt),
-        spans=None if spans is None else [asdict(s) for s in spans],
+        spans=None if spans is None else [asdict(s) for s in spans], step_spans=step_spans,
+        span_clock=recorder.clock, ns_choices=opt.resolved_choices(),
     )
 
 

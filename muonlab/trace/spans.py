@@ -58,6 +58,9 @@ class Span:
     """Index of the batch in the plan, or -1 for whole-step phases."""
     bytes_sent: int = 0
     bytes_recv: int = 0
+    step: int = -1
+    """Index of the optimizer step the span belongs to (``muonlab.trace.StepRecorder`` numbers the
+    steps it records), or -1: one step, not numbered (``Muon.last_step_spans()``)."""
 
     @property
     def duration(self) -> float:
@@ -228,7 +231,7 @@ def gather_spans(spans: list[Span], group=None, dst: int = 0) -> list[Span] | No
     return [Span(**row) for rank_rows in out for row in rank_rows]
 
 
-_OPTIONAL = dict(path="", batch=-1, bytes_sent=0, bytes_recv=0)
+_OPTIONAL = dict(path="", batch=-1, bytes_sent=0, bytes_recv=0, step=-1)
 """Span fields a row may leave out, with Span's defaults."""
 
 
@@ -252,13 +255,20 @@ def span_rows(spans: Iterable) -> list[dict]:
         if not (math.isfinite(start) and math.isfinite(end)) or end < start:
             raise ValueError(f"span {i} ({r['name']!r} on rank {r['rank']}) runs from {start} to {end}: "
                              "start and end must be finite, end not before start")
+        step = r["step"]
+        if isinstance(step, bool) or not isinstance(step, int):  # a step table groups by it
+            raise ValueError(f"span {i} ({r['name']!r} on rank {r['rank']}) has step {step!r}: an integer "
+                             "(-1: a step not numbered)")
     return rows
 
 
 def to_chrome_trace(spans: Iterable) -> dict:
     """Chrome trace-event JSON of ``Span``s or their rows (see ``span_rows``): one process per rank;
     compute on one thread, and each batch's communication on a thread of its own (batches overlap,
-    and a thread's events must nest)."""
+    and a thread's events must nest). Spans of numbered steps (``step`` >= 0, a ``StepRecorder``'s)
+    also give each rank's step an event "step k" on a thread of its own, from its first span's start
+    to its last span's end, so Perfetto shows where each of many steps begins; a span's args carry
+    its step."""
     rows = span_rows(spans)
     t0 = min((s["start"] for s in rows), default=0.0)
     # compute on thread 1, each batch's communication (a span of no batch: batch -1) on its own
@@ -271,10 +281,20 @@ def to_chrome_trace(spans: Iterable) -> dict:
             name=f"{s['name']}[{s['path']}]" if s["path"] else s["name"], ph="X", pid=s["rank"],
             tid=comm_thread[s["batch"]] if lane == "comm" else 1, ts=(s["start"] - t0) * 1e6,
             dur=(s["end"] - s["start"]) * 1e6,
-            args={k: s[k] for k in ("path", "batch", "bytes_sent", "bytes_recv")},
+            args={k: s[k] for k in ("path", "batch", "bytes_sent", "bytes_recv", "step")},
         ))
+    extents: dict[tuple[int, int], list[float]] = {}  # (rank, step) -> [first start, last end]
+    for s in rows:
+        if s["step"] >= 0:
+            ext = extents.setdefault((s["rank"], s["step"]), [s["start"], s["end"]])
+            ext[0], ext[1] = min(ext[0], s["start"]), max(ext[1], s["end"])
+    for (rank, step), (start, end) in sorted(extents.items()):
+        events.append(dict(name=f"step {step}", ph="X", pid=rank, tid=0, ts=(start - t0) * 1e6,
+                           dur=(end - start) * 1e6, args=dict(step=step)))
     for r in sorted({s["rank"] for s in rows}):
         events.append(dict(name="process_name", ph="M", pid=r, args=dict(name=f"rank {r}")))
+        if any(rank == r for rank, _ in extents):
+            events.append(dict(name="thread_name", ph="M", pid=r, tid=0, args=dict(name="optimizer step")))
         events.append(dict(name="thread_name", ph="M", pid=r, tid=1, args=dict(name="compute")))
         for b in sorted({s["batch"] for s in rows if s["rank"] == r and LANES.get(s["name"]) == "comm"}):
             events.append(dict(name="thread_name", ph="M", pid=r, tid=comm_thread[b],

@@ -1,8 +1,10 @@
-"""What one distributed optimizer step did: a per-rank timeline, bytes per path, the plan's loads.
+"""What distributed optimizer steps did: per-rank timelines of one or many steps, where their time
+went (exposed and overlapped communication), bytes per path, the plan's loads.
 
 Everything here only reads what the workers recorded: spans (``muonlab.trace.Span`` or their
-``asdict`` rows), ``Muon.last_step_stats()`` dicts and plan rows (``BatchPlan.as_row()``, with the
-per-rank ``bytes_sent`` / ``flops`` lists that ``muonlab.experiments.train.plan_rows`` adds).
+``asdict`` rows, of one step or numbered by a ``muonlab.trace.StepRecorder``),
+``Muon.last_step_stats()`` dicts and plan rows (``BatchPlan.as_row()``, with the per-rank
+``bytes_sent`` / ``flops`` lists that ``muonlab.experiments.train.plan_rows`` adds).
 """
 
 from __future__ import annotations
@@ -14,17 +16,22 @@ import matplotlib
 matplotlib.use(matplotlib.get_backend())  # keep the notebook's backend; Agg when headless
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from ..comm import records  # noqa: E402
 from ..comm.paths import PATHS  # noqa: E402
 from ..trace.spans import LANES, span_rows  # noqa: E402
+from ..trace.step_time import exposed_comm_table, per_step, select_steps  # noqa: E402
+from ..trace.steps import CLOCKS  # noqa: E402
 
 __all__ = ["BYTE_UNITS", "DISTRIBUTION_ABOVE", "FLOP_UNITS", "PATH_COLORS", "PHASE_COLORS", "plot_bytes_by_path",
-           "plot_plan", "plot_rank_distribution", "plot_timeline", "scale_for"]
+           "ns_choice_label", "plot_plan", "plot_rank_distribution", "plot_step_time", "plot_timeline", "scale_for"]
 
 PATH_COLORS = {name: path.color for name, path in PATHS.items()}
-PHASE_COLORS = {"momentum": "#8c564b", "newton_schulz": "#9467bd", "update": "#e377c2", "adamw": "#bcbd22"}
+# momentum a dark red-brown: tab:brown was padded_all_to_all's colour to within 0.1 per channel
+PHASE_COLORS = {"momentum": "#843c39", "newton_schulz": "#9467bd", "update": "#e377c2", "adamw": "#bcbd22"}
 _OTHER = "#000000"
+_DIRECTION = "#3a3a5a"  # the direction swatches' fill: unlike black (_OTHER) and every path's colour
 _HATCH = {"comm_out": "", "comm_back": "////"}
 DISTRIBUTION_ABOVE = 64
 """Per-rank views of more ranks than this are drawn as a distribution: a bar per rank would be
@@ -52,26 +59,102 @@ def _pack(spans: list[dict]) -> list[int]:
     return tracks
 
 
-def plot_timeline(spans, ax=None, *, title: str = "one optimizer step, per rank", label_batches: bool = True):
-    """Gantt chart of one step: a band per rank, compute on top, communication below.
+def ns_choice_label(choices) -> str:
+    """One line naming the Newton-Schulz form, dtype and backend that ran, per group of batches:
+    ``choices`` is ``Muon.resolved_choices()`` (a dict per plan batch). E.g. "Newton-Schulz: gram
+    form, bf16, torch (batches 0-2); plain form, bf16, torch (batch 3)"."""
+    groups: dict[tuple, list[int]] = {}
+    for i, c in enumerate(choices):
+        groups.setdefault((c["form"], c["dtype"], c["backend"]), []).append(c.get("batch", i))
+    if not groups:
+        return "Newton-Schulz: no Muon batch"
+    if len(groups) == 1:
+        (form, dtype, backend), = groups
+        return f"Newton-Schulz: {form} form, {dtype}, {backend} (every batch)"
+    parts = []
+    for (form, dtype, backend), batches in groups.items():
+        which = f"batch {batches[0]}" if len(batches) == 1 else f"batches {_ranges(batches)}"
+        parts.append(f"{form} form, {dtype}, {backend} ({which})")
+    return "Newton-Schulz: " + "; ".join(parts)
+
+
+def _ranges(numbers: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2, 5"."""
+    out, run = [], [numbers[0]]
+    for n in numbers[1:]:
+        if n == run[-1] + 1:
+            run.append(n)
+        else:
+            out.append(run)
+            run = [n]
+    out.append(run)
+    return ", ".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in out)
+
+
+def _step_offsets(rows: list[dict]) -> tuple[dict[int, float], list[tuple[int, float, float]]]:
+    """Steps laid end to end: {step: seconds to subtract from its times} and, per step, (step, x
+    of its start, x of its end) in seconds on the drawn axis. Every rank of a step shares its
+    shift, so ranks stay aligned; the time between steps is cut to a small gap."""
+    extent: dict[int, list[float]] = {}
+    for r in rows:
+        e = extent.setdefault(r["step"], [r["start"], r["end"]])
+        e[0], e[1] = min(e[0], r["start"]), max(e[1], r["end"])
+    widths = sorted(e[1] - e[0] for e in extent.values())
+    gap = 0.06 * widths[len(widths) // 2] if len(extent) > 1 else 0.0
+    shift, placed, x = {}, [], 0.0
+    for step in sorted(extent):
+        start, end = extent[step]
+        shift[step] = start - x
+        placed.append((step, x, x + end - start))
+        x += end - start + gap
+    return shift, placed
+
+
+def plot_timeline(spans, ax=None, *, title: str | None = None, label_batches: bool = True, steps=None,
+                  choices=None, clock: str | None = None):
+    """Gantt chart of one or several optimizer steps: a band per rank, compute on top,
+    communication below.
 
     Compute spans are coloured by phase. Communication spans are coloured by path, solid on the way
-    out and hatched on the way back; spans that moved no bytes on this rank are drawn as outlines.
+    out and hatched on the way back; spans that moved no bytes on this rank are dashed outlines.
     A comm span lasts from the collective's start to the end of its wait, so batches in flight
-    together overlap; they are stacked on separate tracks. Times are ms from the earliest start.
+    together overlap; they are stacked on separate tracks. Bars wide enough carry their plan batch.
+
+    ``spans``: ``Span``s or rows; of one step (``Muon.last_step_spans()``) or of several, numbered
+    by their ``step`` (``muonlab.trace.StepRecorder``). Several steps are laid end to end, each
+    from its first span, with the time between them (forward, backward, data) cut, and labelled.
+    ``steps``: which to draw: None every step, an int the last k, or a list of step numbers.
+    ``choices``: ``Muon.resolved_choices()``: the Newton-Schulz form, dtype and backend go in the
+    title (``ns_choice_label``). ``clock``: "gpu" or "host" (``StepRecorder.clock``), named in the
+    title. Times are ms.
     """
-    rows = span_rows(spans)
+    rows = select_steps(span_rows(spans), steps)
+    shift, placed = _step_offsets(rows) if rows else ({}, [])
+    several = len(placed) > 1
+    if title is None:
+        title = f"{len(placed)} optimizer steps, per rank" if several else "one optimizer step, per rank"
     if ax is None:
-        _, ax = plt.subplots(figsize=(11, 1.0 + 1.1 * max(1, len({r["rank"] for r in rows}))))
+        width = min(22.0, 11.0 + 0.9 * max(0, len(placed) - 1))
+        _, ax = plt.subplots(figsize=(width, 1.3 + 1.1 * max(1, len({r["rank"] for r in rows}))))
     if not rows:
         ax.set_title(title + " (no spans)")
         return ax
-    t0 = min(r["start"] for r in rows)
     ranks = sorted({r["rank"] for r in rows})
     compute_h, gap = 0.28, 0.04
     comm_total = 1.0 - compute_h - 3 * gap  # band of one rank spans [y, y + 1)
     phases_seen, paths_seen, dirs_seen = [], [], set()
-    span_ms = (max(r["end"] for r in rows) - t0) * 1e3 or 1.0
+    span_ms = placed[-1][2] * 1e3 or 1.0
+    min_label = 0.02 * span_ms  # narrower bars carry no batch number: it would spill over
+
+    def x_ms(r: dict) -> tuple[float, float]:
+        return (r["start"] - shift[r["step"]]) * 1e3, (r["end"] - r["start"]) * 1e3
+
+    def label(x: float, y: float, text: str, color: str) -> None:
+        # white digits on a patch of the bar's own colour: legible over hatching and on outlines
+        ax.text(x, y, text, ha="center", va="center", fontsize=6.5, color="white",
+                bbox=dict(boxstyle="round,pad=0.12", facecolor=color, edgecolor="none"))
+
+    bars: dict[tuple, list[tuple[float, float]]] = {}  # (y, height, face, edge, hatch, lw, ls) -> bars
     for k, rank in enumerate(ranks):
         # rank 0 at the top
         base = len(ranks) - 1 - k
@@ -80,49 +163,147 @@ def plot_timeline(spans, ax=None, *, title: str = "one optimizer step, per rank"
         compute = [r for r in mine if LANES.get(r["name"], "compute") != "comm"]
         y_compute = base + 1 - gap - compute_h
         for r in compute:
-            start, width = (r["start"] - t0) * 1e3, (r["end"] - r["start"]) * 1e3
+            start, width = x_ms(r)
             color = PHASE_COLORS.get(r["name"], _OTHER)
-            ax.broken_barh([(start, width)], (y_compute, compute_h), facecolors=color, edgecolor="white", lw=0.5)
+            bars.setdefault((y_compute, compute_h, color, "white", "", 0.5, "-"), []).append((start, width))
             if r["name"] not in phases_seen:
                 phases_seen.append(r["name"])
-            if label_batches and r.get("batch", -1) >= 0 and width > 0.025 * span_ms:
-                ax.text(start + width / 2, y_compute + compute_h / 2, str(r["batch"]), ha="center",
-                        va="center", fontsize=7, color="white")
-        tracks = _pack(comm)
+            if label_batches and r["batch"] >= 0 and width > min_label:
+                label(start + width / 2, y_compute + compute_h / 2, str(r["batch"]), color)
+        # packed per step: a track per overlap within a step (steps never overlap on the axis)
+        tracks = _pack([dict(r, start=x_ms(r)[0], end=sum(x_ms(r))) for r in comm])
         num_tracks = max(tracks, default=0) + 1
         track_h = comm_total / num_tracks
         for r, t in zip(comm, tracks):
-            start, width = (r["start"] - t0) * 1e3, (r["end"] - r["start"]) * 1e3
-            color = _path_color(r.get("path", ""))
-            moved = r.get("bytes_sent", 0) or r.get("bytes_recv", 0)
+            start, width = x_ms(r)
+            color = _path_color(r["path"])
+            moved = r["bytes_sent"] or r["bytes_recv"]
             y = base + gap + (num_tracks - 1 - t) * track_h
-            ax.broken_barh([(start, width)], (y, track_h * 0.9),
-                           facecolors=color if moved else "none", edgecolor=color if not moved else "white",
-                           hatch=_HATCH.get(r["name"], ""), lw=0.6 if moved else 0.8)
-            if r.get("path") and r["path"] not in paths_seen:
+            style = (color, "white", _HATCH.get(r["name"], ""), 0.6, "-") if moved else \
+                ("none", color, _HATCH.get(r["name"], ""), 0.9, (0, (2, 1.5)))
+            bars.setdefault((y, track_h * 0.9, *style), []).append((start, width))
+            if label_batches and r["batch"] >= 0 and width > min_label and track_h >= 0.12:
+                label(start + width / 2, y + track_h * 0.45, str(r["batch"]), color)
+            if r["path"] and r["path"] not in paths_seen:
                 paths_seen.append(r["path"])
             dirs_seen.add(r["name"])
         if k:
             ax.axhline(base + 1, color="0.8", lw=0.6)
+    for (y, h, face, edge, hatch, lw, ls), xs in bars.items():  # one collection per style and track:
+        # a call per bar took ~10 s for 50 steps of 4 ranks
+        ax.broken_barh(xs, (y, h), facecolors=face, edgecolor=edge, hatch=hatch, lw=lw, linestyle=ls)
     ax.set_ylim(0, len(ranks))
     ax.set_yticks([len(ranks) - 1 - k + 0.5 for k in range(len(ranks))])
     ax.set_yticklabels([f"rank {r}" for r in ranks])
     ax.tick_params(axis="y", length=0)
     ax.set_xlim(0, span_ms * 1.01)
-    ax.set_xlabel("ms from the first span of the step")
-    ax.set_title(title + "  (top of each band: compute; bottom: communication)", fontsize=10)
+    if several:
+        every = -(-len(placed) // 14)  # at most about 14 step labels, so they never touch
+        for i, (step, x0, x1) in enumerate(placed):
+            if i:
+                ax.axvline(x0 * 1e3 - 0.5 * (x0 - placed[i - 1][2]) * 1e3, color="0.35", lw=0.9, ls=(0, (4, 2)))
+            if i % every == 0:
+                ax.text((x0 + x1) / 2 * 1e3, 1.0, f"step {step}", transform=ax.get_xaxis_transform(),
+                        ha="center", va="bottom", fontsize=7.5, color="0.25")
+        ax.set_xlabel("ms within each step, steps laid end to end (dashed: the time between steps, "
+                      "forward/backward/data, cut out)")
+    else:
+        ax.set_xlabel("ms from the first span of the step")
+    head = title + "  (top of each band: compute; bottom: communication)"
+    if clock is not None:
+        head += f"; {CLOCKS.get(clock, clock)}"
+    if choices is not None:
+        head += "\n" + ns_choice_label(choices)
+    ax.set_title(head, fontsize=10, pad=14 if several else 6)
     ax.grid(axis="x", alpha=0.3)
 
     handles = [Patch(facecolor=PHASE_COLORS.get(p, _OTHER), label=p) for p in phases_seen]
     handles += [Patch(facecolor=_path_color(p), label=f"comm: {p}") for p in paths_seen]
+    # direction and bytes in a dark grey (no path's colour: the local path is mid grey), each
+    # swatch unlike the others: solid, hatched, dashed outline
     if "comm_out" in dirs_seen:
-        handles.append(Patch(facecolor="white", edgecolor="0.3", label="out (solid)"))
+        handles.append(Patch(facecolor=_DIRECTION, edgecolor=_DIRECTION, label="out (solid)"))
     if "comm_back" in dirs_seen:
-        handles.append(Patch(facecolor="white", edgecolor="0.3", hatch="////", label="back (hatched)"))
-    if any(not (r.get("bytes_sent", 0) or r.get("bytes_recv", 0)) for r in rows if LANES.get(r["name"]) == "comm"):
-        handles.append(Patch(facecolor="none", edgecolor="0.3", label="no bytes on this rank"))
+        handles.append(Patch(facecolor=_DIRECTION, edgecolor="white", hatch="////", label="back (hatched)"))
+    if any(not (r["bytes_sent"] or r["bytes_recv"]) for r in rows if LANES.get(r["name"]) == "comm"):
+        handles.append(Patch(facecolor="none", edgecolor="0.3", linestyle=(0, (2, 1.5)), lw=0.9,
+                             label="no bytes on this rank"))
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
     return ax
+
+
+def plot_step_time(spans, axes=None, *, steps=None, title: str | None = None, clock: str | None = None):
+    """Where the step time of many steps went, per rank (``muonlab.trace.step_time``).
+
+    Left: per rank and path, the median communication per step split into its exposed part (solid,
+    with the min-max over steps as an error bar) and its part overlapped by compute (pale), the
+    overlap share written above. Right: each rank's exposed communication (solid) and spanned step
+    time (dotted) step by step: the step-to-step variation. ``steps``: which steps count (as
+    ``plot_timeline``'s, e.g. ``range(1, n)`` to leave out a first step that built the plan).
+    ``axes``: None or a pair. Returns the pair.
+    """
+    table = exposed_comm_table(spans, steps=steps)
+    stepwise = per_step(spans, steps=steps)
+    if axes is None:  # constrained: the legends beside and below the panels keep their room
+        _, axes = plt.subplots(1, 2, figsize=(12, 3.9), gridspec_kw=dict(width_ratios=[1, 1.3]),
+                               layout="constrained")
+    ax_bars, ax_steps = axes
+    paths = _ordered_paths({r["path"] for r in table if r["path"] != "all"})
+    if len(paths) > 1:
+        paths.append("all")  # the union: paths in flight together count once
+    ranks = sorted({r["rank"] for r in table})
+    width = 0.8 / max(1, len(paths))
+    by_key = {(r["rank"], r["path"]): r for r in table}
+    top = 0.0
+    for j, path in enumerate(paths):
+        color = _path_color(path) if path != "all" else "0.35"
+        for k, rank in enumerate(ranks):
+            r = by_key.get((rank, path))
+            if r is None:
+                continue
+            x = k + (j - (len(paths) - 1) / 2) * width
+            hidden = max(0.0, r["comm_ms"] - r["exposed_ms"])
+            ax_bars.bar(x, r["exposed_ms"], width=width * 0.9, color=color)
+            ax_bars.bar(x, hidden, bottom=r["exposed_ms"], width=width * 0.9, color=color, alpha=0.3)
+            ax_bars.errorbar(x, r["exposed_ms"], yerr=[[r["exposed_ms"] - r["exposed_min_ms"]],
+                                                      [r["exposed_max_ms"] - r["exposed_ms"]]],
+                             color="0.1", lw=0.9, capsize=2.5)
+            share = r["overlap_share"]
+            ax_bars.text(x, max(r["exposed_max_ms"], r["exposed_ms"] + hidden), "-" if share is None else
+                         f"{100 * share:.0f}%", ha="center", va="bottom", fontsize=7)
+            top = max(top, r["exposed_max_ms"], r["exposed_ms"] + hidden)
+    ax_bars.set_xticks(range(len(ranks)), [f"rank {r}" for r in ranks])
+    ax_bars.set_ylim(0, 1.18 * top or 1.0)
+    ax_bars.set_ylabel("ms per step (median)")
+    ax_bars.set_title("communication per step: exposed (solid; bar: min-max over steps),\n"
+                      "overlapped by compute (pale; % of the communication)", fontsize=9)
+    ax_bars.grid(axis="y", alpha=0.3)
+    handles = [Patch(facecolor=_path_color(p) if p != "all" else "0.35", label=p) for p in paths]
+    handles.append(Patch(facecolor="0.5", alpha=0.3, label="overlapped"))
+    ax_bars.legend(handles=handles, fontsize=7.5, loc="upper center", bbox_to_anchor=(0.5, -0.1),
+                   ncols=len(handles), frameon=False)
+
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for k, rank in enumerate(ranks):
+        mine = [s for s in stepwise if s["rank"] == rank]
+        xs = [s["step"] for s in mine]
+        color = colors[k % len(colors)]
+        ax_steps.plot(xs, [s["exposed"].get("all", 0.0) * 1e3 for s in mine], "-o", ms=3, color=color,
+                      label=f"rank {rank}")
+        ax_steps.plot(xs, [s["spanned"] * 1e3 for s in mine], ":", color=color, lw=1.2)
+    ax_steps.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax_steps.set_ylim(bottom=0)
+    ax_steps.set_xlabel("step")
+    ax_steps.set_ylabel("ms")
+    ax_steps.set_title("step by step: exposed communication (solid),\nspanned step time (dotted)", fontsize=9)
+    ax_steps.grid(alpha=0.3)
+    if ranks:
+        ax_steps.legend(fontsize=7.5, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+    head = title or "where the optimizer step's time went"
+    if clock is not None:
+        head += f" ({CLOCKS.get(clock, clock)})"
+    ax_bars.figure.suptitle(head, fontsize=11)
+    return ax_bars, ax_steps
 
 
 def _stats_items(stats_by_rank) -> list[tuple[int, Mapping]]:
