@@ -40,6 +40,8 @@ __all__ = ["Comparison", "ConfigResult", "Run", "compare", "run_one"]
 
 METRICS = ("final_val_loss", "steps_to_target")
 TESTS = ("auto", "paired", "welch")
+# A run whose last training loss is above this many times its first has diverged (see Run.diverged).
+DIVERGED_ABOVE = 1.25
 # Names a configuration may give ns_dtype as (a str survives a panel and a notebook's JSON alike).
 DTYPE_NAMES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
                "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
@@ -68,9 +70,10 @@ class Run:
 
     @property
     def diverged(self) -> bool:
-        """A non-finite loss anywhere, or a run that ends above the loss it started at."""
+        """A non-finite loss anywhere, or a run that ends more than ``DIVERGED_ABOVE`` times the
+        loss it started at (a run that merely fails to learn ends near its start, and counts)."""
         losses = [*self.train_loss, self.final_val_loss]
-        return not all(math.isfinite(x) for x in losses) or self.train_loss[-1] > self.train_loss[0]
+        return not all(math.isfinite(x) for x in losses) or self.train_loss[-1] > DIVERGED_ABOVE * self.train_loss[0]
 
 
 def _settings(name: str, settings: Mapping) -> tuple[str, dict]:
@@ -337,13 +340,16 @@ def _config_result(name: str, settings: dict, runs: list[Run], *, target: float,
 def summarize(runs: Sequence[Run], configs: Mapping[str, Mapping], *, seeds: Sequence[int], steps: int,
               target: float | None = None, window: int | None = None, confidence: float = 0.95) -> Comparison:
     """Build the ``Comparison`` of finished runs (``compare`` calls it; so may a caller with runs
-    from elsewhere). ``target`` None: the highest final ``window``-step mean training loss of the
-    runs that did not diverge, a level every such run reaches."""
+    from elsewhere). ``target`` None: what the first configuration (the baseline) reached in every
+    seed, the highest final ``window``-step mean training loss of its runs that did not diverge
+    (of all such runs if none of its did): a better configuration reaches it sooner, a worse one
+    later or not at all (the table says how many of its runs did)."""
     window = max(1, steps // 10) if window is None else window
     check_whole("window", window, 1)
     by_config = {name: sorted((r for r in runs if r.config == name), key=lambda r: r.seed) for name in configs}
     if target is None:
-        ends = [_smoothed(r.train_loss, window)[-1] for r in runs if not r.diverged]
+        baseline = [r for r in by_config[next(iter(configs))] if not r.diverged]
+        ends = [_smoothed(r.train_loss, window)[-1] for r in (baseline or [r for r in runs if not r.diverged])]
         target = max(ends) if ends else math.nan
     paired = {}
     for s in seeds:
@@ -423,8 +429,8 @@ def compare(configs: Mapping[str, Mapping], *, model: GPTConfig | Callable[[], t
     Runs go through ``muonlab.train.train`` (its batch size and validation windows).
 
     Per configuration: the training loss per step (mean and t interval over seeds), the final
-    validation loss and the steps to ``target`` (see ``summarize``; smoothed over ``window``
-    steps, default steps // 10), each with a ``confidence`` t interval; ``tests`` holds each
+    validation loss and the steps to ``target`` (default: what the first configuration reached, see
+    ``summarize``; smoothed over ``window`` steps, default steps // 10), each with a ``confidence`` t interval; ``tests`` holds each
     configuration against the first, paired by seed (``Comparison.difference`` for any pair).
     A diverged run (``Run.diverged``) is kept, shown, and left out of the statistics.
 
