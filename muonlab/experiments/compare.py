@@ -112,9 +112,12 @@ def _digest_params(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
-def run_one(name: str, settings: Mapping, *, model, seed: int, steps: int) -> Run:
-    """Train configuration ``settings`` (see ``compare``) from ``seed`` for ``steps`` steps."""
+def run_one(name: str, settings: Mapping, *, model, seed: int, steps: int, process_group=None) -> Run:
+    """Train configuration ``settings`` (see ``compare``) from ``seed`` for ``steps`` steps.
+    ``process_group``: Muon's (a launched worker's group of itself: its run is its own)."""
     optimizer, kwargs = _settings(name, settings)
+    if process_group is not None and optimizer == "muon":
+        kwargs["process_group"] = process_group
     net = _build_model(model, seed)
     init_digest = _digest_params(net)
     opt = make_optimizer(optimizer, net, **kwargs)
@@ -145,11 +148,20 @@ def _run_share(jobs: list[tuple[str, int]], configs: dict, *, model, steps: int)
 
     from ..distributed.progress import report_progress
 
-    mine = jobs[dist.get_rank()::dist.get_world_size()]
+    rank, world = dist.get_rank(), dist.get_world_size()
+    # Each rank trains its own runs: Muon on the default (world) group would take the ranks for
+    # replicas of one model and refuse their different settings. Every rank creates every
+    # one-rank group, in the same order, as new_group requires.
+    solos = [dist.new_group([r]) for r in range(world)]
+    mine = jobs[rank::world]
     out = []
-    for k, (name, seed) in enumerate(mine):
-        out.append(run_one(name, configs[name], model=model, seed=seed, steps=steps))
-        report_progress(step=k + 1, loss=out[-1].final_val_loss, total=len(mine))
+    try:
+        for k, (name, seed) in enumerate(mine):
+            out.append(run_one(name, configs[name], model=model, seed=seed, steps=steps, process_group=solos[rank]))
+            report_progress(step=k + 1, loss=out[-1].final_val_loss, total=len(mine))
+    finally:
+        for group in solos:
+            dist.destroy_process_group(group)
     return out
 
 
