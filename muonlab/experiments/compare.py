@@ -325,7 +325,8 @@ def describe_test(a: str, b: str, metric: str, t: stats.TestResult, alpha: float
     what = "final val loss" if metric == "final_val_loss" else "steps to target"
     digits = 3 if metric == "final_val_loss" else 1
     if math.isnan(t.p_value):
-        return f"{a} - {b}, {what}: {t.difference:+.{digits}f}; no test ({t.note})"
+        shown = "" if math.isnan(t.difference) else f" {t.difference:+.{digits}f};"
+        return f"{a} - {b}, {what}:{shown} no test ({t.note})"
     verdict = "significant" if t.significant(alpha) else "not significant"
     return (f"{a} - {b}, {what}: {t.difference:+.{digits}f} [{t.low:+.{digits}f}, {t.high:+.{digits}f}], "
             f"{t.test} (df {t.df:.1f}), {_p_text(t.p_value)}: {verdict} at {alpha:g}")
