@@ -461,6 +461,7 @@ def compare(configs: Mapping[str, Mapping], *, model: GPTConfig | Callable[[], t
         raise ValueError(f"target must be a finite loss or None, got {target!r}")
     _check_optimizers(configs, model, seeds[0])
     jobs = [(name, seed) for seed in seeds for name in configs]
+    start = time.monotonic()
     if nprocs is None:
         runs = []
         bar = _progress_bar(len(jobs), progress)
@@ -479,4 +480,7 @@ def compare(configs: Mapping[str, Mapping], *, model: GPTConfig | Callable[[], t
         results = launch(_run_share, nprocs, jobs, configs, model=model, steps=steps,
                          progress=progress, **launch_kwargs)
         runs = [r for rank in sorted(results) for r in results[rank]]
+    if progress and in_notebook_kernel():  # the line a saved notebook keeps, where the bar's widget is gone
+        print(f"compare: {len(configs)} configurations x {len(seeds)} seeds, {steps} steps each, "
+              f"{time.monotonic() - start:.0f} s")
     return summarize(runs, configs, seeds=seeds, steps=steps, target=target, window=window, confidence=confidence)
