@@ -1,10 +1,12 @@
-"""Notebook 01 in JupyterLab in a real (headless) Chromium, as a user runs it.
+"""Notebooks 01 and 07 in JupyterLab in a real (headless) Chromium, as a user runs them.
 
 JupyterLab starts as `make lab` starts it, with CI=1 and on a copy of the notebooks (its autosave
-never touches the repository). The test runs every cell from the Run menu, checks the training
-panel renders as ipywidgets (not a text repr), picks other coefficients in its dropdown, clicks
-"train", and checks the click reached the kernel: the status label, the drawn image and the
-panel's kept runs (one curve each in the figure) all change. Skips where no Chromium is installed.
+never touches the repository). Each test runs every cell from the Run menu. Notebook 01: the
+training panel renders as ipywidgets (not a text repr); the test picks other coefficients in its
+dropdown, clicks "train", and checks the click reached the kernel: the status label, the drawn image
+and the panel's kept runs (one curve each in the figure) all change. Notebook 07: the comparison
+panel; the test ticks other configurations, clicks "run" and reads the new table. Skips where no
+Chromium is installed.
 """
 
 from __future__ import annotations
@@ -145,6 +147,15 @@ def _cell_output(page, first_line: str):
     return cell.locator(".jp-OutputArea")
 
 
+def _open_and_run_all(page, url: str, token: str, notebook: str, timeout_ms: int) -> None:
+    page.goto(f"{url}/lab/tree/{notebook}?token={token}")
+    page.wait_for_selector(".jp-NotebookPanel .jp-CodeCell", timeout=60_000)
+    page.wait_for_function(  # the kernel is up and connected (a Run All sent earlier can be lost)
+        "() => [...document.querySelectorAll('.jp-StatusBar-TextItem')]"
+        "      .some(e => e.textContent.includes('| Idle'))", timeout=60_000)
+    _run_all_cells(page, timeout_ms=timeout_ms)
+
+
 @pytest.mark.timeout(300)  # a stuck page still ends in the fixture's shutdown
 def test_notebook_01_panel_renders_and_trains_on_click(lab, tmp_path):
     from playwright.sync_api import sync_playwright
@@ -154,12 +165,7 @@ def test_notebook_01_panel_renders_and_trains_on_click(lab, tmp_path):
         browser = p.chromium.launch(executable_path=CHROMIUM, headless=True)
         try:
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            page.goto(f"{url}/lab/tree/{NOTEBOOK}?token={token}")
-            page.wait_for_selector(".jp-NotebookPanel .jp-CodeCell", timeout=60_000)
-            page.wait_for_function(  # the kernel is up and connected (a Run All sent earlier can be lost)
-                "() => [...document.querySelectorAll('.jp-StatusBar-TextItem')]"
-                "      .some(e => e.textContent.includes('| Idle'))", timeout=60_000)
-            _run_all_cells(page, timeout_ms=120_000)
+            _open_and_run_all(page, url, token, NOTEBOOK, timeout_ms=120_000)
 
             errors = page.locator(ERROR_OUTPUT, has_text="Traceback")
             assert errors.count() == 0, errors.first.inner_text()
@@ -203,6 +209,48 @@ def test_notebook_01_panel_renders_and_trains_on_click(lab, tmp_path):
             last_output.wait_for(timeout=30_000)
             runs = json.loads(last_output.inner_text())
             assert len(runs) == 2 and "keller" in runs[0] and "xtuner" in runs[1], runs
+        except Exception:
+            page.screenshot(path=tmp_path / "lab.png", full_page=True)
+            (tmp_path / "lab.html").write_text(page.content())
+            print(f"page at the failure: {tmp_path / 'lab.png'}, {tmp_path / 'lab.html'}")
+            raise
+        finally:
+            browser.close()
+
+
+@pytest.mark.timeout(480)
+def test_notebook_07_compare_panel_runs_on_click(lab, tmp_path):
+    from playwright.sync_api import sync_playwright
+
+    url, token = lab
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            _open_and_run_all(page, url, token, "07_compare.ipynb", timeout_ms=300_000)
+            errors = page.locator(ERROR_OUTPUT, has_text="Traceback")
+            assert errors.count() == 0, errors.first.inner_text()
+
+            # the panel, drawn by ipywidgets, with the table of the run its notebook cell clicked
+            panel = page.locator(".jp-OutputArea-output .jupyter-widgets.widget-vbox").filter(
+                has=page.locator("select[multiple]")).first
+            panel.wait_for(timeout=30_000)
+            assert "ComparePanel(" not in page.locator(".jp-Notebook").inner_text()
+            table = panel.locator("table.muonlab-compare")
+            table.wait_for(timeout=30_000)
+            assert "keller, momentum 0.9" in table.inner_text()
+            assert "adamw" not in table.inner_text()
+
+            panel.locator("select[multiple]").select_option(["keller", "adamw"])
+            panel.locator(".widget-button", has_text="run").click()
+            page.wait_for_function(
+                """() => [...document.querySelectorAll('.widget-label')]
+                         .some(l => l.textContent.startsWith('done:') && l.textContent.includes('adamw - keller'))""",
+                timeout=180_000)
+            rows = [r.inner_text() for r in table.locator("tr").all()]
+            assert len(rows) == 3 and rows[1].startswith("keller") and rows[2].startswith("adamw"), rows
+            assert "no Newton-Schulz" in rows[2] and "float32" in rows[1]  # the resolved choices shown
+            assert panel.locator(".widget-output img").count() == 1
         except Exception:
             page.screenshot(path=tmp_path / "lab.png", full_page=True)
             (tmp_path / "lab.html").write_text(page.content())

@@ -1,0 +1,486 @@
+"""Run named optimizer configurations over several seeds, and ask whether one is better or it is noise.
+
+    from muonlab.experiments.compare import compare
+    from muonlab.models import GPTConfig
+
+    result = compare({"plain": dict(ns_form="plain"), "gram": dict(ns_form="gram")},
+                     model=GPTConfig(d_model=128, n_layers=2, n_heads=4, context=64), seeds=(0, 1, 2), steps=60)
+    print(result.table())                   # per configuration: final loss, steps to target, CIs, NS choices
+    result.difference("gram", "plain")      # a paired t-test on the final validation loss
+
+A seed fixes both the initial model (``torch.manual_seed(seed)`` before it is built) and the batches
+(``train(..., seed=seed)``): every configuration under one seed starts from the same weights and
+sees the same batches, so its difference to another is paired by seed and the seed-to-seed noise
+cancels. Each run records digests of its initial weights and of every batch it trained on; the
+comparison checks the pairing from them instead of assuming it (and falls back to Welch's unpaired
+test where it does not hold). The statistics are in :mod:`muonlab.stats`.
+
+``nprocs=k`` runs the (configuration, seed) runs on k worker processes started by
+:func:`muonlab.distributed.launch` (rank r takes every k-th run, each on its own device under the
+device rule), instead of one after the other here. Plots and the panel: :mod:`muonlab.viz.compare`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import stats
+from ..bars import in_notebook_kernel, notebook_bar
+from ..models import GPT, GPTConfig
+from ..optim.validation import check_whole
+from ..train import OPTIMIZERS, make_optimizer, train
+
+__all__ = ["Comparison", "ConfigResult", "Run", "compare", "run_one"]
+
+METRICS = ("final_val_loss", "steps_to_target")
+TESTS = ("auto", "paired", "welch")
+# A run whose last training loss is above this many times its first has diverged (see Run.diverged).
+DIVERGED_ABOVE = 1.25
+# Names a configuration may give ns_dtype as (a str survives a panel and a notebook's JSON alike).
+DTYPE_NAMES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
+               "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+
+
+# ---------------------------------------------------------------- one run
+
+
+@dataclass
+class Run:
+    """One configuration trained from one seed."""
+
+    config: str
+    seed: int
+    train_loss: list[float]
+    """The training loss at steps 1..steps."""
+    final_val_loss: float
+    """The validation loss after the last step (``train``'s fixed validation windows)."""
+    choices: list[dict]
+    """``Muon.resolved_choices()`` after the run (what ran per plan batch); [] for AdamW."""
+    init_digest: str
+    """sha1 of the initial parameters: equal across configurations under one seed."""
+    batch_digest: str
+    """sha1 of every training batch in order: equal across configurations under one seed."""
+    seconds: float
+
+    @property
+    def diverged(self) -> bool:
+        """A non-finite loss anywhere, or a run that ends more than ``DIVERGED_ABOVE`` times the
+        loss it started at (a run that merely fails to learn ends near its start, and counts)."""
+        losses = [*self.train_loss, self.final_val_loss]
+        return not all(math.isfinite(x) for x in losses) or self.train_loss[-1] > DIVERGED_ABOVE * self.train_loss[0]
+
+
+def _settings(name: str, settings: Mapping) -> tuple[str, dict]:
+    """(optimizer name, make_optimizer keywords) of one configuration; ``preset`` names
+    ``ns_coefficients`` and a dtype may be named ("fp32", "bfloat16", ...)."""
+    if not isinstance(settings, Mapping):
+        raise TypeError(f"configuration {name!r} must map setting names to values (e.g. dict(lr=0.02)), "
+                        f"got {type(settings).__name__}")
+    kwargs = dict(settings)
+    optimizer = kwargs.pop("optimizer", "muon")
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"configuration {name!r}: optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
+    if "preset" in kwargs:
+        if "ns_coefficients" in kwargs:
+            raise ValueError(f"configuration {name!r} gives both preset and ns_coefficients: they are one setting")
+        kwargs["ns_coefficients"] = kwargs.pop("preset")
+    dtype = kwargs.get("ns_dtype")
+    if isinstance(dtype, str) and dtype != "auto":
+        if dtype not in DTYPE_NAMES:
+            raise ValueError(f"configuration {name!r}: ns_dtype {dtype!r} is not 'auto' nor one of "
+                             f"{sorted(DTYPE_NAMES)}")
+        kwargs["ns_dtype"] = DTYPE_NAMES[dtype]
+    return optimizer, kwargs
+
+
+def _build_model(model, seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)  # the seed's initial weights, the same for every configuration
+    return GPT(model) if isinstance(model, GPTConfig) else model()
+
+
+def _digest_params(model: torch.nn.Module) -> str:
+    h = hashlib.sha1()
+    for name, p in model.named_parameters():
+        h.update(name.encode())
+        h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def run_one(name: str, settings: Mapping, *, model, seed: int, steps: int, process_group=None) -> Run:
+    """Train configuration ``settings`` (see ``compare``) from ``seed`` for ``steps`` steps.
+    ``process_group``: Muon's (a launched worker's group of itself: its run is its own)."""
+    optimizer, kwargs = _settings(name, settings)
+    if process_group is not None and optimizer == "muon":
+        kwargs["process_group"] = process_group
+    net = _build_model(model, seed)
+    init_digest = _digest_params(net)
+    opt = make_optimizer(optimizer, net, **kwargs)
+    batches = hashlib.sha1()
+
+    def record_batch(module, args, kwargs_):  # training forwards only: evaluation's windows are fixed
+        if module.training:
+            for t in [*args, *kwargs_.values()]:
+                if torch.is_tensor(t):
+                    batches.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+
+    hook = net.register_forward_pre_hook(record_batch, with_kwargs=True)
+    start = time.perf_counter()
+    try:
+        hist = train(net, opt, steps=steps, seed=seed, progress=False, desc=f"{name} seed {seed}")
+    finally:
+        hook.remove()
+    choices = opt.resolved_choices() if hasattr(opt, "resolved_choices") else []
+    final = hist.val_loss[-1] if hist.val_loss else math.nan
+    return Run(config=name, seed=seed, train_loss=list(hist.train_loss), final_val_loss=final,
+               choices=[dict(c, names=list(c["names"]), shape=list(c["shape"])) for c in choices],
+               init_digest=init_digest, batch_digest=batches.hexdigest(), seconds=time.perf_counter() - start)
+
+
+def _run_share(jobs: list[tuple[str, int]], configs: dict, *, model, steps: int) -> list[Run]:
+    """A launched worker's runs: every world_size-th job from its rank on (launch's entry point)."""
+    import torch.distributed as dist
+
+    from ..distributed.progress import report_progress
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    # Each rank trains its own runs: Muon on the default (world) group would take the ranks for
+    # replicas of one model and refuse their different settings. Every rank creates every
+    # one-rank group, in the same order, as new_group requires.
+    solos = [dist.new_group([r]) for r in range(world)]
+    mine = jobs[rank::world]
+    out = []
+    try:
+        for k, (name, seed) in enumerate(mine):
+            out.append(run_one(name, configs[name], model=model, seed=seed, steps=steps, process_group=solos[rank]))
+            report_progress(step=k + 1, loss=out[-1].final_val_loss, total=len(mine))
+    finally:
+        for group in solos:
+            dist.destroy_process_group(group)
+    return out
+
+
+# ---------------------------------------------------------------- per configuration
+
+
+def choices_summary(choices: Sequence[Mapping]) -> str:
+    """What Newton-Schulz ran, in a few words: "gram x3 + plain x1, float32, torch"; forms counted
+    by plan batch. "no Newton-Schulz" for an optimizer without it (AdamW)."""
+    if not choices:
+        return "no Newton-Schulz"
+    forms: dict[str, int] = {}
+    for c in choices:
+        forms[c["form"]] = forms.get(c["form"], 0) + 1
+    form = " + ".join(f"{f} x{n}" for f, n in forms.items()) if len(forms) > 1 else next(iter(forms))
+    dtypes = "/".join(dict.fromkeys(str(c["dtype"]) for c in choices))
+    backends = "/".join(dict.fromkeys(str(c["backend"]) for c in choices))
+    return f"{form}, {dtypes}, {backends}"
+
+
+def _smoothed(losses: Sequence[float], window: int) -> list[float]:
+    """Trailing mean over ``window`` steps (fewer at the start)."""
+    out, total = [], 0.0
+    for i, x in enumerate(losses):
+        total += x
+        if i >= window:
+            total -= losses[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def _first_at_or_below(curve: Sequence[float], target: float) -> int | None:
+    return next((i + 1 for i, x in enumerate(curve) if x <= target), None)
+
+
+@dataclass
+class ConfigResult:
+    """One configuration over every seed. Statistics leave diverged runs out (``diverged_seeds``
+    names them); ``mean``/``low``/``high`` are the per-step mean training loss and its t interval."""
+
+    name: str
+    settings: dict
+    runs: list[Run]
+    steps: list[int]
+    mean: list[float]
+    low: list[float]
+    high: list[float]
+    final_val_loss: stats.Estimate
+    steps_to_target: stats.Estimate
+    reached: int
+    """Runs (not diverged) whose smoothed loss reached the target."""
+    choices: str
+    """``choices_summary`` of the runs' resolved choices ("a | b" if seeds differed)."""
+
+    @property
+    def diverged_seeds(self) -> list[int]:
+        return [r.seed for r in self.runs if r.diverged]
+
+    @property
+    def kept(self) -> list[Run]:
+        return [r for r in self.runs if not r.diverged]
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} ({self.choices})"
+
+
+# ---------------------------------------------------------------- the comparison
+
+
+@dataclass
+class Comparison:
+    """What ``compare`` returns: per configuration a ``ConfigResult``, the target the steps count
+    to, and ``tests``: each configuration against the first on both metrics (``difference``)."""
+
+    configs: dict[str, ConfigResult]
+    seeds: list[int]
+    steps: int
+    target: float
+    window: int
+    confidence: float
+    paired: dict[int, bool]
+    """Per seed: did every configuration start from the same weights and see the same batches."""
+    tests: list[tuple[str, str, str, stats.TestResult]] = field(default_factory=list)
+    """(a, b, metric, result) for every configuration a after the first, b the first."""
+
+    def values(self, name: str, metric: str) -> dict[int, float]:
+        """{seed: value} of ``metric`` for configuration ``name``'s runs that count (not diverged;
+        for steps_to_target, reached)."""
+        if name not in self.configs:
+            raise ValueError(f"no configuration {name!r}; have {list(self.configs)}")
+        if metric not in METRICS:
+            raise ValueError(f"metric must be one of {METRICS}, got {metric!r}")
+        out = {}
+        for r in self.configs[name].kept:
+            value = r.final_val_loss if metric == "final_val_loss" else _first_at_or_below(
+                _smoothed(r.train_loss, self.window), self.target)
+            if value is not None:
+                out[r.seed] = float(value)
+        return out
+
+    def difference(self, a: str, b: str, *, metric: str = "final_val_loss", test: str = "auto") -> stats.TestResult:
+        """A two-sided t-test of mean(a) - mean(b) on ``metric``. ``test``: "paired" (over the
+        seeds both have; valid when the runs of a seed share weights and batches), "welch"
+        (unpaired), or "auto": paired when ``paired`` holds for every seed, else Welch."""
+        if test not in TESTS:
+            raise ValueError(f"test must be one of {TESTS}, got {test!r}")
+        va, vb = self.values(a, metric), self.values(b, metric)
+        if test == "auto":
+            test = "paired" if all(self.paired.values()) else "welch"
+        if test == "welch":
+            return stats.welch_t_test(list(va.values()), list(vb.values()), self.confidence)
+        both = [s for s in va if s in vb]
+        return stats.paired_t_test([va[s] for s in both], [vb[s] for s in both], self.confidence)
+
+    def rows(self) -> list[dict]:
+        """One dict per configuration, as ``table`` prints it."""
+        return [dict(config=c.name, seeds=len(c.runs), final_val_loss=c.final_val_loss,
+                     steps_to_target=c.steps_to_target, reached=c.reached, diverged=c.diverged_seeds,
+                     newton_schulz=c.choices) for c in self.configs.values()]
+
+    def table(self) -> str:
+        """A fixed-width table (numbers rounded to what seeds can tell apart) and the tests."""
+        pct = f"{100 * self.confidence:g}%"
+        rows = [("configuration", f"final val loss ({pct} CI)", f"steps to {self.target:.3f} ({pct} CI)",
+                 "diverged", "Newton-Schulz")]
+        for c in self.configs.values():
+            n = len(c.runs)
+            reach = f" {c.reached}/{n} reached" if c.reached < n - len(c.diverged_seeds) else ""
+            rows.append((c.name, _estimate(c.final_val_loss, 3), _estimate(c.steps_to_target, 1) + reach,
+                         ",".join(map(str, c.diverged_seeds)) or "-", c.choices))
+        widths = [max(len(row[k]) for row in rows) + 2 for k in range(4)]
+        lines = ["".join(f"{v:<{w}}" for v, w in zip(row, widths)) + row[4] for row in rows]
+        lines.append(f"seeds {self.seeds}, {self.steps} steps; steps to target: the first step whose "
+                     f"{self.window}-step mean training loss is at most {self.target:.3f}")
+        for a, b, metric, t in self.tests:
+            lines.append(describe_test(a, b, metric, t))
+        if not all(self.paired.values()):
+            bad = [s for s, ok in self.paired.items() if not ok]
+            lines.append(f"seeds {bad}: configurations did not start alike or saw other batches; tests are unpaired")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def _estimate(e: stats.Estimate, digits: int) -> str:
+    if e.n == 0:
+        return "-"
+    if e.n == 1:
+        return f"{e.mean:.{digits}f} (1 run)"
+    return f"{e.mean:.{digits}f} [{e.low:.{digits}f}, {e.high:.{digits}f}]"
+
+
+def _p_text(p: float) -> str:
+    return "p < 0.001" if p < 0.001 else f"p = {p:.3f}"
+
+
+def describe_test(a: str, b: str, metric: str, t: stats.TestResult, alpha: float = 0.05) -> str:
+    """One line: the difference with its interval, the test, and the verdict at ``alpha``."""
+    what = "final val loss" if metric == "final_val_loss" else "steps to target"
+    digits = 3 if metric == "final_val_loss" else 1
+    if math.isnan(t.p_value):
+        shown = "" if math.isnan(t.difference) else f" {t.difference:+.{digits}f};"
+        return f"{a} - {b}, {what}:{shown} no test ({t.note})"
+    verdict = "significant" if t.significant(alpha) else "not significant"
+    return (f"{a} - {b}, {what}: {t.difference:+.{digits}f} [{t.low:+.{digits}f}, {t.high:+.{digits}f}], "
+            f"{t.test} (df {t.df:.1f}), {_p_text(t.p_value)}: {verdict} at {alpha:g}")
+
+
+def _config_result(name: str, settings: dict, runs: list[Run], *, target: float, window: int,
+                   confidence: float) -> ConfigResult:
+    kept = [r for r in runs if not r.diverged]
+    n_steps = len(runs[0].train_loss)
+    mean, low, high = [], [], []
+    for i in range(n_steps):
+        e = stats.mean_ci([r.train_loss[i] for r in kept], confidence)
+        mean.append(e.mean)
+        low.append(e.low)
+        high.append(e.high)
+    reached = [s for s in (_first_at_or_below(_smoothed(r.train_loss, window), target) for r in kept) if s is not None]
+    choices = " | ".join(dict.fromkeys(choices_summary(r.choices) for r in runs))
+    return ConfigResult(name=name, settings=dict(settings), runs=runs, steps=list(range(1, n_steps + 1)),
+                        mean=mean, low=low, high=high,
+                        final_val_loss=stats.mean_ci([r.final_val_loss for r in kept], confidence),
+                        steps_to_target=stats.mean_ci(reached, confidence), reached=len(reached), choices=choices)
+
+
+def summarize(runs: Sequence[Run], configs: Mapping[str, Mapping], *, seeds: Sequence[int], steps: int,
+              target: float | None = None, window: int | None = None, confidence: float = 0.95) -> Comparison:
+    """Build the ``Comparison`` of finished runs (``compare`` calls it; so may a caller with runs
+    from elsewhere). ``target`` None: what the first configuration (the baseline) reached in every
+    seed, the highest final ``window``-step mean training loss of its runs that did not diverge
+    (of all such runs if none of its did): a better configuration reaches it sooner, a worse one
+    later or not at all (the table says how many of its runs did)."""
+    window = max(1, steps // 10) if window is None else window
+    check_whole("window", window, 1)
+    by_config = {name: sorted((r for r in runs if r.config == name), key=lambda r: r.seed) for name in configs}
+    if target is None:
+        baseline = [r for r in by_config[next(iter(configs))] if not r.diverged]
+        ends = [_smoothed(r.train_loss, window)[-1] for r in (baseline or [r for r in runs if not r.diverged])]
+        target = max(ends) if ends else math.nan
+    paired = {}
+    for s in seeds:
+        mine = [r for r in runs if r.seed == s]
+        paired[s] = len({r.init_digest for r in mine}) == 1 and len({r.batch_digest for r in mine}) == 1
+    result = Comparison(
+        configs={name: _config_result(name, dict(configs[name]), by_config[name], target=target, window=window,
+                                      confidence=confidence) for name in configs},
+        seeds=list(seeds), steps=steps, target=target, window=window, confidence=confidence, paired=paired)
+    names = list(configs)
+    result.tests = [(a, names[0], metric, result.difference(a, names[0], metric=metric))
+                    for a in names[1:] for metric in METRICS]
+    return result
+
+
+# ---------------------------------------------------------------- the call
+
+
+def _check_inputs(configs, model, seeds, steps, nprocs, confidence) -> tuple[dict, list[int]]:
+    if not isinstance(configs, Mapping) or not configs:
+        raise ValueError("configs must be a non-empty dict {name: settings}, e.g. "
+                         "{'lr 0.02': dict(lr=0.02), 'lr 0.01': dict(lr=0.01)}")
+    for name in configs:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"configuration names must be non-empty strings, got {name!r}")
+        _settings(name, configs[name])
+    if not isinstance(model, GPTConfig) and not callable(model):
+        raise TypeError(f"model must be a GPTConfig or a function returning a fresh nn.Module, got "
+                        f"{type(model).__name__}")
+    if isinstance(seeds, (int, str)) or not isinstance(seeds, Sequence) or not seeds:
+        raise ValueError(f"seeds must be a non-empty sequence of seeds, e.g. (0, 1, 2), got {seeds!r}")
+    for s in seeds:
+        check_whole("each seed", s, 0)
+    if len(set(seeds)) != len(seeds):
+        raise ValueError(f"seeds must be distinct, got {list(seeds)}: a repeated seed repeats a run")
+    check_whole("steps", steps, 1)
+    if nprocs is not None:
+        check_whole("nprocs", nprocs, 1)
+    stats.mean_ci([0.0], confidence)  # refuses a confidence outside (0, 1)
+    return {name: dict(configs[name]) for name in configs}, [int(s) for s in seeds]
+
+
+def _check_optimizers(configs: dict, model, seed: int) -> None:
+    """Build every configuration's optimizer once on the first seed's model, so a setting no
+    optimizer takes is refused, naming its configuration, before any run starts."""
+    net = _build_model(model, seed)
+    for name, settings in configs.items():
+        optimizer, kwargs = _settings(name, settings)
+        try:
+            make_optimizer(optimizer, net, **kwargs)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"configuration {name!r}: {e}") from e
+
+
+def _progress_bar(total: int, progress: bool):
+    if not progress:
+        return None
+    if in_notebook_kernel():
+        return notebook_bar("compare", total, unit="run")
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="compare", unit="run", leave=False)
+
+
+def compare(configs: Mapping[str, Mapping], *, model: GPTConfig | Callable[[], torch.nn.Module],
+            seeds: Sequence[int] = (0, 1, 2), steps: int, target: float | None = None,
+            window: int | None = None, confidence: float = 0.95, nprocs: int | None = None,
+            progress: bool = True, **launch_kwargs) -> Comparison:
+    """Train every named configuration from every seed; return a ``Comparison``.
+
+    ``configs``: {name: settings}. Settings are ``muonlab.train.make_optimizer``'s keywords:
+    ``optimizer`` ("muon", the default, or "adamw"), ``lr``, ``adamw_lr``, ``weight_decay`` and
+    Muon's options (``momentum``, ``ns_steps``, ``ns_form``, ``ns_dtype`` (a dtype or "fp32",
+    "bf16", ...), ``ns_backend``, ...); ``preset`` is ``ns_coefficients`` ("keller", "xtuner",
+    "polar_express"). ``model``: a ``GPTConfig`` (muonlab's GPT) or a function returning a fresh
+    model (built after ``torch.manual_seed(seed)``; for ``nprocs`` a module-level function).
+    Runs go through ``muonlab.train.train`` (its batch size and validation windows).
+
+    Per configuration: the training loss per step (mean and t interval over seeds), the final
+    validation loss and the steps to ``target`` (default: what the first configuration reached, see
+    ``summarize``; smoothed over ``window`` steps, default steps // 10), each with a ``confidence`` t interval; ``tests`` holds each
+    configuration against the first, paired by seed (``Comparison.difference`` for any pair).
+    A diverged run (``Run.diverged``) is kept, shown, and left out of the statistics.
+
+    ``nprocs``: None runs here, one run after another; k runs them on k processes through
+    ``muonlab.distributed.launch`` (``launch_kwargs``, e.g. ``device="cpu"``, go to it).
+    ``progress``: a bar over the runs. Every argument and every configuration's settings are
+    checked (an optimizer is built for each) before the first run.
+    """
+    configs, seeds = _check_inputs(configs, model, seeds, steps, nprocs, confidence)
+    if nprocs is None and launch_kwargs:
+        raise ValueError(f"{sorted(launch_kwargs)} are launch's keywords: give nprocs to launch workers")
+    if window is not None:
+        check_whole("window", window, 1)
+    if target is not None and not (isinstance(target, (int, float)) and math.isfinite(target)):
+        raise ValueError(f"target must be a finite loss or None, got {target!r}")
+    _check_optimizers(configs, model, seeds[0])
+    jobs = [(name, seed) for seed in seeds for name in configs]
+    start = time.monotonic()
+    if nprocs is None:
+        runs = []
+        bar = _progress_bar(len(jobs), progress)
+        try:
+            for name, seed in jobs:
+                runs.append(run_one(name, configs[name], model=model, seed=seed, steps=steps))
+                if bar is not None:
+                    bar.set_postfix_str(f"{name} seed {seed}: val loss {runs[-1].final_val_loss:.3f}")
+                    bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+    else:
+        from ..distributed import launch
+
+        results = launch(_run_share, nprocs, jobs, configs, model=model, steps=steps,
+                         progress=progress, **launch_kwargs)
+        runs = [r for rank in sorted(results) for r in results[rank]]
+    if progress and in_notebook_kernel():  # the line a saved notebook keeps, where the bar's widget is gone
+        print(f"compare: {len(configs)} configurations x {len(seeds)} seeds, {steps} steps each, "
+              f"{time.monotonic() - start:.0f} s")
+    return summarize(runs, configs, seeds=seeds, steps=steps, target=target, window=window, confidence=confidence)
