@@ -1,4 +1,6 @@
-"""Newton-Schulz time and orthogonality per preset x form x dtype x shape, against the exact polar factor.
+"""Newton-Schulz time and orthogonality per schedule x form x dtype x shape, against the exact polar factor.
+
+Schedules and forms are the registered ones (``muonlab.kernels.SCHEDULES``, ``muonlab.kernels.FORMS``).
 
 For each configuration: median wall time of ``muonlab.newton_schulz`` (all configurations interleaved
 round by round, so load from other jobs hits them alike), its FLOPs from ``ns_flops`` and the
@@ -22,13 +24,14 @@ from pathlib import Path
 
 import torch
 
-from muonlab.kernels import PRESETS, newton_schulz, ns_flops
+from muonlab.kernels import FORMS as FORM_UNITS
+from muonlab.kernels import SCHEDULES, newton_schulz, ns_flops
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _machine import MatmulProbe, load  # noqa: E402
 from _report import md_table, results_path, text_table, write_report  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-FORMS = ("plain", "gram")
+FORMS = tuple(FORM_UNITS)
 
 
 def parse_shape(text: str) -> tuple[int, ...]:
@@ -53,7 +56,7 @@ def orthogonality(O: torch.Tensor, polar: torch.Tensor) -> dict:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default="256x256,256x1024,8x128x512")
-    p.add_argument("--presets", default=",".join(PRESETS))
+    p.add_argument("--presets", default=",".join(SCHEDULES), help="schedule names, comma-separated")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--repeats", type=int, default=30, help="timed rounds (after --warmup rounds)")
     p.add_argument("--warmup", type=int, default=2)

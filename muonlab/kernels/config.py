@@ -96,19 +96,19 @@ class NSConfig:
         self._check_schedule()
 
     def _check_schedule(self) -> None:
-        """Refuse a schedule in a form or a compute dtype where it may not run, where the config
-        alone tells (a form asked for outright, and its iterates' dtype where no device changes
-        it); under ``gram_min_saving`` the form depends on the shape: ``newton_schulz`` checks the
-        form that runs, in the dtype it iterates in, once the input is seen."""
+        """Refuse a schedule where the config alone tells it may not run: too few steps, a form
+        asked for outright, and its iterates' dtype where no device changes it. Under
+        ``gram_min_saving`` the form depends on the shape (``_form`` keeps the plain form where the
+        schedule may not run in the other); ``newton_schulz`` checks the form that runs, in the
+        dtype it iterates in, before anything is written."""
         schedule = schedule_of(self.coefficients)
-        if schedule is None or self.gram_min_saving is not None:
+        if schedule is None:
             return
-        schedule.check(self.form)
-        if isinstance(self.dtype, torch.dtype):
-            form = FORMS[self.form]
-            iterates = {form.work_dtype(self, self.dtype, native) for native in (True, False)}
-            if len(iterates) == 1:
-                schedule.check(self.form, iterates.pop())
+        asked = self.form if self.gram_min_saving is None else PLAIN
+        schedule.check(asked, None, self.steps)
+        iterates = _iterate_dtypes(self, FORMS[asked])
+        if len(iterates) == 1:  # the same on every device, for every input
+            schedule.check(asked, iterates.pop())
 
     def resolved_coefficients(self) -> Coefficients:
         return resolve_coefficients(self.coefficients, self.steps)
@@ -141,10 +141,32 @@ def _form(cfg: NSConfig, m: int, n: int) -> str:
         plain = FORMS[PLAIN]
         if form.flops(m, n, cfg) > (1 - cfg.gram_min_saving) * plain.flops(m, n, cfg):
             return PLAIN
-        schedule = schedule_of(cfg.coefficients)
-        if schedule is not None and schedule.refusal(form.name, None) is not None:
+        if _refused_somewhere(cfg, form):
             return PLAIN
     return form.name
+
+
+AUTO_COMPUTE_DTYPES = (torch.bfloat16, torch.float32)
+"""The compute dtypes ``dtype="auto"`` may resolve to on some device (``resolve_dtype``)."""
+
+
+def _refused_somewhere(cfg: NSConfig, form) -> bool:
+    """Whether the schedule may not run in ``form`` in some dtype the form could iterate in under
+    ``cfg`` on some device: then a choice made from the config alone (``gram_min_saving``) keeps
+    the plain form, the same on every device and in every plan."""
+    schedule = schedule_of(cfg.coefficients)
+    if schedule is None:
+        return False
+    return any(schedule.refusal(form.name, d) is not None for d in _iterate_dtypes(cfg, form))
+
+
+def _iterate_dtypes(cfg: NSConfig, form) -> set[torch.dtype]:
+    """Every dtype ``form`` could iterate in under ``cfg``, on any device, for any input."""
+    if isinstance(cfg.dtype, torch.dtype):
+        computes = (cfg.dtype,)
+    else:
+        computes = AUTO_COMPUTE_DTYPES if cfg.dtype == "auto" else NS_DTYPES
+    return {form.work_dtype(cfg, d, native) for d in computes for native in (True, False)}
 
 
 def form_for(cfg: NSConfig, shape: Sequence[int]) -> str:

@@ -287,7 +287,7 @@ def newton_schulz(G: torch.Tensor | Sequence[torch.Tensor], config: NSConfig | N
     iterates = work_dtype(cfg, form, dtype, device)  # the gram form's is never bf16 (forms.gram)
     schedule = schedule_of(cfg.coefficients)
     if schedule is not None:  # before anything is timed or written
-        schedule.check(form, iterates)
+        schedule.check(form, iterates, cfg.steps)
     use = pick_backend(cfg.backend, device, (num, m, n), dtype, cfg)
     execute.run(pieces, targets, cfg, form=form, backend=use, dtype=iterates, workspace=workspace)
     return out

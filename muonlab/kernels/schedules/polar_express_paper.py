@@ -9,9 +9,19 @@ sequence converges to. Entries but the last are divided by the safety factor 1.0
 (a / 1.01, b / 1.01^3, c / 1.01^5), and the input by 1.01 ||X||_F, exactly as there.
 """
 
+import torch
+
 from .base import Schedule
 
 SAFETY = 1.01
+
+# Measured (tests/kernels/test_schedules.py): fewer than five steps leave the top singular value
+# above 1.5 (1.56 after four: the sequence is built to be composed); in the gram form with fp16
+# iterates eight steps (the length it is published for) grew near-low-rank inputs to a top
+# singular value of 946, ten to inf: the gram form restarts once in fp16, and these steps keep
+# amplifying the rounding's negative eigenvalues (see muonlab.kernels.forms.gram). So there it
+# iterates in fp32 or fp64 only; the plain form in every dtype.
+EVERY = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 # optimal_composition(l=1e-3, cushion=0.02) before the safety factor, as printed in basic.py
 PUBLISHED = (
@@ -29,6 +39,8 @@ SCHEDULE = Schedule(
     name="polar_express_paper",
     table=tuple((a / SAFETY, b / SAFETY**3, c / SAFETY**5) for a, b, c in PUBLISHED[:-1]) + PUBLISHED[-1:],
     norm_scale=SAFETY,
+    allowed={"plain": EVERY, "gram": (torch.float32, torch.float64)},
+    min_steps=5,
     source=("N. Amsel, D. Persson, C. Musco, R. M. Gower, 'The Polar Express: Optimal Matrix Sign Methods and "
             "Their Application to the Muon Algorithm', arXiv:2505.16932 (2025); coefficients and safety factor "
             "from the authors' NoahAmsel/PolarExpress polar_express/basic.py (l = 1e-3, 8 entries, the last "
