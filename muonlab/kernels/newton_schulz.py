@@ -31,14 +31,14 @@ from collections.abc import Sequence
 import torch
 
 from . import backend_choice, execute
-from .batch_io import HALF_SMALLEST, Overwrite, batch_pieces, load_normalised, load_pieces, store_pieces
-from .batch_io import _joined, normalise_into  # noqa: F401  (re-exported: tests import them from here)
+from .batch_io import HALF_SMALLEST, Overwrite, batch_pieces, load_pieces, normalise_into, store_pieces
+from .batch_io import _joined  # noqa: F401  (re-exported: a test imports it from here)
 from .coefficients import (NORM_SCALE, PRESETS, Coefficients, coefficient_table, norm_scale, resolve_coefficients,
                            schedule_of)
 from .config import BACKENDS, FORM_NAMES, NSConfig, _config, _form, form_for, ns_flops, triton_dtype_message
 from .forms import FORMS as FORM_UNITS
 from .forms import gram as _gram
-from .forms.gram import DEFAULT_GRAM_RESTARTS, GRAM_DTYPES, gram_flops, gram_iterations, gram_writes
+from .forms.gram import DEFAULT_GRAM_RESTARTS, GRAM_DTYPES
 from .forms.plain import plain_flops_per_iter, plain_iterations, symmetric_flops_per_iter
 from .precision import HALF_DTYPES, NS_DTYPES, TRITON_DTYPES, fp32_matmul_precision, is_number
 from .schedules import SCHEDULES
@@ -46,10 +46,9 @@ from .schedules import SCHEDULES
 FORMS = FORM_NAMES
 """The registered forms' names ("plain", "gram"); the forms themselves: ``muonlab.kernels.forms.FORMS``."""
 
-# names this module had before the forms and batch I/O became modules of their own
-_plain_iterations, _gram_iterations, _gram_writes, _gram_flops = plain_iterations, gram_iterations, gram_writes, gram_flops
-_load_normalised, _normalise_into, _checked_restarts = load_normalised, normalise_into, _gram.checked_restarts
-_triton_dtype_message = triton_dtype_message
+# private names this module had before the forms and batch I/O became modules of their own, for
+# the benchmark and tests that import them from here
+_plain_iterations, _normalise_into = plain_iterations, normalise_into
 
 __all__ = [
     "AUTO_GRAM_SAVING", "BACKENDS", "CPU_FP32_MAX_WORK", "Coefficients", "DEFAULT_GRAM_RESTARTS", "FORMS",
