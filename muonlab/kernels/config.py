@@ -96,19 +96,20 @@ class NSConfig:
         self._check_schedule()
 
     def _check_schedule(self) -> None:
-        """Refuse a schedule where the config alone tells it may not run: too few steps, a form
-        asked for outright, and its iterates' dtype where no device changes it. Under
-        ``gram_min_saving`` the form depends on the shape (``_form`` keeps the plain form where the
-        schedule may not run in the other); ``newton_schulz`` checks the form that runs, in the
-        dtype it iterates in, before anything is written."""
+        """Refuse a schedule where the config alone tells it may not run, the same on every
+        device: too few steps, a form asked for outright, and any dtype that form could iterate
+        in under this config on some device ("auto" means bf16 on a GPU). Under
+        ``gram_min_saving`` the form depends on the shape (``_form`` keeps the plain form where
+        the schedule may not run in the other). With ``dtype=None`` (the input's)
+        ``newton_schulz`` checks once it sees the input, before anything is written."""
         schedule = schedule_of(self.coefficients)
         if schedule is None:
             return
         asked = self.form if self.gram_min_saving is None else PLAIN
         schedule.check(asked, None, self.steps)
-        iterates = _iterate_dtypes(self, FORMS[asked])
-        if len(iterates) == 1:  # the same on every device, for every input
-            schedule.check(asked, iterates.pop())
+        if self.dtype is not None:
+            for dtype in sorted(_iterate_dtypes(self, FORMS[asked]), key=str):
+                schedule.check(asked, dtype)
 
     def resolved_coefficients(self) -> Coefficients:
         return resolve_coefficients(self.coefficients, self.steps)

@@ -72,12 +72,15 @@ def test_every_schedule_is_bounded_where_allowed_and_refused_elsewhere(name, for
                     inputs = hard_inputs(*shape)
                     G = torch.stack(list(inputs.values())).to(torch.float32)
                     case = dict(coefficients=name, steps=steps, dtype=dtype, backend="torch", **settings)
-                    runs = form_for(NSConfig(form=form, gram_dtype=settings["gram_dtype"]), shape)
-                    cfg_for_dtype = NSConfig(form=runs, gram_dtype=settings["gram_dtype"])
-                    iterates = work_dtype(cfg_for_dtype, runs, dtype, "cpu")
-                    allowed = (schedule.refusal(form, None, steps) is None
-                               and schedule.refusal(runs, iterates, steps) is None
-                               and schedule.refusal(form, work_dtype(NSConfig(**settings), form, dtype, "cpu")) is None)
+                    # refused where the asked form could iterate in a refused dtype on some device
+                    # (a GPU multiplies fp16 natively, this CPU may not), or the form that runs
+                    # here (plain on square matrices) does
+                    asked = NSConfig(**settings)
+                    runs = form_for(asked, shape)
+                    anywhere = {FORMS[form].work_dtype(asked, dtype, native) for native in (True, False)}
+                    here = work_dtype(asked, runs, dtype, "cpu")
+                    allowed = (schedule.refusal(runs, here, steps) is None
+                               and all(schedule.refusal(form, d) is None for d in anywhere))
                     if not allowed:
                         with pytest.raises(ValueError, match=f"schedule '{name}'"):
                             newton_schulz(G, **case)
@@ -169,9 +172,12 @@ def test_a_refused_dtype_changes_nothing():
         newton_schulz(pieces, coefficients="cans", dtype=None, out=out)
     with pytest.raises(ValueError, match="schedule 'cans'"):
         NewtonSchulzRunner(2**20)(pieces, NSConfig(coefficients="cans", dtype=None))
+    with pytest.raises(ValueError, match="schedule 'cans'"):  # "auto" is bf16 on a GPU: refused everywhere
+        NSConfig(coefficients="cans")
     assert all(torch.equal(p, b) for p, b in zip(pieces, before)) and bool((out == 7).all())
     # fp32 runs, bounded
-    assert torch.linalg.matrix_norm(newton_schulz(pieces[0].float(), coefficients="cans").double(), ord=2).max() <= 1.2
+    O = newton_schulz(pieces[0].float(), coefficients="cans", dtype=torch.float32)
+    assert torch.linalg.matrix_norm(O.double(), ord=2).max() <= 1.2
 
 
 def test_a_form_refused_in_some_dtype_is_not_what_auto_picks(monkeypatch):
@@ -186,10 +192,29 @@ def test_a_form_refused_in_some_dtype_is_not_what_auto_picks(monkeypatch):
     refused = r"schedule 'polar_express_paper' .* may not iterate in float16 in the 'gram' form"
     with pytest.raises(ValueError, match=refused):
         NSConfig(coefficients="polar_express_paper", form="gram", gram_dtype=torch.float16)
-    G = torch.randn(8, 40)
+    for dtype in (torch.float16, torch.bfloat16, "auto"):  # iterates in fp16 on a GPU: refused on every device
+        with pytest.raises(ValueError, match=refused):
+            NSConfig(coefficients="polar_express_paper", form="gram", dtype=dtype)
+    assert NSConfig(coefficients="polar_express_paper", form="gram", dtype=torch.float16, gram_dtype=torch.float32)
+    # dtype=None: the input's, known once newton_schulz sees it; there the device's rule decides
+    G = torch.randn(8, 40, dtype=torch.float16)
     ns = importlib.import_module("muonlab.kernels.newton_schulz")  # the package exports a function of that name
     monkeypatch.setattr(ns, "native_fp16_matmul", lambda device: False)  # a CPU's rule: gram iterates in fp32
-    assert newton_schulz(G, coefficients="polar_express_paper", form="gram", dtype=torch.float16).dtype == torch.float16
+    assert newton_schulz(G, coefficients="polar_express_paper", form="gram", dtype=None).dtype == torch.float16
     monkeypatch.setattr(ns, "native_fp16_matmul", lambda device: True)  # a GPU's rule: in fp16
     with pytest.raises(ValueError, match=refused):
-        newton_schulz(G, coefficients="polar_express_paper", form="gram", dtype=torch.float16)
+        newton_schulz(G, coefficients="polar_express_paper", form="gram", dtype=None)
+
+
+def test_muon_with_a_schedule_refused_in_its_dtype_fails_before_its_first_step_changes_anything():
+    from muonlab import Muon
+
+    p = torch.nn.Parameter(torch.randn(16, 32))
+    p.grad = torch.randn(16, 32)
+    before = p.detach().clone()
+    opt = Muon([p], ns_coefficients="cans")  # ns_dtype="auto": bf16 on a GPU, where cans is not bounded
+    with pytest.raises(ValueError, match=r"schedule 'cans' .* may not iterate in bfloat16"):
+        opt.step()
+    assert torch.equal(p.detach(), before) and not opt.state.get(p)
+    Muon([p], ns_coefficients="cans", ns_dtype=torch.float32).step()  # fp32: runs
+    assert not torch.equal(p.detach(), before)
