@@ -267,7 +267,7 @@ def eager_bench(quick: bool):
         gram, poly = torch.empty(batch, m, m, device=X.device, dtype=X.dtype), torch.empty(batch, m, m, device=X.device, dtype=X.dtype)
 
         def torch_chain():
-            return torch_plain_iterations(work_x.copy_(X), coefficients, gram, poly, spare)
+            return torch_plain_iterations(work_x.copy_(X), spare, coefficients, gram, poly)
         t_plain = do_bench(lambda: newton_schulz_triton(X, coefficients), return_mode="median")
         t_ws = do_bench(lambda: newton_schulz_triton(X, coefficients, workspace=ws), return_mode="median")
         t_torch = do_bench(torch_chain, return_mode="median")

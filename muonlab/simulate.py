@@ -23,7 +23,8 @@ from .comm.planner import REFERENCE_STRATEGIES, plan_batches, reference_plan
 from .comm.records import Plan, per_rank
 from .comm.specs import GroupKey, MatrixSpec, check_view, chunk_sizes, default_view, fused_row_layout
 from .distributed.mesh import MeshAxis
-from .kernels.newton_schulz import NSConfig, ns_flops, resolve_dtype, resolve_form
+from .kernels.config import NSConfig, ns_flops
+from .kernels.newton_schulz import resolve_dtype, resolve_form
 from .kernels.runner import matrices_within
 from .optim.routing import muon_param_groups
 from .optim.validation import check_comm_dtype, check_workspace_bytes, checked_fused_banks, whole_number

@@ -13,7 +13,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from ..kernels.newton_schulz import NSConfig
+from ..kernels.config import NSConfig
 from .specs import GroupKey
 
 

@@ -16,11 +16,16 @@ import json
 import os
 import statistics
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from ..files import file_lock, write_atomic
+from . import execute
+from .config import form_for
+from .forms import FORMS
+from .precision import TRITON_DTYPES, fp32_matmul_precision
 
 TIE = 0.02  # triton must be more than 2% faster to be picked: torch has no compile or tuning risk
 REPEATS = 5
@@ -57,12 +62,10 @@ def cache_file(device: torch.device) -> Path:
 
 
 def _key(batch_shape, dtype, cfg) -> str:
-    from .newton_schulz import form_for, fp32_matmul_precision, gram_work_dtype
-
-    form = form_for(cfg, batch_shape[-2:])
-    if form == "gram":
-        form += f"{cfg.restarts_in(gram_work_dtype(cfg, dtype, None))}"
-    key = f"{tuple(batch_shape)}|{dtype}|{cfg.resolved_coefficients()}|{form}"
+    form = FORMS[form_for(cfg, batch_shape[-2:])]
+    # the form as it runs (the gram form with its restarts), its iterates' dtype by a GPU's rule
+    ran = form.key(cfg, form.work_dtype(cfg, dtype, True))
+    key = f"{tuple(batch_shape)}|{dtype}|{cfg.resolved_coefficients()}|{ran}"
     if dtype == torch.float32:  # TF32 or IEEE products, in torch and in the Triton kernels alike
         # Read through the helper (the legacy getter raises once torch's newer API is used), but
         # spelled with the legacy names, so choices already in cache files keep matching.
@@ -103,8 +106,6 @@ def _store(path: Path) -> None:
 def faster_backend(batch_shape: tuple[int, int, int], dtype: torch.dtype, cfg, device: torch.device) -> str:
     """"torch" or "triton" for a normalised batch of ``batch_shape`` (B, m, n), m <= n, on CUDA;
     "torch", unmeasured, for a dtype the Triton kernels don't take (``TRITON_DTYPES``)."""
-    from .newton_schulz import TRITON_DTYPES
-
     if dtype not in TRITON_DTYPES:  # timing Triton on it would raise (or compute garbage)
         return "torch"
     path = cache_file(device)
@@ -129,10 +130,11 @@ def measured_choices(device: torch.device) -> dict[str, str]:
 
 
 def _measure(batch_shape, dtype, cfg, device) -> str:
-    from dataclasses import replace
-
-    from .newton_schulz import newton_schulz
-
+    """Time both backends on a (B, m, n) batch, each running what ``newton_schulz`` would run
+    there: the form that runs on the shape, iterating in its dtype on CUDA (which multiplies
+    fp16 natively)."""
+    form = form_for(cfg, batch_shape[-2:])
+    iterates = FORMS[form].work_dtype(cfg, dtype, True)
     # A generator of its own: drawing from the default one would advance the caller's RNG on the
     # first process (or rank) that meets this shape but not on those that find it cached.
     generator = torch.Generator(device=device)
@@ -141,12 +143,17 @@ def _measure(batch_shape, dtype, cfg, device) -> str:
     times = {}
     for backend in ("torch", "triton"):
         fixed = replace(cfg, backend=backend, dtype=dtype)
-        newton_schulz(X, fixed)  # compile, autotune, warm the allocator
+
+        def once():  # as a call of newton_schulz without a workspace: output and buffers fresh
+            out = torch.empty(batch_shape, dtype=dtype, device=device)
+            execute.run([X], [out], fixed, form=form, backend=backend, dtype=iterates)
+
+        once()  # compile, autotune, warm the allocator
         runs = []
         for _ in range(REPEATS):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            newton_schulz(X, fixed)
+            once()
             end.record()
             end.synchronize()
             runs.append(start.elapsed_time(end))

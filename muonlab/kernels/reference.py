@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .newton_schulz import norm_scale, resolve_coefficients
+from .coefficients import norm_scale, resolve_coefficients
 
 
 def plain_iterations(X: torch.Tensor, coefficients: Sequence[tuple[float, float, float]]) -> torch.Tensor:

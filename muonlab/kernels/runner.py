@@ -20,8 +20,9 @@ from dataclasses import replace
 import torch
 
 from .health import UpdateHealth
-from .newton_schulz import (NSConfig, Overwrite, batch_pieces, form_for, gram_work_dtype, load_pieces, newton_schulz,
-                            pick_backend, possible_backends, resolve_dtype, store_pieces)
+from .batch_io import Overwrite, batch_pieces, load_pieces, store_pieces
+from .config import NSConfig, form_for
+from .newton_schulz import newton_schulz, pick_backend, possible_backends, resolve_dtype, work_dtype
 from .workspace import Workspace, max_batch_matrices
 
 MIN_BUDGET = {"cuda": 256 * 2**20, "cpu": 8 * 2**20}
@@ -70,7 +71,8 @@ def matrices_within(budget_bytes: int, shape, dtype: torch.dtype, cfg: NSConfig 
     else:
         on_triton = "triton" in possible_backends(cfg.backend, device, dtype)
     input_itemsize = None if input_dtype is None else input_dtype.itemsize
-    work_itemsize = gram_work_dtype(cfg, dtype, device).itemsize if form == "gram" else None
+    # the iterates' own bytes where the form iterates in another dtype (the gram form's fp16 or fp32)
+    work_itemsize = None if cfg is None else work_dtype(cfg, form, dtype, device).itemsize
     return max_batch_matrices(shape, dtype.itemsize, budget_bytes, reuses_input, form,
                               backend="triton" if on_triton else "torch", input_itemsize=input_itemsize,
                               work_itemsize=work_itemsize)

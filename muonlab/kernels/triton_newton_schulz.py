@@ -43,7 +43,8 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-from .newton_schulz import TRITON_DTYPES, coefficient_table, fp32_matmul_precision, is_number
+from .coefficients import coefficient_table
+from .precision import TRITON_DTYPES, fp32_matmul_precision, is_number
 
 try:
     import triton

@@ -17,6 +17,8 @@ import sys
 
 import torch
 
+from .forms import FORMS
+
 ALIGN = 256  # bytes: every buffer starts aligned for any dtype and for vectorised kernels
 
 
@@ -63,9 +65,9 @@ def batch_bytes_per_matrix(m: int, n: int, itemsize: int, reuses_input: bool = F
     workspace's iterate and two m x m products, and the output, which doubles as the second
     iterate (see ``newton_schulz``): 3 m n + 2 m^2 elements. ``reuses_input``: the result
     overwrites an input already in the compute dtype (``muonlab.kernels.newton_schulz.Overwrite``), which
-    is then the output too: 2 m n + 2 m^2. The gram form (``form`` as it runs on this shape) has
-    the same iterates and four m x m products (R, Z, Q and one in flight, see
-    ``_gram_iterations``). ``backend="triton"``: one m n more, as its two iterates are wide
+    is then the output too: 2 m n + 2 m^2. Another form (``form`` as it runs on this shape) has
+    the same iterates and its own number of m x m products (``NSForm.squares``: four for the
+    gram form, R, Z, Q and one in flight). ``backend="triton"``: one m n more, as its two iterates are wide
     buffers of the workspace and the output a copy of the last (the kernels want (B, m, n)
     contiguous; a tall output can't be one).
 
@@ -79,7 +81,7 @@ def batch_bytes_per_matrix(m: int, n: int, itemsize: int, reuses_input: bool = F
     dtype (the gram form's, ``muonlab.kernels.newton_schulz.gram_work_dtype``). Then neither the
     input nor the output can serve as an iterate: the input (also the output where
     ``reuses_input``), the output, and all iterates and products at ``work_itemsize``."""
-    squares = 4 if form == "gram" else 2
+    squares = FORMS[form].squares
     iterates = 2 + (1 if backend == "triton" else 0)  # the output (or reused input) and the spare
     input_bytes = (itemsize if input_itemsize is None else input_itemsize) * m * n
     if work_itemsize is not None and work_itemsize != itemsize:

@@ -8,7 +8,7 @@ result is written back over those inputs (temporaries of this step; no output bu
 
 from __future__ import annotations
 
-from ...kernels.newton_schulz import Overwrite
+from ...kernels.batch_io import Overwrite
 from .base import CommPath
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ...kernels.newton_schulz import NSConfig, ns_flops
+from ...kernels.config import NSConfig, ns_flops
 from ..paths import padded_all_to_all
 from ..records import BatchPlan, Plan
 from ..specs import MatrixSpec

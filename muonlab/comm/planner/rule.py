@@ -15,7 +15,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import replace
 
-from ...kernels.newton_schulz import NSConfig, ns_flops
+from ...kernels.config import NSConfig, ns_flops
 from ..cost import batch_seconds
 from ..paths import agrs, all_to_all, gather_all, owner, rebalance, subgroup
 from ..records import BatchPlan, Plan, part_range

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
-from ...kernels.newton_schulz import NSConfig, ns_flops
+from ...kernels.config import NSConfig, ns_flops
 from ..cost import get_profile, step_seconds
 from ..records import Plan, flops_per_rank
 from ..specs import MatrixSpec
