@@ -16,7 +16,7 @@ from .device import rank_device, to_rank_device  # noqa: E402
 from .expert_parallel import apply_ep, build_ep_mesh  # noqa: E402
 from .launch import WorkerError, WorkerTimeout, launch, run_worker, shutdown_workers  # noqa: E402
 from .mesh import MeshAxis, build_mesh, mesh_axis_group  # noqa: E402
-from .parallelize import Parallelized, apply_ddp, apply_fsdp, parallelize  # noqa: E402
+from .parallelize import Parallelized, apply_ddp, apply_fsdp, find_blocks, fsdp_units, parallelize  # noqa: E402
 from .progress import report_progress  # noqa: E402
 
 __all__ = [
@@ -29,6 +29,8 @@ __all__ = [
     "apply_fsdp",
     "build_ep_mesh",
     "build_mesh",
+    "find_blocks",
+    "fsdp_units",
     "launch",
     "mesh_axis_group",
     "parallelize",

@@ -8,6 +8,13 @@ mesh: HSDP). Local shards follow ``torch.chunk``: 3 rows on 2 ranks are 2 + 1, 6
 DistributedDataParallel. ``apply_ep`` (expert_parallel.py) places experts and shards the rest.
 Each modifies and returns the model; ``parallelize`` picks one by mode, builds the default mesh,
 and says which module's parameters the optimizer should see.
+
+FSDP units of any ``nn.Module`` (:func:`fsdp_units`): the model's repeated blocks, found by
+:func:`find_blocks` (``model.blocks`` for muonlab's GPT; the largest nn.ModuleList or nn.Sequential
+of same-type children elsewhere, e.g. the Linear layers of an nn.Sequential MLP or a transformer's
+``model.layers``), or, where a model repeats nothing, FSDP's size-based auto-wrap policy: bottom up,
+every module holding at least ``min_unit_params`` parameters not already in a unit. The root takes
+what no unit holds.
 """
 
 from __future__ import annotations
@@ -25,35 +32,166 @@ from .device import collective_device, to_rank_device
 from .expert_parallel import apply_ep, build_ep_mesh, check_ep, fsdp_module_in
 from .mesh import build_mesh
 
-__all__ = ["MODES", "Parallelized", "apply_ddp", "apply_fsdp", "parallelize"]
+__all__ = ["AUTO", "MIN_UNIT_PARAMS", "MODES", "Parallelized", "apply_ddp", "apply_fsdp", "find_blocks",
+           "fsdp_units", "parallelize"]
 
 MODES = ("fsdp", "hsdp", "ddp", "ep")
 """The modes of :func:`parallelize`."""
+AUTO = "auto"
+"""``block_attr=AUTO``: find the repeated blocks (:func:`find_blocks`)."""
+MIN_UNIT_PARAMS = 100_000_000
+"""The default size of a unit of the size-based policy, torch's ``size_based_auto_wrap_policy``'s
+``min_num_params``: a model with no repeated blocks and fewer parameters is one unit, the root."""
+_CONTAINERS = (nn.ModuleList, nn.Sequential)
+
+
+def _num_params(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def _with_params(container: nn.Module) -> list[nn.Module]:
+    """A container's children that hold parameters, each once (a module listed twice is one unit)."""
+    return list({id(c): c for c in container.children() if _num_params(c)}.values())
+
+
+def find_blocks(model: nn.Module) -> tuple[str, list[nn.Module]] | None:
+    """The model's repeated blocks: ``(name of their container, blocks)``, or None where it has none.
+
+    ``model.blocks`` (muonlab's GPT: a ModuleList of Blocks) when it is an nn.ModuleList or
+    nn.Sequential; else, over every nn.ModuleList and nn.Sequential in the model (the model itself
+    included, "" its name), the children of one type that hold parameters, at least two: the
+    group with the most parameters wins, the first found (the outermost) on a tie. An
+    nn.Sequential MLP's blocks are its Linear layers (its activations hold nothing); a transformer's
+    its list of layers (a layer's own lists hold fewer parameters)."""
+    blocks = getattr(model, "blocks", None)
+    if isinstance(blocks, _CONTAINERS) and _with_params(blocks):
+        return "blocks", _with_params(blocks)
+    best: tuple[int, str, list[nn.Module]] | None = None
+    for name, container in model.named_modules():
+        if not isinstance(container, _CONTAINERS):
+            continue
+        by_type: dict[type, list[nn.Module]] = {}
+        for child in _with_params(container):
+            by_type.setdefault(type(child), []).append(child)
+        for group in by_type.values():
+            size = sum(_num_params(c) for c in group)
+            if len(group) >= 2 and (best is None or size > best[0]):
+                best = (size, name, group)
+    return None if best is None else (best[1], best[2])
+
+
+def _size_based_units(model: nn.Module, min_params: int) -> list[tuple[str, nn.Module]]:
+    """FSDP's size-based auto-wrap: bottom up, a module (not the root) whose parameters outside the
+    units below it number at least ``min_params`` becomes a unit."""
+    units: list[tuple[str, nn.Module]] = []
+    seen: set[int] = set()
+
+    def visit(name: str, module: nn.Module) -> int:
+        if id(module) in seen:  # a shared module counts (and is wrapped) once
+            return 0
+        seen.add(id(module))
+        count = sum(p.numel() for p in module.parameters(recurse=False))
+        for child_name, child in module.named_children():
+            count += visit(f"{name}.{child_name}" if name else child_name, child)
+        if module is not model and count >= min_params:
+            units.append((name, module))
+            return 0
+        return count
+
+    visit("", model)
+    return units
+
+
+def _containers(model: nn.Module) -> list[str]:
+    """The names of the model's nn.ModuleList / nn.Sequential with parameters ("" for the model)."""
+    return [n for n, m in model.named_modules() if isinstance(m, _CONTAINERS) and _with_params(m)]
+
+
+def _shown(name: str) -> str:
+    return repr(name) if name else '"" (the model itself)'
+
+
+def fsdp_units(model: nn.Module, block_attr: str | None = AUTO, *,
+               min_unit_params: int = MIN_UNIT_PARAMS) -> list[tuple[str, nn.Module]]:
+    """The modules :func:`apply_fsdp` shards as units of their own before the root, as
+    ``(name, module)``; changes nothing.
+
+    ``block_attr``: AUTO (the default) the blocks :func:`find_blocks` finds, else, where the model
+    has none, the size-based policy (``min_unit_params``); a name (dotted, e.g. "model.layers"; ""
+    for the model itself) the children with parameters of that nn.ModuleList or nn.Sequential; None
+    no unit (the root alone).
+
+    Raises:
+        TypeError: ``block_attr`` names no nn.ModuleList or nn.Sequential, saying what to pass.
+        ValueError: ``min_unit_params`` is not an integer >= 1.
+    """
+    if isinstance(min_unit_params, bool) or not isinstance(min_unit_params, int) or min_unit_params < 1:
+        raise ValueError(f"min_unit_params must be an integer >= 1 (parameters per FSDP unit of the size-based "
+                         f"policy), got {min_unit_params!r}")
+    if block_attr is None:
+        return []
+    if block_attr == AUTO:
+        found = find_blocks(model)
+        if found is None:
+            return _size_based_units(model, min_unit_params)
+        name, blocks = found
+    else:
+        name = block_attr
+        try:
+            container = model.get_submodule(block_attr) if isinstance(block_attr, str) else None
+        except AttributeError:
+            container = None
+        if not isinstance(container, _CONTAINERS):
+            found = find_blocks(model)
+            advice = (f"leave block_attr out to shard the blocks found ({_shown(found[0])}: {len(found[1])} x "
+                      f"{type(found[1][0]).__name__})" if found is not None else
+                      "leave block_attr out to shard it by size (it repeats no block)")
+            others = _containers(model)
+            if others:
+                listed = ", ".join(_shown(n) for n in others[:8])
+                advice += f", or name an nn.ModuleList or nn.Sequential of it: {listed}{', ...' if len(others) > 8 else ''}"
+            raise TypeError(
+                f"apply_fsdp expects model.{block_attr} to be an nn.ModuleList or nn.Sequential of blocks, got "
+                f"{type(container).__name__} on {type(model).__name__}; {advice}")
+        blocks = _with_params(container)
+    prefix = f"{name}." if name else ""
+    names: dict[int, str] = {}
+    for child_name, child in model.get_submodule(name).named_children():
+        names.setdefault(id(child), prefix + child_name)
+    return [(names[id(b)], b) for b in blocks]
 
 
 def apply_fsdp(
     model: nn.Module,
     mesh: DeviceMesh,
     *,
-    block_attr: str | None = "blocks",
+    block_attr: str | None = AUTO,
+    min_unit_params: int = MIN_UNIT_PARAMS,
     reshard_after_forward: bool = True,
     mp_policy: MixedPrecisionPolicy | None = None,
 ) -> nn.Module:
-    """``fully_shard`` each module of ``model.<block_attr>`` (an nn.ModuleList), then the root.
+    """``fully_shard`` each unit of :func:`fsdp_units` (by default the model's repeated blocks:
+    ``model.blocks`` for muonlab's GPT), then the root.
 
-    Each block is its own FSDP unit (one all-gather and one reduce-scatter per block); the root
-    unit takes the remaining parameters (embeddings, head, norms). A 1-D mesh gives FSDP, a 2-D
-    (``MeshAxis.REPLICATE``, ``MeshAxis.SHARD``) mesh HSDP. ``block_attr=None`` shards only the root.
+    Each unit is sharded on its own (one all-gather and one reduce-scatter per unit); the root
+    takes the remaining parameters (embeddings, head, norms). A 1-D mesh gives FSDP, a 2-D
+    (``MeshAxis.REPLICATE``, ``MeshAxis.SHARD``) mesh HSDP. ``block_attr``: AUTO (find the
+    blocks; a model without any is wrapped by size, ``min_unit_params``), the name of an
+    nn.ModuleList or nn.Sequential, or None to shard only the root.
     """
     if mesh.ndim not in (1, 2):
         raise ValueError(f"apply_fsdp needs a 1-D or 2-D mesh, got shape {tuple(mesh.shape)}")
+    return _shard(model, fsdp_units(model, block_attr, min_unit_params=min_unit_params), mesh,
+                  reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
+
+
+def _shard(model: nn.Module, units: list[tuple[str, nn.Module]], mesh: DeviceMesh, *, reshard_after_forward: bool,
+           mp_policy: MixedPrecisionPolicy | None) -> nn.Module:
     options = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
     if mp_policy is not None:
         options["mp_policy"] = mp_policy
-    if block_attr is not None:
-        _check_blocks(model, block_attr, "apply_fsdp")
-        for block in getattr(model, block_attr):
-            fully_shard(block, **options)
+    for _, unit in units:
+        fully_shard(unit, **options)
     fully_shard(model, **options)
     return model
 
@@ -119,15 +257,6 @@ def _check_not_parallelized(model: nn.Module, mode: str) -> None:
                          f"FSDP module); pass the full model, parallelized once")
 
 
-def _check_blocks(model: nn.Module, block_attr: str, who: str) -> None:
-    blocks = getattr(model, block_attr, None)
-    if not isinstance(blocks, nn.ModuleList):
-        raise TypeError(
-            f"{who} expects model.{block_attr} to be an nn.ModuleList, got "
-            f"{type(blocks).__name__} on {type(model).__name__}"
-        )
-
-
 def parallelize(
     model: nn.Module,
     mode: str,
@@ -135,6 +264,7 @@ def parallelize(
     *,
     ep: int | None = None,
     block_attr: str | None = None,
+    min_unit_params: int | None = None,
     reshard_after_forward: bool | None = None,
     mp_policy: MixedPrecisionPolicy | None = None,
 ) -> Parallelized:
@@ -153,32 +283,43 @@ def parallelize(
     then is a model on the CPU moved to this rank's device (``cuda:LOCAL_RANK`` for a CUDA rank;
     see :func:`muonlab.distributed.device.to_rank_device`), before any wrapper sees it.
 
-    ``ep`` is read in "ep" mode only, to build the default mesh; ``block_attr`` (default "blocks")
-    and ``reshard_after_forward`` (default True) go to apply_fsdp/apply_ep, so None, "not given",
-    is all "ddp" takes; ``mp_policy`` goes to apply_fsdp only. (To shard only the root, call
-    ``apply_fsdp(model, mesh, block_attr=None)`` directly.) Every rank must call this with the same
-    arguments (it may create process groups).
+    Any ``nn.Module`` shards in "fsdp" and "hsdp": its FSDP units are its repeated blocks, found
+    (:func:`find_blocks`: ``model.blocks`` for muonlab's GPT, the Linear layers of an nn.Sequential
+    MLP, a transformer's list of layers), or, in a model that repeats nothing, its modules of at
+    least ``min_unit_params`` parameters (default ``MIN_UNIT_PARAMS``, FSDP's size-based
+    auto-wrap); the root takes the rest. ``block_attr`` names the container of the blocks instead
+    (an nn.ModuleList or nn.Sequential, dotted: "model.layers"); :func:`fsdp_units` lists the units
+    a call would shard. (To shard only the root, call ``apply_fsdp(model, mesh, block_attr=None)``.)
+
+    ``ep`` is read in "ep" mode only, to build the default mesh; ``block_attr`` (default: found in
+    "fsdp"/"hsdp", "blocks" in "ep") and ``reshard_after_forward`` (default True) go to
+    apply_fsdp/apply_ep, so None, "not given", is all "ddp" takes; ``mp_policy`` and
+    ``min_unit_params`` go to apply_fsdp only. Every rank must call this with the same arguments (it
+    may create process groups).
 
     Raises:
         ValueError: an unknown mode, an option the mode does not read, a model that is already
             parallelized (wrapped in DDP, or FSDP-sharded anywhere, e.g. by a previous call), or a
             mesh of the wrong dimension for the mode (apply_ddp and apply_ep check theirs too), each
             naming the value.
-        TypeError: ``model.<block_attr>`` is not an nn.ModuleList ("fsdp", "hsdp", "ep").
+        TypeError: ``model.<block_attr>`` is not an nn.ModuleList or nn.Sequential ("fsdp", "hsdp"; an
+            nn.ModuleList in "ep"), saying what to pass.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if ep is not None and mode != "ep":
         raise ValueError(f"ep is read in 'ep' mode only, got ep={ep!r} with mode {mode!r}")
-    if mp_policy is not None and mode not in ("fsdp", "hsdp"):
-        raise ValueError(f"mp_policy is read in 'fsdp' and 'hsdp' modes only, got mode {mode!r}")
+    for name, value in (("mp_policy", mp_policy), ("min_unit_params", min_unit_params)):
+        if value is not None and mode not in ("fsdp", "hsdp"):
+            raise ValueError(f"{name} is read in 'fsdp' and 'hsdp' modes only, got mode {mode!r}")
     if mode == "ddp":
         for name, value in (("block_attr", block_attr), ("reshard_after_forward", reshard_after_forward)):
             if value is not None:
                 raise ValueError(f"{name} is read in 'fsdp', 'hsdp' and 'ep' modes only, got {name}={value!r} "
                                  f"with mode 'ddp'")
     _check_not_parallelized(model, mode)
-    block_attr = "blocks" if block_attr is None else block_attr
+    if block_attr is None:
+        block_attr = "blocks" if mode == "ep" else AUTO
     reshard_after_forward = True if reshard_after_forward is None else reshard_after_forward
 
     # The mesh (given, or the default one) is checked before the model moves: a refused call leaves
@@ -196,9 +337,11 @@ def parallelize(
                 f"mode {mode!r} needs a {wanted_ndim}-D mesh, got axes {list(mesh.mesh_dim_names or ())} "
                 f"with shape {tuple(mesh.shape)}"
             )
-        _check_blocks(model, block_attr, "apply_fsdp")
-        model = apply_fsdp(to_rank_device(model), mesh, block_attr=block_attr,
-                           reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
+        units = fsdp_units(model, block_attr, min_unit_params=MIN_UNIT_PARAMS if min_unit_params is None
+                           else min_unit_params)
+        # moving keeps the modules (Module.to works in place), so the units found stay the model's
+        model = _shard(to_rank_device(model), units, mesh, reshard_after_forward=reshard_after_forward,
+                       mp_policy=mp_policy)
         return Parallelized(model, model, mesh)
     if mode == "ddp":
         if mesh is not None and mesh.ndim != 1:

@@ -98,3 +98,65 @@ def test_errors_name_the_bad_value(reports):
         assert errors[case] is not None, f"{case}: no error raised"
         for part in parts:
             assert part in errors[case], (case, part, errors[case])
+
+
+# ---------------------------------------------------------------------------------- any model
+
+
+@pytest.fixture(scope="module")
+def any_model_references():
+    return {kind: W.train_single_process(kind) for kind in ("mlp", "noblocks")}
+
+
+@pytest.mark.timeout(180)
+def test_any_model_sharded_and_trained_with_muon_equals_one_process(reports, any_model_references):
+    """An nn.Sequential MLP and a model with no repeated block, under FSDP2, HSDP and DDP, trained
+    3 steps with Muon in fp32 on slices of the global batch: one process's parameters."""
+    for rank, report in reports.items():
+        cases = report["any_model"]
+        for kind, mode, options in W.ANY_MODEL_CASES:
+            case = cases[f"{kind}/{mode}/{sorted(options)}"]
+            ref = any_model_references[kind]
+            assert case["params"].keys() == ref.keys(), (rank, kind, mode)
+            for name, value in case["params"].items():
+                moved = (ref[name] - W.build_any(kind).state_dict()[name]).abs().max()
+                assert moved > 1e-4, (kind, name, "the reference did not train")
+                torch.testing.assert_close(value, ref[name], rtol=1e-5, atol=1e-6, msg=f"{rank} {kind} {mode} {name}")
+            # every hidden Linear weight goes to Muon, as in one process
+            assert case["muon"] == sorted(n for n in ref if n.endswith("weight") and ref[n].ndim == 2), case["muon"]
+
+
+@pytest.mark.timeout(180)
+def test_the_units_are_the_repeated_blocks_or_by_size(reports):
+    for report in reports.values():
+        cases = report["any_model"]
+        # the Sequential's Linear layers are its blocks; its activations hold nothing to shard
+        for mode in ("fsdp", "hsdp"):
+            case = cases[f"mlp/{mode}/[]"]
+            assert case["fsdp_units"] == ["0", "2", "4"], case["fsdp_units"]
+            expected = [repr(Shard(0))] if mode == "fsdp" else [repr(Replicate()), repr(Shard(0))]
+            assert case["placements"]["2.weight"] == expected
+        assert cases["mlp/ddp/[]"]["placements"] == {}
+        # nothing repeats: the root alone by default (under FSDP's 1e8 parameters), by size when asked
+        assert cases["noblocks/fsdp/[]"]["fsdp_units"] == []
+        assert cases["noblocks/fsdp/['min_unit_params']"]["fsdp_units"] == ["fc_in", "fc_out"]
+        assert set(cases["noblocks/fsdp/[]"]["placements"]) == {n for n in cases["noblocks/fsdp/[]"]["params"]}
+
+
+@pytest.mark.timeout(180)
+def test_any_model_errors_name_the_fix(reports):
+    errors = reports[0]["any_model"]["errors"]
+    expected = {
+        # the message of issue 32, now with what to do
+        "sequential_named_blocks": ["TypeError: apply_fsdp expects model.blocks to be an nn.ModuleList or "
+                                    "nn.Sequential of blocks, got NoneType on Sequential",
+                                    "leave block_attr out to shard the blocks found", "3 x Linear"],
+        "noblocks_named_layers": ["TypeError", "model.layers", "NoBlocks", "leave block_attr out to shard it by size"],
+        "min_unit_params_ddp": ["ValueError", "min_unit_params is read in 'fsdp' and 'hsdp' modes only", "'ddp'"],
+        "min_unit_params_zero": ["ValueError", "min_unit_params must be an integer >= 1", "got 0"],
+    }
+    assert set(errors) == set(expected)
+    for case, parts in expected.items():
+        assert errors[case] is not None, f"{case}: no error raised"
+        for part in parts:
+            assert part in errors[case], (case, part, errors[case])
