@@ -5,6 +5,8 @@ a notebook cell; these modules hold them. Nothing in muonlab's core imports this
 
 * ``train``: ``train_worker``, the small GPT (or its MoE variant) with Muon under FSDP2, DDP or
   expert parallelism (notebooks 02, 03, the demo);
+* ``any_model``: ``train_model``, a model of your own (an nn.Sequential from a cell, or an importable
+  function building one) with a loss and batches, under FSDP2, HSDP or DDP;
 * ``checkpoint``: save, reshard and resume a run (notebook 05, benchmarks/bench_checkpoint.py);
 * ``faults``: a worker that fails on purpose (notebook 05);
 * ``demo``: both halves of ``make demo`` (single-process Muon vs AdamW, then the distributed run).

@@ -13,9 +13,11 @@ from collections.abc import Mapping, Sequence
 import matplotlib.pyplot as plt
 
 from ..trace.spectral import DERIVED, METRICS, SpectralRecord, records_by_name
+from .curves import integer_steps, ns_choice_short, robust_ylim
 from .panel_output import show_figure
 
-__all__ = ["LABELS", "SpectralPanel", "plot_spectral", "plot_spectral_layers", "spectral_panel"]
+__all__ = ["BLOCK_STYLES", "LABELS", "SpectralPanel", "plot_spectral", "plot_spectral_layers", "plot_spectral_runs",
+           "spectral_panel"]
 
 LABELS = {
     "weight_sigma": "weight spectral norm",
@@ -45,8 +47,38 @@ def _check_runs(runs) -> None:
 
 
 def _kind(name: str) -> str:
-    """A matrix's kind: its name without layer indices."""
-    return ".".join(part for part in name.split(".") if not part.isdigit())
+    """A matrix's kind: its name without the indices of repeated blocks, which are followed by a
+    module's name ("blocks.0.mlp.fc.weight" -> "blocks.mlp.fc.weight": one kind per layer of a
+    block); an index followed by the parameter's own name is a layer of its own and stays
+    ("0.weight", "2.weight" of an nn.Sequential, "blocks.1.0.weight" -> "blocks.0.weight")."""
+    parts = name.split(".")
+    return ".".join(p for i, p in enumerate(parts) if not p.isdigit() or i == len(parts) - 2)
+
+
+def _block(name: str) -> str:
+    """The repeated block a matrix is in, its name up to the last index ``_kind`` removes
+    ("blocks.1.mlp.fc.weight" -> "blocks.1"); "" for none."""
+    parts = name.split(".")
+    cut = [i for i, p in enumerate(parts) if p.isdigit() and i != len(parts) - 2]
+    return ".".join(parts[:cut[-1] + 1]) if cut else ""
+
+
+BLOCK_STYLES = ("-", "--", ":", "-.")
+"""Line styles of the first blocks, in order: one colour per kind, one style per block."""
+
+
+def _block_styles(names: Sequence[str]) -> dict[str, object]:
+    """{block: line style}: BLOCK_STYLES for 2 up to as many blocks; else {} and solid lines (one
+    block needs no key; past 4 the colour says the kind only)."""
+    blocks = [b for b in dict.fromkeys(_block(n) for n in names) if b]
+    if not 2 <= len(blocks) <= len(BLOCK_STYLES):
+        return {}
+    return dict(zip(blocks, BLOCK_STYLES))
+
+
+def _ns_label(run) -> str:
+    """The Newton-Schulz choice a History recorded ("bf16, plain, torch"), "" for records alone."""
+    return ns_choice_short(getattr(run, "ns_choices", None))
 
 
 def _kind_colors(names: Sequence[str]) -> dict[str, str]:
@@ -69,10 +101,12 @@ def matrix_names(runs: Mapping) -> list[str]:
     return list(names)
 
 
-def plot_spectral(runs: Mapping, name: str, metric: str, *, ax=None, title: str | None = None):
+def plot_spectral(runs: Mapping, name: str, metric: str, *, ax=None, title: str | None = None, legend: bool = True):
     """``metric`` of matrix ``name`` over training, one line per run (``{label: History or records}``).
     Runs that have no value of it (the orthogonality error of an AdamW-updated matrix) are named
-    in the title instead of drawn."""
+    in the title instead of drawn. A History that says what Newton-Schulz ran labels its line with
+    it; a diverged run is marked and leaves the y-axis to the others. ``legend=False`` leaves the
+    legend out (to place one for several axes: ``fig.legend(*ax.get_legend_handles_labels())``)."""
     _check_runs(runs)
     _check_metric(metric)
     known = matrix_names(runs)
@@ -86,22 +120,31 @@ def plot_spectral(runs: Mapping, name: str, metric: str, *, ax=None, title: str 
         if not steps or all(math.isnan(v) for v in values):
             missing.append(label)
             continue
-        ax.plot(steps, values, "o-", ms=3, color=f"C{i}", label=label)
+        ns = _ns_label(run)
+        ax.plot(steps, values, "o-", ms=3, color=f"C{i}", label=f"{label} ({ns})" if ns else label)
     ax.set_xlabel("step")
     ax.set_ylabel(LABELS[metric])
     note = f"\n(none for {', '.join(missing)})" if missing else ""
     ax.set_title((title or f"{name}: {LABELS[metric]}") + note, fontsize=11)
-    if ax.lines:
-        ax.legend(fontsize=9, loc="best")
+    integer_steps(ax)
+    robust_ylim(ax)
+    if ax.lines and legend:
+        ax.legend(fontsize=8, loc="best")
     ax.grid(alpha=0.3)
     return ax
 
 
 def plot_spectral_layers(run, metric: str, *, ax=None, title: str = "", names: Sequence[str] | None = None,
-                         legend: bool = True, colors: Mapping[str, str] | None = None):
-    """``metric`` of every recorded matrix of one run (or of ``names``), one line each, one colour
-    per matrix kind (the name without its layer index): from ``colors`` ({kind: colour} for every
-    kind drawn, to match other axes), else in the order this run shows the kinds."""
+                         legend: bool = True, colors: Mapping[str, str] | None = None,
+                         styles: Mapping[str, object] | None = None):
+    """``metric`` of every recorded matrix of one run (or of ``names``), one line each: one colour
+    per matrix kind (the name without its block's index, ``_kind``; the layers of an nn.Sequential
+    keep their full names, each a kind of its own) and one line style per block (``BLOCK_STYLES``,
+    up to 4 blocks: "blocks.0" solid, "blocks.1" dashed), so every matrix is told apart. Colours
+    come from ``colors`` ({kind: colour}, to match other axes), styles from ``styles`` ({block:
+    style}), else from this run. A History that says what Newton-Schulz ran puts it under the
+    title; a diverged matrix is marked and leaves the y-axis to the others. The legend (right of
+    the axis; ``legend=False`` for none) names the kinds, then the blocks."""
     _check_metric(metric)
     series = records_by_name(_records(run), metric)
     if names is not None:
@@ -109,24 +152,62 @@ def plot_spectral_layers(run, metric: str, *, ax=None, title: str = "", names: S
     if ax is None:
         _, ax = plt.subplots(figsize=(6, 3.5))
     drawn = [n for n, (_, values) in series.items() if not all(math.isnan(v) for v in values)]
-    if colors is None:
-        colors = _kind_colors(drawn)
+    colors = _kind_colors(drawn) if colors is None else colors
+    styles = _block_styles(drawn) if styles is None else styles
     labelled: set[str] = set()
     for n in drawn:
         steps, values = series[n]
         kind = _kind(n)
-        ax.plot(steps, values, color=colors[kind], lw=1.2, alpha=0.85, label=None if kind in labelled else kind)
+        ax.plot(steps, values, color=colors[kind], ls=styles.get(_block(n), "-"), lw=1.2, alpha=0.85,
+                label=None if kind in labelled else kind)
         labelled.add(kind)
+    for block in dict.fromkeys(_block(n) for n in drawn):  # the key to the styles, in grey
+        if block in styles:
+            ax.plot([], [], color="0.35", ls=styles[block], lw=1.2, label=block)
     ax.set_xlabel("step")
     ax.set_ylabel(LABELS[metric])
-    ax.set_title(title or LABELS[metric], fontsize=11)
-    if not ax.lines:  # e.g. ortho_error of an AdamW run: say so rather than leave a blank axis
+    ns = _ns_label(run)
+    ax.set_title((title or LABELS[metric]) + (f"\nNewton-Schulz: {ns}" if ns else ""), fontsize=11)
+    integer_steps(ax)
+    if not drawn:  # e.g. ortho_error of an AdamW run: say so rather than leave a blank axis
         ax.text(0.5, 0.5, "no values for this metric", transform=ax.transAxes, ha="center", va="center",
                 color="0.4")
-    elif legend:
-        ax.legend(fontsize=8, loc="best")
+    else:
+        robust_ylim(ax)
+        if legend:  # right of the axis, clear of the curves
+            ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     ax.grid(alpha=0.3)
     return ax
+
+
+def plot_spectral_runs(runs: Mapping, metric: str, *, names: Sequence[str] | None = None, title: str = ""):
+    """``plot_spectral_layers`` of each run side by side (``{label: History or records}``, each axis
+    titled by its label, ``title`` above all), on one y-range that a diverged run does not set (it
+    is marked), with one colour per kind and one style per block across the runs and one legend
+    under the panels; returns the figure."""
+    _check_runs(runs)
+    _check_metric(metric)
+    fig, axes = plt.subplots(1, len(runs), figsize=(4.4 * len(runs), 3.9), squeeze=False, sharex=True)
+    known = matrix_names(runs) if names is None else list(names)
+    # one colour per kind and one style per block across the runs, which may record different
+    # matrices: one legend serves all
+    colors, styles = _kind_colors(known), _block_styles(known)
+    handles: dict = {}
+    for ax, (label, run) in zip(axes[0], runs.items()):
+        plot_spectral_layers(run, metric, ax=ax, title=str(label), names=names, legend=False, colors=colors,
+                             styles=styles)
+        handles.update({line.get_label(): line for line in ax.lines if not line.get_label().startswith("_")})
+    robust_ylim(axes[0])
+    if title:
+        fig.suptitle(title, fontsize=12)
+    if not handles:  # no run has a value of this metric: each axis says so, no legend to place
+        fig.tight_layout()
+        return fig
+    # one legend for all panels, under them: inside an axis it would hide curves
+    columns = min(len(handles), 5)
+    fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=columns, fontsize=9, frameon=False)
+    fig.tight_layout(rect=(0, 0.07 * (1 + (len(handles) - 1) // columns), 1, 1))
+    return fig
 
 
 class SpectralPanel:
@@ -162,21 +243,7 @@ class SpectralPanel:
     def figure(self, name: str, metric: str):
         """The figure for these choices (not displayed)."""
         if name == ALL:
-            fig, axes = plt.subplots(1, len(self.runs), figsize=(4.2 * len(self.runs), 3.6), sharey=True,
-                                     squeeze=False)
-            handles: dict = {}
-            # one colour per kind across the runs, which may record different matrices: one legend serves all
-            colors = _kind_colors(matrix_names(self.runs))
-            for ax, (label, run) in zip(axes[0], self.runs.items()):
-                plot_spectral_layers(run, metric, ax=ax, title=label, legend=False, colors=colors)
-                handles.update({line.get_label(): line for line in ax.lines if not line.get_label().startswith("_")})
-            if not handles:  # no run has a value of this metric: each axis says so, no legend to place
-                fig.tight_layout()
-                return fig
-            # one legend for all panels, under them: inside an axis it would hide curves
-            fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=min(len(handles), 4), fontsize=9)
-            fig.tight_layout(rect=(0, 0.06 * (1 + (len(handles) - 1) // 4), 1, 1))
-            return fig
+            return plot_spectral_runs(self.runs, metric)
         fig, ax = plt.subplots(figsize=(7, 3.6))
         plot_spectral(self.runs, name, metric, ax=ax)
         fig.tight_layout()

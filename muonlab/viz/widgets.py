@@ -13,14 +13,16 @@ import matplotlib.pyplot as plt
 from ..kernels.newton_schulz import PRESETS
 from ..models import GPT, GPTConfig
 from ..train import History, make_optimizer, train
-from .curves import plot_loss_curves
+from .curves import ns_choice_short, plot_loss_curves, robust_ylim
 from .panel_output import check_range, show_figure
 
 
-def plot_val_loss_vs_time(histories: dict, *, ax=None, title: str = "validation loss vs wall time"):
+def plot_val_loss_vs_time(histories: dict, *, ax=None, title: str = "validation loss vs wall time",
+                          ylabel: str = "validation loss"):
     """Validation loss against the cumulative training-step wall time of each named History.
 
-    Evaluation time is not counted, so the x axis is what the optimizer and the model cost.
+    Evaluation time is not counted, so the x axis is what the optimizer and the model cost. Runs
+    are labelled with the Newton-Schulz choice their History recorded; a diverged run is marked.
     """
     points = {}
     for name, h in histories.items():
@@ -37,10 +39,12 @@ def plot_val_loss_vs_time(histories: dict, *, ax=None, title: str = "validation 
     if ax is None:  # made only once the runs are checked: no figure is left open by an error
         _, ax = plt.subplots(figsize=(6, 3.5))
     for i, (name, h) in enumerate(histories.items()):
-        ax.plot(points[name], h.val_loss, "o-", color=f"C{i}", ms=3, label=name)
+        ns = ns_choice_short(h.ns_choices)
+        ax.plot(points[name], h.val_loss, "o-", color=f"C{i}", ms=3, label=f"{name} ({ns})" if ns else name)
     ax.set_xlabel("training wall time (s)")
-    ax.set_ylabel("val cross-entropy (nats/byte)")
+    ax.set_ylabel(ylabel)
     ax.set_title(title)
+    robust_ylim(ax)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     return ax
@@ -165,9 +169,9 @@ class TrainingPanel:
         self.status.value = ""
 
     def _draw(self):
-        fig, ax = plt.subplots(figsize=(7, 3.5))
-        try:
-            plot_loss_curves(self.runs, ax=ax, title="Muon on the small GPT")
+        fig, ax = plt.subplots(figsize=(9, 3.5))
+        try:  # the legend right of the axis: inside, it covered the curves
+            plot_loss_curves(self.runs, ax=ax, title="Muon on the small GPT", ylabel="cross-entropy (nats/byte)")
         except BaseException:
             plt.close(fig)  # not left open in pyplot for every failed draw
             raise
