@@ -279,22 +279,27 @@ def _worker_entry(
             on_return=mark_returned,
         )
         return pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
-    except SystemExit as e:
+    except BaseException as e:
         mark_failed()
-        # elastic records no traceback for SystemExit: say what happened in words
-        code = e.code if isinstance(e.code, int) else 1
-        text = f"rank {rank} exited with code {code} (sys.exit({e.code!r}) in the worker, before returning)"
-        _write_status(status_dir, rank, "exit", text)
-        print(text, file=sys.stderr, flush=True)
-        raise
-    except BaseException:
-        mark_failed()
-        traceback.print_exc()
-        sys.stderr.flush()
+        report_failure(rank, status_dir, e)
         raise
     finally:
         _progress._close_stream()
         _write_status(status_dir, rank, "done", str(os.getpid()))
+
+
+def report_failure(rank: int, status_dir: str, err: BaseException) -> None:
+    """What a failing worker (cold or warm) leaves before re-raising ``err``: for ``sys.exit`` its
+    code in words, in the status folder and on stderr (elastic records no traceback for
+    SystemExit); for anything else its traceback on stderr."""
+    if isinstance(err, SystemExit):
+        code = err.code if isinstance(err.code, int) else 1
+        text = f"rank {rank} exited with code {code} (sys.exit({err.code!r}) in the worker, before returning)"
+        _write_status(status_dir, rank, "exit", text)
+        print(text, file=sys.stderr, flush=True)
+    else:
+        traceback.print_exc()
+        sys.stderr.flush()
 
 
 def run_worker(

@@ -45,7 +45,6 @@ import sys
 import sysconfig
 import threading
 import time
-import traceback
 from datetime import timedelta
 from multiprocessing import Pipe
 from multiprocessing.connection import Connection
@@ -213,17 +212,9 @@ def _run_task(task: Task, rank: int, world: int, first: bool, device: str, backe
         with open(os.path.join(status_dir, f"rank{rank}.result"), "wb") as f:
             pickle.dump(result, f, protocol=pickle.HIGHEST_PROTOCOL)
         return "keep" if dist.is_initialized() else "retire"
-    except SystemExit as e:
+    except BaseException as e:
         mark_failed()
-        code = e.code if isinstance(e.code, int) else 1
-        text = f"rank {rank} exited with code {code} (sys.exit({e.code!r}) in the worker, before returning)"
-        _launch._write_status(status_dir, rank, "exit", text)
-        print(text, file=sys.stderr, flush=True)
-        raise
-    except BaseException:
-        mark_failed()
-        traceback.print_exc()
-        sys.stderr.flush()
+        _launch.report_failure(rank, status_dir, e)
         raise
     finally:
         _progress._close_stream()

@@ -129,3 +129,12 @@ def single_process(model, opt, batches: Iterable) -> dict[str, torch.Tensor]:
 def nonzero(by_path: dict) -> dict:
     """{path: bytes} without the paths that moved nothing (a collective counted with 0 bytes)."""
     return {path: n for path, n in by_path.items() if n}
+
+
+def running(pid: int) -> bool:
+    """The process exists and is not a zombie (an orphan's zombie waits for init to reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False

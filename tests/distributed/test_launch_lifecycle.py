@@ -16,17 +16,11 @@ import pytest
 from muonlab.distributed import WorkerError, WorkerTimeout, launch
 from muonlab.distributed.launch import RUNS_DIR_ENV
 from tests.distributed import _workers_launch as workers
+from tests.distributed._common import running
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
 
-def _running(pid: int) -> bool:
-    """The process exists and is not a zombie (an orphan's zombie waits for init to reap it)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except FileNotFoundError:
-        return False
 
 
 def _child_pids(out_dir) -> list[int]:
@@ -70,7 +64,7 @@ def test_processes_a_worker_starts_end_with_a_failed_launch(tmp_path):
     with pytest.raises(WorkerError) as info:
         launch(workers.start_child_then, 2, "raise", str(tmp_path), timeout_s=150)
     assert "deliberate failure after starting a child process" in str(info.value)
-    survivors = [pid for pid in _child_pids(tmp_path) if _running(pid)]
+    survivors = [pid for pid in _child_pids(tmp_path) if running(pid)]
     assert not survivors, f"the workers' child processes {survivors} outlived the launch"
 
 
@@ -82,7 +76,7 @@ def test_processes_a_worker_starts_end_with_a_timed_out_or_finished_launch(tmp_p
         launch(workers.start_child_then, 1, "hang", str(tmp_path / "hang"), timeout_s=3)
     assert launch(workers.start_child_then, 1, "return", str(tmp_path / "return"), timeout_s=150) == {0: 0}
     for case in ("hang", "return"):
-        survivors = [pid for pid in _child_pids(tmp_path / case) if _running(pid)]
+        survivors = [pid for pid in _child_pids(tmp_path / case) if running(pid)]
         assert not survivors, f"{case}: the worker's child process {survivors} outlived the launch"
 
 

@@ -16,25 +16,19 @@ import pytest
 from muonlab.distributed import WorkerError, WorkerTimeout, launch
 from muonlab.distributed.launch import LAUNCH_INFO, RUNS_DIR_ENV, shutdown_workers
 from tests.distributed import _workers_warm as workers
+from tests.distributed._common import running
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
 
-def _running(pid: int) -> bool:
-    """The process exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except FileNotFoundError:
-        return False
 
 
 def _wait_gone(pids, limit_s: float = 30.0) -> list[int]:
     """The pids still running after up to ``limit_s`` (a killed process may take a moment)."""
     deadline = time.monotonic() + limit_s
-    while any(map(_running, pids)) and time.monotonic() < deadline:
+    while any(map(running, pids)) and time.monotonic() < deadline:
         time.sleep(0.05)
-    return [pid for pid in pids if _running(pid)]
+    return [pid for pid in pids if running(pid)]
 
 
 def _info(name: str) -> dict:
