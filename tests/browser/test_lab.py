@@ -165,7 +165,7 @@ def test_notebook_01_panel_renders_and_trains_on_click(lab, tmp_path):
         browser = p.chromium.launch(executable_path=CHROMIUM, headless=True)
         try:
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            # Run All's budget: about 40 s on a quiet 2-core machine, past 120 s at a load of 9
+            # Run All's budget: it ran past 120 s on the 2 cores at a load of 9
             _open_and_run_all(page, url, token, NOTEBOOK, timeout_ms=240_000)
 
             errors = page.locator(ERROR_OUTPUT, has_text="Traceback")
