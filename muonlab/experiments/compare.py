@@ -35,6 +35,7 @@ from ..bars import in_notebook_kernel, notebook_bar
 from ..models import GPT, GPTConfig
 from ..optim.validation import check_whole
 from ..train import OPTIMIZERS, make_optimizer, train
+from ..trace.ns_choice import ns_choice_summary
 
 __all__ = ["Comparison", "ConfigResult", "Run", "compare", "run_one"]
 
@@ -168,20 +169,6 @@ def _run_share(jobs: list[tuple[str, int]], configs: dict, *, model, steps: int)
 # ---------------------------------------------------------------- per configuration
 
 
-def choices_summary(choices: Sequence[Mapping]) -> str:
-    """What Newton-Schulz ran, in a few words: "gram x3 + plain x1, float32, torch"; forms counted
-    by plan batch. "no Newton-Schulz" for an optimizer without it (AdamW)."""
-    if not choices:
-        return "no Newton-Schulz"
-    forms: dict[str, int] = {}
-    for c in choices:
-        forms[c["form"]] = forms.get(c["form"], 0) + 1
-    form = " + ".join(f"{f} x{n}" for f, n in forms.items()) if len(forms) > 1 else next(iter(forms))
-    dtypes = "/".join(dict.fromkeys(str(c["dtype"]) for c in choices))
-    backends = "/".join(dict.fromkeys(str(c["backend"]) for c in choices))
-    return f"{form}, {dtypes}, {backends}"
-
-
 def _smoothed(losses: Sequence[float], window: int) -> list[float]:
     """Trailing mean over ``window`` steps (fewer at the start)."""
     out, total = [], 0.0
@@ -214,7 +201,7 @@ class ConfigResult:
     reached: int
     """Runs (not diverged) whose smoothed loss reached the target."""
     choices: str
-    """``choices_summary`` of the runs' resolved choices ("a | b" if seeds differed)."""
+    """``ns_choice_summary`` of the runs' resolved choices ("a | b" if seeds differed)."""
 
     @property
     def diverged_seeds(self) -> list[int]:
@@ -343,7 +330,7 @@ def _config_result(name: str, settings: dict, runs: list[Run], *, target: float,
         low.append(e.low)
         high.append(e.high)
     reached = [s for s in (_first_at_or_below(_smoothed(r.train_loss, window), target) for r in kept) if s is not None]
-    choices = " | ".join(dict.fromkeys(choices_summary(r.choices) for r in runs))
+    choices = " | ".join(dict.fromkeys(ns_choice_summary(r.choices) for r in runs))
     return ConfigResult(name=name, settings=dict(settings), runs=runs, steps=list(range(1, n_steps + 1)),
                         mean=mean, low=low, high=high,
                         final_val_loss=stats.mean_ci([r.final_val_loss for r in kept], confidence),

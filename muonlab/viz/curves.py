@@ -18,6 +18,8 @@ import numpy as np  # noqa: E402
 from matplotlib.axes import Axes  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
+from ..trace.ns_choice import ns_choice_short  # noqa: E402
+
 __all__ = ["DIVERGED_FACTOR", "integer_steps", "ns_choice_short", "plot_loss_curves", "plot_singular_values",
            "robust_ylim"]
 
@@ -25,22 +27,7 @@ DIVERGED_FACTOR = 10.0
 """A curve has diverged where it turns non-finite, or where its magnitude passes this many times
 its largest over its first quarter (or, if larger, the median of that over the curves drawn
 together): the y-axis is then set by the curves before they diverged, and a mark says where."""
-_SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64"}
 _MARK = "muonlab-diverged"  # the gid of the marks robust_ylim draws (and removes on a redraw)
-
-
-def ns_choice_short(choices: Sequence[Mapping] | None) -> str:
-    """What Newton-Schulz ran, short enough for a legend: "bf16, plain, torch" from
-    ``Muon.resolved_choices()`` (one dict per plan batch); where batches differ, each field lists
-    its values in order ("bf16, gram/plain, torch"); "" for no choices (not muonlab's Muon)."""
-    if not choices:
-        return ""
-    fields = []
-    for key in ("dtype", "form", "backend"):
-        # "auto (timed at the first step)" -> "auto", "bfloat16" -> "bf16"
-        values = dict.fromkeys(_SHORT.get(v, v) for v in (str(c.get(key, "?")).split(" (")[0] for c in choices))
-        fields.append("/".join(values))
-    return ", ".join(fields)
 
 
 def integer_steps(ax) -> None:

@@ -23,6 +23,7 @@ from ..comm.paths import PATHS  # noqa: E402
 from ..trace.spans import LANES, span_rows  # noqa: E402
 from ..trace.step_time import exposed_comm_table, per_step, select_steps  # noqa: E402
 from ..trace.steps import CLOCKS  # noqa: E402
+from ..trace.ns_choice import ns_choice_label  # noqa: E402
 
 __all__ = ["BYTE_UNITS", "DISTRIBUTION_ABOVE", "FLOP_UNITS", "PATH_COLORS", "PHASE_COLORS", "plot_bytes_by_path",
            "ns_choice_label", "plot_plan", "plot_rank_distribution", "plot_step_time", "plot_timeline", "scale_for"]
@@ -57,38 +58,6 @@ def _pack(spans: list[dict]) -> list[int]:
         track_end[t] = s["end"]
         tracks[i] = t
     return tracks
-
-
-def ns_choice_label(choices) -> str:
-    """One line naming the Newton-Schulz form, dtype and backend that ran, per group of batches:
-    ``choices`` is ``Muon.resolved_choices()`` (a dict per plan batch). E.g. "Newton-Schulz: gram
-    form, bf16, torch (batches 0-2); plain form, bf16, torch (batch 3)"."""
-    groups: dict[tuple, list[int]] = {}
-    for i, c in enumerate(choices):
-        groups.setdefault((c["form"], c["dtype"], c["backend"]), []).append(c.get("batch", i))
-    if not groups:
-        return "Newton-Schulz: no Muon batch"
-    if len(groups) == 1:
-        (form, dtype, backend), = groups
-        return f"Newton-Schulz: {form} form, {dtype}, {backend} (every batch)"
-    parts = []
-    for (form, dtype, backend), batches in groups.items():
-        which = f"batch {batches[0]}" if len(batches) == 1 else f"batches {_ranges(batches)}"
-        parts.append(f"{form} form, {dtype}, {backend} ({which})")
-    return "Newton-Schulz: " + "; ".join(parts)
-
-
-def _ranges(numbers: list[int]) -> str:
-    """[0, 1, 2, 5] -> "0-2, 5"."""
-    out, run = [], [numbers[0]]
-    for n in numbers[1:]:
-        if n == run[-1] + 1:
-            run.append(n)
-        else:
-            out.append(run)
-            run = [n]
-    out.append(run)
-    return ", ".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in out)
 
 
 def _step_offsets(rows: list[dict]) -> tuple[dict[int, float], list[tuple[int, float, float]]]:
