@@ -9,7 +9,8 @@ your own: ``train_model`` is the worker, the model, loss and batches its argumen
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
     x, y = torch.randn(1024, 32), torch.randint(0, 10, (1024,))
     out = launch(train_model, 2, model, "cross_entropy", (x, y), mode="fsdp", steps=20, batch_size=64)
-    plot_loss_curves({"fsdp": out[0]["history"]}); plot_timeline(out[0]["spans"])
+    plot_loss_curves({"fsdp": out[0]["history"]})
+    plot_timeline(out[0]["step_spans"], steps=3, choices=out[0]["ns_choices"], clock=out[0]["span_clock"])
 
 Everything passed to a launch is pickled: an ``nn.Sequential`` of torch layers is, a class defined
 in a notebook cell is not (pass an importable function that builds it instead). The batch source
@@ -33,9 +34,9 @@ from ..distributed.device import rank_device, wait_for
 from ..distributed.progress import report_progress
 from ..optim import Muon, muon_param_groups
 from ..optim.validation import check_whole
-from ..trace import gather_spans
+from ..trace import StepRecorder, gather_spans
 from ..train import BatchSource, History, model_loss, resolve_loss, rows_of, to_device
-from .train import plan_rows
+from .train import STEPS_KEPT, plan_rows
 
 __all__ = ["MODES", "global_slice", "train_model"]
 
@@ -105,8 +106,10 @@ def train_model(
     losses and step times, with ``ns_choices``, for ``plot_loss_curves``), step_seconds (the
     optimizer step's), units (the FSDP units ``parallelize`` sharded; [] under DDP), ns_choices
     (``Muon.resolved_choices()``), plan (``plan_rows``), plan_table, stats (``last_step_stats()``),
-    and spans: every rank's spans of the last step as dicts on rank 0 (``plot_timeline``), None on
-    the other ranks.
+    spans: every rank's spans of the last step as dicts on rank 0 (``plot_timeline``), None on the
+    other ranks, step_spans: the same for the last ``STEPS_KEPT`` steps, numbered
+    (``muonlab.trace.StepRecorder``; ``plot_timeline(..., steps=k)``, ``trace.step_time``), and
+    span_clock: "gpu" or "host" (what the spans time).
 
     A ValueError or TypeError naming the argument before any model is parallelized: ``mode`` not in
     ``MODES``, ``steps`` not a whole number >= 1, an unknown loss name, a batch source of another
@@ -131,6 +134,7 @@ def train_model(
     units = [] if mode == "ddp" else [name for name, _ in fsdp_units(net, block_attr or "auto")]
     net, inner, _ = parallelize(net, mode, mesh, block_attr=block_attr)
     opt = Muon(muon_param_groups(inner), lr=lr, **(muon_kwargs or {}))
+    recorder = StepRecorder(opt, keep=STEPS_KEPT, first_step=1)  # numbered as history.steps
 
     history = History()
     losses, step_seconds = [], []
@@ -160,9 +164,11 @@ def train_model(
     history.ns_choices = opt.resolved_choices()
     plan = opt.plan()
     spans = gather_spans(opt.last_step_spans())
+    step_spans = recorder.gather()
     return dict(
         rank=rank, world_size=world, mode=mode, losses=losses, mean_losses=list(history.train_loss),
         history=history, step_seconds=step_seconds, units=units, ns_choices=history.ns_choices,
         plan=plan_rows(plan), plan_table=table(plan), stats=opt.last_step_stats(),
-        spans=None if spans is None else [asdict(s) for s in spans],
+        spans=None if spans is None else [asdict(s) for s in spans], step_spans=step_spans,
+        span_clock=recorder.clock,
     )
