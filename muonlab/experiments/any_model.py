@@ -27,9 +27,10 @@ from dataclasses import asdict
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
 
 from ..comm.records import table
-from ..distributed import build_mesh, fsdp_units, parallelize
+from ..distributed import build_mesh, parallelize
 from ..distributed.device import rank_device, wait_for
 from ..distributed.progress import report_progress
 from ..optim import Muon, muon_param_groups
@@ -131,8 +132,8 @@ def train_model(
 
     net = _build(model, seed)
     mesh = build_mesh(replicate=replicate) if mode == "hsdp" else None
-    units = [] if mode == "ddp" else [name for name, _ in fsdp_units(net, block_attr or "auto")]
     net, inner, _ = parallelize(net, mode, mesh, block_attr=block_attr)
+    units = [name for name, m in inner.named_modules() if name and isinstance(m, FSDPModule)]
     opt = Muon(muon_param_groups(inner), lr=lr, **(muon_kwargs or {}))
     recorder = StepRecorder(opt, keep=STEPS_KEPT, first_step=1)  # numbered as history.steps
 
