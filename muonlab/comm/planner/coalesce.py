@@ -2,7 +2,7 @@
 
 A batch whose transfer and Newton-Schulz each take less time than a collective's fixed cost (the
 profile's latency) is latency-bound: many small matrices of different shapes (a narrow model,
-norms-sized projections) would otherwise pay one collective pair per shape. Consecutive such
+small adapters) would otherwise pay one collective pair per shape. Consecutive such
 batches of the ``all_to_all`` path on the same process group form a wave: every rank packs the
 wave's send buffers into one all_to_all_single out and one back (``muonlab.comm.collectives.
 Coalesced``), so the step's collective count follows its large batches, not its shapes. A wave
