@@ -3,7 +3,7 @@
 import importlib
 
 from .kernels import PRESETS, NSConfig, newton_schulz, ns_flops
-from .optim import Muon, RoutingWarning, muon_param_groups
+from .optim import Muon, RoutingWarning, attention_blocks, muon_param_groups
 from .train import History, compare_optimizers, make_optimizer, train
 
 # Reachable as muonlab.<name> after a plain `import muonlab` (as the README writes them), but
@@ -25,6 +25,7 @@ __all__ = [
     "NSConfig",
     "Muon",
     "RoutingWarning",
+    "attention_blocks",
     "compare_optimizers",
     "launch",
     "make_optimizer",

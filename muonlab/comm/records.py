@@ -38,7 +38,8 @@ class BatchPlan:
     owners: tuple[int, ...] = ()
     """Group-local rank that orthogonalizes each parameter of the batch (empty for local). A rank
     may own several (all_to_all and agrs gather all of a rank's matrices of a batch in one
-    collective, orthogonalize them as one stack, and return them in one)."""
+    collective, orthogonalize them as one stack, and return them in one). On the blocks path: one
+    per block, parameter by parameter (a fused bank's matrices may have different owners)."""
     bytes_sent: tuple[int, ...] = ()
     bytes_recv: tuple[int, ...] = ()
     flops: tuple[int, ...] = ()

@@ -11,6 +11,9 @@ between ranks: the global shape, how it is laid out over which group of ranks, a
 * ``replicated``: a plain tensor replicated over a process group (DDP): one owner per matrix.
 * ``subgroup``: a fused expert bank (E*M, N) row-sharded so that each expert spans W/E ranks:
   each sub-group of W/E ranks all-gathers its expert.
+* ``blocks``: a fused bank (E*M, N) row-sharded so that some of its matrices straddle shards (a
+  fused QKV split per head): each matrix is gathered on the rank holding most of its rows and
+  sent back (muonlab.comm.paths.blocks).
 * ``gather_all``: any other DTensor placement; handled by a padded full gather (the fallback).
 
 A parameter's MATRIX VIEW says how its tensor is read as matrices (``VIEWS``); the data is always
@@ -39,7 +42,7 @@ try:
 except ImportError:  # pragma: no cover - torch without distributed
     DTensor = Replicate = Shard = None  # type: ignore[assignment,misc]
 
-LAYOUTS = ("whole", "row_shard", "subgroup", "replicated", "gather_all")
+LAYOUTS = ("whole", "row_shard", "subgroup", "blocks", "replicated", "gather_all")
 VIEWS = ("matrix", "transpose", "flatten", "bank")
 
 
@@ -231,7 +234,7 @@ def fused_row_layout(num_rows: int, num_fused: int, size: int) -> str:
 
     "whole": every matrix lies on one rank (no communication); "subgroup": each matrix spans
     exactly size / num_fused ranks with equal rows (a sub-group all-gather rebuilds it);
-    "gather_all": anything else (the padded fallback).
+    "blocks": anything else (each matrix gathered on the rank holding most of it, and back).
     """
     rows = chunk_sizes(num_rows, size)
     starts = [sum(rows[:r]) for r in range(size)]
@@ -244,7 +247,7 @@ def fused_row_layout(num_rows: int, num_fused: int, size: int) -> str:
         return "whole"
     if size % num_fused == 0 and M % (size // num_fused) == 0 and len(set(rows)) == 1:
         return "subgroup"
-    return "gather_all"
+    return "blocks"
 
 
 def matrix_spec(index: int, name: str, p: torch.Tensor, replicate_group=None, num_fused: int = 1,

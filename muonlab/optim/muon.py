@@ -191,7 +191,8 @@ class Muon(MomentumHomes, Optimizer):
         hardware_profile: a muonlab.comm.cost profile name or HardwareProfile (default:
             "h100_node" with CUDA, else "cpu_gloo").
         fused_banks: {parameter name: E} for 2-D parameters that stack E matrices on dim 0 (a
-            fused expert bank (E*M, N)); each is orthogonalized as E separate matrices.
+            fused expert bank (E*M, N), a fused QKV per head); each is orthogonalized as E separate
+            matrices. Added to those ``muon_param_groups(split_heads=...)`` declared.
         matrix_views: {parameter name: "matrix" | "transpose" | "flatten" | "bank"} for Muon
             parameters whose view differs from their shape's default, e.g. "transpose" for a 2-D
             weight stored (in, out): orthogonalized as stored, its lr ratio reads (out, in).
@@ -344,6 +345,8 @@ class Muon(MomentumHomes, Optimizer):
             raise TypeError("params must be an iterable of tensors, (name, tensor) pairs or dicts, not a Tensor")
         self._names.update(getattr(params, "names", {}))  # from muon_param_groups
         self._views.update(getattr(params, "views", {}))
+        # the blocks muon_param_groups(split_heads=...) declared; the fused_banks argument wins by name
+        self.fused_banks = {**checked_fused_banks(getattr(params, "fused_banks", None)), **self.fused_banks}
         items = list(params)
         if not items:
             raise ValueError("Muon got an empty parameter list")
@@ -927,7 +930,8 @@ class Muon(MomentumHomes, Optimizer):
 
     def resolved_choices(self) -> list[dict]:
         """What ``ns_dtype``, ``ns_form`` and ``ns_backend`` ("auto" or not) mean for each batch of
-        the plan: one dict per batch with its names, matrix shape, path, wave (the first batch of
+        the plan: one dict per batch with its names, matrix shape, matrices (a fused bank's or
+        split head's blocks each count), path, wave (the first batch of
         the wave it travels in, or None: ``BatchPlan.travels_with``) and the Newton-Schulz dtype,
         form and backend. After a step these are what ran on this rank; before one (or for
         a batch this rank did not orthogonalize) the dtype and form follow the same rules from the
@@ -944,8 +948,8 @@ class Muon(MomentumHomes, Optimizer):
                 backends = possible_backends(cfg.backend, device, dtype)
                 ran = dict(dtype=str(dtype).removeprefix("torch."), form=form_for(cfg, shape),
                            backend=backends[0] if len(backends) == 1 else "auto (timed at the first step)")
-            rows.append(dict(batch=batch.index, names=batch.names, shape=shape, path=batch.path,
-                             wave=batch.travels_with, **ran))
+            rows.append(dict(batch=batch.index, names=batch.names, shape=shape, matrices=batch.num_matrices,
+                             path=batch.path, wave=batch.travels_with, **ran))
         return rows
 
     def last_step_stats(self) -> dict:

@@ -30,12 +30,15 @@ def reference_muon_step(
     momentum_form: str,
     ns_dtype: torch.dtype = torch.float32,
     views: list[str] | None = None,
+    blocks: list[int] | None = None,
 ) -> None:
     """One Muon step on full (unsharded) tensors, each read as matrices by its view (one of
-    muonlab.comm.specs.VIEWS; default by shape, as in Muon): a bank is a list of matrices."""
+    muonlab.comm.specs.VIEWS; default by shape, as in Muon): a bank is a list of matrices, and so
+    is a 2-D tensor of ``blocks`` > 1 (a fused bank: that many matrices of rows, one after another)."""
     views = views or [""] * len(params)
-    for p, g, buf, view in zip(params, grads, bufs, views):
-        spec = MatrixSpec(0, "reference", tuple(p.shape), "whole", None, view=view)
+    blocks = blocks or [1] * len(params)
+    for p, g, buf, view, num_blocks in zip(params, grads, bufs, views, blocks):
+        spec = MatrixSpec(0, "reference", tuple(p.shape), "whole", None, view=view, num_fused=num_blocks)
         g = g.float()
         if momentum_form == "ema":
             buf.copy_(buf + (1 - momentum) * (g - buf))

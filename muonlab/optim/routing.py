@@ -44,7 +44,8 @@ per call, with the ``include=``/``exclude=`` patterns that decide it instead (a 
 there is not warned about). A head shaped like one of the model's embeddings (a language model's
 vocabulary projection) is no guess and is not warned about; nor are rules 1, 3, 4 and 5a.
 
-The views (see muonlab.comm.specs) travel to ``Muon`` through ``ParamGroups.views``.
+The views (see muonlab.comm.specs) travel to ``Muon`` through ``ParamGroups.views``, and the blocks
+of ``split_heads`` (muonlab.optim.heads) through ``ParamGroups.fused_banks``.
 """
 
 from __future__ import annotations
@@ -58,6 +59,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+
+from .heads import SPLITS, attention_blocks
 
 CONV_ROUTES = ("adamw", "muon")
 
@@ -122,10 +125,14 @@ class ParamGroups(list):
     Muon parameter reads as matrices; ``table()`` is for notebooks.
     """
 
-    def __init__(self, groups: list[dict], routes: list[Route], names: dict[torch.Tensor, str]):
+    def __init__(self, groups: list[dict], routes: list[Route], names: dict[torch.Tensor, str],
+                 fused_banks: dict[str, int] | None = None):
         super().__init__(groups)
         self.routes = routes
         self.names = names
+        self.fused_banks = dict(fused_banks or {})
+        """{name: blocks} of the Muon matrices orthogonalized as blocks of rows (``split_heads``);
+        ``Muon`` reads it as its ``fused_banks`` (which override it name by name)."""
 
     @property
     def views(self) -> dict[str, str]:
@@ -405,6 +412,7 @@ def muon_param_groups(
     exclude: Sequence[str] = (),
     include: Sequence[str] = (),
     conv: str = "adamw",
+    split_heads: bool | str = False,
 ) -> ParamGroups:
     """Split ``model``'s trainable parameters into a Muon group and an AdamW group (the rules
     are in this module's docstring; ``.table()`` shows each decision and why). Matrices sent to
@@ -417,6 +425,12 @@ def muon_param_groups(
         include: fnmatch patterns on parameter names (2+ dims) forced to Muon (e.g. a raw router).
         conv: "adamw" (default) or "muon": where convolution kernels go; in Muon each kernel
             (out, in, *k) is orthogonalized as one (out, in * prod(k)) matrix.
+        split_heads: False (default), True or "heads": orthogonalize the attention input
+            projections head by head; "qkv": a fused QKV as its three matrices. Which matrices and
+            how many blocks: ``muonlab.optim.heads.attention_blocks`` (the output projection stays
+            whole); the groups carry it to ``Muon`` as ``fused_banks`` and ``.table()`` names the
+            blocks. A model with no attention it recognises is refused (declare yours with
+            ``Muon(fused_banks=...)``).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"muon_param_groups needs the model (an nn.Module), got {type(model).__name__}: it "
@@ -426,6 +440,7 @@ def muon_param_groups(
     exclude, include = _patterns("exclude", exclude), _patterns("include", include)
     params = _owned_parameters(model)
     _check_patterns(exclude, include, [name for name, _, _ in params])
+    blocks = _split_heads(model, split_heads)
     ctx = dict(exclude=exclude, include=include, conv=conv, heads=_heads(model),
                embeddings=[m.weight for m in model.modules() if isinstance(m, EMBEDDINGS)])
     routes, names = [], {}
@@ -435,6 +450,8 @@ def muon_param_groups(
         buckets[algorithm].append(p)
         names[p] = full
         view = _view(module, p) if algorithm == "muon" else ""
+        if algorithm == "muon" and blocks.get(full, 1) > 1:
+            reason += f", in {blocks[full]} blocks of ({p.shape[0] // blocks[full]}, {p.shape[1]}) (split_heads)"
         routes.append(Route(full, tuple(p.shape), algorithm, reason, view, guessed))
     if any(r.guessed for r in routes):
         warnings.warn(_guess_warning(routes), RoutingWarning, stacklevel=2)
@@ -446,4 +463,19 @@ def muon_param_groups(
         if adamw_lr is not None:
             adamw["lr"] = adamw_lr
         groups.append(adamw)
-    return ParamGroups(groups, routes, names)
+    muon = {r.name for r in routes if r.algorithm == "muon"}
+    return ParamGroups(groups, routes, names, {n: k for n, k in blocks.items() if n in muon and k > 1})
+
+
+def _split_heads(model: nn.Module, split_heads) -> dict[str, int]:
+    """{name: blocks} that ``split_heads`` declares (see ``muon_param_groups``)."""
+    if split_heads is False or split_heads is None:
+        return {}
+    if split_heads is not True and split_heads not in SPLITS:
+        raise ValueError(f"split_heads must be False, True or one of {SPLITS}, got {split_heads!r}")
+    blocks = attention_blocks(model, "heads" if split_heads is True else split_heads)
+    if not blocks and not attention_blocks(model, "heads"):  # (a model whose q, k, v are apart has no "qkv" to split)
+        raise ValueError(f"split_heads={split_heads!r}: no attention projection found in {type(model).__name__} "
+                         "(recognised: muonlab's GPT, nn.MultiheadAttention, q_proj/k_proj/v_proj with a head_dim); "
+                         "declare the blocks with Muon(fused_banks={name: blocks})")
+    return blocks

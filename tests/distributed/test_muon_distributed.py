@@ -109,10 +109,12 @@ def test_paths_taken_bytes_counted_and_momentum_on_owner_only(world_results):
         if remainder == "agrs":
             assert "agrs" in paths, paths
         assert ("rebalance" in paths) == (world >= 3), paths
-        # the fallback only where nothing else applies: a column shard, and fused banks whose
-        # experts straddle ranks unevenly (3 ranks)
+        # the fallback only where nothing else applies: a column shard; fused banks whose
+        # experts straddle ranks unevenly (3 ranks) gather each expert on one rank instead
         fallback = {name for row in rows[0]["plan"] if row[0] == "gather_all" for name in row[1]}
-        assert fallback == ({"cols"} if world != 3 else {"cols", "fused_pair", "fused_eight"}), fallback
+        assert fallback == {"cols"}, fallback
+        cut = {name for row in rows[0]["plan"] if row[0] == "blocks" for name in row[1]}
+        assert cut == ({"fused_pair", "fused_eight"} if world == 3 else set()), cut
         assert ("subgroup" in paths) == (world == 4), paths
         for r in rows:
             assert nonzero(r["sent"]) == r["plan_sent"]

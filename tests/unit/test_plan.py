@@ -130,7 +130,7 @@ def test_fused_banks_by_how_experts_fall_on_the_shards():
 
     assert fused_row_layout(24, 8, 4) == "whole"  # 2 whole experts of 3 rows per rank
     assert fused_row_layout(16, 2, 4) == "subgroup"  # each expert over 2 ranks, 4 rows each
-    assert fused_row_layout(16, 2, 3) == "gather_all"  # rows 6, 6, 4: nothing aligns
+    assert fused_row_layout(16, 2, 3) == "blocks"  # rows 6, 6, 4: the shards cut the experts
     g = group(4)
     spec = MatrixSpec(0, "bank", (16, 8), "subgroup", g, chunk_sizes(16, 4), num_fused=2)
     assert spec.matrix_shape == (8, 8) and spec.num_matrices == 2

@@ -17,7 +17,7 @@ from dataclasses import replace
 
 from ...kernels.config import NSConfig, ns_flops
 from ..cost import batch_seconds
-from ..paths import agrs, all_to_all, gather_all, owner, rebalance, subgroup
+from ..paths import agrs, all_to_all, blocks, gather_all, owner, rebalance, subgroup
 from ..records import BatchPlan, Plan, part_range
 from ..specs import GroupKey, MatrixSpec
 from .loads import RankLoads, least_loaded, lpt_makespan
@@ -122,7 +122,8 @@ class RulePlanner:
         fallbacks become batches now; the rest is returned by layout, per group."""
         buckets: dict[tuple, list[int]] = {}
         for i, (spec, cfg) in enumerate(zip(self.specs, self.configs)):
-            experts = spec.num_fused if spec.layout == "subgroup" else None  # banks of 2 and 3 experts can't share
+            # banks of 2 and 3 experts can't share a batch: the count sets the sub-groups, or the blocks' rows
+            experts = spec.num_fused if spec.layout in ("subgroup", "blocks") else None
             buckets.setdefault((spec.group, spec.layout, spec.matrix_shape, spec.dtype, cfg, experts), []).append(i)
         row_sharded: dict[GroupKey, list[int]] = {}
         whole: dict[GroupKey | None, list[list[tuple]]] = {}
@@ -140,6 +141,8 @@ class RulePlanner:
                 replicated.setdefault(group, []).extend(idx)
             elif layout == "subgroup":
                 self._plan_subgroup(group, idx)
+            elif layout == "blocks":
+                self._plan_blocks(group, idx)
             elif layout == "gather_all":
                 self._plan_gather_all(group, idx)
             else:  # pragma: no cover - MatrixSpec validates layouts
@@ -186,6 +189,41 @@ class RulePlanner:
             load.add(r, flops[r])
         self.batches.append(self.make("subgroup", idx, group, range(size), sent=sent, recv=recv, flops=flops,
                                       notes=f"sub-groups of {k} ranks rebuild one expert each"))
+
+    def _plan_blocks(self, group: GroupKey, idx: list[int]) -> None:
+        """Fused banks whose matrices (blocks of rows) straddle the row shards: each block on the
+        rank holding most of its rows, the fewest bytes it can move (ties: the least loaded rank so
+        far), the bucket as one batch, cut where an owner's blocks would exceed the workspace budget."""
+        size, first = group.size, self.specs[idx[0]]
+        E, shape = first.num_fused, first.matrix_shape
+        pieces = blocks.block_pieces(first.rows, E)
+        f, load = self.flops_of(idx[0]), self.loads.view(group)
+        owners: dict[int, list[int]] = {}
+        for i in idx:
+            owners[i] = []
+            for ps in pieces:
+                o = min(blocks.largest_holders(ps), key=lambda r: (load[r], r))
+                owners[i].append(o)
+                load.add(o, f)
+        runs = [idx]
+        if self.max_local_matrices is not None:
+            limit = max(1, self.max_local_matrices(shape, self.configs[idx[0]]))
+            runs, held = [[]], Counter()
+            for i in idx:
+                mine = Counter(owners[i])
+                if runs[-1] and any(held[o] + n > limit for o, n in mine.items()):
+                    runs.append([])
+                    held = Counter()
+                runs[-1].append(i)
+                held.update(mine)
+        for run in runs:
+            own = [o for i in run for o in owners[i]]
+            flops = [0] * size
+            for o in own:
+                flops[o] += f
+            sent, recv = blocks.bytes_per_rank(first.rows, shape[1], E, own, self.itemsize)
+            self.batches.append(self.make("blocks", run, group, range(size), own, sent, recv, flops,
+                                          notes=f"{E} blocks of {shape[0]} rows each, cut by the shards"))
 
     def _plan_gather_all(self, group: GroupKey, idx: list[int]) -> None:
         size = group.size

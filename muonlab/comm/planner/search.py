@@ -93,7 +93,7 @@ def _imbalance(plan: Plan, largest_matrix_flops: int) -> float:
 
 
 def _redundant(spec: MatrixSpec) -> MatrixSpec:
-    if spec.layout == "row_shard":
+    if spec.layout in ("row_shard", "blocks"):
         return replace(spec, layout="gather_all")
     if spec.layout == "replicated":
         return replace(spec, layout="whole", group=None, rows=())
