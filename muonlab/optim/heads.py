@@ -40,7 +40,11 @@ def attention_blocks(model: nn.Module, split: str = "heads") -> dict[str, int]:
     stored (in, out), split: its heads are column blocks as stored. Heads of another layout:
     declare them yourself with ``Muon(fused_banks={name: blocks})``.
 
+    The lr ratio (``adjust_lr``) then reads a block's shape: under "original", max(1, rows /
+    cols) ** 0.5, a (3C, C) QKV took sqrt(3) as one matrix and a (C / n_heads, C) head takes 1.
+
     Names are the model's own (``model.named_parameters()``); a module reached twice counts once.
+    ``simulate(model, W, fused_banks=attention_blocks(model))`` plans the split at any world size.
     """
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
