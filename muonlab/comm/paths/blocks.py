@@ -128,4 +128,4 @@ def run(batch, inputs, ctx):
     return outputs
 
 
-PATH = CommPath(name="blocks", collectives=2, out_share=0.5, color="#9467bd", run=run)
+PATH = CommPath(name="blocks", collectives=2, out_share=0.5, color="#98df8a", run=run)
