@@ -28,11 +28,12 @@ def attention_blocks(model: nn.Module, split: str = "heads") -> dict[str, int]:
     * muonlab's GPT (``muonlab.models.gpt.Attention``): ``qkv.weight`` (3C, C) -> 3 * n_heads
       blocks of (C / n_heads, C) with ``split="heads"``, 3 blocks of (C, C) with ``split="qkv"``.
     * ``nn.MultiheadAttention`` with one embedding size: ``in_proj_weight`` (3E, E), the same way.
-    * Hugging Face attention with separate ``q_proj``, ``k_proj``, ``v_proj`` Linears and a
-      ``head_dim`` (Llama, Qwen2/3, Mistral, Mixtral, ...): q_proj (n_heads * d, C) -> n_heads
-      blocks, k_proj and v_proj (n_kv_heads * d, C) -> n_kv_heads blocks each (grouped-query
-      attention: one block per key/value head, which its query heads share). With
-      ``split="qkv"`` they are already separate matrices: nothing to declare.
+    * Hugging Face attention with separate q, k, v Linears (``q_proj``, ``k_proj``, ``v_proj``:
+      Llama, Qwen2/3, Mistral, Mixtral, ViT, ...; ``query``, ``key``, ``value``: BERT) and a head
+      width (``head_dim``; BERT's ``attention_head_size``): q (n_heads * d, C) -> n_heads blocks,
+      k and v (n_kv_heads * d, C) -> n_kv_heads blocks each (grouped-query attention: one block
+      per key/value head, which its query heads share). With ``split="qkv"`` they are already
+      separate matrices: nothing to declare.
 
     The output projection (``proj``, ``o_proj``, ``out_proj``) stays one matrix: a head owns a
     block of its COLUMNS, and blocks of columns are no fused bank (Muon's fused banks stack
@@ -57,9 +58,9 @@ def attention_blocks(model: nn.Module, split: str = "heads") -> dict[str, int]:
             out[f"{prefix}qkv.weight"] = 3 * module.n_heads if split == "heads" else 3
         elif isinstance(module, nn.MultiheadAttention) and module.in_proj_weight is not None:
             out[f"{prefix}in_proj_weight"] = 3 * module.num_heads if split == "heads" else 3
-        elif split == "heads" and _separate_projections(module):
+        elif split == "heads" and (projections := _separate_projections(module)):
             d = _head_dim(module)
-            for proj in ("q_proj", "k_proj", "v_proj"):
+            for proj in projections:
                 rows = getattr(module, proj).weight.shape[0]
                 if rows % d:
                     raise ValueError(f"attention '{name}': {proj}.weight of shape "
@@ -69,16 +70,26 @@ def attention_blocks(model: nn.Module, split: str = "heads") -> dict[str, int]:
     return out
 
 
-def _separate_projections(module: nn.Module) -> bool:
-    return all(isinstance(getattr(module, proj, None), nn.Linear) for proj in ("q_proj", "k_proj", "v_proj")) \
-        and _head_dim(module) is not None
+SEPARATE_PROJECTIONS = (("q_proj", "k_proj", "v_proj"), ("query", "key", "value"))
+"""Names of separate q, k, v Linears: Llama-style, and BERT's self-attention."""
+
+
+def _separate_projections(module: nn.Module) -> tuple[str, ...]:
+    """The names of ``module``'s q, k and v Linears if it is an attention with a head width, else ()."""
+    if _head_dim(module) is None:
+        return ()
+    for names in SEPARATE_PROJECTIONS:
+        if all(isinstance(getattr(module, proj, None), nn.Linear) for proj in names):
+            return names
+    return ()
 
 
 def _head_dim(module: nn.Module) -> int | None:
-    """The attention's head width: its own ``head_dim``, else its config's (transformers keeps it
-    on the module since 4.48, on the config before)."""
+    """The attention's head width: its own ``head_dim`` (BERT: ``attention_head_size``), else its
+    config's (transformers keeps it on the module since 4.48, on the config before)."""
     for source in (module, getattr(module, "config", None)):
-        d = getattr(source, "head_dim", None)
-        if isinstance(d, int) and not isinstance(d, bool) and d > 0:
-            return d
+        for attr in ("head_dim", "attention_head_size"):
+            d = getattr(source, attr, None)
+            if isinstance(d, int) and not isinstance(d, bool) and d > 0:
+                return d
     return None

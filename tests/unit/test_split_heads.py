@@ -68,6 +68,9 @@ def test_hugging_face_llama_and_qwen3_q_k_v_are_declared_by_their_heads():
     assert qwen.fused_banks == {f"model.layers.{i}.self_attn.{p}_proj.weight": 3 for i in range(2) for p in "qkv"}
     # q, k and v are separate matrices already: "qkv" has nothing to split there
     assert muon_param_groups(_qwen3(), split_heads="qkv").fused_banks == {}
+    bert = transformers.BertModel(transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1,
+                                                          num_attention_heads=4, intermediate_size=64))
+    assert attention_blocks(bert) == {f"encoder.layer.0.attention.self.{p}.weight": 4 for p in ("query", "key", "value")}
 
 
 def test_torch_multihead_attention_in_proj_is_declared_per_head():
