@@ -101,7 +101,7 @@ def test_each_block_is_orthogonalized_alone_as_the_slow_reference_does(build):
         opt.step()
         unsplit.step()
         reference_muon_step([ref[n] for n in muon], [grads[n] for n in muon], [bufs[n] for n in muon],
-                            blocks=[groups.fused_banks.get(n, 1) for n in muon], **HYPER)
+                            num_fused=[groups.fused_banks.get(n, 1) for n in muon], **HYPER)
     for n in muon:
         torch.testing.assert_close(params[n].detach(), ref[n], rtol=1e-5, atol=1e-6, msg=n)
     split = dict(whole.named_parameters())
