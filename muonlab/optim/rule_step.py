@@ -20,7 +20,7 @@ from ..comm.records import BatchPlan, part_range
 from ..comm.specs import MatrixSpec, default_view, local_shard
 from .rules import RULES, RowsHeld, UpdateRule
 
-ROW_SPLIT_LAYOUTS = ("row_shard", "subgroup", "gather_all")
+ROW_SPLIT_LAYOUTS = ("row_shard", "subgroup", "blocks", "gather_all")
 """Layouts whose matrices' rows lie on several ranks of the group (with shard dim 0)."""
 
 

@@ -20,8 +20,9 @@ from ._common import build_gpt, full, rank_rows, single_process, token_batches, 
 GPT_CFG = dict(d_model=24, n_layers=2, n_heads=3, context=8)
 HYPER = dict(lr=0.05, weight_decay=0.01, momentum=0.9, ns_dtype=torch.float32)
 STEPS = 3
-CASES = [("fsdp", "heads"), ("fsdp", "qkv"), ("ddp", "heads"), ("fsdp", "heads", 1)]
-"""(mode, split[, workspace_bytes]): a budget of 1 byte puts each QKV in a batch of its own."""
+CASES = [("fsdp", "heads"), ("fsdp", "qkv"), ("ddp", "heads"), ("fsdp", "heads", 1), ("fsdp", "heads", None, "normuon")]
+"""(mode, split[, workspace_bytes[, update_rule]]): a budget of 1 byte puts each QKV in a batch of
+its own; NorMuon normalises each head's rows, its norms summed over the ranks holding the head."""
 BANKS = [("ten", (10, 6), 5), ("six", (6, 8), 2), ("tall", (12, 4), 3)]
 """(name, shape, blocks): on 4 ranks rows 3,3,3,1 (blocks of 2 cut at rows 3 and 9), 2,2,2,0 (an
 empty last shard; both blocks of 3 cut) and 3,3,3,3 (blocks of 4 cut); on 2 ranks 5,5 (cut), 3,3
@@ -32,9 +33,10 @@ def gpt_batches(world: int):
     return [(x, x) for x in token_batches(7, world, GPT_CFG["context"], STEPS)]
 
 
-def single_process_gpt(world: int, split: str) -> dict[str, torch.Tensor]:
+def single_process_gpt(world: int, split: str, update_rule: str = "muon") -> dict[str, torch.Tensor]:
     model = build_gpt(**GPT_CFG)
-    return single_process(model, Muon(muon_param_groups(model, split_heads=split), **HYPER), gpt_batches(world))
+    opt = Muon(muon_param_groups(model, split_heads=split), update_rule=update_rule, **HYPER)
+    return single_process(model, opt, gpt_batches(world))
 
 
 def _record(opt, params) -> dict:
@@ -44,12 +46,12 @@ def _record(opt, params) -> dict:
                 plan_sent=sent, plan_recv=recv, plan=opt.plan(), choices=opt.resolved_choices())
 
 
-def _gpt(mode: str, split: str, workspace_bytes: int | None = None) -> dict:
+def _gpt(mode: str, split: str, workspace_bytes: int | None = None, update_rule: str = "muon") -> dict:
     from muonlab.distributed import parallelize
 
     model, inner, _ = parallelize(build_gpt(**GPT_CFG), mode)
     opt = Muon(muon_param_groups(inner, split_heads=split), comm_dtype=torch.float32,
-               workspace_bytes=workspace_bytes, **HYPER)
+               workspace_bytes=workspace_bytes, update_rule=update_rule, **HYPER)
     train_steps(model, opt, [(rank_rows(x), rank_rows(y)) for x, y in gpt_batches(dist.get_world_size())])
     return _record(opt, inner.named_parameters())
 

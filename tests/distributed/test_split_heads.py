@@ -30,10 +30,11 @@ def _close(got: dict, want: dict, where) -> None:
 @pytest.mark.timeout(300)
 def test_split_heads_on_fsdp2_and_ddp_match_one_process(world_results):
     world, results = world_results
-    refs = {split: W.single_process_gpt(world, split) for split in ("heads", "qkv")}
+    refs = {(split, rule): W.single_process_gpt(world, split, rule)
+            for split, rule in (("heads", "muon"), ("qkv", "muon"), ("heads", "normuon"))}
     for case in W.CASES:
         for rank, res in results.items():
-            _close(res[case]["params"], refs[case[1]], (world, case, rank))
+            _close(res[case]["params"], refs[(case[1], case[3] if len(case) > 3 else "muon")], (world, case, rank))
 
 
 @pytest.mark.timeout(300)
@@ -45,7 +46,7 @@ def test_blocks_cut_by_the_shards_are_separate_matrices_at_the_byte_bound(world_
         blocks, rows = (9, 8) if split == "heads" else (3, 24)
         plans = [res[case]["plan"] for res in results.values()]
         assert all(p == plans[0] for p in plans)
-        if len(case) > 2:  # under a budget of one matrix: a batch per QKV, each at the bound
+        if len(case) > 2 and case[2]:  # under a budget of one matrix: a batch per QKV, each at the bound
             cut = [b for b in plans[0] if b.path == "blocks"]
             assert [b.names for b in cut] == [QKV[:1], QKV[1:]] or [b.names for b in cut] == [QKV[1:], QKV[:1]], cut
             assert all(sum(b.bytes_sent) == lower_bound_bytes(Plan((b,))) for b in cut)
@@ -63,7 +64,10 @@ def test_blocks_cut_by_the_shards_are_separate_matrices_at_the_byte_bound(world_
             assert [row(b) for b in sim] == [row(b) for b in plans[0]], case
         for res in results.values():
             r = res[case]
-            assert nonzero(r["sent"]) == r["plan_sent"] and nonzero(r["recv"]) == r["plan_recv"], case
+            # NorMuon's per-head norms travel beside the plan, in an all-reduce counted under its name
+            sent, recv = nonzero(r["sent"]), nonzero(r["recv"])
+            assert (sent.pop("normuon", 0) > 0) == (recv.pop("normuon", 0) > 0) == (len(case) > 3), case
+            assert sent == r["plan_sent"] and recv == r["plan_recv"], case
             (choice,) = [c for c in r["choices"] if c["names"] == QKV]
             assert choice["shape"] == (rows, 24) and choice["matrices"] == 2 * blocks and choice["path"] == qkv.path
 

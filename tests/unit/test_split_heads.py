@@ -79,19 +79,22 @@ def test_torch_multihead_attention_in_proj_is_declared_per_head():
     assert attention_blocks(model, "qkv") == {"1.in_proj_weight": 3}
 
 
-@pytest.mark.parametrize("build", [lambda: build_gpt(**GPT_CFG), _qwen3], ids=["gpt", "qwen3"])
-def test_each_block_is_orthogonalized_alone_as_the_slow_reference_does(build):
+@pytest.mark.parametrize("build, rule", [(lambda: build_gpt(**GPT_CFG), "muon"), (_qwen3, "muon"),
+                                         (lambda: build_gpt(**GPT_CFG), "normuon")],
+                         ids=["gpt", "qwen3", "gpt-normuon"])
+def test_each_block_is_orthogonalized_alone_as_the_slow_reference_does(build, rule):
     """fp32, 3 steps on generated gradients: every Muon matrix equals reference_muon_step, which
-    orthogonalizes each declared block of rows by itself; and the split is no no-op (the whole
-    matrices' step differs)."""
+    orthogonalizes each declared block of rows by itself (NorMuon: and normalises its rows); and
+    the split is no no-op (the whole matrices' step differs)."""
     model, whole = build(), build()
     groups = muon_param_groups(model, split_heads=True)
-    opt = Muon(groups, ns_dtype=torch.float32, **HYPER)
-    unsplit = Muon(muon_param_groups(whole), ns_dtype=torch.float32, **HYPER)
+    opt = Muon(groups, ns_dtype=torch.float32, update_rule=rule, **HYPER)
+    unsplit = Muon(muon_param_groups(whole), ns_dtype=torch.float32, update_rule=rule, **HYPER)
     muon = [r.name for r in groups.routes if r.algorithm == "muon"]
     params = dict(model.named_parameters())
     ref = {n: params[n].detach().clone() for n in muon}
     bufs = {n: torch.zeros_like(p) for n, p in ref.items()}
+    variances = {n: torch.zeros(p.shape[0], 1) for n, p in ref.items()}  # NorMuon's, one per row
     gen = torch.Generator().manual_seed(3)
     for _ in range(3):
         grads = {n: torch.randn(p.shape, generator=gen) for n, p in model.named_parameters()}
@@ -101,7 +104,8 @@ def test_each_block_is_orthogonalized_alone_as_the_slow_reference_does(build):
         opt.step()
         unsplit.step()
         reference_muon_step([ref[n] for n in muon], [grads[n] for n in muon], [bufs[n] for n in muon],
-                            num_fused=[groups.fused_banks.get(n, 1) for n in muon], **HYPER)
+                            num_fused=[groups.fused_banks.get(n, 1) for n in muon], update_rule=rule,
+                            row_variances=[variances[n] for n in muon], **HYPER)
     for n in muon:
         torch.testing.assert_close(params[n].detach(), ref[n], rtol=1e-5, atol=1e-6, msg=n)
     split = dict(whole.named_parameters())
