@@ -20,7 +20,7 @@ from ._common import full
 HYPER = dict(lr=0.02, weight_decay=0.01, momentum=0.9, update_rule="normuon", normuon_beta2=0.9)
 STEPS = 3
 FUSED = {"qkv": 3}
-"""A fused bank of 3 (4, 6) blocks: 12 rows shard 6, 6 at 2 ranks and 3, 3, 3, 3 at 4 (through blocks)."""
+"""A fused bank of 3 (4, 6) blocks: 12 rows shard 6, 6 at 2 ranks and 3, 3, 3, 3 at 4 (through blocks: the blocks path)."""
 
 
 def shapes(kind: str) -> list[tuple[str, tuple[int, ...]]]:
