@@ -474,11 +474,11 @@ def variants_report(args) -> str:
     verdict = "meets" if normuon[2] <= 1.1 else "misses" if normuon[1] > 1.1 else "is within this run's noise of"
     return f"""## Variants (the gpt256 matrices)
 
-The {len(hidden)} hidden matrices of the {args.layers}-layer, width-{args.width} GPT above, fixed random gradients, each variant with its own copy, every one stepped once per round in balanced orders; {args.variant_warmup} warm-up rounds, then {args.variant_rounds} timed rounds at {args.threads} threads. Load average {load_start} before, {load()} after; {time.perf_counter() - t0:.0f} s.
+The {len(hidden)} hidden matrices of `GPT(GPTConfig(d_model={args.width}, n_layers={args.layers}, n_heads=4))` (as in gpt256), fixed random gradients, each variant with its own copy, every one stepped once per round in balanced orders; {args.variant_warmup} warm-up rounds, then {args.variant_rounds} timed rounds at {args.threads} threads. Load average {load_start} before, {load()} after; {time.perf_counter() - t0:.0f} s.
 
 {md_table(head, rows)}
 
-Goal: NorMuon's step at most 1.1x Muon's. Measured {normuon[0]:.3f}x ({normuon[1]:.3f}-{normuon[2]:.3f}), which {verdict} it. NorMuon adds per matrix a pass over its update (row sums of squares, the scaling) and one row vector of state; on one process no collective.
+Goal: NorMuon's step at most 1.1x Muon's. Measured {normuon[0]:.3f}x ({normuon[1]:.3f}-{normuon[2]:.3f}), which {verdict} it. NorMuon adds per matrix one pass over its update (the row sums of squares) and a row vector of state; its row scales ride on the update's add (one `addcmul_`); on one process no collective.
 """
 
 

@@ -125,12 +125,20 @@ def muon_apply_(
     lr: float,
     weight_decay: float,
     ratios: Sequence[float],
+    row_scales: Sequence[torch.Tensor | None] | None = None,
 ) -> None:
     """Decoupled weight decay with the unadjusted lr, then X -= lr * ratio * O: on a GPU one foreach
     call per distinct ratio; on a CPU one add per matrix, each update cast as it is added (its
     foreach call is the same loop of adds, with the same bits, but wants every cast update at once:
-    fp32 updates of bf16 parameters held a bf16 copy of a whole batch)."""
+    fp32 updates of bf16 parameters held a bf16 copy of a whole batch).
+
+    ``row_scales`` (an update rule's, see muonlab.optim.rules): per matrix None, or a 1-D fp32
+    scale of each row of O read as (len(scale), -1): X -= lr * ratio * scale[:, None] * O, in one
+    ``addcmul_`` per matrix (no scaled copy of O)."""
     if not params:
+        return
+    if row_scales is not None and any(s is not None for s in row_scales):
+        _apply_row_scaled(params, updates, lr=lr, weight_decay=weight_decay, ratios=ratios, row_scales=row_scales)
         return
     if weight_decay != 0:
         factor = 1 - lr * weight_decay
@@ -152,6 +160,27 @@ def muon_apply_(
         os_.append(_update_for(p, o))
     for ratio, (ps, os_) in by_ratio.items():
         torch._foreach_add_(ps, os_, alpha=-lr * ratio)
+
+
+def _apply_row_scaled(params, updates, *, lr: float, weight_decay: float, ratios, row_scales) -> None:
+    """``muon_apply_`` with row scales: the decay, then one ``addcmul_`` per matrix (the update in
+    its own dtype unless the parameter is fp16, as ``_update_for`` says)."""
+    if weight_decay != 0:
+        for p in params:  # mul_, not _foreach_mul_: see muon_apply_
+            p.mul_(1 - lr * weight_decay)
+    for p, o, ratio, scale in zip(params, updates, ratios, row_scales):
+        if scale is None:
+            p.add_(_update_for(p, o), alpha=-lr * ratio)
+            continue
+        if p.numel() == 0:  # an empty shard: no rows here
+            continue
+        o = o.float() if p.dtype == torch.float16 else o
+        scale = scale.to(p.device).unsqueeze(1)
+        shape = (scale.shape[0], p.numel() // scale.shape[0])
+        if p.is_contiguous():
+            p.view(shape).addcmul_(o.reshape(shape), scale, value=-lr * ratio)
+        else:  # a strided view of a parameter: the scaled update in full, then one add
+            p.add_((o.reshape(shape) * scale).view(p.shape).to(p.dtype), alpha=-lr * ratio)
 
 
 def _update_for(p: torch.Tensor, o: torch.Tensor) -> torch.Tensor:

@@ -1127,17 +1127,20 @@ class Muon(MomentumHomes, Optimizer):
                 if self._optimizer_spectral_observer is not None:  # a recording step (muonlab.trace.spectral)
                     for i, out in pairs:
                         self._optimizer_spectral_observer(entries[i][1], out, ran_here(i))
-                if ruled:  # after the observer, which reads the Newton-Schulz output itself
-                    pairs = list(zip(batch.param_indices, apply_rules(
-                        batch, pairs, entries=entries, specs=specs, groups=groups, state_of=rule_state,
-                        counter=counter)))
+                if ruled:  # (update, row scales) per matrix
+                    ruled_pairs = apply_rules(batch, pairs, entries=entries, specs=specs, groups=groups,
+                                              state_of=rule_state, counter=counter)
+                else:
+                    ruled_pairs = [(out, None) for _, out in pairs]
+                pairs = list(zip(batch.param_indices, ruled_pairs))
                 for (lr, weight_decay), members in _by_settings(
                         pairs, lambda i: (float(entries[i][0]["lr"]), entries[i][0]["weight_decay"])):
                     F.muon_apply_(
                         [_part_of(batch, local_shard(entries[i][1])) for i, _ in members],
-                        [out for _, out in members], lr=lr,
+                        [out for _, (out, _) in members], lr=lr,
                         weight_decay=weight_decay,
                         ratios=[F.adjust_lr_ratio(specs[i].lr_shape, entries[i][0]["adjust_lr"]) for i, _ in members],
+                        row_scales=[scale for _, (_, scale) in members] if ruled else None,
                     )
 
         # 2. move, orthogonalize, move back

@@ -75,13 +75,13 @@ def rule_part(batch: BatchPlan, state: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rules(batch: BatchPlan, members: list[tuple[int, torch.Tensor]], *, entries, specs, groups,
-                state_of, counter) -> list[torch.Tensor]:
+                state_of, counter) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     """Each update of ``members`` ((Muon entry index, this rank's update)) through its group's
     rule; the rules' per-matrix sums travel in one all-reduce per rule over the batch's group,
     counted in ``counter`` (a ``CommCounter``) under the rule's name as a ring all-reduce moves
     them: 2 (W - 1) / W of the bytes out and in. ``state_of(i)``: entry i's state dict with its
-    rule's keys."""
-    out = dict(members)
+    rule's keys. Returns per member (update, its row scales or None), as ``UpdateRule.transform``."""
+    out = {i: (u, None) for i, u in members}
     by_rule: dict[str, list[int]] = {}
     for i, _ in members:
         by_rule.setdefault(entries[i][0]["update_rule"], []).append(i)
@@ -98,7 +98,7 @@ def apply_rules(batch: BatchPlan, members: list[tuple[int, torch.Tensor]], *, en
                 counter.add(name, nbytes, nbytes)
                 dist.all_reduce(flat, group=pg)
 
-        updates = [out[i] for i in indices]
+        updates = [out[i][0] for i in indices]
         states = [[rule_part(batch, state_of(i)[k]) for k in rule.state_keys] for i in indices]
         held = [rows_held(specs[i], u, group_rank) for i, u in zip(indices, updates)]
         results = rule.transform(updates, states, held, [entries[i][0] for i in indices], reduce)

@@ -38,10 +38,15 @@ PARTS = "fp32-parts"
 expert bank is cut into parts (``BatchPlan.part``), one matrix per rank each."""
 
 
+NORMUON, NORMUON_PARTS = "normuon", "normuon-parts"
+"""fp32 with NorMuon's update rule (muonlab.optim.rules.normuon); the second with PARTS' budget."""
+
+
 def _optimizer(model, precision: str) -> Muon:
-    dtype = DTYPES["fp32" if precision == PARTS else precision]
-    budget = dict(workspace_bytes=1) if precision == PARTS else {}
-    return Muon(muon_param_groups(model), ns_dtype=dtype, comm_dtype=dtype, **HYPER, **budget)
+    dtype = DTYPES[precision if precision in DTYPES else "fp32"]
+    budget = dict(workspace_bytes=1) if precision in (PARTS, NORMUON_PARTS) else {}
+    rule = dict(update_rule="normuon") if precision in (NORMUON, NORMUON_PARTS) else {}
+    return Muon(muon_param_groups(model), ns_dtype=dtype, comm_dtype=dtype, **HYPER, **budget, **rule)
 
 
 def single_process(world: int, num_experts: int, precision: str, steps: int = STEPS):

@@ -28,7 +28,10 @@ CASES = ([(ep, e, "fp32") for ep in (1, 2) for e in (2, 3, 4, 6, 8) if e % ep ==
 # expert banks cut into parts by a workspace budget of one matrix: evenly held (8 on 4 ranks) and
 # rebalanced (6 on 4 ranks: 2,2,2,0)
 PART_CASES = [(1, 8, W.PARTS), (1, 6, W.PARTS)]
-TOLERANCE = {"fp32": 1e-5, "bf16": 3e-2, W.PARTS: 1e-5}
+# NorMuon (its row second moments with the experts; the dense matrices' norms summed over fsdp),
+# on EP x FSDP2 and with banks in parts
+RULE_CASES = [(2, 6, W.NORMUON), (1, 6, W.NORMUON_PARTS)]
+TOLERANCE = {"fp32": 1e-5, "bf16": 3e-2, W.PARTS: 1e-5, W.NORMUON: 1e-5, W.NORMUON_PARTS: 1e-5}
 
 
 def _id(case) -> str:
@@ -38,7 +41,7 @@ def _id(case) -> str:
 
 @pytest.fixture(scope="module")
 def results():
-    return launch(W.everything, NUM_RANKS, INVALID + [DENSE] + CASES + PART_CASES, timeout_s=300)
+    return launch(W.everything, NUM_RANKS, INVALID + [DENSE] + CASES + PART_CASES + RULE_CASES, timeout_s=300)
 
 
 @pytest.mark.timeout(400)
@@ -59,11 +62,12 @@ def test_a_model_without_experts_is_refused(results):
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("case", CASES + PART_CASES, ids=_id)
+@pytest.mark.parametrize("case", CASES + PART_CASES + RULE_CASES, ids=_id)
 def test_matches_single_process(results, case):
     ep, num_experts, precision = case
     # banks in parts: against the reference without parts (one process, no budget)
-    ref = W.single_process(NUM_RANKS, num_experts, "fp32" if precision == W.PARTS else precision)
+    unparted = {W.PARTS: "fp32", W.NORMUON_PARTS: W.NORMUON}
+    ref = W.single_process(NUM_RANKS, num_experts, unparted.get(precision, precision))
     start = cloned(W.build_model(num_experts).named_parameters())
     tol = TOLERANCE[precision]
     for rank, res in results.items():

@@ -164,3 +164,25 @@ def test_bad_settings_and_unfit_layouts_are_refused_before_anything_changes():
     with pytest.raises(ValueError, match=r"update_rule='normuon' can't update parameter 'stored' of shape \(8, 4\)"):
         opt.step()
     assert torch.equal(stored, before) and not opt.state[stored]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_row_scaled_update_equals_scaling_then_adding(dtype):
+    """muon_apply_'s row scales (one addcmul_ per matrix) against the update scaled in full and
+    added, on a contiguous parameter, a strided view of one, and an empty shard."""
+    from muonlab.optim import functional as F
+
+    gen = torch.Generator().manual_seed(7)
+    o = torch.randn(6, 4, generator=gen).to(torch.bfloat16)
+    scale = torch.rand(6, generator=gen) + 0.5
+    start = torch.randn(6, 4, generator=gen).to(dtype)
+    want = start.float() * (1 - 0.1 * 0.01) - 0.1 * 2.0 * (o.float() * scale[:, None])
+    p = start.clone()
+    F.muon_apply_([p], [o], lr=0.1, weight_decay=0.01, ratios=[2.0], row_scales=[scale])
+    strided = start.t().contiguous().t()  # the same values, column-major
+    assert not strided.is_contiguous()
+    F.muon_apply_([strided], [o], lr=0.1, weight_decay=0.01, ratios=[2.0], row_scales=[scale])
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    assert torch.allclose(p.float(), want, atol=tol) and torch.allclose(strided.float(), want, atol=tol)
+    empty = torch.empty(0, 4, dtype=dtype)
+    F.muon_apply_([empty], [torch.empty(0, 4)], lr=0.1, weight_decay=0.0, ratios=[1.0], row_scales=[torch.empty(0)])

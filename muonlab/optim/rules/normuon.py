@@ -53,13 +53,15 @@ def _state_shape(shape: tuple[int, ...], view: str) -> tuple[int, ...]:
 
 
 def normalize_(updates: list[torch.Tensor], states: list[list[torch.Tensor]], held: list[RowsHeld],
-               settings: list[dict], reduce) -> list[torch.Tensor]:
-    """NorMuon's step on this rank's rows of a batch's updates (new fp32 tensors). The per-matrix sums
+               settings: list[dict], reduce) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """NorMuon's step on this rank's rows of a batch's updates: each update as it is, with the
+    fp32 scale of each of its rows (1 / (sqrt(v) + eps) times its matrix's norm ratio), which the
+    update applies as it adds the rows (no scaled copy of the update is made). The per-matrix sums
     of the parameters whose matrices span ranks travel in one ``reduce``."""
     rows, per_matrix = [], []
     for o, (v,), h, group in zip(updates, states, held, settings):
-        x = o.float().reshape(-1, h.cols)
-        sq = x.square().sum(dim=1)  # per row: sum over the columns of O * O
+        x = o.reshape(-1, h.cols)
+        sq = torch.linalg.vector_norm(x, dim=1, dtype=torch.float32).square_()  # per row: sum of O * O
         vr = v.view(-1)
         vr.lerp_(sq / h.cols, 1 - group["normuon_beta2"])
         inv = vr.sqrt().add_(EPS).reciprocal_()
@@ -78,8 +80,7 @@ def normalize_(updates: list[torch.Tensor], states: list[list[torch.Tensor]], he
     out = []
     for (x, inv, matrix), sums, o in zip(rows, per_matrix, updates):
         scale = sums[0].sqrt() / sums[1].sqrt().add_(EPS)
-        # a new tensor: x may be the Newton-Schulz output itself, which a spectral recorder reads
-        out.append(x.mul((inv * scale[matrix]).unsqueeze(1)).view(o.shape))
+        out.append((o, inv.mul_(scale[matrix])))
     return out
 
 
