@@ -304,3 +304,15 @@ def test_hf_attention_with_unreadable_heads_is_refused():
     with pytest.raises(TypeError, match="k_proj 12, not 4 and 2 heads x head_dim 8"):
         QKClip(model)
     assert not hasattr(model.model.layers[1].self_attn, "qk_recording")
+
+
+def test_compare_takes_qk_clip_per_configuration():
+    from muonlab.experiments.compare import compare
+
+    model = GPTConfig(d_model=16, n_heads=2, n_layers=1, context=8)
+    with pytest.raises(ValueError, match="configuration 'clip': tau must be a number > 0"):
+        compare({"clip": dict(qk_clip=0)}, model=model, seeds=(0,), steps=2, progress=False)
+    result = compare({"muon": {}, "clip": dict(qk_clip=1e-3)}, model=model, seeds=(0,), steps=2, progress=False)
+    runs = {r.config: r for c in result.configs.values() for r in c.runs}
+    assert runs["clip"].train_loss[0] == runs["muon"].train_loss[0]  # same start, same first batch
+    assert runs["clip"].train_loss[1] != runs["muon"].train_loss[1]  # every head clipped after step 1
