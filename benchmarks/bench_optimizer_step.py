@@ -22,18 +22,21 @@ the second copy, identical, is the run's noise floor) and muonlab defaults with
 the figure the goal is judged on; see the results for why); ratios are medians of per-round
 ratios with bootstrap intervals.
 
-qkclip (opt-in: ``--sets qkclip``, written to results/optimizer_step_qkclip.md): what QK-clip
-(muonlab.optim.qk_clip) adds to a training step of a GPT: the forward+backward with the max-logit
-recording on against off, and ``QKClip.apply()`` (no head over tau; every head clipped) against the
-Muon step it follows, per-round ratios in alternating rounds.
+variants: the gpt256 matrices stepped by the update rules and add-ons of muonlab.Muon against its
+defaults (NorMuon, ``update_rule="normuon"``), in alternating rounds in balanced orders; ratios are
+medians of per-round ratios with bootstrap intervals.
 
-For both sets, "host time per matrix" is the step time divided by the number of matrices, with its
+qkclip: what QK-clip (muonlab.optim.qk_clip) adds to a training step of a GPT: the forward+backward
+with the max-logit recording on against off, and ``QKClip.apply()`` (no head over tau; every head
+clipped) against the Muon step it follows, per-round ratios in alternating rounds.
+
+For the first two sets, "host time per matrix" is the step time divided by the number of matrices, with its
 ratio to torch.optim.Muon's (the per-round ratio of the same steps).
 
     python benchmarks/bench_optimizer_step.py             # what results/optimizer_step.md holds
     python benchmarks/bench_optimizer_step.py --sets small48 --small-rounds 200 --out /tmp/small.md
     python benchmarks/bench_optimizer_step.py --sets gpt256 --layers 2 --repeats 3 --out /tmp/step.md
-    python benchmarks/bench_optimizer_step.py --sets qkclip --qk-rounds 20
+    python benchmarks/bench_optimizer_step.py --sets qkclip --qk-rounds 20   # results/optimizer_step_qkclip.md
 """
 
 from __future__ import annotations
@@ -98,8 +101,7 @@ CONFIGS = [
      "bf16" if resolve_dtype("auto", torch.device("cpu")) == torch.bfloat16 else "fp32", "auto"),
 ]
 TORCH_LABEL, DEFAULTS_LABEL, IGNORE_LABEL = CONFIGS[0][0], "muonlab defaults", CONFIGS[-1][0]
-SETS = ("gpt256", "small48", "qkclip")
-DEFAULT_SETS = ("gpt256", "small48")
+SETS = ("gpt256", "small48", "variants", "qkclip")
 
 
 def hidden_matrices(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -435,6 +437,56 @@ Goal (one process, {len(matrices)} small matrices, safety checks on): muonlab de
     return md, rows, goal
 
 
+VARIANTS = {
+    "muonlab defaults": {},
+    "muonlab defaults (again)": {},
+    "NorMuon (update_rule=\"normuon\")": dict(update_rule="normuon"),
+}
+"""Each variant's Muon options over the defaults (the second copy of the defaults: the noise floor)."""
+
+
+def variants_report(args) -> str:
+    """The variants set's section: each variant's step time against the defaults'."""
+    torch.set_num_threads(args.threads)
+    load_start, t0 = load(), time.perf_counter()
+    torch.manual_seed(0)
+    hidden = hidden_matrices(GPT(GPTConfig(d_model=args.width, n_layers=args.layers, n_heads=4, context=64)))
+    gen = torch.Generator().manual_seed(1)
+    grads = [torch.randn(p.shape, generator=gen) * 1e-2 for _, p in hidden]
+    opts = {}
+    for label, options in VARIANTS.items():
+        params = [nn.Parameter(p.detach().clone()) for _, p in hidden]
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        opts[label] = muonlab.Muon(params, lr=LR, momentum=MOMENTUM, **options)
+    labels = list(opts)
+    orders = balanced_orders(len(labels))
+    times = {label: [] for label in labels}
+    for r in range(args.variant_warmup + args.variant_rounds):
+        for i in orders[r % len(orders)]:
+            t = time.perf_counter()
+            opts[labels[i]].step()
+            if r >= args.variant_warmup:
+                times[labels[i]].append(time.perf_counter() - t)
+    base = times[labels[0]]
+    head = ["configuration", "median step ms", "time / muonlab defaults (median of rounds)", "95% interval (bootstrap)"]
+    rows = []
+    for label in labels:
+        med, low, high, _ = ratio_summary(times[label], base)
+        rows.append([label, f"{1e3 * statistics.median(times[label]):.1f}", f"{med:.3f}", f"{low:.3f}-{high:.3f}"])
+    print(text_table(head, rows), flush=True)
+    normuon = ratio_summary(times[labels[2]], base)[:3]
+    verdict = "meets" if normuon[2] <= 1.1 else "misses" if normuon[1] > 1.1 else "is within this run's noise of"
+    return f"""## Variants (the gpt256 matrices)
+
+The {len(hidden)} hidden matrices of the {args.layers}-layer, width-{args.width} GPT above, fixed random gradients, each variant with its own copy, every one stepped once per round in balanced orders; {args.variant_warmup} warm-up rounds, then {args.variant_rounds} timed rounds at {args.threads} threads. Load average {load_start} before, {load()} after; {time.perf_counter() - t0:.0f} s.
+
+{md_table(head, rows)}
+
+Goal: NorMuon's step at most 1.1x Muon's. Measured {normuon[0]:.3f}x ({normuon[1]:.3f}-{normuon[2]:.3f}), which {verdict} it. NorMuon adds per matrix a pass over its update (row sums of squares, the scaling) and one row vector of state; on one process no collective.
+"""
+
+
 def qkclip_rounds(args) -> tuple[dict[str, list[float]], dict]:
     """Per-round times of: forward+backward with recording off and on (in alternating order), the
     Muon step, QKClip.apply() with no head over tau and with every head clipped."""
@@ -518,7 +570,7 @@ QK-clip's whole cost per step (the recording's extra forward time plus apply wit
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sets", nargs="+", choices=SETS, default=list(DEFAULT_SETS))
+    ap.add_argument("--sets", nargs="+", choices=SETS, default=list(SETS))
     ap.add_argument("--layers", type=int, default=12, help="gpt256: layers")
     ap.add_argument("--width", type=int, default=256, help="gpt256: width")
     ap.add_argument("--warmup", type=int, default=2, help="gpt256: warm-up rounds")
@@ -531,6 +583,8 @@ def main(argv=None) -> None:
     ap.add_argument("--small-rounds-more-threads", type=int, default=150,
                     help="small48: timed rounds at the other thread counts (slow and noisy under load)")
     ap.add_argument("--small-warmup", type=int, default=20, help="small48: warm-up rounds")
+    ap.add_argument("--variant-rounds", type=int, default=40, help="variants: timed rounds")
+    ap.add_argument("--variant-warmup", type=int, default=3, help="variants: warm-up rounds")
     ap.add_argument("--qk-width", type=int, default=256, help="qkclip: the GPT's d_model")
     ap.add_argument("--qk-layers", type=int, default=4, help="qkclip: layers")
     ap.add_argument("--qk-heads", type=int, default=4, help="qkclip: attention heads")
@@ -542,13 +596,9 @@ def main(argv=None) -> None:
                     help="default: results/optimizer_step.md with both sets, else results/optimizer_step_SET.md")
     args = ap.parse_args(argv)
     sets = [s for s in SETS if s in args.sets]
-    out = args.out or results_path("optimizer_step" if sets == list(DEFAULT_SETS) else f"optimizer_step_{sets[0]}")
+    out = args.out or results_path("optimizer_step" if len(sets) == len(SETS) else f"optimizer_step_{sets[0]}")
     load_start, t_start = load(), time.perf_counter()
     parts, per_matrix = [], []
-    if sets == ["qkclip"]:
-        write_report(out, "Optimizer step: QK-clip's cost", qkclip_report(args), script=__file__, argv=argv,
-                     machine_note=f"Load average {load_start} at the start (2 cores shared with other jobs).")
-        return
     if "gpt256" in sets:
         md, rows = gpt256_report(args)
         parts.append(md)
@@ -557,13 +607,16 @@ def main(argv=None) -> None:
         md, rows, _ = small48_report(args)
         per_matrix = rows + per_matrix
         small_md = md
-    parts.append("## Host time per matrix\n\n"
-                 "The step time divided by the number of matrices (48 in each set at the default sizes), and the per-round ratio to "
-                 "torch.optim.Muon's (the same as the ratio of step times: the same matrices), with the safety "
-                 "checks on (muonlab defaults) and off (`nonfinite=\"ignore\"`). In the small set it is nearly all "
-                 "fixed host cost; in gpt256 mostly Newton-Schulz.\n\n" + md_table(PER_MATRIX_HEAD, per_matrix))
+    if "gpt256" in sets or "small48" in sets:
+        parts.append("## Host time per matrix\n\n"
+                     "The step time divided by the number of matrices (48 in each set at the default sizes), and the per-round ratio to "
+                     "torch.optim.Muon's (the same as the ratio of step times: the same matrices), with the safety "
+                     "checks on (muonlab defaults) and off (`nonfinite=\"ignore\"`). In the small set it is nearly all "
+                     "fixed host cost; in gpt256 mostly Newton-Schulz.\n\n" + md_table(PER_MATRIX_HEAD, per_matrix))
     if "small48" in sets:
         parts.append(small_md)
+    if "variants" in sets:
+        parts.append(variants_report(args))
     if "qkclip" in sets:
         parts.append(qkclip_report(args))
     print()

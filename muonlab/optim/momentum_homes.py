@@ -107,7 +107,7 @@ class MomentumHomes:
         for i, (_, owner, _) in owners.items():
             self._replica_home[i] = owner
             if me != owner:  # moved away, or a copy (init_state's zeros, a consolidation's): not kept
-                self.state.pop(entries[i][1], None)
+                self._drop_momentum(entries[i][1])
 
     def _spread_momentum(self, planned, counter: CommCounter) -> None:
         """Collective: replicated matrices that this plan orthogonalizes on every rank (strategy
@@ -126,6 +126,15 @@ class MomentumHomes:
         for _, (buf,) in self._offload.each([(0, p, self._state_for(p, "muon"))], ("momentum_buffer",)):
             _count_broadcast(counter, buf, src, group)
             dist.broadcast(buf, src=src, group=group)
+
+    def _drop_momentum(self, p: torch.Tensor) -> None:
+        """Drop p's momentum here; an update rule's state stays (every replica keeps its own,
+        see muonlab.optim.rule_step)."""
+        state = self.state.get(p)
+        if state is not None:
+            state.pop("momentum_buffer", None)
+            if not state:
+                self.state.pop(p, None)
 
     def consolidate_state(self) -> None:
         """Collective (call on every rank): each replicated matrix's momentum is broadcast from
@@ -147,4 +156,4 @@ class MomentumHomes:
         for i, p, _, home in self._owned():
             self._replica_home[i] = home
             if home != me:
-                self.state.pop(p, None)
+                self._drop_momentum(p)

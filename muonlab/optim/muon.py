@@ -33,6 +33,8 @@ from .agreement import Agreement, digest
 from .momentum_homes import MomentumHomes
 from .offload import StateStores
 from .replicas import check_ranks_agree
+from .rule_step import apply_rules, ensure_rule_state, refuse_unfit, rule_of, state_shapes
+from .rules import RULE_STATE_KEYS, RULES
 from .prepared import PreparedStep, group_key, settings_values, step_digest
 from .routing import check_not_flat
 from .validation import (SETTINGS, check_comm_dtype, check_hyperparameters,
@@ -212,6 +214,17 @@ class Muon(MomentumHomes, Optimizer):
             With "disk" the optimizer can't be copied or pickled, nor take new parameter groups.
         offload_dir: the directory of the "disk" state file (required for "disk"; locked per rank).
         keep_muon_momentum_in_memory: offload only the AdamW moments; Muon momentum stays resident.
+        update_rule: what happens between a matrix's orthogonalized update and its parameter, per
+            group (a key of ``muonlab.optim.rules.RULES``): "muon" (the update as it is) or
+            "normuon" (NorMuon, Li et al. 2025: per-row second moments, decay ``normuon_beta2``,
+            normalise the update, which keeps its Frobenius norm; see
+            muonlab.optim.rules.normuon). NorMuon keeps one fp32 number per row of each matrix
+            (state key "row_variance", with the rows: on their FSDP2 shard, with an expert, on
+            every DDP replica; on the parameters' device under ``state_offload``). A matrix whose
+            rows lie on several ranks adds one all-reduce of two numbers per matrix to its
+            batch. Refused for a matrix stored (in, out) (view "transpose") or sharded on a dim
+            other than 0.
+        normuon_beta2: NorMuon's decay of the row second moments, in [0, 1).
 
     Distributed: ``plan()`` says which path each batch takes and what it moves and computes;
     ``last_step_stats()`` and ``last_step_spans()`` say what the last step measured.
@@ -255,13 +268,15 @@ class Muon(MomentumHomes, Optimizer):
         state_offload: str | None = None,
         offload_dir=None,
         keep_muon_momentum_in_memory: bool = False,
+        update_rule: str = "muon",
+        normuon_beta2: float = 0.95,
     ):
         NSConfig(dtype=ns_dtype, **resolve_form(ns_form), backend=ns_backend)  # raises on a bad ns_*
         check_memory_options(momentum_dtype, workspace_bytes, ns_graphs)
         self._muon_defaults = dict(
             lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
             ns_steps=ns_steps, ns_coefficients=ns_coefficients, eps=eps, adjust_lr=adjust_lr,
-            momentum_form=momentum_form,
+            momentum_form=momentum_form, update_rule=update_rule, normuon_beta2=normuon_beta2,
         )
         self._adamw_defaults = dict(lr=adamw_lr, betas=adamw_betas, eps=adamw_eps, weight_decay=adamw_weight_decay)
         # the arguments themselves, not only the groups that use them: a bad adamw_lr must not
@@ -516,6 +531,8 @@ class Muon(MomentumHomes, Optimizer):
                     self.state[p][key] = self._offload.adopt(p, key, value)
                 elif key == "step" and not torch.is_tensor(value):
                     self.state[p][key] = torch.tensor(float(value))
+                elif key in RULE_STATE_KEYS and torch.is_tensor(value):  # fp32 where torch cast it to p's dtype
+                    self.state[p][key] = value.to(device=p.device, dtype=torch.float32, copy=True)
                 elif torch.is_tensor(value) and key in self._offload.by_key \
                         and self.state[p][key].dtype != self._offload.dtype(p, key):
                     self.state[p][key] = value.to(device=p.device, dtype=self._offload.dtype(p, key), copy=True)
@@ -534,21 +551,25 @@ class Muon(MomentumHomes, Optimizer):
         if not isinstance(saved_state, dict):
             raise TypeError(f"state_dict['state'] must be a dict {{param id: state}}, got {type(saved_state).__name__}")
         saved_ids = [i for g in saved_groups for i in g["params"]]
-        params = [(g["algorithm"], p) for g in self.param_groups for p in g["params"]]
-        pairs = [(saved_state.get(pid, {}), p) for pid, (_, p) in zip(saved_ids, params)]
-        for (saved, p), (algorithm, _) in zip(pairs, params):
+        # the saved groups' settings replace these (their update rule decides the state kept)
+        settings = [{**g, **(s if isinstance(s, dict) else {})} for g, s in zip(self.param_groups, saved_groups)]
+        params = [(g["algorithm"], p, group) for g, group in zip(self.param_groups, settings) for p in g["params"]]
+        pairs = [(saved_state.get(pid, {}), p) for pid, (_, p, _) in zip(saved_ids, params)]
+        for (saved, p), (algorithm, _, group) in zip(pairs, params):
             if not isinstance(saved, dict):
                 raise TypeError(f"parameter {self._label(p)} has saved state of type {type(saved).__name__}, "
                                 "not a dict")
-            wanted = STATE_KEYS[algorithm]
-            if saved and set(saved) != set(wanted):
+            shapes = self._rule_shapes(group, p) if group.get("update_rule") in RULES else {}
+            wanted = STATE_KEYS[algorithm] + tuple(shapes)
+            # a replica's momentum lives on one rank, its rule state on all (muonlab.optim.rule_step)
+            if saved and set(saved) != set(wanted) and not (shapes and set(saved) == set(shapes)):
                 raise ValueError(f"parameter {self._label(p)} ({algorithm}) has saved state keys {sorted(saved)}; "
                                  f"expected {sorted(wanted)}")
             for key in wanted:
-                if saved and key != "step" and not torch.is_tensor(saved[key]):
+                if key in saved and key != "step" and not torch.is_tensor(saved[key]):
                     raise TypeError(f"parameter {self._label(p)} has saved {key} of type "
                                     f"{type(saved[key]).__name__}, not a tensor")
-            mismatch = state_mismatch(p, saved)
+            mismatch = state_mismatch(p, saved, shapes)
             if mismatch:
                 raise ValueError(f"parameter {self._label(p)} does not match the saved state: {mismatch} "
                                  "(the state dict comes from a model of another shape)")
@@ -812,7 +833,7 @@ class Muon(MomentumHomes, Optimizer):
                 layout = grad_layout_mismatch(p, g)
                 if layout:
                     raise ValueError(f"parameter {self._label(p)} has {layout}")
-                mismatch = state_mismatch(p, self.state[p]) if p in self.state else None
+                mismatch = state_mismatch(p, self.state[p], self._rule_shapes(group, p)) if p in self.state else None
                 if mismatch:
                     raise ValueError(
                         f"parameter {self._label(p)} has state {mismatch}: it changed shape after its state "
@@ -823,12 +844,19 @@ class Muon(MomentumHomes, Optimizer):
                 work[group["algorithm"]].append((group, params))
         return work
 
-    def _state_for(self, p: torch.Tensor, algorithm: str) -> dict:
+    def _rule_shapes(self, group: dict, p: torch.Tensor) -> dict[str, tuple[int, ...]]:
+        """The shapes of the state a Muon group's update rule keeps for ``p`` (none for AdamW)."""
+        return state_shapes(group, p, self._view_of(p)) if group.get("algorithm") == "muon" else {}
+
+    def _state_for(self, p: torch.Tensor, algorithm: str, group: dict | None = None) -> dict:
+        """p's state, its missing keys made: zeros where they are kept (device, host or the state
+        file), never all on the device; with a Muon ``group``, its update rule's state too."""
         state = self.state[p]
-        if not state:
-            # zeros made where they are kept (device, host or the state file), never all on the device
-            for key in STATE_KEYS[algorithm]:
+        for key in STATE_KEYS[algorithm]:
+            if key not in state:
                 state[key] = torch.tensor(0.0) if key == "step" else self._offload.new(p, key)
+        if group is not None:
+            ensure_rule_state(state, group, p, self._view_of(p))
         return state
 
     def _adamw_group(self, group: dict, params: list[torch.Tensor]) -> None:
@@ -874,7 +902,8 @@ class Muon(MomentumHomes, Optimizer):
         # each parameter's identity and layout too: one may be replaced, resized (p.data = ...) or
         # resharded between steps, and a plan made for its old shape would update it wrongly
         layouts = tuple(_layout(entries[i][1]) for i in indices)
-        cache_key = (indices, configs, layouts, self.comm_dtype, self.strategy, self.remainder_path,
+        rules = tuple(entries[i][0]["update_rule"] for i in indices)  # a rule may refuse a layout
+        cache_key = (indices, configs, layouts, rules, self.comm_dtype, self.strategy, self.remainder_path,
                      self.hardware_profile)
         if cache_key not in self._plans:
             if self._runner is not None:  # a new plan is made outside the hot step: the place to read them
@@ -887,6 +916,7 @@ class Muon(MomentumHomes, Optimizer):
                 group, p = entries[i]
                 name = self._names.get(p, f"param{i}")
                 spec = matrix_spec(i, name, p, replicate, self.fused_banks.get(name, 1), self._view_of(p))
+                refuse_unfit(group, spec)
                 specs.append(spec)
                 if spec.group not in groups:
                     groups[spec.group] = process_group_for(p, spec, replicate)
@@ -1009,7 +1039,7 @@ class Muon(MomentumHomes, Optimizer):
         same keys and global shapes before the first step, as distributed checkpointing needs."""
         for group in self.param_groups:
             for p in group["params"]:
-                self._state_for(p, group["algorithm"])
+                self._state_for(p, group["algorithm"], group if group["algorithm"] == "muon" else None)
 
     def state_residency(self) -> dict[str, int]:
         """Bytes of momentum and AdamW moments on the parameters' device between steps
@@ -1044,6 +1074,7 @@ class Muon(MomentumHomes, Optimizer):
         """
         entries = self._muon_entries()
         plan, specs, groups, owners = planned.plan, planned.specs, planned.groups, planned.owners
+        ruled = any(rule_of(entries[i][0]).transform is not None for i in specs)
 
         def on_this_rank(i: int) -> bool:
             # a replicated matrix's momentum and Newton-Schulz run on its owner rank only
@@ -1064,7 +1095,7 @@ class Muon(MomentumHomes, Optimizer):
             inputs = dict.fromkeys(batch.param_indices)
             with self._tracer.span("momentum", batch=batch.index):
                 mine = [i for i in batch.param_indices if on_this_rank(i)]
-                items = [(i, entries[i][1], self._state_for(entries[i][1], "muon")) for i in mine]
+                items = [(i, entries[i][1], self._state_for(entries[i][1], "muon", entries[i][0])) for i in mine]
                 # the store hands out each momentum on the device (fetching the next meanwhile;
                 # of a bank in parts, this batch's part); resident buffers are the state
                 # itself, so they can be updated all at once
@@ -1078,13 +1109,24 @@ class Muon(MomentumHomes, Optimizer):
                         inputs.update(zip((i for i, _ in members), outs))
             return [inputs[i] for i in batch.param_indices]
 
+        def rule_state(i: int) -> dict:
+            p = entries[i][1]
+            state = self.state[p]  # a replica's rule state lives on every rank (muonlab.optim.rule_step)
+            ensure_rule_state(state, entries[i][0], p, self._view_of(p))
+            return state
+
         def apply(batch, outputs: list[torch.Tensor]) -> None:
-            """3. update, with the lr ratio from each matrix's GLOBAL shape."""
+            """3. the update rule (muonlab.optim.rules), then the update, with the lr ratio from
+            each matrix's GLOBAL shape."""
             with self._tracer.span("update", batch=batch.index):
                 pairs = list(zip(batch.param_indices, outputs))
                 if self._optimizer_spectral_observer is not None:  # a recording step (muonlab.trace.spectral)
                     for i, out in pairs:
                         self._optimizer_spectral_observer(entries[i][1], out, ran_here(i))
+                if ruled:  # after the observer, which reads the Newton-Schulz output itself
+                    pairs = list(zip(batch.param_indices, apply_rules(
+                        batch, pairs, entries=entries, specs=specs, groups=groups, state_of=rule_state,
+                        counter=counter)))
                 for (lr, weight_decay), members in _by_settings(
                         pairs, lambda i: (float(entries[i][0]["lr"]), entries[i][0]["weight_decay"])):
                     F.muon_apply_(

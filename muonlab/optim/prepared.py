@@ -20,9 +20,9 @@ import torch
 from .agreement import digest
 from .validation import SETTINGS
 
-PLAN_SETTINGS = {"muon": ("ns_steps", "ns_coefficients", "eps"), "adamw": ()}
+PLAN_SETTINGS = {"muon": ("ns_steps", "ns_coefficients", "eps", "update_rule"), "adamw": ()}
 """The group settings a prepared step is made from (the Newton-Schulz config, which the plan's
-batches carry): a change of one makes a new prepared step. The other settings are read per step."""
+batches carry, and the update rule, which may refuse a layout): a change of one makes a new prepared step. The other settings are read per step."""
 
 
 def frozen(value: Any) -> Any:

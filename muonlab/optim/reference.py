@@ -30,12 +30,21 @@ def reference_muon_step(
     momentum_form: str,
     ns_dtype: torch.dtype = torch.float32,
     views: list[str] | None = None,
+    update_rule: str = "muon",
+    normuon_beta2: float = 0.95,
+    row_variances: list[torch.Tensor] | None = None,
+    num_fused: list[int] | None = None,
 ) -> None:
     """One Muon step on full (unsharded) tensors, each read as matrices by its view (one of
-    muonlab.comm.specs.VIEWS; default by shape, as in Muon): a bank is a list of matrices."""
+    muonlab.comm.specs.VIEWS; default by shape, as in Muon): a bank is a list of matrices, a
+    fused bank (``num_fused``) its row blocks. ``update_rule="normuon"`` normalises each
+    orthogonalized matrix by its rows' second moments ``row_variances`` (updated in place; see
+    muonlab.optim.rules.normuon) before the update."""
     views = views or [""] * len(params)
-    for p, g, buf, view in zip(params, grads, bufs, views):
-        spec = MatrixSpec(0, "reference", tuple(p.shape), "whole", None, view=view)
+    num_fused = num_fused or [1] * len(params)
+    row_variances = row_variances or [None] * len(params)
+    for p, g, buf, view, fused, var in zip(params, grads, bufs, views, num_fused, row_variances):
+        spec = MatrixSpec(0, "reference", tuple(p.shape), "whole", None, num_fused=fused, view=view)
         g = g.float()
         if momentum_form == "ema":
             buf.copy_(buf + (1 - momentum) * (g - buf))
@@ -46,7 +55,19 @@ def reference_muon_step(
         matrices = u.reshape(-1, *spec.matrix_shape)
         ortho = torch.stack([
             reference_newton_schulz(m, ns_steps, ns_coefficients, eps, ns_dtype).float() for m in matrices
-        ]).reshape(u.shape)
+        ])
+        if update_rule == "normuon":
+            variances = var.view(len(matrices), -1, 1)
+            ortho = torch.stack([reference_normuon(o, v, normuon_beta2) for o, v in zip(ortho, variances)])
+        ortho = ortho.reshape(u.shape)
         ratio = adjust_lr_ratio(spec.lr_shape, adjust_lr)
         p.mul_(1 - lr * weight_decay)
         p.add_(ortho.to(p.dtype), alpha=-lr * ratio)
+
+
+def reference_normuon(ortho: torch.Tensor, variance: torch.Tensor, beta2: float, eps: float = 1e-10) -> torch.Tensor:
+    """NorMuon on one orthogonalized matrix (m, n) with its rows' second moments ``variance``
+    (m, 1), updated in place (Li et al. 2025, arXiv 2510.05491, Algorithm 1)."""
+    variance.lerp_((ortho * ortho).mean(dim=1, keepdim=True), 1 - beta2)
+    normalised = ortho / (variance.sqrt() + eps)
+    return normalised * (ortho.norm() / (normalised.norm() + eps))

@@ -15,6 +15,7 @@ import torch
 from ..comm.specs import DTensor
 from ..kernels.newton_schulz import is_number, resolve_coefficients
 from . import functional as F
+from .rules import RULE_SETTINGS, check_rule_settings
 
 
 def whole_number(value) -> int | None:
@@ -39,13 +40,15 @@ def fmt_shape(shape) -> str:
     return "(" + ", ".join(str(int(d)) for d in shape) + ")"
 
 
-def state_mismatch(p: torch.Tensor, state: dict) -> str | None:
-    """The first state tensor whose shape differs from ``p``'s, described, or None.
+def state_mismatch(p: torch.Tensor, state: dict, shapes: Mapping[str, tuple] | None = None) -> str | None:
+    """The first state tensor whose shape differs from ``p``'s (or, for a key of ``shapes``, from
+    that shape: an update rule's state), described, or None.
 
     DTensor parameters hold DTensor state: both shapes are global, so this compares like with like.
     """
     for key, value in state.items():
-        if key != "step" and torch.is_tensor(value) and value.shape != p.shape:
+        expected = tuple((shapes or {}).get(key, p.shape))
+        if key != "step" and torch.is_tensor(value) and tuple(value.shape) != expected:
             return f"{key} of shape {fmt_shape(value.shape)}"
     return None
 
@@ -108,6 +111,8 @@ MUON_DEFAULTS = dict(
     eps=1e-7,
     adjust_lr="original",
     momentum_form="ema",
+    update_rule="muon",
+    **RULE_SETTINGS,
 )
 ADAMW_DEFAULTS = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
 
@@ -162,6 +167,7 @@ def check_hyperparameters(values: dict, algorithm: str, prefix: str, where: str)
     if values["momentum_form"] not in F.MOMENTUM_FORMS:
         raise ValueError(
             f"unknown momentum_form {values['momentum_form']!r}{where}; choose one of {F.MOMENTUM_FORMS}")
+    check_rule_settings(values, where)
 
 
 def check_comm_dtype(comm_dtype) -> None:

@@ -1,0 +1,74 @@
+"""What an update rule is: what happens between a matrix's orthogonalized update and its parameter.
+
+A rule is one module with an ``UpdateRule`` and one entry in ``muonlab.optim.rules.RULES``. Muon
+reads from it the group settings it adds (with their defaults and checks), the state it keeps per
+parameter beside the momentum, the layouts it refuses, and its transform of the update.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class RowsHeld:
+    """Where one parameter's rows of the update held by this rank lie, read as (rows, cols).
+
+    The update of one parameter on this rank is read as ``rows`` x ``cols`` (its matrices' rows
+    stacked: a bank's matrices one after another, a fused bank's blocks in order, a flattened conv
+    kernel's output channels); the first of them is global row ``first_row`` of the parameter. Its
+    matrices are ``matrix_rows`` rows each; ``num_matrices`` is how many the per-matrix sums count
+    (the parameter's, or this rank's where ``spans_ranks`` is False and every matrix is whole here).
+    """
+
+    matrix_rows: int
+    cols: int
+    first_row: int
+    num_matrices: int
+    spans_ranks: bool
+    """Whether other ranks hold rows of the same matrices (a row-sharded matrix), so that sums
+    over a matrix add this rank's part to theirs."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class UpdateRule:
+    """One update rule (see the module doc)."""
+
+    name: str
+    summary: str
+    source: str
+    """Where it was published, cited."""
+    settings: dict[str, Any] = field(default_factory=dict)
+    """Group settings it adds, with their defaults (Muon's keyword arguments of the same names)."""
+    state_keys: tuple[str, ...] = ()
+    """State kept per parameter beside the momentum (fp32, shape ``state_shape``)."""
+    check_settings: Callable[[dict, str], None] = lambda values, where: None
+    """Raises a ValueError/TypeError naming the setting for a bad value (``where``: which group)."""
+    refusal: Callable[[Any], str | None] = lambda spec: None
+    """Why a matrix (a ``muonlab.comm.specs.MatrixSpec``) can't take this rule, or None."""
+    state_shape: Callable[[tuple[int, ...], str], tuple[int, ...]] = lambda shape, view: shape
+    """The global shape of its state for a parameter of ``shape`` read with matrix view ``view``."""
+    transform: Callable | None = None
+    """``transform(updates, states, held, settings, reduce) -> updates``: the updates this rank
+    holds (one per parameter of a batch, its local rows), each parameter's state tensors (local,
+    in ``state_keys`` order, updated in place), its ``RowsHeld``, its group's settings, and
+    ``reduce(tensor)`` summing a 1-D fp32 tensor in place over the ranks sharing the batch's
+    matrices. None: the update is used as it is."""
+
+    def new_state(self, p: torch.Tensor, key: str, view: str) -> torch.Tensor:
+        """Zeros of ``key`` for parameter ``p``: fp32 on p's device; a DTensor with p's mesh and
+        placements when p is one (the placements' dim 0 is kept, so its rows fall where p's do)."""
+        shape = self.state_shape(tuple(p.shape), view)
+        if not hasattr(p, "to_local"):
+            return torch.zeros(shape, dtype=torch.float32, device=p.device)
+        from torch.distributed.tensor import DTensor
+
+        local = p.to_local()
+        local_shape = (local.shape[0],) + shape[1:]
+        zeros = torch.zeros(local_shape, dtype=torch.float32, device=local.device)
+        return DTensor.from_local(zeros, p.device_mesh, p.placements, run_check=False, shape=torch.Size(shape),
+                                  stride=torch.empty(shape, device="meta").stride())

@@ -1,0 +1,96 @@
+"""NorMuon: per-neuron second moments normalise the orthogonalized update, which then keeps its
+Frobenius norm (Z. Li et al., NorMuon: Making Muon more efficient and scalable, arXiv 2510.05491,
+Algorithm 1).
+
+Per matrix O (the orthogonalized momentum, m x n) and its row second moments v (m x 1, fp32):
+
+    v <- beta2 v + (1 - beta2) mean_cols(O * O)
+    O_hat = O / (sqrt(v) + eps)
+    update = O_hat * ||O||_F / (||O_hat||_F + eps)
+
+and the update then goes through Muon's lr ratio and weight decay as any other. ``eps`` is 1e-10,
+as in the paper's code.
+
+Rows are whole on every layout Muon steps (FSDP2 shards rows; a bank's or a fused bank's matrices
+are whole or row blocks), so ``v`` lives with the rows: each rank updates the rows it holds. The
+two Frobenius norms of a matrix whose rows lie on several ranks are the one thing summed across
+them: one all-reduce of two numbers per matrix per batch, over the batch's group. Exact on every
+layout (microsoft/dion's distributed NorMuon normalises each shard by its own norm instead).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import RowsHeld, UpdateRule
+
+EPS = 1e-10
+
+
+def _check(values: dict, where: str) -> None:
+    beta2 = values.get("normuon_beta2")
+    if isinstance(beta2, bool) or not isinstance(beta2, (int, float)):
+        raise TypeError(f"normuon_beta2 must be a number, got {beta2!r}{where}")
+    if not 0 <= beta2 < 1:
+        raise ValueError(f"normuon_beta2 must be in [0, 1), got {beta2}{where}")
+
+
+def _refusal(spec) -> str | None:
+    if spec.view == "transpose":
+        return ("it is stored (in, out) (view 'transpose'), so its neurons are columns of the stored matrix; "
+                "NorMuon here normalises rows")
+    if spec.shard_dim != 0:
+        return f"it is sharded on dim {spec.shard_dim}, which splits its rows across ranks"
+    return None
+
+
+def _state_shape(shape: tuple[int, ...], view: str) -> tuple[int, ...]:
+    """One entry per row: the column dims of the parameter become 1 (a flattened kernel's all
+    but dim 0, else the last)."""
+    if view == "flatten":
+        return (shape[0],) + (1,) * (len(shape) - 1)
+    return tuple(shape[:-1]) + (1,)
+
+
+def normalize_(updates: list[torch.Tensor], states: list[list[torch.Tensor]], held: list[RowsHeld],
+               settings: list[dict], reduce) -> list[torch.Tensor]:
+    """NorMuon's step on this rank's rows of a batch's updates (new fp32 tensors). The per-matrix sums
+    of the parameters whose matrices span ranks travel in one ``reduce``."""
+    rows, per_matrix = [], []
+    for o, (v,), h, group in zip(updates, states, held, settings):
+        x = o.float().reshape(-1, h.cols)
+        sq = x.square().sum(dim=1)  # per row: sum over the columns of O * O
+        vr = v.view(-1)
+        vr.lerp_(sq / h.cols, 1 - group["normuon_beta2"])
+        inv = vr.sqrt().add_(EPS).reciprocal_()
+        matrix = torch.arange(h.first_row, h.first_row + x.shape[0], device=x.device) // h.matrix_rows
+        sums = torch.zeros(2, h.num_matrices, dtype=torch.float32, device=x.device)
+        sums[0].index_add_(0, matrix, sq)  # ||O||_F^2, this rank's rows
+        sums[1].index_add_(0, matrix, sq * inv.square())  # ||O_hat||_F^2
+        rows.append((x, inv, matrix))
+        per_matrix.append(sums)
+    shared = [i for i, h in enumerate(held) if h.spans_ranks]
+    if shared:
+        flat = torch.cat([per_matrix[i].view(-1) for i in shared])
+        reduce(flat)
+        for i, part in zip(shared, flat.split([per_matrix[i].numel() for i in shared])):
+            per_matrix[i] = part.view(2, -1)
+    out = []
+    for (x, inv, matrix), sums, o in zip(rows, per_matrix, updates):
+        scale = sums[0].sqrt() / sums[1].sqrt().add_(EPS)
+        # a new tensor: x may be the Newton-Schulz output itself, which a spectral recorder reads
+        out.append(x.mul((inv * scale[matrix]).unsqueeze(1)).view(o.shape))
+    return out
+
+
+RULE = UpdateRule(
+    name="normuon",
+    summary="per-row second moments normalise the orthogonalized update, keeping its Frobenius norm",
+    source="Z. Li et al., NorMuon: Making Muon more efficient and scalable, arXiv 2510.05491 (2025)",
+    settings={"normuon_beta2": 0.95},
+    state_keys=("row_variance",),
+    check_settings=_check,
+    refusal=_refusal,
+    state_shape=_state_shape,
+    transform=normalize_,
+)

@@ -1,0 +1,54 @@
+"""NorMuon across gloo ranks equals one process: FSDP2 row shards (empty trailing shards, a fused
+bank cut through its blocks, a flattened conv kernel), DDP replicas, expert banks; and an FSDP2
+checkpoint resumes it bit for bit. One launch per world size runs every case."""
+
+import pytest
+import torch
+
+from muonlab.distributed import launch
+
+from . import _workers_normuon as W
+
+TOLERANCE = 1e-6  # fp32 on the wire and in Newton-Schulz
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")
+def world_results(request, tmp_path_factory):
+    world = request.param
+    return world, launch(W.everything, world, str(tmp_path_factory.mktemp("normuon_ckpt")), timeout_s=240)
+
+
+def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("kind", ["fsdp", "ddp", "ep"])
+def test_normuon_on_ranks_equals_one_process(world_results, kind):
+    """Parameters and row second moments within 1e-6 of one process's, on every rank; on FSDP2 the
+    fused bank's rows are split across ranks mid-block (its per-block norms are summed across
+    ranks), and at 4 ranks trailing shards are empty."""
+    world, results = world_results
+    ref = W.single_process(kind)
+    for rank, res in results.items():
+        got = res[kind]
+        for name, want in ref["params"].items():
+            assert _relative(got["params"][name], want) <= TOLERANCE, (world, kind, rank, name)
+            assert _relative(got["variances"][name], ref["variances"][name]) <= TOLERANCE, (world, kind, rank, name)
+    calls = results[0][kind]["calls"].get("normuon", 0)
+    if kind == "fsdp":  # the cases the test is for did occur; the norms' all-reduce was counted
+        paths = {path for path, _ in results[0][kind]["layouts"]}
+        assert paths & {"all_to_all", "agrs"} and paths & {"gather_all", "subgroup"}, paths
+        assert calls >= 1
+    else:  # whole matrices on every rank that updates them: nothing to sum across ranks
+        assert calls == 0
+
+
+@pytest.mark.timeout(600)
+def test_normuon_resumes_from_a_checkpoint_bit_for_bit(world_results):
+    world, results = world_results
+    for rank, res in results.items():
+        got = res["resume"]
+        for name, want in got["straight"].items():
+            assert torch.equal(got["resumed"][name], want), (world, rank, name)
+            assert torch.equal(got["resumed_var"][name], got["straight_var"][name]), (world, rank, name)

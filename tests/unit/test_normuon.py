@@ -1,0 +1,166 @@
+"""NorMuon (update_rule="normuon") in one process: against the slow readable reference, its
+state kept, resumed and offloaded exactly, its refusals, and its numerics on the inputs training
+produces (low-rank and zero momentum, bf16)."""
+
+import io
+
+import pytest
+import torch
+
+from muonlab import Muon
+from muonlab.optim.reference import reference_muon_step, reference_normuon
+from muonlab.optim.rules import RULES
+
+HYPER = dict(lr=0.05, momentum=0.9, weight_decay=0.1, normuon_beta2=0.9)
+# a tall and a wide matrix, a bank, a fused bank of 3 blocks and a conv kernel read as one matrix
+SHAPES = {"tall": (16, 8), "wide": (6, 20), "bank": (3, 8, 12), "fused": (12, 5), "conv": (6, 2, 3, 3)}
+FUSED = {"fused": 3}
+
+
+def _params(seed=0, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    return [(n, torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype))) for n, s in SHAPES.items()]
+
+
+def _grads(step, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(100 + step)
+    return {n: torch.randn(s, generator=gen).to(dtype) for n, s in SHAPES.items()}
+
+
+def _run(steps=3, **kw):
+    params = _params(dtype=kw.pop("dtype", torch.float32))
+    opt = Muon(params, ns_dtype=torch.float32, fused_banks=FUSED, **{**HYPER, "update_rule": "normuon", **kw})
+    for step in range(steps):
+        for n, p in params:
+            p.grad = _grads(step, p.dtype)[n]
+        opt.step()
+    return params, opt
+
+
+def test_normuon_equals_the_slow_reference_on_every_view():
+    params, opt = _run()
+    ref = {n: p.detach().clone() for n, p in _params()}
+    bufs = {n: torch.zeros(s) for n, s in SHAPES.items()}
+    var = {n: RULES["normuon"].state_shape(s, "flatten" if n == "conv" else "") for n, s in SHAPES.items()}
+    var = {n: torch.zeros(s) for n, s in var.items()}
+    names = list(SHAPES)
+    for step in range(3):
+        g = _grads(step)
+        reference_muon_step([ref[n] for n in names], [g[n] for n in names], [bufs[n] for n in names],
+                            lr=HYPER["lr"], momentum=HYPER["momentum"], nesterov=True,
+                            weight_decay=HYPER["weight_decay"], ns_steps=5, ns_coefficients="keller", eps=1e-7,
+                            adjust_lr="original", momentum_form="ema", update_rule="normuon",
+                            normuon_beta2=HYPER["normuon_beta2"], row_variances=[var[n] for n in names],
+                            num_fused=[FUSED.get(n, 1) for n in names])
+    plain = {n: p.detach() for n, p in _run(update_rule="muon")[0]}
+    for n, p in params:
+        err = float((p.detach() - ref[n]).abs().max() / ref[n].abs().max())
+        assert err < 1e-6, (n, err)
+        assert float((plain[n] - ref[n]).abs().max()) > 1e-4, n  # the rule changed the update
+        assert torch.allclose(opt.state[p]["row_variance"], var[n], rtol=1e-5, atol=1e-12), n
+        assert opt.state[p]["row_variance"].dtype == torch.float32
+
+
+def test_reference_normuon_follows_the_paper_formula():
+    """Algorithm 1 of arXiv 2510.05491 written out: per-row mean of squares into v, divide by
+    sqrt(v), then restore the Frobenius norm of the orthogonalized matrix."""
+    gen = torch.Generator().manual_seed(3)
+    o, v = torch.randn(5, 7, generator=gen), torch.rand(5, 1, generator=gen)
+    want_v = 0.8 * v + 0.2 * (o ** 2).sum(dim=1, keepdim=True) / 7
+    hat = o / (want_v.sqrt() + 1e-10)
+    want = hat * o.norm() / hat.norm()
+    got = reference_normuon(o, v, 0.8)
+    assert torch.allclose(v, want_v) and torch.allclose(got, want, rtol=1e-6)
+    assert torch.allclose(got.norm(), o.norm())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_resume_from_a_state_dict_is_bit_for_bit(dtype):
+    """Two steps, save, a third; a fresh optimizer loading the save takes the same third step. The
+    row second moments stay fp32 for bf16 parameters (torch's loader would cast them)."""
+    params, opt = _run(steps=2, dtype=dtype)
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    saved = {n: p.detach().clone() for n, p in params}
+    for n, p in params:
+        p.grad = _grads(2, dtype)[n]
+    opt.step()
+    params2 = [(n, torch.nn.Parameter(saved[n].clone())) for n, _ in params]
+    opt2 = Muon(params2, ns_dtype=torch.float32, fused_banks=FUSED, **HYPER)  # the rule comes from the save
+    buf.seek(0)
+    opt2.load_state_dict(torch.load(buf, weights_only=False))
+    assert opt2.param_groups[0]["update_rule"] == "normuon"
+    for n, p in params2:
+        p.grad = _grads(2, dtype)[n]
+        assert opt2.state[p]["row_variance"].dtype == torch.float32
+    opt2.step()
+    for (n, p), (_, q) in zip(params, params2):
+        assert torch.equal(p, q), n
+        assert torch.equal(opt.state[p]["row_variance"], opt2.state[q]["row_variance"]), n
+
+
+@pytest.mark.parametrize("place", ["cpu", "disk"])
+def test_offloaded_state_steps_bit_identically(tmp_path, place):
+    extra = dict(state_offload=place, offload_dir=str(tmp_path / "state") if place == "disk" else None)
+    resident, _ = _run()
+    offloaded, opt = _run(**extra)
+    for (n, p), (_, q) in zip(resident, offloaded):
+        assert torch.equal(p, q), n
+    assert opt.state_residency()  # the momentum did live away from the device
+
+
+def test_a_rule_chosen_later_or_per_group_makes_its_state_then():
+    params, opt = _run(steps=1, update_rule="muon")
+    assert all("row_variance" not in opt.state[p] for _, p in params)
+    opt.param_groups[0]["update_rule"] = "normuon"
+    for n, p in params:
+        p.grad = _grads(1)[n]
+    opt.step()
+    assert all(opt.state[p]["row_variance"].abs().sum() > 0 for _, p in params)
+    a, b = _params(seed=1)[:2]
+    mixed = Muon([{"params": [a[1]], "update_rule": "normuon"}, {"params": [b[1]]}], ns_dtype=torch.float32)
+    a[1].grad, b[1].grad = torch.ones_like(a[1]), torch.ones_like(b[1])
+    mixed.step()
+    assert "row_variance" in mixed.state[a[1]] and "row_variance" not in mixed.state[b[1]]
+
+
+@pytest.mark.parametrize("ns_dtype", [torch.float32, torch.bfloat16])
+def test_low_rank_and_zero_momentum_stay_finite_and_keep_the_update_norm(ns_dtype):
+    """A rank-1 gradient (whose orthogonalized rows are mostly tiny), one with zero rows, and an
+    all-zero gradient: finite updates; the normalised update keeps the orthogonalized matrix's
+    Frobenius norm, and a zero matrix takes no step."""
+    gen = torch.Generator().manual_seed(5)
+    low = torch.outer(torch.randn(32, generator=gen), torch.randn(16, generator=gen))
+    rows = torch.randn(32, 16, generator=gen)
+    rows[::2] = 0
+    for grad in (low, rows, torch.zeros(32, 16)):
+        w = torch.nn.Parameter(torch.zeros(32, 16))
+        opt = Muon([w], lr=1.0, momentum=0.0, nesterov=False, ns_dtype=ns_dtype, update_rule="normuon",
+                   adjust_lr=None)
+        w.grad = grad.clone()
+        opt.step()
+        step = -w.detach()
+        assert torch.isfinite(step).all()
+        plain = torch.nn.Parameter(torch.zeros(32, 16))
+        ref = Muon([plain], lr=1.0, momentum=0.0, nesterov=False, ns_dtype=ns_dtype, adjust_lr=None)
+        plain.grad = grad.clone()
+        ref.step()
+        want = float(plain.detach().norm())
+        assert abs(float(step.norm()) - want) <= 1e-3 * max(1.0, want)
+
+
+def test_bad_settings_and_unfit_layouts_are_refused_before_anything_changes():
+    w = torch.nn.Parameter(torch.randn(8, 4))
+    with pytest.raises(ValueError, match="update_rule"):
+        Muon([w], update_rule="normuon2")
+    with pytest.raises(ValueError, match="normuon_beta2"):
+        Muon([w], update_rule="normuon", normuon_beta2=1.0)
+    with pytest.raises(TypeError, match="normuon_beta2"):
+        Muon([{"params": [w], "normuon_beta2": "0.9"}])
+    stored = torch.nn.Parameter(torch.randn(8, 4))  # a Conv1D weight stored (in, out)
+    opt = Muon([("stored", stored)], update_rule="normuon", matrix_views={"stored": "transpose"})
+    before = stored.detach().clone()
+    stored.grad = torch.randn(8, 4)
+    with pytest.raises(ValueError, match=r"update_rule='normuon' can't update parameter 'stored' of shape \(8, 4\)"):
+        opt.step()
+    assert torch.equal(stored, before) and not opt.state[stored]
