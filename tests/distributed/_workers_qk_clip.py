@@ -6,6 +6,9 @@ QK-clip attached on this rank's rows of each global batch, and returns, on every
 parameter in full (expert banks gathered over the "ep" axis) and what QK-clip saw and did per step.
 :func:`single_process` is the same run on one process with the whole global batches.
 
+Case ("fsdp-hf", "llama", "sgd"): the tiny Hugging Face Llama of the real-model tests (grouped-query
+attention: 4 heads, 2 kv heads), sharded with torch's fully_shard, QK-clip through its forward hooks.
+
 Shapes: "cut" (d_model 12, 3 heads of 4): the qkv weight's 36 rows split 18/18 on 2 ranks and
 9/9/9/9 on 4, both cutting through heads; "empty" (d_model 3, 3 heads of 1): its 9 rows are 3/3/3/0
 on 4 ranks, so the last rank holds no row of any attention weight.
@@ -89,5 +92,60 @@ def run_case(mode: str, shape: str, opt_name: str, tau: float = TAU) -> dict:
     return dict(params=params, clip=_records(clip), qkv_rows=local_rows)
 
 
+# ---------------------------------------------------------------------------------- Hugging Face
+
+
+HF_TAU = 30.0
+
+
+def build_llama():
+    """The tiny Llama of the real-model tests (4 heads, 2 kv heads of 8), q/k of layer 0 boosted."""
+    from tests.real_models._workers import build_llama as build
+
+    model = build()
+    with torch.no_grad():
+        attn = model.model.layers[0].self_attn
+        attn.q_proj.weight.mul_(30.0)  # from init std 0.02: logits of tens
+        attn.k_proj.weight.mul_(30.0)
+    return model
+
+
+def hf_batches(world: int):
+    from tests.real_models._workers import global_batch
+
+    return [global_batch(31 + s, world) for s in range(STEPS)]
+
+
+def _train_hf(model, batches, tau: float) -> QKClip:
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    clip = QKClip(model, tau=tau).attach(opt)
+    for x in batches:
+        model(input_ids=x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return clip
+
+
+def single_process_hf(world: int, tau: float = HF_TAU) -> dict:
+    model = build_llama()
+    clip = _train_hf(model, hf_batches(world), tau)
+    return dict(params={n: p.detach().clone() for n, p in model.named_parameters()}, clip=_records(clip))
+
+
+def run_hf(tau: float = HF_TAU) -> dict:
+    """FSDP2 as a user's script applies it (torch's fully_shard per decoder layer, then the root)."""
+    from torch.distributed.fsdp import fully_shard
+
+    from tests.real_models._workers import rows
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    model = build_llama()
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    clip = _train_hf(model, [rows(x, rank) for x in hf_batches(world)], tau)
+    return dict(params={n: full_ep(p, p, None) for n, p in model.named_parameters()}, clip=_records(clip))
+
+
 def all_runs(cases) -> dict:
-    return {case: run_case(*case) for case in cases}
+    return {case: run_hf() if case[0] == "fsdp-hf" else run_case(*case) for case in cases}
