@@ -136,7 +136,7 @@ class VariantPanel:
         """The kept runs' loss (left) and max logit per layer (right), not displayed."""
         fig, (left, right) = plt.subplots(1, 2, figsize=(13, 3.8))
         try:
-            plot_loss_curves(self.runs, ax=left, title="training loss", legend="none",
+            plot_loss_curves(self.runs, ax=left, title="loss (thin: train, markers: validation)", legend="none",
                              ylabel="cross-entropy (nats/byte)")
             plot_max_logits(self.runs, tau={k: t for k, t in self.taus.items() if k in self.runs}, ax=right)
             fig.tight_layout()
