@@ -26,12 +26,17 @@ variants: the gpt256 matrices stepped by the update rules and add-ons of muonlab
 defaults (NorMuon, ``update_rule="normuon"``), in alternating rounds in balanced orders; ratios are
 medians of per-round ratios with bootstrap intervals.
 
+qkclip: what QK-clip (muonlab.optim.qk_clip) adds to a training step of a GPT: the forward+backward
+with the max-logit recording on against off, and ``QKClip.apply()`` (no head over tau; every head
+clipped) against the Muon step it follows, per-round ratios in alternating rounds.
+
 For the first two sets, "host time per matrix" is the step time divided by the number of matrices, with its
 ratio to torch.optim.Muon's (the per-round ratio of the same steps).
 
     python benchmarks/bench_optimizer_step.py             # what results/optimizer_step.md holds
     python benchmarks/bench_optimizer_step.py --sets small48 --small-rounds 200 --out /tmp/small.md
     python benchmarks/bench_optimizer_step.py --sets gpt256 --layers 2 --repeats 3 --out /tmp/step.md
+    python benchmarks/bench_optimizer_step.py --sets qkclip --qk-rounds 20   # results/optimizer_step_qkclip.md
 """
 
 from __future__ import annotations
@@ -96,7 +101,7 @@ CONFIGS = [
      "bf16" if resolve_dtype("auto", torch.device("cpu")) == torch.bfloat16 else "fp32", "auto"),
 ]
 TORCH_LABEL, DEFAULTS_LABEL, IGNORE_LABEL = CONFIGS[0][0], "muonlab defaults", CONFIGS[-1][0]
-SETS = ("gpt256", "small48", "variants")
+SETS = ("gpt256", "small48", "variants", "qkclip")
 
 
 def hidden_matrices(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -482,6 +487,87 @@ Goal: NorMuon's step at most 1.1x Muon's. Measured {normuon[0]:.3f}x ({normuon[1
 """
 
 
+def qkclip_rounds(args) -> tuple[dict[str, list[float]], dict]:
+    """Per-round times of: forward+backward with recording off and on (in alternating order), the
+    Muon step, QKClip.apply() with no head over tau and with every head clipped."""
+    from muonlab.optim.qk_clip import QKClip
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    cfg = GPTConfig(d_model=args.qk_width, n_layers=args.qk_layers, n_heads=args.qk_heads, context=args.qk_context)
+    model = GPT(cfg)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randint(0, 256, (args.qk_batch, cfg.context + 1), generator=gen)
+    opt = muonlab.Muon(muon_param_groups(model), lr=LR, momentum=MOMENTUM)
+    tau = 100.0
+    watch, clip = QKClip(model, tau=math.inf), QKClip(model, tau=tau)
+    attns = [h.module for h in clip.heads]
+    times = {k: [] for k in ("off", "on", "step", "apply_none", "apply_all")}
+
+    def fwd_bwd(recording: bool) -> float:
+        for a in attns:
+            a.qk_recording = recording
+        t = time.perf_counter()
+        model(x[:, :-1], x[:, 1:]).backward()
+        return time.perf_counter() - t
+
+    for r in range(args.qk_warmup + args.qk_rounds):
+        order = ("off", "on") if r % 2 == 0 else ("on", "off")
+        got = {}
+        for which in order:
+            opt.zero_grad(set_to_none=True)
+            got[which] = fwd_bwd(which == "on")
+        t = time.perf_counter()
+        opt.step()
+        got["step"] = time.perf_counter() - t
+        t = time.perf_counter()
+        watch.apply()  # tau = inf: reads the maxima, clips nothing
+        got["apply_none"] = time.perf_counter() - t
+        for a in attns:  # every head just over tau: all q and k rows scaled (by 0.9999)
+            a.qk_max_logit = torch.full((cfg.n_heads,), tau / 0.9999)
+        t = time.perf_counter()
+        clip.apply()
+        got["apply_all"] = time.perf_counter() - t
+        if r >= args.qk_warmup:
+            for k, v in got.items():
+                times[k].append(v)
+    watch.close()
+    clip.close()
+    assert all(s.clipped_heads == cfg.n_layers * cfg.n_heads for s in clip.history)
+    return times, dict(cfg=cfg, batch=args.qk_batch)
+
+
+def qkclip_report(args) -> str:
+    load_start, t0 = load(), time.perf_counter()
+    times, info = qkclip_rounds(args)
+    cfg = info["cfg"]
+    ms = {k: 1e3 * statistics.median(v) for k, v in times.items()}
+    rows = [["forward+backward, recording off", f"{ms['off']:.2f}", "", ""]]
+    for label, key, base, base_label in (
+            ("forward+backward, recording on", "on", "off", "recording off"),
+            ("Muon step", "step", None, ""),
+            ("QKClip.apply(), no head over tau", "apply_none", "step", "Muon step"),
+            ("QKClip.apply(), every head clipped", "apply_all", "step", "Muon step")):
+        if base is None:
+            rows.append([label, f"{ms[key]:.2f}", "", ""])
+            continue
+        med, low, high, _ = ratio_summary(times[key], times[base])
+        rows.append([label, f"{ms[key]:.2f}", base_label, f"{med:.3f} ({low:.3f}-{high:.3f})"])
+    per_step = [on - off + a for on, off, a in zip(times["on"], times["off"], times["apply_all"])]
+    whole = [off + s for off, s in zip(times["off"], times["step"])]
+    share = statistics.median([p / w for p, w in zip(per_step, whole)])
+    head = ["what", "ms (median)", "per-round ratio to", "ratio (95% CI)"]
+    print(text_table(head, rows), flush=True)
+    return f"""## QK-clip's cost per step (qkclip)
+
+Model: `GPT(GPTConfig(d_model={cfg.d_model}, n_layers={cfg.n_layers}, n_heads={cfg.n_heads}, context={cfg.context}))`, fp32, batch {info['batch']} x {cfg.context} tokens, muonlab.Muon defaults on its hidden matrices, {args.threads} torch threads, one process. Each round runs forward+backward with the max-logit recording off and on (alternating which goes first), the Muon step, `QKClip.apply()` with tau = inf (the maxima read and reset, nothing clipped) and `QKClip.apply()` with every head just over tau (every q and k row of every layer scaled: the most it does); {args.qk_warmup} warm-up rounds, then {args.qk_rounds} timed. Ratios are medians of per-round ratios with 95% bootstrap intervals. Load average {load_start} before, {load()} after; {time.perf_counter() - t0:.0f} s.
+
+{md_table(head, rows)}
+
+QK-clip's whole cost per step (the recording's extra forward time plus apply with every head clipped) is {100 * share:.1f}% of a step without it (forward+backward plus the Muon step), median over rounds. The recording recomputes each layer's q k^T in fp32 under no_grad (scaled_dot_product_attention does not return its logits), so its cost grows with the context like attention's own.
+"""
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sets", nargs="+", choices=SETS, default=list(SETS))
@@ -499,6 +585,13 @@ def main(argv=None) -> None:
     ap.add_argument("--small-warmup", type=int, default=20, help="small48: warm-up rounds")
     ap.add_argument("--variant-rounds", type=int, default=40, help="variants: timed rounds")
     ap.add_argument("--variant-warmup", type=int, default=3, help="variants: warm-up rounds")
+    ap.add_argument("--qk-width", type=int, default=256, help="qkclip: the GPT's d_model")
+    ap.add_argument("--qk-layers", type=int, default=4, help="qkclip: layers")
+    ap.add_argument("--qk-heads", type=int, default=4, help="qkclip: attention heads")
+    ap.add_argument("--qk-context", type=int, default=128, help="qkclip: context (tokens per row)")
+    ap.add_argument("--qk-batch", type=int, default=8, help="qkclip: rows per batch")
+    ap.add_argument("--qk-rounds", type=int, default=20, help="qkclip: timed rounds")
+    ap.add_argument("--qk-warmup", type=int, default=3, help="qkclip: warm-up rounds")
     ap.add_argument("--out", default=None,
                     help="default: results/optimizer_step.md with both sets, else results/optimizer_step_SET.md")
     args = ap.parse_args(argv)
@@ -524,6 +617,8 @@ def main(argv=None) -> None:
         parts.append(small_md)
     if "variants" in sets:
         parts.append(variants_report(args))
+    if "qkclip" in sets:
+        parts.append(qkclip_report(args))
     print()
     print(text_table(PER_MATRIX_HEAD, per_matrix))
     torch.set_num_threads(args.threads)  # the machine line reports the gpt256 set's threads

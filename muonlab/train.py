@@ -34,6 +34,7 @@ from .data import get_batch, load_corpus
 from .distributed.device import rank_device, wait_for
 from .models import GPT, GPTConfig
 from .optim import Muon, muon_param_groups
+from .optim.qk_clip import QKClip
 from .trace.spectral import SpectralRecord, SpectralRecorder
 
 
@@ -56,6 +57,11 @@ class History:
     ns_choices: list[dict] = field(default_factory=list)
     """What Newton-Schulz ran per plan batch (``Muon.resolved_choices()``: names, shape, path,
     dtype, form, backend) after the last step; empty for an optimizer that is not muonlab's Muon."""
+    max_logit: list[torch.Tensor] = field(default_factory=list)
+    """With ``qk_clip``: per step, (layers, heads) max attention logit of the step's forward, before
+    the clip (muonlab.optim.qk_clip; NaN pads a layer with fewer heads)."""
+    qk_clipped: list[int] = field(default_factory=list)
+    """With ``qk_clip``: per step, the attention heads QK-clip scaled."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -277,6 +283,7 @@ def train(
     loss_fn: Callable | str | None = None,
     batches: Any = None,
     val_batches: Any = None,
+    qk_clip: float | QKClip | None = None,
 ) -> History:
     """Train for ``steps`` steps; returns the History.
 
@@ -295,7 +302,16 @@ def train(
     ``spectral_every`` > 0 records every 2-D matrix's spectral metrics every that many steps into
     ``History.spectral`` (a SpectralRecorder; its time is inside ``step_time_s``). With muonlab's
     Muon, ``History.ns_choices`` says what Newton-Schulz ran (``Muon.resolved_choices()``).
+
+    ``qk_clip``: tau (a number > 0) runs QK-clip (MuonClip: muonlab.optim.qk_clip.QKClip) on the
+    model's attention after every optimizer step, ``math.inf`` records the max logits without
+    clipping, a QKClip of your own is attached for the run (and left open); ``History.max_logit``
+    and ``History.qk_clipped`` say what it saw and did.
     """
+    if qk_clip is not None and not isinstance(qk_clip, QKClip) and (
+            isinstance(qk_clip, bool) or not isinstance(qk_clip, (int, float)) or not qk_clip > 0):
+        raise ValueError(f"qk_clip must be tau (a number > 0; math.inf records the max logits only), a QKClip or "
+                         f"None, got {qk_clip!r}")
     for name, value, low, what in (("steps", steps, 1, ""),
                                    ("eval_every", eval_every, 0, " (0: only after the last step)"),
                                    ("eval_batches", eval_batches, 1, ""),
@@ -322,12 +338,25 @@ def train(
     recorder = SpectralRecorder(optimizer, model, every=spectral_every) if spectral_every else None
     if recorder is not None:
         hist.spectral = recorder.records  # the list it appends to
+    clip = qk_clip if isinstance(qk_clip, QKClip) else None if qk_clip is None else QKClip(model, tau=qk_clip)
+    first_record = len(clip.history) if clip is not None else 0
+    if clip is not None:
+        clip.attach(optimizer)
     try:
         _train_loop(model, optimizer, hist, data, steps=steps, eval_every=eval_every, device=device,
                     scheduler=scheduler, progress=progress, desc=desc)
     finally:  # the optimizer outlives the run: leave no hook on it
         if recorder is not None:
             recorder.detach()
+        if clip is not None:
+            clip.detach()
+            if clip is not qk_clip:
+                clip.close()
+    if clip is not None:
+        for record in clip.history[first_record:]:
+            hist.max_logit.append(torch.nn.utils.rnn.pad_sequence(record.max_logit, batch_first=True,
+                                                                  padding_value=float("nan")))
+            hist.qk_clipped.append(record.clipped_heads)
     resolved = getattr(optimizer, "resolved_choices", None)
     hist.ns_choices = resolved() if callable(resolved) else []
     return hist

@@ -117,6 +117,7 @@ def run_one(name: str, settings: Mapping, *, model, seed: int, steps: int, proce
     """Train configuration ``settings`` (see ``compare``) from ``seed`` for ``steps`` steps.
     ``process_group``: Muon's (a launched worker's group of itself: its run is its own)."""
     optimizer, kwargs = _settings(name, settings)
+    qk_clip = kwargs.pop("qk_clip", None)
     if process_group is not None and optimizer == "muon":
         kwargs["process_group"] = process_group
     net = _build_model(model, seed)
@@ -133,7 +134,7 @@ def run_one(name: str, settings: Mapping, *, model, seed: int, steps: int, proce
     hook = net.register_forward_pre_hook(record_batch, with_kwargs=True)
     start = time.perf_counter()
     try:
-        hist = train(net, opt, steps=steps, seed=seed, progress=False, desc=f"{name} seed {seed}")
+        hist = train(net, opt, steps=steps, seed=seed, progress=False, desc=f"{name} seed {seed}", qk_clip=qk_clip)
     finally:
         hook.remove()
     choices = opt.resolved_choices() if hasattr(opt, "resolved_choices") else []
@@ -398,7 +399,12 @@ def _check_optimizers(configs: dict, model, seed: int) -> None:
     net = _build_model(model, seed)
     for name, settings in configs.items():
         optimizer, kwargs = _settings(name, settings)
+        qk_clip = kwargs.pop("qk_clip", None)
         try:
+            if qk_clip is not None:  # tau's check, on a model of the configurations' kind
+                from ..optim.qk_clip import QKClip
+
+                QKClip(net, tau=qk_clip).close()
             make_optimizer(optimizer, net, **kwargs)
         except (TypeError, ValueError) as e:
             raise ValueError(f"configuration {name!r}: {e}") from e
@@ -424,7 +430,8 @@ def compare(configs: Mapping[str, Mapping], *, model: GPTConfig | Callable[[], t
     ``optimizer`` ("muon", the default, or "adamw"), ``lr``, ``adamw_lr``, ``weight_decay`` and
     Muon's options (``momentum``, ``ns_steps``, ``ns_form``, ``ns_dtype`` (a dtype or "fp32",
     "bf16", ...), ``ns_backend``, ...); ``preset`` is ``ns_coefficients`` ("keller", "xtuner",
-    "polar_express"). ``model``: a ``GPTConfig`` (muonlab's GPT) or a function returning a fresh
+    "polar_express"); ``qk_clip`` (tau) runs QK-clip after every step (MuonClip: ``train``'s
+    ``qk_clip``). ``model``: a ``GPTConfig`` (muonlab's GPT) or a function returning a fresh
     model (built after ``torch.manual_seed(seed)``; for ``nprocs`` a module-level function).
     Runs go through ``muonlab.train.train`` (its batch size and validation windows).
 

@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..optim.qk_logits import note_max_logits
 from ..optim.validation import check_whole
 
 
@@ -59,6 +60,17 @@ def check_width(name: str, width, n_heads: int) -> None:
 
 
 class Attention(nn.Module):
+    """Causal multi-head attention with a fused (3C, C) qkv projection: rows [0, C) are the query
+    heads, [C, 2C) the key heads, [2C, 3C) the value heads, head h at rows h*d .. (h+1)*d of each.
+
+    With ``qk_recording`` on (muonlab.optim.qk_clip.QKClip sets it), each forward also folds the max
+    attention logit per head into ``qk_max_logit`` (muonlab.optim.qk_logits); off, the forward is
+    scaled_dot_product_attention alone.
+    """
+
+    qk_recording = False
+    qk_max_logit = None
+
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.n_heads = cfg.n_heads
@@ -69,6 +81,8 @@ class Attention(nn.Module):
         B, T, C = x.shape
         q, k, v = self.qkv(x).split(C, dim=-1)
         q, k, v = (t.view(B, T, self.n_heads, C // self.n_heads).transpose(1, 2) for t in (q, k, v))
+        if self.qk_recording:  # the logits SDPA computes: scale 1/sqrt(head_dim), causal
+            note_max_logits(self, q, k, (C // self.n_heads) ** -0.5)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.proj(y.transpose(1, 2).reshape(B, T, C))
 

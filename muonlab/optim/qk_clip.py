@@ -1,0 +1,379 @@
+"""QK-clip (MuonClip, Kimi K2, arXiv 2507.20534): after the optimizer step, every attention head whose
+max logit in this step's forward passed ``tau`` has its query and key rows scaled down so that its
+logits scale by ``gamma_h = tau / max_h``.
+
+    clip = QKClip(model, tau=100.0)     # finds the attention modules, turns logit recording on
+    clip.attach(opt)                    # clip.apply() after every opt.step()
+    ...                                 # or call clip.apply() yourself after opt.step()
+    clip.history[-1].max_logit          # per layer, (heads,) max logit seen before the clip
+
+What is scaled (``gamma_h = min(1, tau / max_h)``, max over batch, queries and keys of this step's
+forwards, over every rank):
+
+* multi-head attention (muonlab's GPT, a Llama with as many kv heads as heads): head h's W_q rows
+  and W_k rows (and their bias rows, if any) by ``sqrt(gamma_h)``; a head under tau is not touched.
+* grouped-query attention (kv group g serves heads H_g): ``gamma_g = min over h in H_g of gamma_h``;
+  group g's W_k rows by ``sqrt(gamma_g)``, head h's W_q rows by ``gamma_h / sqrt(gamma_g)``, so head h's
+  logits scale by exactly its own ``gamma_h``. A group none of whose heads passed tau is not touched,
+  bit for bit; an unclipped head in a clipped group keeps its logits (to rounding) while its q rows
+  grow by ``1 / sqrt(gamma_g)``. With one kv head per head this is the multi-head rule.
+* a norm on q and k after the projections (Qwen3's ``q_norm``/``k_norm``, RMSNorm over head_dim,
+  shared by the layer's heads): RMSNorm undoes any scaling of the W_q/W_k rows, so they are left
+  alone and the norms' weights are scaled instead, by ``sqrt(gamma_layer)`` each with ``gamma_layer``
+  the min over the layer's heads: every head of a clipped layer scales by ``gamma_layer``, at most
+  its own gamma; a layer with no head over tau is not touched.
+
+Where the heads are read from: muonlab's GPT ``Attention`` records in its own forward; Hugging Face
+attention with ``q_proj``/``k_proj`` (Llama, Qwen3, Mistral, ...) gets a forward hook that recomputes
+q and k from the layer's input (after q_norm/k_norm and RoPE: the logits the layer computes), when
+recording only; an attention module of your own calls :func:`muonlab.optim.qk_logits.note_max_logits`
+in its forward and is described by a :class:`QKHeads`.
+
+Distributed: the max per head is reduced with MAX over ``group`` (default: all ranks, whose batches
+differ under FSDP2, HSDP, DDP and expert parallelism), so every rank takes the same decision; the
+row scaling then touches each rank's own rows only: a DTensor sharded ``Shard(0)`` (FSDP2, the
+dense parameters under muonlab's EP) scales the rows of its local shard, which may cut through a
+head or be empty, a replicated weight (DDP) all its rows.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..models.gpt import Attention
+from .qk_logits import note_max_logits
+
+__all__ = ["QKClip", "QKClipStep", "QKHeads", "clip_factors", "heads_of"]
+
+
+@dataclass
+class QKHeads:
+    """How QK-clip reads and scales one attention module.
+
+    ``module`` records (``qk_recording`` / ``qk_max_logit``, see muonlab.optim.qk_logits). ``q`` and
+    ``k``: ``(tensor, first_row)`` pairs, the tensors (a weight, its bias) whose rows
+    ``first_row + h * head_dim ...`` produce query head h (kv head g for ``k``), in full-tensor rows
+    (a sharded DTensor is scaled on its local rows). ``qk_norms``: ``(q_norm weight, k_norm weight)``
+    where a norm over head_dim shared by the heads follows the projections; then those are scaled and
+    ``q``/``k`` are not (see the module docstring)."""
+
+    name: str
+    module: nn.Module
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    q: tuple[tuple[torch.Tensor, int], ...]
+    k: tuple[tuple[torch.Tensor, int], ...]
+    qk_norms: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def __post_init__(self):
+        for what in ("n_heads", "n_kv_heads", "head_dim"):
+            value = getattr(self, what)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"QKHeads {self.name!r}: {what} must be an integer >= 1, got {value!r}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"QKHeads {self.name!r}: n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads}")
+        for side, pairs, heads in (("q", self.q, self.n_heads), ("k", self.k, self.n_kv_heads)):
+            if not pairs and self.qk_norms is None:
+                raise ValueError(f"QKHeads {self.name!r}: no {side} tensor to scale")
+            for t, first in pairs:
+                if t.shape[0] < first + heads * self.head_dim:
+                    raise ValueError(f"QKHeads {self.name!r}: {side} rows {first} .. {first + heads * self.head_dim} "
+                                     f"({heads} heads x {self.head_dim}) do not fit a tensor of shape {tuple(t.shape)}")
+        if self.qk_norms is not None:
+            for t in self.qk_norms:
+                if tuple(t.shape) != (self.head_dim,):
+                    raise ValueError(f"QKHeads {self.name!r}: a q/k norm weight must be ({self.head_dim},) (one "
+                                     f"per head_dim, shared by the heads), got {tuple(t.shape)}")
+
+
+@dataclass
+class QKClipStep:
+    """What one :meth:`QKClip.apply` saw and did, per layer (``QKClip.names`` order)."""
+
+    max_logit: list[torch.Tensor] = field(default_factory=list)
+    """(n_heads,) float32: the max logit per head over this step's forwards and every rank, before
+    the clip (-inf for a layer that ran no forward)."""
+    gamma: list[torch.Tensor] = field(default_factory=list)
+    """(n_heads,) float64: the factor each head's logits were scaled by (1.0: untouched)."""
+
+    @property
+    def clipped_heads(self) -> int:
+        return int(sum((g < 1).sum() for g in self.gamma))
+
+
+def clip_factors(max_logit: torch.Tensor, tau: float, n_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(gamma per head, q row factor per head, k row factor per kv head)`` in float64 for the
+    grouped-query rule of the module docstring (one kv head per head: multi-head attention)."""
+    m = max_logit.double()
+    gamma = torch.where(m > tau, tau / m, torch.ones_like(m))
+    gamma_group = gamma.view(n_kv_heads, -1).amin(dim=1)
+    k_factor = gamma_group.sqrt()
+    q_factor = gamma / k_factor.repeat_interleave(gamma.numel() // n_kv_heads)
+    same = gamma == gamma_group.repeat_interleave(gamma.numel() // n_kv_heads)
+    q_factor = torch.where(same, gamma.sqrt(), q_factor)  # MHA: exactly sqrt(gamma) on both sides
+    return gamma, q_factor, k_factor
+
+
+# ---------------------------------------------------------------------------------- finding heads
+
+
+def _hf_rope(module: nn.Module):
+    return getattr(sys.modules.get(type(module).__module__), "apply_rotary_pos_emb", None)
+
+
+def _looks_like_hf(module: nn.Module) -> bool:
+    return (isinstance(getattr(module, "q_proj", None), nn.Linear) and isinstance(getattr(module, "k_proj", None), nn.Linear)
+            and getattr(module, "config", None) is not None and hasattr(module, "head_dim"))
+
+
+def heads_of(name: str, module: nn.Module) -> QKHeads:
+    """The :class:`QKHeads` of muonlab's GPT ``Attention`` or of a Hugging Face attention module
+    (``q_proj``/``k_proj``, ``config.num_attention_heads``/``num_key_value_heads``, ``head_dim``,
+    ``scaling`` and ``apply_rotary_pos_emb`` in its modeling module).
+
+    Raises:
+        TypeError: ``module`` is neither, or its heads cannot be read, naming it and what is missing.
+    """
+    if isinstance(module, Attention):
+        c = module.proj.in_features
+        w = module.qkv.weight
+        return QKHeads(name, module, module.n_heads, module.n_heads, c // module.n_heads, q=((w, 0),), k=((w, c),))
+    if not _looks_like_hf(module):
+        raise TypeError(f"QKClip cannot read the heads of {name!r} ({type(module).__name__}): it reads muonlab's GPT "
+                        f"Attention and Hugging Face attention with q_proj/k_proj Linear layers, a config and "
+                        f"head_dim; describe your own with QKHeads (and call note_max_logits in its forward)")
+    cfg, d = module.config, module.head_dim
+    n_heads = getattr(cfg, "num_attention_heads", None)
+    n_kv = getattr(cfg, "num_key_value_heads", None) or n_heads
+    missing = [what for what, ok in (("config.num_attention_heads", n_heads), ("scaling", hasattr(module, "scaling")),
+                                     ("apply_rotary_pos_emb in its modeling module", _hf_rope(module))) if not ok]
+    if missing:
+        raise TypeError(f"QKClip cannot read the heads of {name!r} ({type(module).__name__}): it has no "
+                        f"{', '.join(missing)}")
+    q_proj, k_proj = module.q_proj, module.k_proj
+    if q_proj.out_features != n_heads * d or k_proj.out_features != n_kv * d:
+        raise TypeError(f"QKClip cannot read the heads of {name!r} ({type(module).__name__}): q_proj has "
+                        f"{q_proj.out_features} rows and k_proj {k_proj.out_features}, not {n_heads} and {n_kv} heads "
+                        f"x head_dim {d}")
+    q_norm, k_norm = getattr(module, "q_norm", None), getattr(module, "k_norm", None)
+    if q_norm is not None or k_norm is not None:
+        weights = tuple(getattr(n, "weight", None) for n in (q_norm, k_norm))
+        if any(w is None or tuple(w.shape) != (d,) for w in weights):
+            raise TypeError(f"QKClip cannot clip {name!r} ({type(module).__name__}): its q_norm/k_norm are not both "
+                            f"norms over head_dim {d} with a weight (which QK-clip would scale)")
+        return QKHeads(name, module, n_heads, n_kv, d, q=(), k=(), qk_norms=weights)
+    q = tuple((t, 0) for t in (q_proj.weight, q_proj.bias) if t is not None)
+    k = tuple((t, 0) for t in (k_proj.weight, k_proj.bias) if t is not None)
+    return QKHeads(name, module, n_heads, n_kv, d, q=q, k=k)
+
+
+def _hf_record_hook(module, args, kwargs, output):
+    """Forward hook of a Hugging Face attention module: its q and k as its forward computes them
+    (projection, q_norm/k_norm, RoPE), recorded when recording is on. Without a cache only: the
+    causal mask is top-left aligned."""
+    if not getattr(module, "qk_recording", False):
+        return
+    hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+    position = kwargs["position_embeddings"] if "position_embeddings" in kwargs else (args[1] if len(args) > 1 else None)
+    mask = kwargs["attention_mask"] if "attention_mask" in kwargs else (args[2] if len(args) > 2 else None)
+    with torch.no_grad():
+        shape = (*hidden.shape[:-1], -1, module.head_dim)
+        q, k = module.q_proj(hidden).view(shape), module.k_proj(hidden).view(shape)
+        if getattr(module, "q_norm", None) is not None:
+            q, k = module.q_norm(q), module.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        if position is not None:
+            q, k = _hf_rope(module)(q, k, *position)
+        note_max_logits(module, q, k, module.scaling, causal=getattr(module, "is_causal", True),
+                        mask=mask if isinstance(mask, torch.Tensor) else None)
+
+
+# ---------------------------------------------------------------------------------- rows
+
+
+def _row_span(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(this rank's rows of ``t`` as a plain tensor, index of its first row in the full tensor).
+
+    A DTensor must be sharded on dim 0 at most once (FSDP2 ``Shard(0)``, HSDP ``(Replicate(),
+    Shard(0))``); its local rows follow ``torch.chunk``, so a trailing rank may hold none."""
+    if not hasattr(t, "to_local"):
+        return t, 0
+    from torch.distributed.tensor import Replicate, Shard
+
+    local = t.to_local()
+    start = 0
+    sharded = [(i, p) for i, p in enumerate(t.placements) if not isinstance(p, Replicate)]
+    if len(sharded) > 1 or any(not (isinstance(p, Shard) and p.dim == 0) for _, p in sharded):
+        raise ValueError(f"QKClip scales rows of tensors sharded on dim 0 once (FSDP2's Shard(0)), got placements "
+                         f"{list(t.placements)} on a tensor of shape {tuple(t.shape)}")
+    if sharded:
+        mesh_dim = sharded[0][0]
+        parts, coord = t.device_mesh.size(mesh_dim), t.device_mesh.get_coordinate()[mesh_dim]
+        chunk = -(-t.shape[0] // parts)
+        start = min(coord * chunk, t.shape[0])
+        expected = max(0, min(chunk, t.shape[0] - start))
+        if local.shape[0] != expected:
+            raise ValueError(f"QKClip expected {expected} local rows (torch.chunk of {t.shape[0]} over {parts}) on "
+                             f"shard {coord}, got {local.shape[0]}")
+    return local, start
+
+
+def _scale_rows_(t: torch.Tensor, first: int, factors: torch.Tensor, rows_per_factor: int) -> None:
+    """Multiply full rows ``first + i*rows_per_factor ...`` by ``factors[i]``, on this rank's rows
+    only; rows whose factor is 1 are not written."""
+    local, start = _row_span(t)
+    per_row = factors.repeat_interleave(rows_per_factor)
+    lo, hi = max(first, start), min(first + per_row.numel(), start + local.shape[0])
+    if lo >= hi:
+        return
+    mine = per_row[lo - first:hi - first]
+    if not bool((mine != 1).any()):
+        return
+    # x * 1.0 is x bit for bit: the rows of unclipped heads in between come out unchanged
+    local[lo - start:hi - start].mul_(mine.to(local.device, local.dtype).view(-1, *([1] * (local.dim() - 1))))
+
+
+# ---------------------------------------------------------------------------------- QKClip
+
+
+class QKClip:
+    """QK-clip of ``model``'s attention heads at threshold ``tau`` (see the module docstring).
+
+    ``modules``: None (default) finds muonlab GPT ``Attention`` and Hugging Face attention modules
+    (``q_proj``/``k_proj``) in ``model``; else a list of such modules or :class:`QKHeads` of your own.
+    ``tau=math.inf`` records without clipping (to watch logits under another optimizer). ``group``:
+    the process group whose ranks' maxima are combined (default: all ranks when torch.distributed
+    is initialized). Recording starts at construction; :meth:`close` stops it and removes the hooks.
+
+    Raises (before anything changes):
+        ValueError: ``tau`` not a number > 0; no attention module found.
+        TypeError: a module whose heads cannot be read, naming it.
+    """
+
+    def __init__(self, model: nn.Module, tau: float = 100.0, *, modules: Iterable | None = None, group=None,
+                 keep_history: bool = True):
+        if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not tau > 0:
+            raise ValueError(f"tau must be a number > 0 (the max attention logit a head may keep), got {tau!r}")
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        names = {id(m): n for n, m in model.named_modules()}
+        if modules is None:
+            found = [(n, m) for n, m in model.named_modules() if isinstance(m, Attention) or _looks_like_hf(m)]
+            if not found:
+                raise ValueError(f"QKClip found no attention module in {type(model).__name__}: it finds muonlab's GPT "
+                                 f"Attention and Hugging Face attention with q_proj/k_proj; pass modules= (QKHeads "
+                                 f"of your own attention)")
+            heads = [heads_of(n, m) for n, m in found]
+        else:
+            heads = []
+            for i, m in enumerate(modules):
+                if isinstance(m, QKHeads):
+                    heads.append(m)
+                elif isinstance(m, nn.Module):
+                    heads.append(heads_of(names.get(id(m), f"modules[{i}]"), m))
+                else:
+                    raise TypeError(f"modules[{i}] must be an attention nn.Module or a QKHeads, got {type(m).__name__}")
+            if not heads:
+                raise ValueError("modules= is empty: QKClip needs at least one attention module")
+        self.tau = float(tau)
+        self.heads = heads
+        self.names = [h.name for h in heads]
+        self.group = group
+        self.keep_history = keep_history
+        self.history: list[QKClipStep] = []
+        self._handles = [h.module.register_forward_hook(_hf_record_hook, with_kwargs=True)
+                         for h in heads if _looks_like_hf(h.module)]
+        self._step_handle = None
+        for h in heads:
+            h.module.qk_recording = True
+            h.module.qk_max_logit = None
+
+    # -- the step
+    def _reduced_maxima(self) -> list[torch.Tensor]:
+        seen = []
+        for h in self.heads:
+            m = h.module.qk_max_logit
+            if m is None:
+                m = torch.full((h.n_heads,), float("-inf"))
+            if m.shape != (h.n_heads,):
+                raise ValueError(f"{h.name!r} recorded a max logit of shape {tuple(m.shape)}, expected ({h.n_heads},)")
+            seen.append(m.detach().float())
+        flat = torch.cat([m.cpu() for m in seen])
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1:
+            from ..distributed.device import collective_device
+
+            flat = flat.to(collective_device(self.group))
+            dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=self.group)
+            flat = flat.cpu()
+        return list(flat.split([h.n_heads for h in self.heads]))
+
+    @torch.no_grad()
+    def apply(self) -> QKClipStep:
+        """Clip the heads whose max logit since the last call passed tau; reset the maxima. Call after
+        ``opt.step()`` on every rank of ``group`` (it makes one all-reduce). Returns what it did (also
+        appended to ``history`` when ``keep_history``)."""
+        maxima = self._reduced_maxima()
+        report = QKClipStep()
+        for h, m in zip(self.heads, maxima):
+            gamma, q_factor, k_factor = clip_factors(m, self.tau, h.n_kv_heads)
+            if h.qk_norms is not None:  # a shared norm: every head of the layer by the layer's min gamma
+                gamma = torch.full_like(gamma, float(gamma.min()))
+                if gamma[0] < 1:
+                    root = gamma[:1].sqrt()
+                    for w in h.qk_norms:
+                        _scale_rows_(w, 0, root, h.head_dim)
+            elif bool((gamma < 1).any()):
+                for t, first in h.q:
+                    _scale_rows_(t, first, q_factor, h.head_dim)
+                for t, first in h.k:
+                    _scale_rows_(t, first, k_factor, h.head_dim)
+            report.max_logit.append(m)
+            report.gamma.append(gamma)
+            h.module.qk_max_logit = None
+        if self.keep_history:
+            self.history.append(report)
+        return report
+
+    def attach(self, optimizer: torch.optim.Optimizer) -> QKClip:
+        """Run :meth:`apply` after every ``optimizer.step()`` (a step post-hook); returns self."""
+        if self._step_handle is not None:
+            raise RuntimeError("this QKClip is already attached to an optimizer; close() it first")
+        self._step_handle = optimizer.register_step_post_hook(lambda *_: self.apply())
+        return self
+
+    def detach(self) -> None:
+        """Remove the step hook of :meth:`attach` (recording goes on)."""
+        if self._step_handle is not None:
+            self._step_handle.remove()
+            self._step_handle = None
+
+    def close(self) -> None:
+        """Stop recording, remove the forward hooks and the step hook; the weights stay as they are."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self.detach()
+        for h in self.heads:
+            h.module.qk_recording = False
+            h.module.qk_max_logit = None
+
+    # -- for plots
+    def max_logit_per_layer(self) -> torch.Tensor:
+        """(steps, layers): the max over heads of each recorded step's max logit (before the clip)."""
+        if not self.history:
+            return torch.empty(0, len(self.heads))
+        return torch.stack([torch.stack([m.max() for m in s.max_logit]) for s in self.history])
+
+    def clipped_per_step(self) -> list[int]:
+        """Heads clipped at each recorded step."""
+        return [s.clipped_heads for s in self.history]
+
+    def __repr__(self) -> str:
+        return f"QKClip(tau={self.tau}, {len(self.heads)} attention modules, {len(self.history)} steps recorded)"
