@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..optim.qk_logits import note_max_logits
+from .qk_logits import note_max_logits
 from ..optim.validation import check_whole
 
 
@@ -64,7 +64,7 @@ class Attention(nn.Module):
     heads, [C, 2C) the key heads, [2C, 3C) the value heads, head h at rows h*d .. (h+1)*d of each.
 
     With ``qk_recording`` on (muonlab.optim.qk_clip.QKClip sets it), each forward also folds the max
-    attention logit per head into ``qk_max_logit`` (muonlab.optim.qk_logits); off, the forward is
+    attention logit per head into ``qk_max_logit`` (muonlab.models.qk_logits); off, the forward is
     scaled_dot_product_attention alone.
     """
 

@@ -26,7 +26,7 @@ forwards, over every rank):
 Where the heads are read from: muonlab's GPT ``Attention`` records in its own forward; Hugging Face
 attention with ``q_proj``/``k_proj`` (Llama, Qwen3, Mistral, ...) gets a forward hook that recomputes
 q and k from the layer's input (after q_norm/k_norm and RoPE: the logits the layer computes), when
-recording only; an attention module of your own calls :func:`muonlab.optim.qk_logits.note_max_logits`
+recording only; an attention module of your own calls :func:`muonlab.models.qk_logits.note_max_logits`
 in its forward and is described by a :class:`QKHeads`.
 
 Distributed: the max per head is reduced with MAX over ``group`` (default: all ranks, whose batches
@@ -47,7 +47,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..models.gpt import Attention
-from .qk_logits import note_max_logits
+from ..models.qk_logits import note_max_logits
 
 __all__ = ["QKClip", "QKClipStep", "QKHeads", "clip_factors", "heads_of"]
 
@@ -56,7 +56,7 @@ __all__ = ["QKClip", "QKClipStep", "QKHeads", "clip_factors", "heads_of"]
 class QKHeads:
     """How QK-clip reads and scales one attention module.
 
-    ``module`` records (``qk_recording`` / ``qk_max_logit``, see muonlab.optim.qk_logits). ``q`` and
+    ``module`` records (``qk_recording`` / ``qk_max_logit``, see muonlab.models.qk_logits). ``q`` and
     ``k``: ``(tensor, first_row)`` pairs, the tensors (a weight, its bias) whose rows
     ``first_row + h * head_dim ...`` produce query head h (kv head g for ``k``), in full-tensor rows
     (a sharded DTensor is scaled on its local rows). ``qk_norms``: ``(q_norm weight, k_norm weight)``

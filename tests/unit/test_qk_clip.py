@@ -15,7 +15,7 @@ from muonlab import Muon, muon_param_groups
 from muonlab.models import GPT, GPTConfig
 from muonlab.models.gpt import Attention
 from muonlab.optim.qk_clip import QKClip, QKHeads, clip_factors
-from muonlab.optim.qk_logits import max_logits_per_head
+from muonlab.models.qk_logits import max_logits_per_head
 
 CFG = dict(d_model=24, n_heads=3, n_layers=2, context=12)
 

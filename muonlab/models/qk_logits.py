@@ -7,7 +7,7 @@ normal forward is unchanged and costs nothing when recording is off. While on, t
 ``module.qk_max_logit``, a float32 tensor (n_heads,), the running max over every forward since
 ``QKClip.apply`` last read and reset it (micro-batches of one step included).
 
-This module imports nothing of muonlab, so a model (muonlab.models.gpt) can import it.
+It lives with the models, which call it; muonlab.optim.qk_clip reads what it records.
 """
 
 from __future__ import annotations
