@@ -169,3 +169,46 @@ def test_split_heads_refuses_an_unknown_choice_and_a_model_without_attention():
         muon_param_groups(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2)), split_heads=True)
     with pytest.raises(ValueError, match=r"split must be one of"):
         attention_blocks(build_gpt(**GPT_CFG), "rows")
+
+
+@pytest.mark.parametrize("rule", ["muon", "normuon"])
+def test_split_heads_resume_from_a_state_dict_and_offload_bit_for_bit(tmp_path, rule):
+    """Per-head blocks (with Muon's or NorMuon's update) keep their state per parameter as before:
+    runs with state offloaded to host memory or disk, and a run resumed from a state dict saved
+    after step 2, take the same 3 steps bit for bit as the resident run."""
+    import io
+
+    gen = torch.Generator().manual_seed(3)
+    batches = [torch.randint(0, 256, (2, GPT_CFG["context"] + 1), generator=gen) for _ in range(3)]
+
+    def optimizer(model, **extra):
+        return Muon(muon_param_groups(model, split_heads=True), ns_dtype=torch.float32, update_rule=rule, **extra)
+
+    def train(model, opt, steps):
+        for x in steps:
+            model(x[:, :-1], x[:, 1:]).backward()
+            opt.step()
+            opt.zero_grad()
+
+    def params(model):
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    model = build_gpt(**GPT_CFG)
+    opt = optimizer(model)
+    train(model, opt, batches[:2])
+    saved = io.BytesIO()
+    torch.save((model.state_dict(), opt.state_dict()), saved)
+    train(model, opt, batches[2:])
+    want = params(model)
+    for extra in (dict(state_offload="cpu"), dict(state_offload="disk", offload_dir=str(tmp_path / "disk"))):
+        other = build_gpt(**GPT_CFG)
+        train(other, optimizer(other, **extra), batches)
+        assert all(torch.equal(p, want[n]) for n, p in params(other).items()), extra
+    saved.seek(0)
+    model_state, opt_state = torch.load(saved, weights_only=False)
+    resumed = build_gpt(**GPT_CFG)
+    resumed.load_state_dict(model_state)
+    opt = optimizer(resumed)
+    opt.load_state_dict(opt_state)
+    train(resumed, opt, batches[2:])
+    assert all(torch.equal(p, want[n]) for n, p in params(resumed).items())
