@@ -855,10 +855,12 @@ class Muon(MomentumHomes, Optimizer):
         """p's state, its missing keys made: zeros where they are kept (device, host or the state
         file), never all on the device; with a Muon ``group``, its update rule's state too."""
         state = self.state[p]
-        for key in STATE_KEYS[algorithm]:
-            if key not in state:
-                state[key] = torch.tensor(0.0) if key == "step" else self._offload.new(p, key)
-        if group is not None:
+        keys = STATE_KEYS[algorithm]
+        if keys[-1] not in state:  # new, or a replica's momentum dropped (muonlab.optim.momentum_homes)
+            for key in keys:
+                if key not in state:
+                    state[key] = torch.tensor(0.0) if key == "step" else self._offload.new(p, key)
+        if group is not None and RULES[group["update_rule"]].state_keys:
             ensure_rule_state(state, group, p, self._view_of(p))
         return state
 
@@ -1078,7 +1080,7 @@ class Muon(MomentumHomes, Optimizer):
         """
         entries = self._muon_entries()
         plan, specs, groups, owners = planned.plan, planned.specs, planned.groups, planned.owners
-        ruled = any(rule_of(entries[i][0]).transform is not None for i in specs)
+        ruled = any(rule_of(g).transform is not None for g in self.param_groups if g["algorithm"] == "muon")
 
         def on_this_rank(i: int) -> bool:
             # a replicated matrix's momentum and Newton-Schulz run on its owner rank only
@@ -1127,20 +1129,20 @@ class Muon(MomentumHomes, Optimizer):
                 if self._optimizer_spectral_observer is not None:  # a recording step (muonlab.trace.spectral)
                     for i, out in pairs:
                         self._optimizer_spectral_observer(entries[i][1], out, ran_here(i))
-                if ruled:  # (update, row scales) per matrix
+                scales = None  # an update rule's row scales per matrix (muonlab.optim.rules)
+                if ruled:
                     ruled_pairs = apply_rules(batch, pairs, entries=entries, specs=specs, groups=groups,
                                               state_of=rule_state, counter=counter)
-                else:
-                    ruled_pairs = [(out, None) for _, out in pairs]
-                pairs = list(zip(batch.param_indices, ruled_pairs))
+                    scales = {i: scale for i, (_, scale) in zip(batch.param_indices, ruled_pairs)}
+                    pairs = [(i, update) for i, (update, _) in zip(batch.param_indices, ruled_pairs)]
                 for (lr, weight_decay), members in _by_settings(
                         pairs, lambda i: (float(entries[i][0]["lr"]), entries[i][0]["weight_decay"])):
                     F.muon_apply_(
                         [_part_of(batch, local_shard(entries[i][1])) for i, _ in members],
-                        [out for _, (out, _) in members], lr=lr,
+                        [out for _, out in members], lr=lr,
                         weight_decay=weight_decay,
                         ratios=[F.adjust_lr_ratio(specs[i].lr_shape, entries[i][0]["adjust_lr"]) for i, _ in members],
-                        row_scales=[scale for _, (_, scale) in members] if ruled else None,
+                        row_scales=None if scales is None else [scales[i] for i, _ in members],
                     )
 
         # 2. move, orthogonalize, move back
