@@ -29,6 +29,7 @@ from _sets import small48_matrices
 
 PEERS_DIR = Path(__file__).resolve().parent / "_peers"
 LR, MOMENTUM, EPS = 0.02, 0.95, 1e-7
+NORMUON_BETA2 = 0.95  # NorMuon's decay of its row second moments, both sides
 KELLER = (3.4445, -4.7750, 2.0315)
 D_MODEL, N_LAYERS = 256, 8
 # one of a kind each (so a batch of same-shape matrices rarely fills the ranks), rows divisible by
@@ -164,6 +165,9 @@ def _import_peer(name: str):
         if name == "dion":
             from dion.muon import Muon as DionMuon
             return DionMuon
+        if name == "dion-normuon":
+            from dion.normuon import NorMuon as DionNorMuon
+            return DionNorMuon
         from xtuner_muon.muon import Muon as XTunerMuon
         return XTunerMuon
     except ImportError as e:
@@ -178,14 +182,17 @@ def build_optimizer(kind: str, params: list[tuple[str, torch.nn.Parameter]], mes
     side (its default ``ns_form="auto"`` would take the gram form, with fewer)."""
     if kind.startswith("muonlab"):
         nonfinite = "ignore" if kind.endswith("ignore") else "skip"
+        rule = dict(update_rule="normuon", normuon_beta2=NORMUON_BETA2) if kind.endswith("normuon") else {}
         return Muon(params, lr=LR, momentum=MOMENTUM, nesterov=True, weight_decay=0.0, eps=EPS,
-                    adjust_lr="match_rms_adamw", nonfinite=nonfinite, ns_form="plain")
+                    adjust_lr="match_rms_adamw", nonfinite=nonfinite, ns_form="plain", **rule)
     cls = _import_peer(kind)
     tensors = [p for _, p in params]
     kw = dict(lr=LR, mu=MOMENTUM, weight_decay=0.0, epsilon=EPS, nesterov=True, adjust_lr="rms_norm",
               newton_schulz_func=keller_ns)
-    if kind == "dion":
+    if kind.startswith("dion"):
         kw["use_polar_express"] = False
+    if kind == "dion-normuon":
+        kw["muon_beta2"] = NORMUON_BETA2
     return cls(tensors, distributed_mesh=mesh, **kw)
 
 
@@ -211,17 +218,28 @@ def _agreement(kinds: list[str], mesh, shapes) -> dict[str, float]:
     """Max over matrices of ||U - U_torch|| / ||U_torch|| after two steps from the same start, U the
     whole-matrix update (X_before - X_after) / (lr * ratio) and U_torch torch.optim.Muon's."""
     steps = [_make_grads(mesh, shapes, s) for s in (0, 1)]
-    ref = [torch.nn.Parameter(p.full_tensor().clone()) for _, p in _make_params(mesh, shapes)]
-    ref_opt = torch.optim.Muon(ref, lr=LR, momentum=MOMENTUM, nesterov=True, weight_decay=0.0,
-                               ns_coefficients=KELLER, eps=EPS, ns_steps=5, adjust_lr_fn="match_rms_adamw")
-    for grads in steps:
-        before = [p.detach().clone() for p in ref]
-        for p, g in zip(ref, grads):
-            p.grad = g.full_tensor()
-        ref_opt.step()
-    ref_update = [b - p.detach() for b, p in zip(before, ref)]
+
+    def one_process_update(make) -> list[torch.Tensor]:
+        ref = [torch.nn.Parameter(p.full_tensor().clone()) for _, p in _make_params(mesh, shapes)]
+        ref_opt = make(ref)
+        for grads in steps:
+            before = [p.detach().clone() for p in ref]
+            for p, g in zip(ref, grads):
+                p.grad = g.full_tensor()
+            ref_opt.step()
+        return [b - p.detach() for b, p in zip(before, ref)]
+
+    muon_update = one_process_update(lambda ps: torch.optim.Muon(
+        ps, lr=LR, momentum=MOMENTUM, nesterov=True, weight_decay=0.0, ns_coefficients=KELLER, eps=EPS, ns_steps=5,
+        adjust_lr_fn="match_rms_adamw"))
+    normuon_update = None  # NorMuon's one-process reference: muonlab's NorMuon on the whole matrices
+    if any(k.endswith("normuon") for k in kinds):
+        normuon_update = one_process_update(lambda ps: Muon(
+            ps, lr=LR, momentum=MOMENTUM, nesterov=True, weight_decay=0.0, eps=EPS, adjust_lr="match_rms_adamw",
+            ns_form="plain", update_rule="normuon", normuon_beta2=NORMUON_BETA2))
     out = {}
     for kind in kinds:
+        ref_update = normuon_update if kind.endswith("normuon") else muon_update
         params = _make_params(mesh, shapes)
         opt = build_optimizer(kind, params, mesh)
         for grads in steps:

@@ -9,7 +9,8 @@ where a step is nearly all fixed host cost (``--small-rounds`` of them, they are
 optimizer, one untimed step after the warm-up counts its collectives: bytes, torch.distributed
 calls, and the gloo process group's operations (torch.profiler's ``gloo:<op>`` events, rank 0).
 
-``--kinds`` runs a subset (muonlab is always in: the ratios are to it). With muonlab's variants
+``--kinds`` runs a subset (muonlab is always in: the ratios are to it); ``muonlab-normuon`` and
+``dion-normuon`` (NorMuon, on request only) write results/peers_normuon.md. With muonlab's variants
 alone (``--kinds muonlab muonlab-again muonlab-ignore``) the rounds are short, so many of them fit
 the time of a full run: the A/B of the safety check's cost, written to results/peers_check.md.
 
@@ -62,6 +63,8 @@ DION = dict(repo="microsoft/dion", commit="0a059a4542e5aa74b40dcd1dce363836c7afc
 XTUNER = dict(repo="InternLM/xtuner", commit="3b6701a1d9dec1e3ab619d82b6edc1518b8d82ff",
               files=("xtuner/v1/optim/muon.py", "xtuner/v1/optim/newton_schulz_triton.py"))
 KINDS = ["muonlab", "muonlab-again", "muonlab-ignore", "dion", "xtuner"]
+NORMUON_KINDS = ["muonlab-normuon", "dion-normuon"]
+"""NorMuon (update_rule="normuon"; Dion's NorMuon class), on request (``--kinds``): not in the default run."""
 
 
 def _git_dir(mirrors: Path, repo: str) -> Path:
@@ -142,7 +145,8 @@ def world_section(set_name: str, world: int, res: dict) -> tuple[str, dict]:
         "",
         md_table(["optimizer", "median step ms", "time / muonlab (median of rounds)",
                   "95% interval of that median (bootstrap)", "range of rounds",
-                  "max rel. error vs torch.optim.Muon"], time_rows),
+                  "max rel. error vs one process (NorMuon kinds: muonlab's NorMuon; else torch.optim.Muon)"],
+                 time_rows),
         "",
         md_table(["optimizer", "bytes sent (all ranks)", "bytes received", "lower bound", "bytes / bound",
                   "torch.distributed calls (rank 0)", "process-group ops (rank 0)", "ops by kind"], byte_rows),
@@ -237,9 +241,10 @@ def main(argv=None):
     ap.add_argument("--small-rounds", type=int, default=400, help="timed rounds of the small48 set")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--mirrors", default="/work/.mirror")
-    ap.add_argument("--kinds", nargs="+", choices=KINDS, default=KINDS,
+    ap.add_argument("--kinds", nargs="+", choices=KINDS + NORMUON_KINDS, default=KINDS,
                     help="the optimizers to run (muonlab is always in: the ratios are to it)")
-    ap.add_argument("--out", default=None, help="default: results/peers.md, or peers_check.md without peers")
+    ap.add_argument("--out", default=None, help="default: results/peers.md, peers_check.md without peers, "
+                                                "peers_normuon.md with a NorMuon kind")
     ap.add_argument("--fetch-only", action="store_true",
                     help="copy the peers into benchmarks/_peers and stop (e.g. before carrying them to a GPU machine)")
     args = ap.parse_args(argv)
@@ -247,13 +252,13 @@ def main(argv=None):
         missing = fetch_peers(Path(args.mirrors))
         print("\n".join(f"{p}: {why or 'present'}" for p, why in missing.items()))
         return
-    wanted = ["muonlab"] + [k for k in KINDS if k in args.kinds and k != "muonlab"]
-    peers_wanted = [k for k in ("dion", "xtuner") if k in wanted]
+    wanted = ["muonlab"] + [k for k in KINDS + NORMUON_KINDS if k in args.kinds and k != "muonlab"]
+    peers_wanted = [k for k in ("dion", "xtuner") if any(w.split("-")[0] == k for w in wanted)]
     missing = fetch_peers(Path(args.mirrors)) if peers_wanted else {}
     for peer, why in missing.items():
         if why:
             print(f"skipping {peer}: {why}")
-    kinds = [k for k in wanted if not missing.get(k)]
+    kinds = [k for k in wanted if not missing.get(k.split("-")[0])]
     os.environ["TORCHDYNAMO_DISABLE"] = "1"  # the peers' torch.compile decorators: eager, like muonlab
     sets = [s for s in SETS if s in args.sets]
     paragraphs, sections, figures = [], [], {}
@@ -283,13 +288,18 @@ def main(argv=None):
         "'time / muonlab' > 1: slower than muonlab with its non-finite check on. "
         "muonlab-ignore is muonlab with nonfinite=\"ignore\": its ratio is the safety check's cost. "
         "muonlab-again is a second muonlab, identical to the first (check on): its ratio, 1 in a perfect measurement, "
-        "is this run's noise floor for such an A/B. bytes / bound: goal <= 1.005 for muonlab.",
+        "is this run's noise floor for such an A/B. bytes / bound: goal <= 1.005 for muonlab. "
+        "muonlab-normuon and dion-normuon (when asked for) are NorMuon (beta2 0.95): their error column compares "
+        "each with muonlab's NorMuon in one process on the whole matrices.",
         *skipped,
     ])
     title = "muonlab vs Dion and XTuner distributed Muon (FSDP2, gloo)"
     if not peers_wanted:  # muonlab's variants alone: the safety check's A/B
         title = "muonlab's safety check: its cost in an A/B of muonlab's variants (FSDP2, gloo)"
-    out = args.out or results_path("peers" if peers_wanted else "peers_check")
+    normuon = any(k in NORMUON_KINDS for k in kinds)
+    if normuon:
+        title = "NorMuon: muonlab's against Dion's, beside muonlab's Muon (FSDP2, gloo)"
+    out = args.out or results_path("peers_normuon" if normuon else "peers" if peers_wanted else "peers_check")
     write_report(out, title, body, script=__file__, argv=argv,
                  machine_note=f"Gloo, W ranks of 1 thread each sharing {os.cpu_count()} cores. Load average "
                               f"{load_before} before, {load()} after (other work shares this machine).")

@@ -33,7 +33,7 @@ from .agreement import Agreement, digest
 from .momentum_homes import MomentumHomes
 from .offload import StateStores
 from .replicas import check_ranks_agree
-from .rule_step import apply_rules, ensure_rule_state, refuse_unfit, rule_of, state_shapes
+from .rule_step import RuleStage, ensure_rule_state, refuse_unfit, rule_of, state_shapes
 from .rules import RULE_STATE_KEYS, RULES
 from .prepared import PreparedStep, group_key, settings_values, step_digest
 from .routing import check_not_flat
@@ -221,9 +221,10 @@ class Muon(MomentumHomes, Optimizer):
             normalise the update, which keeps its Frobenius norm; see
             muonlab.optim.rules.normuon). NorMuon keeps one fp32 number per row of each matrix
             (state key "row_variance", with the rows: on their FSDP2 shard, with an expert, on
-            every DDP replica; on the parameters' device under ``state_offload``). A matrix whose
-            rows lie on several ranks adds one all-reduce of two numbers per matrix to its
-            batch. Refused for a matrix stored (in, out) (view "transpose") or sharded on a dim
+            every DDP replica; on the parameters' device under ``state_offload``). A batch of
+            matrices whose rows lie on several ranks adds one all-reduce of two numbers per
+            matrix, which travels while the next batch computes (the batch is applied then; see
+            muonlab.optim.rule_step). Refused for a matrix stored (in, out) (view "transpose") or sharded on a dim
             other than 0.
         normuon_beta2: NorMuon's decay of the row second moments, in [0, 1).
 
@@ -1121,33 +1122,47 @@ class Muon(MomentumHomes, Optimizer):
             ensure_rule_state(state, entries[i][0], p, self._view_of(p))
             return state
 
+        def update(batch, pairs: list[tuple[int, torch.Tensor]], scales: list | None = None) -> None:
+            """3b. decay and update, with the lr ratio from each matrix's GLOBAL shape (and an update
+            rule's row scales, when it gave them)."""
+            scale_of = dict(zip(batch.param_indices, scales)) if scales is not None else None
+            for (lr, weight_decay), members in _by_settings(
+                    pairs, lambda i: (float(entries[i][0]["lr"]), entries[i][0]["weight_decay"])):
+                F.muon_apply_(
+                    [_part_of(batch, local_shard(entries[i][1])) for i, _ in members],
+                    [out for _, out in members], lr=lr,
+                    weight_decay=weight_decay,
+                    ratios=[F.adjust_lr_ratio(specs[i].lr_shape, entries[i][0]["adjust_lr"]) for i, _ in members],
+                    row_scales=None if scale_of is None else [scale_of[i] for i, _ in members],
+                )
+
+        def ruled_update(batch, pairs, scales) -> None:  # a batch whose rule's sums came back
+            with self._tracer.span("update", batch=batch.index):
+                update(batch, pairs, scales)
+
+        stage = RuleStage(entries=entries, specs=specs, groups=groups, state_of=rule_state, counter=counter,
+                          apply_update=ruled_update) if ruled else None
+
         def apply(batch, outputs: list[torch.Tensor]) -> None:
-            """3. the update rule (muonlab.optim.rules), then the update, with the lr ratio from
-            each matrix's GLOBAL shape."""
+            """3a. the Newton-Schulz outputs to the spectral observer, then the update rule
+            (muonlab.optim.rules: through ``stage``, which applies the batch once its sums are back)
+            or the update itself."""
             with self._tracer.span("update", batch=batch.index):
                 pairs = list(zip(batch.param_indices, outputs))
                 if self._optimizer_spectral_observer is not None:  # a recording step (muonlab.trace.spectral)
                     for i, out in pairs:
                         self._optimizer_spectral_observer(entries[i][1], out, ran_here(i))
-                scales = None  # an update rule's row scales per matrix (muonlab.optim.rules)
-                if ruled:
-                    ruled_pairs = apply_rules(batch, pairs, entries=entries, specs=specs, groups=groups,
-                                              state_of=rule_state, counter=counter)
-                    scales = {i: scale for i, (_, scale) in zip(batch.param_indices, ruled_pairs)}
-                    pairs = [(i, update) for i, (update, _) in zip(batch.param_indices, ruled_pairs)]
-                for (lr, weight_decay), members in _by_settings(
-                        pairs, lambda i: (float(entries[i][0]["lr"]), entries[i][0]["weight_decay"])):
-                    F.muon_apply_(
-                        [_part_of(batch, local_shard(entries[i][1])) for i, _ in members],
-                        [out for _, out in members], lr=lr,
-                        weight_decay=weight_decay,
-                        ratios=[F.adjust_lr_ratio(specs[i].lr_shape, entries[i][0]["adjust_lr"]) for i, _ in members],
-                        row_scales=None if scales is None else [scales[i] for i, _ in members],
-                    )
+                if stage is None:
+                    update(batch, pairs)
+                    return
+                stage.start(batch, pairs)
+            stage.finish_due()  # each batch applied in an "update" span of its own
 
         # 2. move, orthogonalize, move back
         execute_plan(plan, groups, prepare=prepare, apply=apply, orthogonalize=self._ns_runner(),
                      wire_dtype=self.comm_dtype, tracer=self._tracer, counter=counter, device=self._device())
+        if stage is not None:
+            stage.flush()  # the last batch whose rule's sums travelled
 
     def _device(self) -> torch.device:
         """Where this rank's Muon shards live (the first Muon parameter's device)."""

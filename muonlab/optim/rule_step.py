@@ -2,6 +2,10 @@
 the parameters taking them (``muonlab.optim.rules`` holds the rules; this is where the step meets
 them: each matrix's rule, its state, the rows this rank holds, and the group the sums travel in).
 
+A batch's rule runs when its updates come back; where its sums travel across ranks (NorMuon's
+norms of a row-sharded matrix) their all-reduce is issued then and the batch is applied when the
+next batch comes back, so the sums travel while that batch computes (``RuleStage``).
+
 A rule's state lives with the rows of its parameter, as the parameter itself does: a row shard's
 on that shard, an expert bank's with its experts. A replicated (DDP) matrix's lives on every
 replica: each receives the whole update and applies it, so each updates its copy of the state
@@ -74,33 +78,86 @@ def rule_part(batch: BatchPlan, state: torch.Tensor) -> torch.Tensor:
     return rows[lo:hi]
 
 
-def apply_rules(batch: BatchPlan, members: list[tuple[int, torch.Tensor]], *, entries, specs, groups,
-                state_of, counter) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-    """Each update of ``members`` ((Muon entry index, this rank's update)) through its group's
-    rule; the rules' per-matrix sums travel in one all-reduce per rule over the batch's group,
-    counted in ``counter`` (a ``CommCounter``) under the rule's name as a ring all-reduce moves
-    them: 2 (W - 1) / W of the bytes out and in. ``state_of(i)``: entry i's state dict with its
-    rule's keys. Returns per member (update, its row scales or None), as ``UpdateRule.transform``."""
-    out = {i: (u, None) for i, u in members}
-    by_rule: dict[str, list[int]] = {}
-    for i, _ in members:
-        by_rule.setdefault(entries[i][0]["update_rule"], []).append(i)
-    pg, group_rank = groups[batch.group]
+class _Travel:
+    """One rule's run over a batch's matrices: its transform (a generator) paused where it
+    yielded the sums that travel across ranks, with the all-reduce carrying them."""
 
-    for name, indices in by_rule.items():
-        rule = RULES[name]
-        if rule.transform is None:
-            continue
+    def __init__(self, indices, transform, flat=None, work=None, result=None):
+        self.indices, self.transform, self.flat, self.work, self.result = indices, transform, flat, work, result
 
-        def reduce(flat: torch.Tensor, name=name) -> None:
-            if pg is not None and (world := dist.get_world_size(pg)) > 1:
+    def finish(self) -> list:
+        if self.result is None:
+            if self.work is not None:
+                self.work.wait()
+            try:
+                self.transform.send(self.flat)
+            except StopIteration as done:
+                self.result = done.value
+            else:  # pragma: no cover - a rule yields once
+                raise RuntimeError("an update rule's transform yielded twice")
+        return self.result
+
+
+class RuleStage:
+    """The update rule's stage over one step's batches (see the module doc).
+
+    ``start(batch, pairs)`` runs each matrix's rule on the batch's updates as they come back, up
+    to the sums that travel across ranks, and issues their all-reduce (async: it travels while the
+    next batch computes); ``finish_due()`` then calls ``apply_update(batch, pairs, scales)`` for
+    each batch whose sums are back: the batches before the last, or at ``flush()`` (the end of the
+    step) the last. So one
+    batch's updates wait a batch longer when its rule's sums travel; a rule whose sums stay on this
+    rank applies at once. The all-reduce per rule and batch is counted in ``counter`` under the
+    rule's name, as a ring all-reduce moves it: 2 (W - 1) / W of its bytes out and in."""
+
+    def __init__(self, *, entries, specs, groups, state_of, counter, apply_update):
+        self._entries, self._specs, self._groups = entries, specs, groups
+        self._state_of, self._counter, self._apply_update = state_of, counter, apply_update
+        self._waiting: list[tuple[BatchPlan, list, list[_Travel]]] = []
+
+    def start(self, batch: BatchPlan, pairs: list[tuple[int, torch.Tensor]]) -> None:
+        entries = self._entries
+        by_rule: dict[str, list[int]] = {}
+        for i, _ in pairs:
+            by_rule.setdefault(entries[i][0]["update_rule"], []).append(i)
+        pg, group_rank = self._groups[batch.group]
+        world = dist.get_world_size(pg) if pg is not None else 1
+        updates = dict(pairs)
+        travels = []
+        for name, indices in by_rule.items():
+            rule = RULES[name]
+            if rule.transform is None:
+                travels.append(_Travel(indices, None, result=[(updates[i], None) for i in indices]))
+                continue
+            mine = [updates[i] for i in indices]
+            states = [[rule_part(batch, self._state_of(i)[k]) for k in rule.state_keys] for i in indices]
+            held = [rows_held(self._specs[i], u, group_rank) for i, u in zip(indices, mine)]
+            transform = rule.transform(mine, states, held, [entries[i][0] for i in indices])
+            try:
+                flat = next(transform)
+            except StopIteration as done:  # nothing to sum across ranks
+                travels.append(_Travel(indices, transform, result=done.value))
+                continue
+            work = None
+            if world > 1:
                 nbytes = 2 * (world - 1) * flat.numel() * flat.element_size() // world
-                counter.add(name, nbytes, nbytes)
-                dist.all_reduce(flat, group=pg)
+                self._counter.add(name, nbytes, nbytes)
+                work = dist.all_reduce(flat, group=pg, async_op=True)
+            travels.append(_Travel(indices, transform, flat, work))
+        self._waiting.append((batch, pairs, travels))
 
-        updates = [out[i][0] for i in indices]
-        states = [[rule_part(batch, state_of(i)[k]) for k in rule.state_keys] for i in indices]
-        held = [rows_held(specs[i], u, group_rank) for i, u in zip(indices, updates)]
-        results = rule.transform(updates, states, held, [entries[i][0] for i in indices], reduce)
-        out.update(zip(indices, results))
-    return [out[i] for i, _ in members]
+    def finish_due(self) -> None:
+        """Apply the batches started before the last one (their sums had a batch's time to
+        travel), and the last one too when nothing of it travels."""
+        while self._waiting and (len(self._waiting) > 1 or all(t.work is None for t in self._waiting[-1][2])):
+            self._finish(*self._waiting.pop(0))
+
+    def flush(self) -> None:
+        while self._waiting:
+            self._finish(*self._waiting.pop(0))
+
+    def _finish(self, batch: BatchPlan, pairs: list, travels: list[_Travel]) -> None:
+        done = {}
+        for t in travels:
+            done.update(zip(t.indices, t.finish()))
+        self._apply_update(batch, [(i, done[i][0]) for i, _ in pairs], [done[i][1] for i, _ in pairs])

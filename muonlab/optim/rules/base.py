@@ -53,13 +53,15 @@ class UpdateRule:
     state_shape: Callable[[tuple[int, ...], str], tuple[int, ...]] = lambda shape, view: shape
     """The global shape of its state for a parameter of ``shape`` read with matrix view ``view``."""
     transform: Callable | None = None
-    """``transform(updates, states, held, settings, reduce) -> [(update, row_scale)]``: the
-    updates this rank holds (one per parameter of a batch, its local rows), each parameter's state
-    tensors (local, in ``state_keys`` order, updated in place), its ``RowsHeld``, its group's
-    settings, and ``reduce(tensor)`` summing a 1-D fp32 tensor in place over the ranks sharing the
-    batch's matrices. Per parameter it gives the update to apply and None, or a 1-D fp32 scale of
-    each of its rows (read as ``RowsHeld`` does), applied as the rows are added to the parameter
-    (``muonlab.optim.functional.muon_apply_``'s ``row_scales``). None: the update is used as it is."""
+    """``transform(updates, states, held, settings)``, a generator: the updates this rank holds (one
+    per parameter of a batch, its local rows), each parameter's state tensors (local, in
+    ``state_keys`` order, updated in place), its ``RowsHeld`` and its group's settings. Where
+    matrices' rows lie on several ranks it yields once a 1-D fp32 tensor of sums and is sent it
+    back summed over the ranks sharing the batch's matrices (muonlab.optim.rule_step carries it
+    while the next batch computes). It returns, per parameter, the update to apply and None, or a
+    1-D fp32 scale of each of its rows (read as ``RowsHeld`` does), applied as the rows are added
+    to the parameter (``muonlab.optim.functional.muon_apply_``'s ``row_scales``). None: the update
+    is used as it is."""
 
     def new_state(self, p: torch.Tensor, key: str, view: str) -> torch.Tensor:
         """Zeros of ``key`` for parameter ``p``: fp32 on p's device; a DTensor with p's mesh and

@@ -52,12 +52,14 @@ def _state_shape(shape: tuple[int, ...], view: str) -> tuple[int, ...]:
     return tuple(shape[:-1]) + (1,)
 
 
-def normalize_(updates: list[torch.Tensor], states: list[list[torch.Tensor]], held: list[RowsHeld],
-               settings: list[dict], reduce) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """NorMuon's step on this rank's rows of a batch's updates: each update as it is, with the
-    fp32 scale of each of its rows (1 / (sqrt(v) + eps) times its matrix's norm ratio), which the
-    update applies as it adds the rows (no scaled copy of the update is made). The per-matrix sums
-    of the parameters whose matrices span ranks travel in one ``reduce``."""
+def normalize(updates: list[torch.Tensor], states: list[list[torch.Tensor]], held: list[RowsHeld],
+              settings: list[dict]):
+    """NorMuon's step on this rank's rows of a batch's updates, as a generator: it yields the
+    per-matrix sums of the parameters whose matrices span ranks (one flat fp32 tensor) once, to be
+    sent back summed over those ranks, and returns per parameter its update as it is with the fp32
+    scale of each of its rows (1 / (sqrt(v) + eps) times its matrix's norm ratio), which the update
+    applies as it adds the rows (no scaled copy of the update is made). The row second moments are
+    updated before the yield."""
     rows, per_matrix = [], []
     for o, (v,), h, group in zip(updates, states, held, settings):
         x = o.reshape(-1, h.cols)
@@ -73,8 +75,7 @@ def normalize_(updates: list[torch.Tensor], states: list[list[torch.Tensor]], he
         per_matrix.append(sums)
     shared = [i for i, h in enumerate(held) if h.spans_ranks]
     if shared:
-        flat = torch.cat([per_matrix[i].view(-1) for i in shared])
-        reduce(flat)
+        flat = yield torch.cat([per_matrix[i].view(-1) for i in shared])
         for i, part in zip(shared, flat.split([per_matrix[i].numel() for i in shared])):
             per_matrix[i] = part.view(2, -1)
     out = []
@@ -93,5 +94,5 @@ RULE = UpdateRule(
     check_settings=_check,
     refusal=_refusal,
     state_shape=_state_shape,
-    transform=normalize_,
+    transform=normalize,
 )
