@@ -28,7 +28,7 @@ def shapes(kind: str) -> list[tuple[str, tuple[int, ...]]]:
     if kind == "ep":
         return [("experts_in", (6, 5, 4)), ("experts_out", (6, 4, 5)), ("few", (2, 3, 3))]
     out = [("uneven", (10, 7)), ("wide", (4, 9)), ("tiny", (2, 6)), ("qkv", (12, 6))]
-    return out + [("conv", (6, 2, 3, 3))] if kind == "fsdp" else out
+    return out + [("conv", (6, 2, 3, 3))] if kind in ("fsdp", "hsdp") else out
 
 
 def init_tensor(shape, seed: int) -> torch.Tensor:
@@ -67,6 +67,8 @@ def _sharded(kind: str):
         module.register_parameter(name, torch.nn.Parameter(init_tensor(shape, seed)))
     if kind == "fsdp":
         fully_shard(module, mesh=init_device_mesh("cpu", (world,), mesh_dim_names=("dp",)))
+    elif kind == "hsdp":  # 2 replicas of 2 shards: the norms are summed over the shard axis only
+        fully_shard(module, mesh=init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard")))
     elif kind == "ep":  # experts sharded by expert: each rank's matrices are whole
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
         for name, p in list(module.named_parameters()):
@@ -129,7 +131,8 @@ def resume(path: str) -> dict:
 
 def everything(ckpt_root: str) -> dict:
     """Every case in one launch (process start-up is the slow part)."""
-    out = {kind: run(kind) for kind in ("fsdp", "ddp", "ep")}
+    kinds = ("fsdp", "ddp", "ep") + (("hsdp",) if dist.get_world_size() == 4 else ())
+    out = {kind: run(kind) for kind in kinds}
     path = os.path.join(ckpt_root, f"world{dist.get_world_size()}")
     out["resume"] = resume(path)
     return out

@@ -1,6 +1,6 @@
 """NorMuon across gloo ranks equals one process: FSDP2 row shards (empty trailing shards, a fused
-bank cut through its blocks, a flattened conv kernel), DDP replicas, expert banks; and an FSDP2
-checkpoint resumes it bit for bit. One launch per world size runs every case."""
+bank cut through its blocks, a flattened conv kernel; HSDP at 4 ranks), DDP replicas, expert
+banks; and an FSDP2 checkpoint resumes it bit for bit. One launch per world size runs every case."""
 
 import pytest
 import torch
@@ -23,12 +23,14 @@ def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("kind", ["fsdp", "ddp", "ep"])
+@pytest.mark.parametrize("kind", ["fsdp", "ddp", "ep", "hsdp"])
 def test_normuon_on_ranks_equals_one_process(world_results, kind):
     """Parameters and row second moments within 1e-6 of one process's, on every rank; on FSDP2 the
     fused bank's rows are split across ranks mid-block (its per-block norms are summed across
     ranks), and at 4 ranks trailing shards are empty."""
     world, results = world_results
+    if kind not in results[0]:
+        pytest.skip("HSDP runs on 4 ranks (2 replicas of 2 shards)")
     ref = W.single_process(kind)
     for rank, res in results.items():
         got = res[kind]
@@ -36,7 +38,7 @@ def test_normuon_on_ranks_equals_one_process(world_results, kind):
             assert _relative(got["params"][name], want) <= TOLERANCE, (world, kind, rank, name)
             assert _relative(got["variances"][name], ref["variances"][name]) <= TOLERANCE, (world, kind, rank, name)
     calls = results[0][kind]["calls"].get("normuon", 0)
-    if kind == "fsdp":  # the cases the test is for did occur; the norms' all-reduce was counted
+    if kind in ("fsdp", "hsdp"):  # the cases the test is for did occur; the norms' all-reduce was counted
         paths = {path for path, _ in results[0][kind]["layouts"]}
         assert paths & {"all_to_all", "agrs"} and paths & {"gather_all", "subgroup", "blocks"}, paths
         assert calls >= 1
