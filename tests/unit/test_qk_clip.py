@@ -316,3 +316,45 @@ def test_compare_takes_qk_clip_per_configuration():
     runs = {r.config: r for c in result.configs.values() for r in c.runs}
     assert runs["clip"].train_loss[0] == runs["muon"].train_loss[0]  # same start, same first batch
     assert runs["clip"].train_loss[1] != runs["muon"].train_loss[1]  # every head clipped after step 1
+
+
+def test_training_with_qk_clip_resumes_from_a_state_dict_and_offloads_bit_for_bit(tmp_path):
+    """QK-clip keeps no state of its own (each step's clip reads that step's forward), so a run
+    resumed from a state dict saved after step 2, and runs with the optimizer state in host memory
+    or on disk, take the same clipped steps bit for bit as the resident run."""
+    import io
+
+    batches = [_tokens(seed) for seed in range(3)]
+
+    def train(model, opt, steps):
+        clip = QKClip(model, tau=10.0).attach(opt)
+        for x in steps:
+            model(x[:, :-1], x[:, 1:]).backward()
+            opt.step()
+            opt.zero_grad()
+        clip.close()
+        return sum(s.clipped_heads for s in clip.history)
+
+    def optimizer(model, **extra):
+        return Muon(muon_param_groups(model), ns_dtype=torch.float32, lr=0.05, **extra)
+
+    model = _gpt()
+    opt = optimizer(model)
+    clipped = train(model, opt, batches[:2])
+    saved = io.BytesIO()
+    torch.save((model.state_dict(), opt.state_dict()), saved)
+    clipped += train(model, opt, batches[2:])
+    assert clipped > 0  # the clip did act on this run
+    want = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for extra in (dict(state_offload="cpu"), dict(state_offload="disk", offload_dir=str(tmp_path / "disk"))):
+        other = _gpt()
+        train(other, optimizer(other, **extra), batches)
+        assert all(torch.equal(p, want[n]) for n, p in other.named_parameters()), extra
+    saved.seek(0)
+    model_state, opt_state = torch.load(saved, weights_only=False)
+    resumed = _gpt()
+    resumed.load_state_dict(model_state)
+    opt = optimizer(resumed)
+    opt.load_state_dict(opt_state)
+    train(resumed, opt, batches[2:])
+    assert all(torch.equal(p, want[n]) for n, p in resumed.named_parameters())
