@@ -38,6 +38,7 @@ head or be empty, a replicated weight (DDP) all its rows.
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -95,7 +96,8 @@ class QKHeads:
 
 @dataclass
 class QKClipStep:
-    """What one :meth:`QKClip.apply` saw and did, per layer (``QKClip.names`` order)."""
+    """What one :meth:`QKClip.apply` saw and did, per layer (``QKClip.names`` order), as tensors on the
+    device the step ran on (reading them on a GPU waits for the step: ``clipped_heads`` does)."""
 
     max_logit: list[torch.Tensor] = field(default_factory=list)
     """(n_heads,) float32: the max logit per head over this step's forwards and every rank, before
@@ -227,16 +229,14 @@ def _row_span(t: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 def _scale_rows_(t: torch.Tensor, first: int, factors: torch.Tensor, rows_per_factor: int) -> None:
     """Multiply full rows ``first + i*rows_per_factor ...`` by ``factors[i]``, on this rank's rows
-    only; rows whose factor is 1 are not written."""
+    only. Every such row is multiplied, whatever its factor: x * 1.0 is x bit for bit, so the rows
+    of heads under tau come out unchanged, and no factor is read on the host (on a GPU that read
+    would wait for the step)."""
     local, start = _row_span(t)
-    per_row = factors.repeat_interleave(rows_per_factor)
-    lo, hi = max(first, start), min(first + per_row.numel(), start + local.shape[0])
+    lo, hi = max(first, start), min(first + factors.numel() * rows_per_factor, start + local.shape[0])
     if lo >= hi:
         return
-    mine = per_row[lo - first:hi - first]
-    if not bool((mine != 1).any()):
-        return
-    # x * 1.0 is x bit for bit: the rows of unclipped heads in between come out unchanged
+    mine = factors.repeat_interleave(rows_per_factor)[lo - first:hi - first]
     local[lo - start:hi - start].mul_(mine.to(local.device, local.dtype).view(-1, *([1] * (local.dim() - 1))))
 
 
@@ -297,21 +297,24 @@ class QKClip:
 
     # -- the step
     def _reduced_maxima(self) -> list[torch.Tensor]:
+        """Each module's max logit per head over this step's forwards and the group's ranks, on the
+        device the modules recorded on (no host read: on a GPU nothing here waits for the step)."""
+        recorded = [h.module.qk_max_logit for h in self.heads]
+        device = next((m.device for m in recorded if m is not None), torch.device("cpu"))
         seen = []
-        for h in self.heads:
-            m = h.module.qk_max_logit
+        for h, m in zip(self.heads, recorded):
             if m is None:
-                m = torch.full((h.n_heads,), float("-inf"))
+                m = torch.full((h.n_heads,), float("-inf"), device=device)
             if m.shape != (h.n_heads,):
                 raise ValueError(f"{h.name!r} recorded a max logit of shape {tuple(m.shape)}, expected ({h.n_heads},)")
-            seen.append(m.detach().float())
-        flat = torch.cat([m.cpu() for m in seen])
+            seen.append(m.detach().float().to(device))
+        flat = torch.cat(seen)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1:
             from ..distributed.device import collective_device
 
-            flat = flat.to(collective_device(self.group))
-            dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=self.group)
-            flat = flat.cpu()
+            moved = flat.to(collective_device(self.group))
+            dist.all_reduce(moved, op=dist.ReduceOp.MAX, group=self.group)
+            flat = moved.to(device)
         return list(flat.split([h.n_heads for h in self.heads]))
 
     @torch.no_grad()
@@ -324,12 +327,10 @@ class QKClip:
         for h, m in zip(self.heads, maxima):
             gamma, q_factor, k_factor = clip_factors(m, self.tau, h.n_kv_heads)
             if h.qk_norms is not None:  # a shared norm: every head of the layer by the layer's min gamma
-                gamma = torch.full_like(gamma, float(gamma.min()))
-                if gamma[0] < 1:
-                    root = gamma[:1].sqrt()
-                    for w in h.qk_norms:
-                        _scale_rows_(w, 0, root, h.head_dim)
-            elif bool((gamma < 1).any()):
+                gamma = gamma.amin().expand_as(gamma).clone()
+                for w in h.qk_norms if self.tau != math.inf else ():
+                    _scale_rows_(w, 0, gamma[:1].sqrt(), h.head_dim)
+            elif self.tau != math.inf:  # factors of 1 leave their rows' bits as they are (see _scale_rows_)
                 for t, first in h.q:
                     _scale_rows_(t, first, q_factor, h.head_dim)
                 for t, first in h.k:
