@@ -221,8 +221,8 @@ class Muon(MomentumHomes, SavedState, Optimizer):
             every DDP replica; on the parameters' device under ``state_offload``). A batch of
             matrices whose rows lie on several ranks adds one all-reduce of two numbers per
             matrix, which travels while the next batch computes (the batch is applied then; see
-            muonlab.optim.rule_step). Refused for a matrix stored (in, out) (view "transpose") or sharded on a dim
-            other than 0.
+            muonlab.optim.rule_step). Refused for a matrix stored (in, out) (view "transpose") or
+            sharded on a dim other than 0.
         normuon_beta2: NorMuon's decay of the row second moments, in [0, 1).
 
     Distributed: ``plan()`` says which path each batch takes and what it moves and computes;
