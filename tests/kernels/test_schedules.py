@@ -12,32 +12,23 @@ from muonlab.kernels.forms import FORMS
 from muonlab.kernels.newton_schulz import NS_DTYPES, PRESETS, NSConfig, Overwrite, form_for, resolve_form, work_dtype
 from muonlab.kernels.runner import NewtonSchulzRunner
 from muonlab.kernels.schedules import SCHEDULES
+from test_bounded import training_like_inputs
 
 TOP_BOUND = 1.5
 
 
 def hard_inputs(m: int, n: int, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Low-rank and ill-conditioned (m, n) matrices, where schedules without a safety margin
-    break, and a random and a vanishing one."""
-    g = torch.Generator().manual_seed(seed)
-
-    def r(*shape):
-        return torch.randn(*shape, generator=g, dtype=torch.float64)
-
+    """The training-like inputs of test_bounded.py (low-rank, an EMA of low-rank gradients,
+    ill-conditioned, tiny, huge, zero), where schedules without a safety margin break, and one
+    more: condition 1e3 under a single top direction."""
+    inputs = training_like_inputs(m, n, seed)
+    g = torch.Generator().manual_seed(seed + 1)
     k = min(m, n)
-    U, _ = torch.linalg.qr(r(m, k))
-    V, _ = torch.linalg.qr(r(n, k))
-    rank1 = r(m, 1) @ r(1, n)
-    return {
-        "random": r(m, n),
-        "rank1": rank1,
-        "rank1+noise": rank1 + 1e-3 * r(m, n),
-        "rank2": r(m, 2) @ r(2, n),
-        "cond1e6": U @ torch.diag(torch.logspace(0, -6, k, dtype=torch.float64)) @ V.T,
-        "cond1e3-rank1-top": U @ torch.diag(torch.cat([torch.ones(1, dtype=torch.float64),
-                                                       torch.full((k - 1,), 1e-3, dtype=torch.float64)])) @ V.T,
-        "tiny": 1e-30 * r(m, n),
-    }
+    U, _ = torch.linalg.qr(torch.randn(m, k, generator=g, dtype=torch.float64))
+    V, _ = torch.linalg.qr(torch.randn(n, k, generator=g, dtype=torch.float64))
+    top = torch.cat([torch.ones(1, dtype=torch.float64), torch.full((k - 1,), 1e-3, dtype=torch.float64)])
+    inputs["cond1e3-rank1-top"] = U @ torch.diag(top) @ V.T
+    return inputs
 
 
 # wide and tall (the gram form runs there), square (always the plain form), and tiny matrices
