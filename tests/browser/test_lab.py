@@ -11,6 +11,7 @@ Chromium is installed.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -156,106 +157,103 @@ def _open_and_run_all(page, url: str, token: str, notebook: str, timeout_ms: int
     _run_all_cells(page, timeout_ms=timeout_ms)
 
 
-@pytest.mark.timeout(420)  # a stuck page still ends in the fixture's shutdown
-def test_notebook_01_panel_renders_and_trains_on_click(lab, tmp_path):
+@contextlib.contextmanager
+def _lab_page(tmp_path: Path):
+    """A page of headless Chromium (1400 x 1000); a failure inside keeps its screenshot and HTML in
+    ``tmp_path`` (printed), and the browser is closed either way."""
     from playwright.sync_api import sync_playwright
 
-    url, token = lab
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, headless=True)
         try:
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            # Run All's budget: it ran past 120 s on the 2 cores at a load of 9
-            _open_and_run_all(page, url, token, NOTEBOOK, timeout_ms=240_000)
-
-            errors = page.locator(ERROR_OUTPUT, has_text="Traceback")
-            assert errors.count() == 0, errors.first.inner_text()
-
-            panel = page.locator(".jp-OutputArea-output .jupyter-widgets.widget-vbox").first
-            panel.wait_for(timeout=30_000)
-            assert panel.locator(".widget-button").count() == 2  # train, clear runs
-            assert panel.locator(".widget-slider, .widget-hslider").count() >= 3
-            notebook_text = page.locator(".jp-Notebook").inner_text()
-            assert "VBox(children" not in notebook_text and "TrainingPanel(" not in notebook_text
-
-            # `panel.update()` (the last cell) drew one run into the panel, not under its own cell.
-            image = panel.locator(".widget-output img")
-            image.wait_for(timeout=30_000)
-            first_src = image.get_attribute("src")
-            assert page.locator(".jp-CodeCell").last.locator("img").count() == 0, "a figure escaped the panel"
-            status = panel.locator(".widget-label", has_text="done:")
-            assert "keller" in status.inner_text()
-
-            panel.locator(".widget-dropdown select").select_option("xtuner")
-            panel.locator(".widget-button", has_text="train").click()
-            page.wait_for_function(
-                """() => [...document.querySelectorAll('.widget-label')]
-                         .some(l => l.textContent.startsWith('done:') && l.textContent.includes('xtuner'))""",
-                timeout=60_000)
-            page.wait_for_function(
-                "src => { const i = document.querySelector('.widget-output img'); return i && i.src !== src; }",
-                arg=first_src, timeout=30_000)
-            assert panel.locator(".widget-output img").count() == 1
-
-            # The runs the figure draws, read back from the kernel through a new cell.
-            cells = page.locator(".jp-CodeCell")
-            n = cells.count()
-            cells.nth(n - 1).locator(".jp-InputPrompt").click()  # select the last cell
-            page.locator(".jp-NotebookPanel-toolbar [data-command='notebook:insert-cell-below']").click()
-            new_cell = cells.nth(n)
-            new_cell.locator(".cm-content").click()
-            page.keyboard.type("import json; print(json.dumps(list(panel.runs)))")
-            page.keyboard.press("Shift+Enter")
-            last_output = new_cell.locator(".jp-OutputArea-output")
-            last_output.wait_for(timeout=30_000)
-            runs = json.loads(last_output.inner_text())
-            assert len(runs) == 2 and "keller" in runs[0] and "xtuner" in runs[1], runs
-        except Exception:
-            page.screenshot(path=tmp_path / "lab.png", full_page=True)
-            (tmp_path / "lab.html").write_text(page.content())
-            print(f"page at the failure: {tmp_path / 'lab.png'}, {tmp_path / 'lab.html'}")
-            raise
+            try:
+                yield page
+            except Exception:
+                page.screenshot(path=tmp_path / "lab.png", full_page=True)
+                (tmp_path / "lab.html").write_text(page.content())
+                print(f"page at the failure: {tmp_path / 'lab.png'}, {tmp_path / 'lab.html'}")
+                raise
         finally:
             browser.close()
+
+
+@pytest.mark.timeout(420)  # a stuck page still ends in the fixture's shutdown
+def test_notebook_01_panel_renders_and_trains_on_click(lab, tmp_path):
+    url, token = lab
+    with _lab_page(tmp_path) as page:
+        # Run All's budget: it ran past 120 s on the 2 cores at a load of 9
+        _open_and_run_all(page, url, token, NOTEBOOK, timeout_ms=240_000)
+
+        errors = page.locator(ERROR_OUTPUT, has_text="Traceback")
+        assert errors.count() == 0, errors.first.inner_text()
+
+        panel = page.locator(".jp-OutputArea-output .jupyter-widgets.widget-vbox").first
+        panel.wait_for(timeout=30_000)
+        assert panel.locator(".widget-button").count() == 2  # train, clear runs
+        assert panel.locator(".widget-slider, .widget-hslider").count() >= 3
+        notebook_text = page.locator(".jp-Notebook").inner_text()
+        assert "VBox(children" not in notebook_text and "TrainingPanel(" not in notebook_text
+
+        # `panel.update()` (the last cell) drew one run into the panel, not under its own cell.
+        image = panel.locator(".widget-output img")
+        image.wait_for(timeout=30_000)
+        first_src = image.get_attribute("src")
+        assert page.locator(".jp-CodeCell").last.locator("img").count() == 0, "a figure escaped the panel"
+        status = panel.locator(".widget-label", has_text="done:")
+        assert "keller" in status.inner_text()
+
+        panel.locator(".widget-dropdown select").select_option("xtuner")
+        panel.locator(".widget-button", has_text="train").click()
+        page.wait_for_function(
+            """() => [...document.querySelectorAll('.widget-label')]
+                     .some(l => l.textContent.startsWith('done:') && l.textContent.includes('xtuner'))""",
+            timeout=60_000)
+        page.wait_for_function(
+            "src => { const i = document.querySelector('.widget-output img'); return i && i.src !== src; }",
+            arg=first_src, timeout=30_000)
+        assert panel.locator(".widget-output img").count() == 1
+
+        # The runs the figure draws, read back from the kernel through a new cell.
+        cells = page.locator(".jp-CodeCell")
+        n = cells.count()
+        cells.nth(n - 1).locator(".jp-InputPrompt").click()  # select the last cell
+        page.locator(".jp-NotebookPanel-toolbar [data-command='notebook:insert-cell-below']").click()
+        new_cell = cells.nth(n)
+        new_cell.locator(".cm-content").click()
+        page.keyboard.type("import json; print(json.dumps(list(panel.runs)))")
+        page.keyboard.press("Shift+Enter")
+        last_output = new_cell.locator(".jp-OutputArea-output")
+        last_output.wait_for(timeout=30_000)
+        runs = json.loads(last_output.inner_text())
+        assert len(runs) == 2 and "keller" in runs[0] and "xtuner" in runs[1], runs
 
 
 @pytest.mark.timeout(480)
 def test_notebook_07_compare_panel_runs_on_click(lab, tmp_path):
-    from playwright.sync_api import sync_playwright
-
     url, token = lab
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True)
-        try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            _open_and_run_all(page, url, token, "07_compare.ipynb", timeout_ms=300_000)
-            errors = page.locator(ERROR_OUTPUT, has_text="Traceback")
-            assert errors.count() == 0, errors.first.inner_text()
+    with _lab_page(tmp_path) as page:
+        _open_and_run_all(page, url, token, "07_compare.ipynb", timeout_ms=300_000)
+        errors = page.locator(ERROR_OUTPUT, has_text="Traceback")
+        assert errors.count() == 0, errors.first.inner_text()
 
-            # the panel, drawn by ipywidgets, with the table of the run its notebook cell clicked
-            panel = page.locator(".jp-OutputArea-output .jupyter-widgets.widget-vbox").filter(
-                has=page.locator("select[multiple]")).first
-            panel.wait_for(timeout=30_000)
-            assert "ComparePanel(" not in page.locator(".jp-Notebook").inner_text()
-            table = panel.locator("table.muonlab-compare")
-            table.wait_for(timeout=30_000)
-            assert "keller, momentum 0.9" in table.inner_text()
-            assert "adamw" not in table.inner_text()
+        # the panel, drawn by ipywidgets, with the table of the run its notebook cell clicked
+        panel = page.locator(".jp-OutputArea-output .jupyter-widgets.widget-vbox").filter(
+            has=page.locator("select[multiple]")).first
+        panel.wait_for(timeout=30_000)
+        assert "ComparePanel(" not in page.locator(".jp-Notebook").inner_text()
+        table = panel.locator("table.muonlab-compare")
+        table.wait_for(timeout=30_000)
+        assert "keller, momentum 0.9" in table.inner_text()
+        assert "adamw" not in table.inner_text()
 
-            panel.locator("select[multiple]").select_option(["keller", "adamw"])
-            panel.locator(".widget-button", has_text="run").click()
-            page.wait_for_function(
-                """() => [...document.querySelectorAll('.widget-label')]
-                         .some(l => l.textContent.startsWith('done:') && l.textContent.includes('adamw - keller'))""",
-                timeout=180_000)
-            rows = [r.inner_text() for r in table.locator("tr").all()]
-            assert len(rows) == 3 and rows[1].startswith("keller") and rows[2].startswith("adamw"), rows
-            assert "no Newton-Schulz" in rows[2] and "float32" in rows[1]  # the resolved choices shown
-            assert panel.locator(".widget-output img").count() == 1
-        except Exception:
-            page.screenshot(path=tmp_path / "lab.png", full_page=True)
-            (tmp_path / "lab.html").write_text(page.content())
-            print(f"page at the failure: {tmp_path / 'lab.png'}, {tmp_path / 'lab.html'}")
-            raise
-        finally:
-            browser.close()
+        panel.locator("select[multiple]").select_option(["keller", "adamw"])
+        panel.locator(".widget-button", has_text="run").click()
+        page.wait_for_function(
+            """() => [...document.querySelectorAll('.widget-label')]
+                     .some(l => l.textContent.startsWith('done:') && l.textContent.includes('adamw - keller'))""",
+            timeout=180_000)
+        rows = [r.inner_text() for r in table.locator("tr").all()]
+        assert len(rows) == 3 and rows[1].startswith("keller") and rows[2].startswith("adamw"), rows
+        assert "no Newton-Schulz" in rows[2] and "float32" in rows[1]  # the resolved choices shown
+        assert panel.locator(".widget-output img").count() == 1
