@@ -79,6 +79,15 @@ def test_ep(reports, reference_losses):
         assert ep["loss"] == pytest.approx(reference_losses[True], rel=1e-5)
 
 
+def _assert_errors_say(errors: dict, expected: dict) -> None:
+    """Every case of ``expected`` raised, and its error text holds each of the expected parts."""
+    assert set(errors) == set(expected)
+    for case, parts in expected.items():
+        assert errors[case] is not None, f"{case}: no error raised"
+        for part in parts:
+            assert part in errors[case], (case, part, errors[case])
+
+
 @pytest.mark.timeout(180)
 def test_errors_name_the_bad_value(reports):
     errors = reports[0]["errors"]
@@ -93,11 +102,7 @@ def test_errors_name_the_bad_value(reports):
         "ep_flat_mesh": ["ValueError", "apply_ep", "['dp']"],
         "mp_policy_ddp": ["ValueError", "mp_policy", "'ddp'"],
     }
-    assert set(errors) == set(expected)
-    for case, parts in expected.items():
-        assert errors[case] is not None, f"{case}: no error raised"
-        for part in parts:
-            assert part in errors[case], (case, part, errors[case])
+    _assert_errors_say(errors, expected)
 
 
 # ---------------------------------------------------------------------------------- any model
@@ -155,8 +160,4 @@ def test_any_model_errors_name_the_fix(reports):
         "min_unit_params_ddp": ["ValueError", "min_unit_params is read in 'fsdp' and 'hsdp' modes only", "'ddp'"],
         "min_unit_params_zero": ["ValueError", "min_unit_params must be an integer >= 1", "got 0"],
     }
-    assert set(errors) == set(expected)
-    for case, parts in expected.items():
-        assert errors[case] is not None, f"{case}: no error raised"
-        for part in parts:
-            assert part in errors[case], (case, part, errors[case])
+    _assert_errors_say(errors, expected)
