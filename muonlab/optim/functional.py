@@ -137,9 +137,6 @@ def muon_apply_(
     ``addcmul_`` per matrix (no scaled copy of O)."""
     if not params:
         return
-    if row_scales is not None and any(s is not None for s in row_scales):
-        _apply_row_scaled(params, updates, lr=lr, weight_decay=weight_decay, ratios=ratios, row_scales=row_scales)
-        return
     if weight_decay != 0:
         factor = 1 - lr * weight_decay
         if params[0].is_cuda:
@@ -149,6 +146,9 @@ def muon_apply_(
             # of 0.998 became 0.99609375 (twice the decay) and 0.9996 became 1.0 (none); mul_ keeps it
             for p in params:
                 p.mul_(factor)
+    if row_scales is not None and any(s is not None for s in row_scales):
+        _add_row_scaled(params, updates, lr=lr, ratios=ratios, row_scales=row_scales)
+        return
     if not params[0].is_cuda:
         for p, o, ratio in zip(params, updates, ratios):
             p.add_(_update_for(p, o), alpha=-lr * ratio)
@@ -162,12 +162,9 @@ def muon_apply_(
         torch._foreach_add_(ps, os_, alpha=-lr * ratio)
 
 
-def _apply_row_scaled(params, updates, *, lr: float, weight_decay: float, ratios, row_scales) -> None:
-    """``muon_apply_`` with row scales: the decay, then one ``addcmul_`` per matrix (the update in
-    its own dtype unless the parameter is fp16, as ``_update_for`` says)."""
-    if weight_decay != 0:
-        for p in params:  # mul_, not _foreach_mul_: see muon_apply_
-            p.mul_(1 - lr * weight_decay)
+def _add_row_scaled(params, updates, *, lr: float, ratios, row_scales) -> None:
+    """``muon_apply_``'s update with row scales: one ``addcmul_`` per matrix (the update in its own
+    dtype unless the parameter is fp16, as ``_update_for`` says)."""
     for p, o, ratio, scale in zip(params, updates, ratios, row_scales):
         if scale is None:
             p.add_(_update_for(p, o), alpha=-lr * ratio)
