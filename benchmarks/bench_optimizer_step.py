@@ -385,18 +385,22 @@ def small48_rounds(threads: int, rounds: int, warmup: int) -> tuple[dict[str, li
         for p, g in zip(params, grads):
             p.grad = g.clone()
         opts[label] = factory(params)
+    return stepped_rounds(opts, rounds, warmup), time.perf_counter() - t0
+
+
+def stepped_rounds(opts: dict, rounds: int, warmup: int) -> dict[str, list[float]]:
+    """Each optimizer's step seconds per timed round: every round steps each once, in balanced
+    orders (each follows every other equally often), after ``warmup`` untimed rounds."""
     labels = list(opts)
     orders = balanced_orders(len(labels))
     times = {label: [] for label in labels}
     for r in range(warmup + rounds):
         for i in orders[r % len(orders)]:
-            label = labels[i]
             t = time.perf_counter()
-            opts[label].step()
-            dt = time.perf_counter() - t
+            opts[labels[i]].step()
             if r >= warmup:
-                times[label].append(dt)
-    return times, time.perf_counter() - t0
+                times[labels[i]].append(time.perf_counter() - t)
+    return times
 
 
 def small48_report(args) -> tuple[str, list, dict]:
@@ -459,15 +463,8 @@ def variants_report(args) -> str:
         for p, g in zip(params, grads):
             p.grad = g.clone()
         opts[label] = muonlab.Muon(params, lr=LR, momentum=MOMENTUM, **options)
-    labels = list(opts)
-    orders = balanced_orders(len(labels))
-    times = {label: [] for label in labels}
-    for r in range(args.variant_warmup + args.variant_rounds):
-        for i in orders[r % len(orders)]:
-            t = time.perf_counter()
-            opts[labels[i]].step()
-            if r >= args.variant_warmup:
-                times[labels[i]].append(time.perf_counter() - t)
+    times = stepped_rounds(opts, args.variant_rounds, args.variant_warmup)
+    labels = list(times)
     base = times[labels[0]]
     head = ["configuration", "median step ms", "time / muonlab defaults (median of rounds)", "95% interval (bootstrap)"]
     rows = []
