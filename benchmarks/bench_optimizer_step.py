@@ -23,7 +23,8 @@ the figure the goal is judged on; see the results for why); ratios are medians o
 ratios with bootstrap intervals.
 
 variants: the gpt256 matrices stepped by the update rules and add-ons of muonlab.Muon against its
-defaults (NorMuon, ``update_rule="normuon"``), in alternating rounds in balanced orders; ratios are
+defaults (NorMuon, ``update_rule="normuon"``; the skip decided on the device,
+``nonfinite_decision="device"``), in alternating rounds in balanced orders; ratios are
 medians of per-round ratios with bootstrap intervals.
 
 qkclip: what QK-clip (muonlab.optim.qk_clip) adds to a training step of a GPT: the forward+backward
@@ -445,6 +446,7 @@ VARIANTS = {
     "muonlab defaults": {},
     "muonlab defaults (again)": {},
     "NorMuon (update_rule=\"normuon\")": dict(update_rule="normuon"),
+    "skip decided on the device (nonfinite_decision=\"device\")": dict(nonfinite_decision="device"),
 }
 """Each variant's Muon options over the defaults (the second copy of the defaults: the noise floor)."""
 
@@ -481,6 +483,8 @@ The {len(hidden)} hidden matrices of `GPT(GPTConfig(d_model={args.width}, n_laye
 {md_table(head, rows)}
 
 Goal: NorMuon's step at most 1.1x Muon's. Measured {normuon[0]:.3f}x ({normuon[1]:.3f}-{normuon[2]:.3f}), which {verdict} it. NorMuon adds per matrix one pass over its update (the row sums of squares) and a row vector of state; its row scales ride on the update's add (one `addcmul_`); on one process no collective.
+
+The skip decided on the device (`nonfinite_decision="device"`, muonlab.optim.step_gate) reads nothing on the host but pays for its masked writes: per matrix a `where` over the grad the momentum reads (and with weight decay one over the decayed parameter), a masked fill of the update, and AdamW's new values computed apart and committed. On a CPU the host decision's read costs nothing, so this row is the masking's price alone; on a GPU it buys a step without a synchronisation.
 """
 
 

@@ -42,6 +42,7 @@ def muon_momentum_(
     momentum: float,
     nesterov: bool,
     form: str,
+    gate=None,
 ) -> list[torch.Tensor]:
     """Update momentum buffers in place; return the Newton-Schulz inputs (the buffers' dtype,
     grad-shaped), back to back in one new buffer where the buffers share a dtype and device (a
@@ -55,18 +56,26 @@ def muon_momentum_(
     buffer are still in cache (staged over the whole list, the second stage read them from memory
     again; a 1B/8 step went from 110 to 108 ms). The arithmetic, and so the bits, are the same
     either way.
+
+    ``gate`` (a muonlab.optim.step_gate.StepGate): the step is decided on the device; the buffers
+    change only if it goes (one tensor at a time on every device: the gate's ``where`` has no
+    foreach form), and the returned inputs are finite either way.
     """
     if form not in MOMENTUM_FORMS:
         raise ValueError(f"unknown momentum_form {form!r}; choose one of {MOMENTUM_FORMS}")
     if not bufs:
         return []
     outs = _packed_like(bufs)
-    if outs[0].is_cuda:
+    if outs[0].is_cuda and gate is None:
         _momentum_foreach(outs, _cast_all(grads, bufs), bufs, momentum=momentum, nesterov=nesterov, form=form)
         return outs
     for o, g, buf in zip(outs, grads, bufs):
         g = g.to(buf.dtype)  # one grad at a time: no copy of them all in the buffers' dtype
-        _update_one_(buf, g, momentum, form)
+        if gate is None:
+            _update_one_(buf, g, momentum, form)
+        else:
+            g = gate.grad_for_momentum(g, buf, form)
+            _update_one_gated_(buf, g, momentum, form, gate)
         if not nesterov:
             o.copy_(buf)
         elif form == "ema":
@@ -95,6 +104,16 @@ def _update_one_(buf: torch.Tensor, g: torch.Tensor, momentum: float, form: str)
         buf.lerp_(g, 1 - momentum)
     else:
         buf.mul_(momentum).add_(g)
+
+
+def _update_one_gated_(buf: torch.Tensor, g: torch.Tensor, momentum: float, form: str, gate) -> None:
+    """``_update_one_`` through the gate, with the same operations (so the same bits when the
+    step goes): "ema" needs nothing more (its grad is the buffer itself when skipped), "sum"
+    commits its new buffer."""
+    if form == "ema":
+        buf.lerp_(g, 1 - momentum)
+    else:
+        gate.commit_(buf, (buf * momentum).add_(g))
 
 
 def _momentum_foreach(outs, grads, bufs, *, momentum: float, nesterov: bool, form: str) -> None:
@@ -126,6 +145,7 @@ def muon_apply_(
     weight_decay: float,
     ratios: Sequence[float],
     row_scales: Sequence[torch.Tensor | None] | None = None,
+    gate=None,
 ) -> None:
     """Decoupled weight decay with the unadjusted lr, then X -= lr * ratio * O: on a GPU one foreach
     call per distinct ratio; on a CPU one add per matrix, each update cast as it is added (its
@@ -134,12 +154,21 @@ def muon_apply_(
 
     ``row_scales`` (an update rule's, see muonlab.optim.rules): per matrix None, or a 1-D fp32
     scale of each row of O read as (len(scale), -1): X -= lr * ratio * scale[:, None] * O, in one
-    ``addcmul_`` per matrix (no scaled copy of O)."""
+    ``addcmul_`` per matrix (no scaled copy of O).
+
+    ``gate`` (a muonlab.optim.step_gate.StepGate): the parameters change only if the step goes:
+    the decayed parameter is committed through it, and each update (overwritten: it is the step's
+    own buffer) is zeroed when the step is skipped."""
     if not params:
         return
+    if gate is not None:
+        updates = [gate.zero_unless_go_(o) for o in updates]
     if weight_decay != 0:
         factor = 1 - lr * weight_decay
-        if params[0].is_cuda:
+        if gate is not None:
+            for p in params:
+                gate.commit_(p, p * factor)
+        elif params[0].is_cuda:
             torch._foreach_mul_(list(params), factor)
         else:
             # on a CPU _foreach_mul_ rounds its scalar to the tensors' dtype first: in bf16 a factor
@@ -198,9 +227,17 @@ def adamw_(
     betas: tuple[float, float],
     eps: float,
     weight_decay: float,
+    gate=None,
 ) -> None:
-    """AdamW (Loshchilov & Hutter) with bias correction; moments in at least fp32, step counts as tensors."""
+    """AdamW (Loshchilov & Hutter) with bias correction; moments in at least fp32, step counts as tensors.
+
+    ``gate`` (a muonlab.optim.step_gate.StepGate): the step is decided on the device
+    (``_adamw_gated``): nothing read on the host, every write through the gate."""
     beta1, beta2 = betas
+    if gate is not None:
+        for p, g, m, v, step in zip(params, grads, exp_avgs, exp_avg_sqs, steps):
+            _adamw_gated(p, g, m, v, step, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, gate=gate)
+        return
     for p, g, m, v, step in zip(params, grads, exp_avgs, exp_avg_sqs, steps):
         step += 1
         t = step.item()
@@ -216,3 +253,28 @@ def adamw_(
             p.addcdiv_(m, denom, value=-lr / bias1)  # same rounding as torch.optim.AdamW
         else:
             p.add_((m / denom).to(p.dtype), alpha=-lr / bias1)
+
+
+def _adamw_gated(p, g, m, v, step, *, lr: float, betas, eps: float, weight_decay: float, gate) -> None:
+    """One parameter of ``adamw_`` through the gate: the step count (a tensor on the parameter's
+    device) and the bias corrections stay on the device, in fp64 like the host's Python floats,
+    each rounded where the host path's scalar is (so the bits match it on a CPU); the new
+    parameter, moments and count are committed only if the step goes."""
+    beta1, beta2 = betas
+    g = g.to(m.dtype)
+    t = (step + 1).to(torch.float64)
+    bias1 = 1 - torch.pow(beta1, t)
+    bias2 = 1 - torch.pow(beta2, t)
+    new_p = p * (1 - lr * weight_decay) if weight_decay != 0 else p
+    new_m = torch.lerp(m, g, 1 - beta1)
+    new_v = (v * beta2).addcmul_(g, g, value=1 - beta2)
+    denom = (new_v.sqrt() / bias2.sqrt().to(new_v.dtype)).add_(eps)
+    scale = (-lr / bias1).to(torch.float32)
+    if p.dtype == m.dtype:
+        new_p = new_p + (new_m * scale) / denom  # addcdiv's order: value * t1 / t2, then the add
+    else:
+        new_p = (new_p.float() + (new_m / denom).to(p.dtype).float() * scale).to(p.dtype)
+    gate.commit_(p, new_p)
+    gate.commit_(m, new_m)
+    gate.commit_(v, new_v)
+    gate.commit_(step, t.to(step.dtype))

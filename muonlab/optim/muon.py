@@ -33,6 +33,7 @@ from .momentum_homes import MomentumHomes
 from .offload import StateStores
 from .replicas import check_ranks_agree
 from .saved_state import STATE_KEYS, SavedState
+from .step_gate import NONFINITE_DECISIONS, StepGate
 from .rule_step import RuleStage, ensure_rule_state, refuse_unfit, rule_of, state_shapes
 from .rules import RULES
 from .prepared import PreparedStep, group_key, settings_values, step_digest
@@ -202,6 +203,11 @@ class Muon(MomentumHomes, SavedState, Optimizer):
             the parameter and rank, or is "ignore"d. The flags travel in the step's one control
             exchange with the ranks' agreement digest, before anything is written or moved
             (see ``_control``); on a GPU reading this rank's flag synchronises once per step.
+        nonfinite_decision: where "skip" is decided: "host" (above: a skipped step runs nothing)
+            or "device" (nothing read: the flags are added on the device in one all-reduce of W
+            numbers on the step's group, the step runs whole and writes only if no rank
+            flagged, bit for bit as "host" otherwise; ``skipped_steps`` and the stats read the
+            decision when asked; see muonlab.optim.step_gate). "device" needs nonfinite="skip".
         strategy: "muonlab" (the planner) or "redundant" (every rank gathers and orthogonalizes
             every matrix: the baseline, for benchmarks and parity).
         state_offload: None (state on the parameters' device), "cpu" (momentum and AdamW moments
@@ -262,6 +268,7 @@ class Muon(MomentumHomes, SavedState, Optimizer):
         strategy: str = "muonlab",
         hardware_profile=None,
         nonfinite: str = "skip",
+        nonfinite_decision: str = "host",
         fused_banks: dict[str, int] | None = None,
         matrix_views: dict[str, str] | None = None,
         state_offload: str | None = None,
@@ -291,7 +298,7 @@ class Muon(MomentumHomes, SavedState, Optimizer):
         self.ns_graphs = ns_graphs
         self._runner: NewtonSchulzRunner | None = None
         self._set_options(process_group, comm_dtype, remainder_path, strategy, nonfinite, hardware_profile,
-                          fused_banks)
+                          fused_banks, nonfinite_decision)
         self.skipped_steps = 0
         self._names: dict[torch.Tensor, str] = {}
         self._views: dict[str, str] = {}
@@ -327,17 +334,21 @@ class Muon(MomentumHomes, SavedState, Optimizer):
             dist.get_rank() if _dist_on() else 0, momentum_dtype)
 
     def _set_options(self, process_group, comm_dtype, remainder_path, strategy, nonfinite, hardware_profile,
-                     fused_banks) -> None:
+                     fused_banks, nonfinite_decision="host") -> None:
         """Check and store the optimizer-wide options (each error names its option)."""
         if process_group is not None and not (dist.is_available() and isinstance(process_group, dist.ProcessGroup)):
             raise TypeError(f"process_group must be a torch.distributed ProcessGroup or None, got "
                             f"{type(process_group).__name__} (for a DeviceMesh axis pass mesh.get_group(axis))")
         check_comm_dtype(comm_dtype)
         choices_of = (("remainder_path", remainder_path, REMAINDER_PATHS), ("strategy", strategy, STRATEGIES),
-                      ("nonfinite policy", nonfinite, NONFINITE_POLICIES))
+                      ("nonfinite policy", nonfinite, NONFINITE_POLICIES),
+                      ("nonfinite_decision", nonfinite_decision, NONFINITE_DECISIONS))
         for option, value, choices in choices_of:
             if not isinstance(value, str) or value not in choices:
                 raise ValueError(f"unknown {option} {value!r}; choose one of {choices}")
+        if nonfinite_decision == "device" and nonfinite != "skip":
+            raise ValueError(f'nonfinite_decision="device" decides a skip on the device and needs nonfinite="skip", '
+                             f'got nonfinite={nonfinite!r} ("raise" reads the flag on the host to raise)')
         if hardware_profile is None:
             hardware_profile = "h100_node" if torch.cuda.is_available() else "cpu_gloo"
         if not isinstance(hardware_profile, (str, HardwareProfile)):
@@ -350,6 +361,7 @@ class Muon(MomentumHomes, SavedState, Optimizer):
         self.remainder_path = remainder_path
         self.strategy = strategy
         self.nonfinite = nonfinite
+        self.nonfinite_decision = nonfinite_decision
 
     # ------------------------------------------------------------------ construction
 
@@ -527,6 +539,9 @@ class Muon(MomentumHomes, SavedState, Optimizer):
         self.__dict__.setdefault("_settings_checked", None)
         self.__dict__.setdefault("_replica_home", {})  # pickled before momentum followed its owner
         self.__dict__.setdefault("_agreement", Agreement())  # pickled before the per-step agreement
+        self.__dict__.setdefault("nonfinite_decision", "host")  # pickled before the decision on the device
+        if "skipped_steps" in self.__dict__:  # pickled when the count was a plain attribute
+            self.skipped_steps = self.__dict__.pop("skipped_steps")
         if "_tracer" in self.__dict__ and "_spare_tracer" not in self.__dict__:  # pickled before GPU spans
             self._spare_tracer = Tracer(rank=self._tracer.rank)
             self._stats_tracer = self._tracer
@@ -544,6 +559,17 @@ class Muon(MomentumHomes, SavedState, Optimizer):
         memo[id(self)] = twin
         twin.__setstate__(copy.deepcopy(self._copied_state(), memo))
         return twin
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped for a non-finite gradient (under nonfinite_decision="device" the device's
+        count is read here: one synchronisation on a GPU)."""
+        on_device = self.__dict__.get("_skips_on_device")
+        return self._skipped_on_host + (0 if on_device is None else int(on_device.item()))
+
+    @skipped_steps.setter
+    def skipped_steps(self, count: int) -> None:
+        self._skipped_on_host, self._skips_on_device = int(count), None
 
     # ------------------------------------------------------------------ the step
 
@@ -574,9 +600,10 @@ class Muon(MomentumHomes, SavedState, Optimizer):
         seconds: dict[str, float] = {}  # the check's host seconds: its pass, and the exchange
         bad_ranks, bad_names = self._control(prepared, seconds)
         if bad_ranks:  # "skip" (under "raise" _control raised)
-            self.skipped_steps += 1
+            self._skipped_on_host += 1
             self._record_stats(counter, seconds, skipped=True, nonfinite_ranks=bad_ranks, nonfinite_params=bad_names)
             return loss
+        gate = self._gate(prepared) if self.nonfinite_decision == "device" else None
         planned = self._planned_for(prepared)
         if planned is not None:  # count this step's unhealthy updates, on the device (see last_step_stats)
             self._ns_runner().health.begin_step()
@@ -589,10 +616,14 @@ class Muon(MomentumHomes, SavedState, Optimizer):
             self._tracer.tally(COMMUNICATION, t0, self._tracer.mark())
         with self._tracer.span("adamw"):
             for group, params in prepared.work["adamw"]:
-                self._adamw_group(group, params)
+                self._adamw_group(group, params, gate)
         if planned is not None:
-            self._muon_step(planned, counter)
-        self._record_stats(counter, seconds, skipped=False)
+            self._muon_step(planned, counter, gate)
+        if gate is None:
+            self._record_stats(counter, seconds, skipped=False)
+        else:
+            self._count_skip(gate)
+            self._record_stats(counter, seconds, skipped=None, gate=gate, checked=prepared.checked)
         return loss
 
     def _prepared_step(self) -> PreparedStep:
@@ -601,7 +632,7 @@ class Muon(MomentumHomes, SavedState, Optimizer):
         settings read per step are checked whenever they changed."""
         key = (tuple(group_key(g) for g in self.param_groups), self.ns_dtype, self.ns_form, self.ns_backend,
                self.comm_dtype, self.strategy, self.remainder_path, self.hardware_profile, self.nonfinite,
-               self.workspace_bytes, self.process_group)
+               self.nonfinite_decision, self.workspace_bytes, self.process_group)
         settings = settings_values(self.param_groups)
         if settings != self._settings_checked:
             for gi, group in enumerate(self.param_groups):
@@ -628,7 +659,7 @@ class Muon(MomentumHomes, SavedState, Optimizer):
         non-finite gradient (the same on every rank) and this rank's culprits; raises under
         ``nonfinite="raise"``. ``seconds``: "check" (the pass) and "wait" (the exchange), host
         seconds, when the check is on."""
-        checking = self.nonfinite != "ignore"
+        checking = self.nonfinite != "ignore" and self.nonfinite_decision == "host"  # else: _gate
         t0 = time.perf_counter()
         flagged = checking and nonfinite.found([p.grad for p in prepared.checked])
         t1 = time.perf_counter()
@@ -650,6 +681,19 @@ class Muon(MomentumHomes, SavedState, Optimizer):
             raise ValueError(f"non-finite gradient on rank(s) {bad_ranks}{mine}")
         return bad_ranks, names
 
+    def _gate(self, prepared: PreparedStep) -> StepGate:
+        """The step's decision on the device (nonfinite_decision="device"): this rank's flag,
+        added with the other ranks' of the step's group in one async all-reduce, issued after the
+        control exchange (so ranks that disagree raise before it)."""
+        return StepGate.decide([p.grad for p in prepared.checked], self._trace_device(), prepared.check_group)
+
+    def _count_skip(self, gate: StepGate) -> None:
+        """``skipped_steps``' device part: one add, read when asked."""
+        skipped = gate.go.logical_not()
+        if self.__dict__.get("_skips_on_device") is None or self._skips_on_device.device != skipped.device:
+            self._skips_on_device = torch.zeros((), dtype=torch.int64, device=skipped.device)
+        self._skips_on_device += skipped
+
     def _planned_for(self, prepared: PreparedStep) -> _Planned | None:
         """The prepared step's plan (None: no Muon parameter has a gradient), made (and checked
         across ranks, gradients included) by ``_plan_for`` on the first step that needs it, then
@@ -663,12 +707,20 @@ class Muon(MomentumHomes, SavedState, Optimizer):
             self._prepared = prepared = dataclasses.replace(prepared, planned=planned)
         return prepared.planned
 
-    def _record_stats(self, counter: CommCounter, seconds: dict, skipped: bool, **nonfinite) -> None:
+    def _record_stats(self, counter: CommCounter, seconds: dict, skipped: bool | None, gate: StepGate | None = None,
+                      checked: tuple = (), **nonfinite) -> None:
         """What ``last_step_stats()`` reports for this step; seconds=None: filled from the spans
-        when read (on CUDA, reading them synchronises)."""
+        when read (on CUDA, reading them synchronises). With a ``gate`` (the step decided on the
+        device) whether it was skipped, by which ranks and this rank's culprits among the
+        ``checked`` parameters' grads are read when the stats are (``_gate_stats``)."""
+        if gate is not None:
+            nonfinite = dict(skipped_steps=None, nonfinite_ranks=None, nonfinite_params=None)
+        else:
+            nonfinite = dict(skipped_steps=self.skipped_steps, **nonfinite)
         self._stats = dict(bytes_sent=dict(counter.sent), bytes_recv=dict(counter.recv), calls=dict(counter.calls),
-                           seconds=None, skipped=skipped, skipped_steps=self.skipped_steps, **nonfinite,
+                           seconds=None, skipped=skipped, **nonfinite,
                            nonfinite_seconds=seconds or None, unhealthy_updates=None, worst_update_ratio=None)
+        self._stats_gate = None if gate is None else (gate, checked)
         self._stats_tracer = self._tracer
         if self._runner is not None:  # a skipped step applied nothing: its updates are not counted
             (self._runner.health.drop_step if skipped else self._runner.health.end_step)()
@@ -698,7 +750,9 @@ class Muon(MomentumHomes, SavedState, Optimizer):
                     fields += (("newton_schulz", repr(self._ns_config(group))),)
                 for p in params:
                     items.append((kind, name_of(p), (("shape", tuple(p.shape)), ("dtype", str(p.dtype))) + fields))
-        items.append(("options", "", (("nonfinite", self.nonfinite), ("comm_dtype", str(self.comm_dtype)),
+        items.append(("options", "", (("nonfinite", self.nonfinite),
+                                      ("nonfinite_decision", self.nonfinite_decision),
+                                      ("comm_dtype", str(self.comm_dtype)),
                                       ("workspace budget (workspace_bytes)",
                                        self._ns_runner().budget_bytes if self._muon_entries() else None),
                                       ("strategy", self.strategy), ("remainder_path", self.remainder_path),
@@ -762,8 +816,13 @@ class Muon(MomentumHomes, SavedState, Optimizer):
             ensure_rule_state(state, group, p, self._view_of(p))
         return state
 
-    def _adamw_group(self, group: dict, params: list[torch.Tensor]) -> None:
+    def _adamw_group(self, group: dict, params: list[torch.Tensor], gate: StepGate | None = None) -> None:
         items = [(p, p, self._state_for(p, "adamw")) for p in params]
+        if gate is not None:  # the step count lives with the parameter (bias corrections on the device)
+            for p in params:
+                step = self.state[p]["step"]
+                if step.device != local_shard(p).device:
+                    self.state[p]["step"] = step.to(local_shard(p).device)
         beta1, beta2 = group["betas"]
         beta1 = group.get("momentum", beta1)  # a scheduler cycling momentum: see the class docstring
         # one parameter at a time (adamw_ is a loop over its lists, so this is the same arithmetic):
@@ -775,6 +834,7 @@ class Muon(MomentumHomes, SavedState, Optimizer):
                 betas=(beta1, beta2),
                 eps=group["eps"],
                 weight_decay=group["weight_decay"],
+                gate=gate,
             )
 
     # ------------------------------------------------------------------ Muon: plan, then paths
@@ -906,6 +966,13 @@ class Muon(MomentumHomes, SavedState, Optimizer):
         how many and the worst ratio, with settings to try."""
         if self._stats.get("seconds", {}) is None:
             self._stats["seconds"] = self._phase_seconds()
+        if self.__dict__.get("_stats_gate") is not None:
+            for key in ("nonfinite_ranks", "nonfinite_params"):  # present for a skipped step only, as under "host"
+                self._stats.pop(key)
+            self._stats.update(self._gate_stats(*self._stats_gate))
+            self._stats_gate = None
+        if self._stats.get("skipped"):
+            self._stats.update(unhealthy_updates=0, worst_update_ratio=None)  # nothing was applied
         if self._stats and self._stats.get("unhealthy_updates", 0) is None:
             report = self._runner.health.last_step() if self._runner is not None else None
             self._stats["unhealthy_updates"] = report.flagged if report else 0
@@ -913,6 +980,21 @@ class Muon(MomentumHomes, SavedState, Optimizer):
         if self._runner is not None:
             self._runner.health.warn_unread(stacklevel=2)
         return copy.deepcopy(self._stats)
+
+    def _gate_stats(self, gate: StepGate, checked: tuple) -> dict:
+        """The stats of a step decided on the device, read now: whether it was skipped, the
+        flagged ranks and this rank's culprits (named from the grads as they are now: None when
+        a grad was released since, e.g. by zero_grad)."""
+        ranks = gate.flagged_ranks()
+        here = dist.get_rank() if _dist_on() else 0
+        names: list[str] | None = []
+        if here in ranks:
+            grads = [p.grad for p in checked]
+            names = None if any(g is None for g in grads) else nonfinite.culprits(grads, lambda i: self._names.get(
+                checked[i], f"of shape {fmt_shape(checked[i].shape)}"))
+        if not ranks:
+            return dict(skipped=False, skipped_steps=self.skipped_steps)
+        return dict(skipped=True, nonfinite_ranks=ranks, nonfinite_params=names, skipped_steps=self.skipped_steps)
 
     def _phase_seconds(self) -> dict[str, float]:
         """Seconds per phase of the last step: momentum, update and adamw from their spans,
@@ -969,12 +1051,13 @@ class Muon(MomentumHomes, SavedState, Optimizer):
         position = {id(p): i for i, (_, p) in enumerate(self._muon_entries())}
         return tuple(position[id(p)] for _, params in work for p in params)
 
-    def _muon_step(self, planned: "_Planned", counter: CommCounter) -> None:
+    def _muon_step(self, planned: "_Planned", counter: CommCounter, gate: StepGate | None = None) -> None:
         """Batch by batch (see muonlab.comm.engine): momentum on the local shards, move,
         orthogonalize, move back, update; only the batches in flight hold inputs and outputs.
         A batch holding one part of a bank (``BatchPlan.part``) reads and writes that part of its
         grad, momentum and parameter (``_part_of``), so the stages below never see the rest of the
-        bank. The step's commit decision was taken before (``_control``): everything here writes.
+        bank. The step's commit decision was taken before (``_control``): everything here writes,
+        through ``gate`` where it is taken on the device (muonlab.optim.step_gate).
         """
         entries = self._muon_entries()
         plan, specs, groups, owners = planned.plan, planned.specs, planned.groups, planned.owners
@@ -1009,7 +1092,7 @@ class Muon(MomentumHomes, SavedState, Optimizer):
                 for run in runs:
                     for settings, members in _by_settings(run, lambda i: _momentum_settings(entries[i][0])):
                         outs = F.muon_momentum_([grad_of(i, batch) for i, _ in members],
-                                                [buf for _, (buf,) in members], **dict(settings))
+                                                [buf for _, (buf,) in members], **dict(settings), gate=gate)
                         inputs.update(zip((i for i, _ in members), outs))
             return [inputs[i] for i in batch.param_indices]
 
@@ -1031,6 +1114,7 @@ class Muon(MomentumHomes, SavedState, Optimizer):
                     weight_decay=weight_decay,
                     ratios=[F.adjust_lr_ratio(specs[i].lr_shape, entries[i][0]["adjust_lr"]) for i, _ in members],
                     row_scales=None if scale_of is None else [scale_of[i] for i, _ in members],
+                    gate=gate,
                 )
 
         def ruled_update(batch, pairs, scales) -> None:  # a batch whose rule's sums came back
@@ -1038,7 +1122,7 @@ class Muon(MomentumHomes, SavedState, Optimizer):
                 update(batch, pairs, scales)
 
         stage = RuleStage(entries=entries, specs=specs, groups=groups, state_of=rule_state, counter=counter,
-                          apply_update=ruled_update) if ruled else None
+                          apply_update=ruled_update, gate=gate) if ruled else None
 
         def apply(batch, outputs: list[torch.Tensor]) -> None:
             """3a. the Newton-Schulz outputs to the spectral observer, then the update rule

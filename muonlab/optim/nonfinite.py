@@ -5,7 +5,8 @@ non-finite check with an inverse scale of 1.0: it rewrites each value as itself 
 on an inf or NaN) and reads the flag: on a CPU a plain read, on a GPU one synchronisation. Ranks
 learn each other's flags in the step's one control exchange (muonlab.optim.agreement), before
 anything is written. Names of the culprits (``culprits``) are looked for only when the flag is up,
-so the common path does no per-gradient work beyond grouping and the fused call.
+so the common path does no per-gradient work beyond grouping and the fused call. ``flag_on`` is
+the same pass without the read, for the decision on the device (muonlab.optim.step_gate).
 """
 
 from __future__ import annotations
@@ -28,21 +29,36 @@ def _flag_into(found: torch.Tensor, grads: list[torch.Tensor], one: torch.Tensor
         found += torch.stack([torch.isfinite(g).all() for g in grads]).logical_not().any().float()
 
 
-def found(grads: Sequence[torch.Tensor]) -> bool:
-    """Whether any of ``grads`` (plain tensors or DTensors: their local shards) holds an inf or
-    NaN: one fused pass per (device, dtype), then one read of the flag per device."""
+def _flags_by_device(grads: Sequence[torch.Tensor]) -> dict[torch.device, torch.Tensor]:
+    """Per device of ``grads`` (plain tensors or DTensors: their local shards), a one-element fp32
+    flag, raised by one fused pass per dtype: nothing read."""
     by_device: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = {}
     for g in grads:
         g = local_shard(g)
         by_device.setdefault(g.device, {}).setdefault(g.dtype, []).append(g)
+    flags = {}
     for dev, by_dtype in by_device.items():
         flag = torch.zeros(1, dtype=torch.float32, device=dev)
         one = torch.ones(1, dtype=torch.float32, device=dev)
         for gs in by_dtype.values():
             _flag_into(flag, gs, one)
-        if flag.item() > 0:
-            return True
-    return False
+        flags[dev] = flag
+    return flags
+
+
+def found(grads: Sequence[torch.Tensor]) -> bool:
+    """Whether any of ``grads`` (plain tensors or DTensors: their local shards) holds an inf or
+    NaN: one fused pass per (device, dtype), then one read of the flag per device."""
+    return any(flag.item() > 0 for flag in _flags_by_device(grads).values())
+
+
+def flag_on(grads: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """``found`` without the read: a 0-dim fp32 tensor on ``device``, above 0 when a grad holds an
+    inf or NaN (muonlab.optim.step_gate decides the step on the device with it)."""
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for flag in _flags_by_device(grads).values():
+        total += flag.to(device, non_blocking=True).view(())
+    return total
 
 
 def culprits(grads: Sequence[torch.Tensor], name_of: Callable[[int], str] | None = None) -> list[str]:

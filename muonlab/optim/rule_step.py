@@ -82,8 +82,9 @@ class _Travel:
     """One rule's run over a batch's matrices: its transform (a generator) paused where it
     yielded the sums that travel across ranks, with the all-reduce carrying them."""
 
-    def __init__(self, indices, transform, flat=None, work=None, result=None):
+    def __init__(self, indices, transform, flat=None, work=None, result=None, kept=None):
         self.indices, self.transform, self.flat, self.work, self.result = indices, transform, flat, work, result
+        self.kept = kept  # under a gate: (the rule's state tensors, their values before the transform)
 
     def finish(self) -> list:
         if self.result is None:
@@ -108,11 +109,16 @@ class RuleStage:
     step) the last. So one
     batch's updates wait a batch longer when its rule's sums travel; a rule whose sums stay on this
     rank applies at once. The all-reduce per rule and batch is counted in ``counter`` under the
-    rule's name, as a ring all-reduce moves it: 2 (W - 1) / W of its bytes out and in."""
+    rule's name, as a ring all-reduce moves it: 2 (W - 1) / W of its bytes out and in.
 
-    def __init__(self, *, entries, specs, groups, state_of, counter, apply_update):
+    ``gate`` (a muonlab.optim.step_gate.StepGate: the step decided on the device): a rule's state
+    keeps its values unless the step goes (a copy taken before its transform, restored through
+    the gate: rule state is one number per row, so the copy is small and any rule is covered)."""
+
+    def __init__(self, *, entries, specs, groups, state_of, counter, apply_update, gate=None):
         self._entries, self._specs, self._groups = entries, specs, groups
         self._state_of, self._counter, self._apply_update = state_of, counter, apply_update
+        self._gate = gate
         self._waiting: list[tuple[BatchPlan, list, list[_Travel]]] = []
 
     def start(self, batch: BatchPlan, pairs: list[tuple[int, torch.Tensor]]) -> None:
@@ -132,18 +138,19 @@ class RuleStage:
             mine = [updates[i] for i in indices]
             states = [[rule_part(batch, self._state_of(i)[k]) for k in rule.state_keys] for i in indices]
             held = [rows_held(self._specs[i], u, group_rank) for i, u in zip(indices, mine)]
+            kept = None if self._gate is None else [(s, s.clone()) for per in states for s in per]
             transform = rule.transform(mine, states, held, [entries[i][0] for i in indices])
             try:
                 flat = next(transform)
             except StopIteration as done:  # nothing to sum across ranks
-                travels.append(_Travel(indices, transform, result=done.value))
+                travels.append(_Travel(indices, transform, result=done.value, kept=kept))
                 continue
             work = None
             if world > 1:
                 nbytes = 2 * (world - 1) * flat.numel() * flat.element_size() // world
                 self._counter.add(name, nbytes, nbytes)
                 work = dist.all_reduce(flat, group=pg, async_op=True)
-            travels.append(_Travel(indices, transform, flat, work))
+            travels.append(_Travel(indices, transform, flat, work, kept=kept))
         self._waiting.append((batch, pairs, travels))
 
     def finish_due(self) -> None:
@@ -160,4 +167,6 @@ class RuleStage:
         done = {}
         for t in travels:
             done.update(zip(t.indices, t.finish()))
+            for state, before in t.kept or ():
+                self._gate.restore_unless_go_(state, before)
         self._apply_update(batch, [(i, done[i][0]) for i, _ in pairs], [done[i][1] for i, _ in pairs])

@@ -211,3 +211,36 @@ def raise_changes_nothing() -> dict:
             ref.step()
     out["equal_to_clean_run"] = _equal(_snapshot(params, opt), _snapshot(ref_params, ref))
     return out
+
+
+def device_decision_matches_host(case: dict) -> dict:
+    """nonfinite_decision="device" against "host" on the same grads, NaNs on the last rank at steps
+    0 (no state yet), 2 (a Muon matrix) and 4 (the AdamW vector): after every step parameters
+    and state are equal bit for bit, both skip the same steps with the same stats, and a steady
+    step under "device" reads nothing on the host but the agreement's own gloo digests. (A skipped
+    first step leaves the device decision's state made and zero, which the host never made.)"""
+    from muonlab.trace.host_reads import HostReads
+
+    mesh = _mesh()
+    runs = {decision: _params(mesh) for decision in ("host", "device")}
+    opts = {decision: _muon(runs[decision], nonfinite_decision=decision, **case) for decision in runs}
+    first = opts["host"].plan()[0].names[0]
+    bad_at = {0: first, 2: first, 4: "bias"}
+    out = dict(equal=[], stats=[], reads=None)
+    for step in range(6):
+        for decision, params in runs.items():
+            _set_grads(params, mesh, step, bad_at.get(step))
+            if decision == "device" and step == 5:
+                with HostReads(allow=("optim/agreement.py",)) as reads:
+                    opts[decision].step()
+                out["reads"] = reads.report()
+            else:
+                opts[decision].step()
+        host, device = _snapshot(runs["host"], opts["host"]), _snapshot(runs["device"], opts["device"])
+        # a skipped first step: the host made no state, the device its fresh zeros (the same next step)
+        fresh = all(not torch.is_tensor(device[k]) or not device[k].any() for k in device.keys() - host.keys())
+        out["equal"].append(fresh and _equal(host, {k: device[k] for k in host}))
+        out["stats"].append({d: {k: opts[d].last_step_stats().get(k, "absent") for k in
+                                 ("skipped", "nonfinite_ranks", "nonfinite_params", "skipped_steps")} for d in opts})
+    out["skipped_steps"] = {d: opts[d].skipped_steps for d in opts}
+    return out

@@ -72,3 +72,16 @@ def test_raise_on_one_rank_raises_everywhere_before_any_change():
             assert raised["unchanged"], (rank, k)
         assert out["raised"][0]["state"] == 0
         assert out["equal_to_clean_run"], rank
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", [dict(), dict(momentum_form="sum", update_rule="normuon", state_offload="cpu")])
+def test_the_decision_on_the_device_writes_what_the_host_decision_writes(case):
+    results = launch(W.device_decision_matches_host, 2, case, timeout_s=240)
+    for rank, out in results.items():
+        assert out["equal"] == [True] * 6, (rank, out["equal"])
+        for step, stats in enumerate(out["stats"]):
+            assert stats["device"] == stats["host"], (rank, step, stats)
+            assert stats["host"]["skipped"] == (step in (0, 2, 4)), (rank, step, stats)
+        assert out["skipped_steps"] == {"host": 3, "device": 3}
+        assert out["reads"] == "no host reads", (rank, out["reads"])

@@ -43,7 +43,12 @@ def test_a_steady_step_without_the_nonfinite_check_makes_no_host_synchronisation
     _third_step_without_a_sync(nonfinite="ignore")
 
 
-@pytest.mark.xfail(strict=True, reason="nonfinite='skip' reads this rank's non-finite flag on the host, one "
-                   "synchronisation per step: the decision on the device (masked writes) is not built yet")
+@pytest.mark.xfail(strict=True, reason="the default nonfinite_decision='host' reads this rank's non-finite flag "
+                   "on the host, one synchronisation per step (nonfinite_decision='device' reads nothing)")
 def test_a_steady_step_with_the_default_nonfinite_check_makes_no_host_synchronisation():
     _third_step_without_a_sync()
+
+
+@pytest.mark.parametrize("rule", ["muon", "normuon"])
+def test_a_steady_step_with_the_skip_decided_on_the_device_makes_no_host_synchronisation(rule):
+    _third_step_without_a_sync(nonfinite_decision="device", update_rule=rule)
