@@ -124,6 +124,10 @@ def configs(cuda: bool, peers: bool = False) -> dict:
         "muonlab torch plain": muonlab_opt(ns_backend="torch", ns_form="plain"),
         "muonlab torch gram": muonlab_opt(ns_backend="torch", ns_form="gram"),
         "muonlab fp32 momentum": muonlab_opt(momentum_dtype=torch.float32),
+        # the non-finite check on (the rows above turn it off): read on the host, or decided on the device
+        "muonlab check, host decision": lambda ps: muonlab.Muon(ps, lr=LR, momentum=MOMENTUM),
+        "muonlab check, device decision": lambda ps: muonlab.Muon(ps, lr=LR, momentum=MOMENTUM,
+                                                                  nonfinite_decision="device"),
     }
     if cuda:
         out["muonlab triton plain"] = muonlab_opt(ns_backend="triton", ns_form="plain")

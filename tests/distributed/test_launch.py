@@ -8,6 +8,7 @@ shares test_mesh.py's launch.
 from __future__ import annotations
 
 import glob
+import importlib
 import multiprocessing
 import os
 import subprocess
@@ -162,14 +163,14 @@ def test_hanging_worker_times_out_leaves_nothing_then_launch_again(tmp_path):
     before = set(multiprocessing.active_children())
     start = time.monotonic()
     with _ChildPidSampler() as sampler, pytest.raises(WorkerTimeout) as info:
-        launch(workers.hang_on_rank0, 2, str(tmp_path), timeout_s=15)
+        launch(workers.hang_on_rank0, 2, str(tmp_path), timeout_s=6)
     elapsed = time.monotonic() - start
     # the clock starts once every rank is up, i.e. after the workers wrote their pids
     up_for = time.time() - max(p.stat().st_mtime for p in tmp_path.glob("rank*.pid"))
-    assert 15 <= elapsed and up_for < 30, (elapsed, up_for)
+    assert 6 <= elapsed and up_for < 21, (elapsed, up_for)
     err = info.value
     assert isinstance(err, WorkerError)
-    assert "timed out after 15 s" in str(err)
+    assert "timed out after 6 s" in str(err)
     assert err.ranks == [0], str(err)  # rank 0 sleeps forever; rank 1 returned and waits for it
     assert "all worker processes have been killed" in str(err)
     # the workers' pids as they wrote them, and every child process seen during the launch
@@ -236,10 +237,12 @@ def test_sys_exit_zero_returns_none_and_fast_ranks_wait_for_slow_ones(tmp_path):
 
 
 @pytest.mark.timeout(180)
-def test_a_worker_that_vanishes_is_named_long_before_the_timeout():
+def test_a_worker_that_vanishes_is_named_long_before_the_timeout(monkeypatch):
     """os._exit(0): no result, no error, no signal. The launch names the rank once the process
-    has been gone for _VANISHED_GRACE_S, instead of waiting out timeout_s (then 40 s more). (With
-    peers, a peer's teardown barrier fails first and names the lost connection.)"""
+    has been gone for _VANISHED_GRACE_S (3 s here, 10 by default), instead of waiting out
+    timeout_s (then 40 s more). (With peers, a peer's teardown barrier fails first and names the
+    lost connection.)"""
+    monkeypatch.setattr(importlib.import_module("muonlab.distributed.launch"), "_VANISHED_GRACE_S", 3.0)
     started = time.monotonic()
     with pytest.raises(WorkerError) as info:
         launch(workers.vanish_on_rank, 1, 0, timeout_s=150)
@@ -328,15 +331,15 @@ def test_killing_the_launcher_while_workers_start_leaves_no_worker(tmp_path):
 
 @pytest.mark.timeout(240)
 def test_timeout_counts_from_when_the_workers_are_up(monkeypatch):
-    # each worker spends 8 s importing the function's module, longer than timeout_s: start-up
+    # each worker spends 5 s importing the function's module, longer than timeout_s: start-up
     # is on its own, generous clock
-    monkeypatch.setenv("MUONLAB_TEST_SLOW_IMPORT_S", "8")
-    results = launch(workers.rank_info, 2, timeout_s=5, startup_timeout_s=200)
+    monkeypatch.setenv("MUONLAB_TEST_SLOW_IMPORT_S", "5")
+    results = launch(workers.rank_info, 2, timeout_s=3, startup_timeout_s=200)
     _check_rank_info(results, 2)
     with pytest.raises(WorkerTimeout) as info:
-        launch(workers.rank_info, 2, timeout_s=60, startup_timeout_s=4)
+        launch(workers.rank_info, 2, timeout_s=60, startup_timeout_s=2)
     assert info.value.phase == "startup"
-    assert "did not start within startup_timeout_s=4 s" in str(info.value), str(info.value)
+    assert "did not start within startup_timeout_s=2 s" in str(info.value), str(info.value)
     assert "initialised the process group" in str(info.value)
 
 
