@@ -141,7 +141,7 @@ def muon_apply_(
     params: Sequence[torch.Tensor],
     updates: Sequence[torch.Tensor],
     *,
-    lr: float,
+    lr: float | torch.Tensor,
     weight_decay: float,
     ratios: Sequence[float],
     row_scales: Sequence[torch.Tensor | None] | None = None,
@@ -158,11 +158,23 @@ def muon_apply_(
 
     ``gate`` (a muonlab.optim.step_gate.StepGate): the parameters change only if the step goes:
     the decayed parameter is committed through it, and each update (overwritten: it is the step's
-    own buffer) is zeroed when the step is skipped."""
+    own buffer) is zeroed when the step is skipped.
+
+    A tensor ``lr`` (one element, read on the device: nothing on the host) scales each update
+    before its add, in fp32 at least (``_times_lr``), and decays through ``_decayed``."""
     if not params:
         return
     if gate is not None:
         updates = [gate.zero_unless_go_(o) for o in updates]
+    if isinstance(lr, torch.Tensor):
+        updates = [_times_lr(o, lr) for o in updates]
+        if weight_decay != 0:
+            for p in params:
+                if gate is not None:
+                    gate.commit_(p, _decayed(p, lr, weight_decay))
+                else:
+                    p.addcmul_(p, -(lr * weight_decay))  # _decayed, in place
+        lr, weight_decay = 1.0, 0  # folded into the updates and the decay above
     if weight_decay != 0:
         factor = 1 - lr * weight_decay
         if gate is not None:
@@ -209,6 +221,22 @@ def _add_row_scaled(params, updates, *, lr: float, ratios, row_scales) -> None:
             p.add_((o.reshape(shape) * scale).view(p.shape).to(p.dtype), alpha=-lr * ratio)
 
 
+def _times_lr(o: torch.Tensor, lr: torch.Tensor) -> torch.Tensor:
+    """An update times a tensor lr: in place when it is fp32 or wider (it is the step's own
+    buffer), else as a new fp32 tensor, so lr is never rounded to a 16-bit dtype (on a GPU a
+    0-dim device tensor takes the other operand's dtype: lr 0.02 would become 0.0200195 in bf16)."""
+    if o.dtype in (torch.bfloat16, torch.float16):
+        return o.float().mul_(lr)
+    return o.mul_(lr)
+
+
+def _decayed(p: torch.Tensor, lr: torch.Tensor, weight_decay: float) -> torch.Tensor:
+    """``p * (1 - lr * weight_decay)`` for a tensor lr, as ``p + p * (-lr * weight_decay)``: were
+    the factor a device tensor in p's 16-bit dtype, 0.998 would become 0.99609375 (twice the decay);
+    rounded there, the decay's amount is off by at most its own 0.4%."""
+    return torch.addcmul(p, p, -(lr * weight_decay))
+
+
 def _update_for(p: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
     """Orthogonalized update ``o`` in the dtype it is added to ``p`` in: ``p``'s, or fp32 for fp16
     (as torch.optim.Muon's mixed-dtype add of its bf16 update does: an fp16 add rounds its alpha
@@ -223,7 +251,7 @@ def adamw_(
     exp_avg_sqs: Sequence[torch.Tensor],
     steps: Sequence[torch.Tensor],
     *,
-    lr: float,
+    lr: float | torch.Tensor,
     betas: tuple[float, float],
     eps: float,
     weight_decay: float,
@@ -231,12 +259,12 @@ def adamw_(
 ) -> None:
     """AdamW (Loshchilov & Hutter) with bias correction; moments in at least fp32, step counts as tensors.
 
-    ``gate`` (a muonlab.optim.step_gate.StepGate): the step is decided on the device
-    (``_adamw_gated``): nothing read on the host, every write through the gate."""
+    ``gate`` (a muonlab.optim.step_gate.StepGate: the step decided on the device) or a tensor ``lr``:
+    the step on the device (``_adamw_on_device``), nothing read on the host."""
     beta1, beta2 = betas
-    if gate is not None:
+    if gate is not None or isinstance(lr, torch.Tensor):
         for p, g, m, v, step in zip(params, grads, exp_avgs, exp_avg_sqs, steps):
-            _adamw_gated(p, g, m, v, step, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, gate=gate)
+            _adamw_on_device(p, g, m, v, step, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, gate=gate)
         return
     for p, g, m, v, step in zip(params, grads, exp_avgs, exp_avg_sqs, steps):
         step += 1
@@ -255,17 +283,23 @@ def adamw_(
             p.add_((m / denom).to(p.dtype), alpha=-lr / bias1)
 
 
-def _adamw_gated(p, g, m, v, step, *, lr: float, betas, eps: float, weight_decay: float, gate) -> None:
-    """One parameter of ``adamw_`` through the gate: the step count (a tensor on the parameter's
-    device) and the bias corrections stay on the device, in fp64 like the host's Python floats,
-    each rounded where the host path's scalar is (so the bits match it on a CPU); the new
-    parameter, moments and count are committed only if the step goes."""
+def _adamw_on_device(p, g, m, v, step, *, lr: float | torch.Tensor, betas, eps: float, weight_decay: float,
+                     gate=None) -> None:
+    """One parameter of ``adamw_`` without a host read: the step count (a tensor on the
+    parameter's device) and the bias corrections stay on the device, in fp64 like the host's
+    Python floats, each rounded where the host path's scalar is (so with a float lr the bits match
+    it on a CPU). With a ``gate`` the new parameter, moments and count are committed only if the
+    step goes; without, they are written."""
     beta1, beta2 = betas
+    commit = gate.commit_ if gate is not None else torch.Tensor.copy_
     g = g.to(m.dtype)
     t = (step + 1).to(torch.float64)
     bias1 = 1 - torch.pow(beta1, t)
     bias2 = 1 - torch.pow(beta2, t)
-    new_p = p * (1 - lr * weight_decay) if weight_decay != 0 else p
+    if weight_decay == 0:
+        new_p = p
+    else:
+        new_p = _decayed(p, lr, weight_decay) if isinstance(lr, torch.Tensor) else p * (1 - lr * weight_decay)
     new_m = torch.lerp(m, g, 1 - beta1)
     new_v = (v * beta2).addcmul_(g, g, value=1 - beta2)
     denom = (new_v.sqrt() / bias2.sqrt().to(new_v.dtype)).add_(eps)
@@ -274,7 +308,7 @@ def _adamw_gated(p, g, m, v, step, *, lr: float, betas, eps: float, weight_decay
         new_p = new_p + (new_m * scale) / denom  # addcdiv's order: value * t1 / t2, then the add
     else:
         new_p = (new_p.float() + (new_m / denom).to(p.dtype).float() * scale).to(p.dtype)
-    gate.commit_(p, new_p)
-    gate.commit_(m, new_m)
-    gate.commit_(v, new_v)
-    gate.commit_(step, t.to(step.dtype))
+    commit(p, new_p)
+    commit(m, new_m)
+    commit(v, new_v)
+    commit(step, t.to(step.dtype))

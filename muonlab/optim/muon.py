@@ -60,6 +60,12 @@ class _Planned(NamedTuple):
     gradient was not finite; the next step that uses it compares them then."""
 
 
+def lr_of(group: dict) -> float | torch.Tensor:
+    """A group's lr as the step uses it: a float, or a tensor lr as it is (read on the device)."""
+    lr = group["lr"]
+    return lr if isinstance(lr, torch.Tensor) else float(lr)
+
+
 def _dist_on() -> bool:
     return dist.is_available() and dist.is_initialized()
 
@@ -150,9 +156,13 @@ class Muon(MomentumHomes, SavedState, Optimizer):
             run). In the update itself: tall bf16
             parameters (rows > cols) may differ in the last bf16 bit: torch adds its update as a
             transposed view, muonlab as a contiguous tensor, and torch's bf16 ``add_`` rounds the
-            two layouts differently. A tensor lr is read as a Python float, so lr * ratio and
-            1 - lr * weight_decay are formed in double precision where torch keeps an fp32 tensor
-            (last-bit differences; the same holds for AdamW groups). And one difference that is
+            two layouts differently. A tensor lr (torch's capturable form: one element, on the
+            parameters' device or the CPU) stays a tensor: the step reads it on the device, where a
+            scheduler fills it in place, with no host read; each update is multiplied by it in fp32
+            and the decay is p + p * (-lr * weight_decay), so the bits differ from a float lr's
+            (last-bit differences; the same holds for AdamW groups, whose bias corrections then
+            run on the device too). Its value is checked when a new tensor is set, not after
+            each fill (muonlab.optim.prepared.TensorSetting). And one difference that is
             torch's: with bf16 parameters and ``nesterov=False`` torch.optim.Muon (2.13) hands its
             momentum buffer itself to its Newton-Schulz, which divides it by its norm in place;
             muonlab's buffer follows the documented recurrence.
@@ -636,6 +646,7 @@ class Muon(MomentumHomes, SavedState, Optimizer):
         settings = settings_values(self.param_groups)
         if settings != self._settings_checked:
             for gi, group in enumerate(self.param_groups):
+                self._check_lr_device(group, gi)  # first: reading a tensor lr on the wrong device fails
                 check_hyperparameters(group, group["algorithm"], "", f" in parameter group {gi}")
         prepared = self._prepared
         if prepared is None or prepared.key != key:
@@ -693,6 +704,16 @@ class Muon(MomentumHomes, SavedState, Optimizer):
         if self.__dict__.get("_skips_on_device") is None or self._skips_on_device.device != skipped.device:
             self._skips_on_device = torch.zeros((), dtype=torch.int64, device=skipped.device)
         self._skips_on_device += skipped
+
+    def _check_lr_device(self, group: dict, gi: int) -> None:
+        """A tensor lr lives on its parameters' device (read there by the step) or on the CPU."""
+        lr = group["lr"]
+        if not isinstance(lr, torch.Tensor) or lr.device.type == "cpu":
+            return
+        for p in group["params"]:
+            if local_shard(p).device != lr.device:
+                raise ValueError(f"parameter group {gi}'s tensor lr is on {lr.device} and its parameter "
+                                 f"{self._label(p)} on {local_shard(p).device}: put lr on the parameters' device")
 
     def _planned_for(self, prepared: PreparedStep) -> _Planned | None:
         """The prepared step's plan (None: no Muon parameter has a gradient), made (and checked
@@ -818,7 +839,7 @@ class Muon(MomentumHomes, SavedState, Optimizer):
 
     def _adamw_group(self, group: dict, params: list[torch.Tensor], gate: StepGate | None = None) -> None:
         items = [(p, p, self._state_for(p, "adamw")) for p in params]
-        if gate is not None:  # the step count lives with the parameter (bias corrections on the device)
+        if gate is not None or isinstance(group["lr"], torch.Tensor):  # bias corrections on the device: the step count with the parameter
             for p in params:
                 step = self.state[p]["step"]
                 if step.device != local_shard(p).device:
@@ -830,7 +851,7 @@ class Muon(MomentumHomes, SavedState, Optimizer):
         for p, (exp_avg, exp_avg_sq) in self._offload.each(items, ("exp_avg", "exp_avg_sq")):
             F.adamw_(
                 [local_shard(p)], [local_shard(p.grad)], [exp_avg], [exp_avg_sq], [self.state[p]["step"]],
-                lr=float(group["lr"]),
+                lr=lr_of(group),
                 betas=(beta1, beta2),
                 eps=group["eps"],
                 weight_decay=group["weight_decay"],
@@ -1107,7 +1128,7 @@ class Muon(MomentumHomes, SavedState, Optimizer):
             rule's row scales, when it gave them)."""
             scale_of = dict(zip(batch.param_indices, scales)) if scales is not None else None
             for (lr, weight_decay), members in _by_settings(
-                    pairs, lambda i: (float(entries[i][0]["lr"]), entries[i][0]["weight_decay"])):
+                    pairs, lambda i: (lr_of(entries[i][0]), entries[i][0]["weight_decay"])):
                 F.muon_apply_(
                     [_part_of(batch, local_shard(entries[i][1])) for i, _ in members],
                     [out for _, out in members], lr=lr,

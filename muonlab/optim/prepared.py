@@ -7,7 +7,8 @@ configs) and a part that repeats (momentum, paths, Newton-Schulz, update, AdamW)
 every step from Python attributes alone (no device read), so a steady-state step pays a tuple
 comparison for it. Settings that a scheduler may change at every step (lr, momentum, weight decay,
 betas) are not in the key: they are read by the hot step, checked when they change
-(``settings_values``), and enter the step's agreement digest through ``step_digest``.
+(``settings_values``), and enter the step's agreement digest through ``step_digest``. A tensor lr is
+the exception: its value stays on the device (``TensorSetting``), checked when the tensor is new.
 """
 
 from __future__ import annotations
@@ -25,14 +26,35 @@ PLAN_SETTINGS = {"muon": ("ns_steps", "ns_coefficients", "eps", "update_rule"), 
 batches carry, and the update rule, which may refuse a layout): a change of one makes a new prepared step. The other settings are read per step."""
 
 
+class TensorSetting:
+    """A tensor setting (a tensor lr) as the per-step check sees it, without reading its value (on a
+    GPU a read would synchronise): equal while it is the same tensor with the same dtype, device and
+    shape, so a new tensor is checked once, and a fill in place (a scheduler's) is read where the step
+    uses it, on the device. Its repr, which the ranks' agreement digest reads, holds no identity."""
+
+    __slots__ = ("ident", "meta")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.ident = id(tensor)
+        self.meta = (str(tensor.dtype), tensor.device.type, tuple(tensor.shape))
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, TensorSetting) and (self.ident, self.meta) == (other.ident, other.meta)
+
+    def __hash__(self) -> int:
+        return hash((self.ident, self.meta))
+
+    def __repr__(self) -> str:
+        return f"tensor{self.meta}"
+
+
 def frozen(value: Any) -> Any:
     """``value`` as an immutable, comparable value: lists as tuples (a list changed in place would
-    otherwise compare equal to the key holding it), tensors (a tensor lr) as their values: a float
-    for one element, a tuple otherwise (refused by name when the settings are checked)."""
+    otherwise compare equal to the key holding it), tensors (a tensor lr) as a ``TensorSetting``."""
     if isinstance(value, (list, tuple)):
         return tuple(frozen(v) for v in value)
     if isinstance(value, torch.Tensor):
-        return value.item() if value.numel() == 1 else ("tensor", tuple(value.flatten().tolist()))
+        return TensorSetting(value)
     return value
 
 

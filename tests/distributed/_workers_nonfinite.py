@@ -217,13 +217,20 @@ def device_decision_matches_host(case: dict) -> dict:
     """nonfinite_decision="device" against "host" on the same grads, NaNs on the last rank at steps
     0 (no state yet), 2 (a Muon matrix) and 4 (the AdamW vector): after every step parameters
     and state are equal bit for bit, both skip the same steps with the same stats, and a steady
-    step under "device" reads nothing on the host but the agreement's own gloo digests. (A skipped
+    step under "device" reads nothing on the host but the agreement's own gloo digests (with
+    ``case["tensor_lr"]`` every group's lr a tensor, in both runs). (A skipped
     first step leaves the device decision's state made and zero, which the host never made.)"""
     from muonlab.trace.host_reads import HostReads
 
     mesh = _mesh()
+    case = dict(case)
+    tensor_lr = case.pop("tensor_lr", False)
     runs = {decision: _params(mesh) for decision in ("host", "device")}
     opts = {decision: _muon(runs[decision], nonfinite_decision=decision, **case) for decision in runs}
+    if tensor_lr:  # both runs: the ranks' digests agree on a tensor lr, which the step reads on the device
+        for opt in opts.values():
+            for group in opt.param_groups:
+                group["lr"] = torch.tensor(float(group["lr"]))
     first = opts["host"].plan()[0].names[0]
     bad_at = {0: first, 2: first, 4: "bias"}
     out = dict(equal=[], stats=[], reads=None)

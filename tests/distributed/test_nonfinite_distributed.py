@@ -75,7 +75,8 @@ def test_raise_on_one_rank_raises_everywhere_before_any_change():
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("case", [dict(), dict(momentum_form="sum", update_rule="normuon", state_offload="cpu")])
+@pytest.mark.parametrize("case", [dict(), dict(momentum_form="sum", update_rule="normuon", state_offload="cpu",
+                                                tensor_lr=True)])
 def test_the_decision_on_the_device_writes_what_the_host_decision_writes(case):
     results = launch(W.device_decision_matches_host, 2, case, timeout_s=240)
     for rank, out in results.items():

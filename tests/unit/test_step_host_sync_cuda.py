@@ -20,10 +20,10 @@ def _model_and_grads():
     return params, grads
 
 
-def _third_step_without_a_sync(**options):
+def _third_step_without_a_sync(lr=0.02, **options):
     params, grads = _model_and_grads()
     groups = [dict(params=params[:4]), dict(params=params[4:], algorithm="adamw")]
-    opt = Muon(groups, lr=0.02, **options)
+    opt = Muon(groups, lr=lr, **options)
     for _ in range(2):  # the first steps prepare, plan and choose kernels; they may read the device
         for p, g in zip(params, grads):
             p.grad = g.clone()
@@ -52,3 +52,8 @@ def test_a_steady_step_with_the_default_nonfinite_check_makes_no_host_synchronis
 @pytest.mark.parametrize("rule", ["muon", "normuon"])
 def test_a_steady_step_with_the_skip_decided_on_the_device_makes_no_host_synchronisation(rule):
     _third_step_without_a_sync(nonfinite_decision="device", update_rule=rule)
+
+
+def test_a_steady_step_with_a_tensor_lr_on_the_device_makes_no_host_synchronisation():
+    _third_step_without_a_sync(lr=torch.tensor(0.02, device="cuda"), nonfinite_decision="device",
+                               weight_decay=0.01)
