@@ -256,13 +256,15 @@ def adamw_(
     eps: float,
     weight_decay: float,
     gate=None,
+    on_device: bool = False,
 ) -> None:
     """AdamW (Loshchilov & Hutter) with bias correction; moments in at least fp32, step counts as tensors.
 
-    ``gate`` (a muonlab.optim.step_gate.StepGate: the step decided on the device) or a tensor ``lr``:
-    the step on the device (``_adamw_on_device``), nothing read on the host."""
+    ``gate`` (a muonlab.optim.step_gate.StepGate: the step decided on the device), a tensor ``lr``
+    or ``on_device`` (a step captured in a CUDA graph): the step on the device
+    (``_adamw_on_device``: its step counts there too), nothing read on the host."""
     beta1, beta2 = betas
-    if gate is not None or isinstance(lr, torch.Tensor):
+    if gate is not None or isinstance(lr, torch.Tensor) or on_device:
         for p, g, m, v, step in zip(params, grads, exp_avgs, exp_avg_sqs, steps):
             _adamw_on_device(p, g, m, v, step, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, gate=gate)
         return

@@ -140,6 +140,7 @@ class MomentumHomes:
         """Collective (call on every rank): each replicated matrix's momentum is broadcast from
         the rank holding it, so that every rank holds every state tensor, e.g. before saving a
         checkpoint."""
+        self.drop_captured_step()  # momentum made and moved between ranks: capture again
         owned = self._owned()  # first: the zeros init_state makes must not read as momentum held
         self.init_state()
         items = [(k, p, self.state[p]) for k, (_, p, _, _) in enumerate(owned)]
@@ -152,6 +153,7 @@ class MomentumHomes:
         """Drop the momentum of replicated matrices this rank does not hold for the group (after a
         save or a load): it lives on one rank only, a ZeRO-1 style saving. Collective only after a
         load (where it lies is asked then, ``_resolve_homes``)."""
+        self.drop_captured_step()
         me = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         for i, p, _, home in self._owned():
             self._replica_home[i] = home

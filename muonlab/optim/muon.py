@@ -34,6 +34,7 @@ from .offload import StateStores
 from .replicas import check_ranks_agree
 from .saved_state import STATE_KEYS, SavedState
 from .step_gate import NONFINITE_DECISIONS, StepGate
+from .step_graph import StepGraph, check_capture
 from .rule_step import RuleStage, ensure_rule_state, refuse_unfit, rule_of, state_shapes
 from .rules import RULES
 from .prepared import PreparedStep, group_key, settings_values, step_digest
@@ -64,6 +65,17 @@ def lr_of(group: dict) -> float | torch.Tensor:
     """A group's lr as the step uses it: a float, or a tensor lr as it is (read on the device)."""
     lr = group["lr"]
     return lr if isinstance(lr, torch.Tensor) else float(lr)
+
+
+def _why_captured_again(old: tuple, new: tuple) -> str:
+    """Why a captured step's key changed (Muon._graph_key's parts), in words."""
+    if old[0] != new[0]:
+        return "the prepared step changed: which parameters have gradients, a plan setting or an option"
+    if old[1] != new[1]:
+        return ("a setting changed (a float lr under a scheduler makes a new capture at every step: give lr as a "
+                "tensor on the parameters' device, which a scheduler fills in place)")
+    return ("a parameter or gradient moved: zero_grad(set_to_none=True), torch's default, makes new gradients "
+            "each step; use zero_grad(set_to_none=False)")
 
 
 def _dist_on() -> bool:
@@ -240,6 +252,15 @@ class Muon(MomentumHomes, SavedState, Optimizer):
             muonlab.optim.rule_step). Refused for a matrix stored (in, out) (view "transpose") or
             sharded on a dim other than 0.
         normuon_beta2: NorMuon's decay of the row second moments, in [0, 1).
+        capture_after: None, or N >= 1: on CUDA, the hot step runs eagerly N times with the same
+            prepared step, settings and tensors, is then captured whole in a CUDA graph
+            (collectives included, on NCCL) and replayed at every later step; the host part
+            (validation when something changed, the ranks' agreement) still runs before each
+            replay (muonlab.optim.step_graph). Needs nonfinite_decision="device" (or
+            nonfinite="ignore"), ns_graphs=False, no state_offload, CUDA parameters, and
+            gradients kept in place (``zero_grad(set_to_none=False)``); a scheduler's lr should
+            be a tensor on the parameters' device (a float lr that changes makes a new capture).
+            A replayed step records no spans; its stats keep bytes and the skip, not seconds.
 
     Distributed: ``plan()`` says which path each batch takes and what it moves and computes;
     ``last_step_stats()`` and ``last_step_spans()`` say what the last step measured.
@@ -286,6 +307,7 @@ class Muon(MomentumHomes, SavedState, Optimizer):
         keep_muon_momentum_in_memory: bool = False,
         update_rule: str = "muon",
         normuon_beta2: float = 0.95,
+        capture_after: int | None = None,
     ):
         NSConfig(dtype=ns_dtype, **resolve_form(ns_form), backend=ns_backend)  # raises on a bad ns_*
         check_memory_options(momentum_dtype, workspace_bytes, ns_graphs)
@@ -337,6 +359,9 @@ class Muon(MomentumHomes, SavedState, Optimizer):
             if name in self.fused_banks:
                 matrix_spec(-1, name, p, None, self.fused_banks[name])  # validates the shape
         self._check_views(matrix_views or {})
+        check_capture(capture_after, self, state_offload)
+        self.capture_after = capture_after
+        self._step_graph = StepGraph(capture_after) if capture_after is not None else None
         # last: every other check has passed, so a refused option leaves no lock or file behind
         self._offload = StateStores(
             state_offload, offload_dir, keep_muon_momentum_in_memory,
@@ -532,7 +557,7 @@ class Muon(MomentumHomes, SavedState, Optimizer):
         # groups and are rebuilt.
         # An instance attribute over a method is a wrapper someone installed (an LR scheduler wraps
         # step, holding a reference to THIS optimizer): a copy keeps its own method
-        return {k: v for k, v in vars(self).items() if k not in ("_plans", "_prepared")
+        return {k: v for k, v in vars(self).items() if k not in ("_plans", "_prepared", "_step_graph")
                 and not k.startswith("_optimizer_") and not callable(getattr(type(self), k, None))}
 
     def __getstate__(self) -> dict:
@@ -546,6 +571,8 @@ class Muon(MomentumHomes, SavedState, Optimizer):
         super().__setstate__(state)  # also what torch's load_state_dict calls, with state and groups only
         self.__dict__.setdefault("_plans", {})
         self.__dict__["_prepared"] = None  # made again at the next step (it holds live process groups)
+        self.__dict__.setdefault("capture_after", None)  # pickled before whole-step graphs
+        self.__dict__["_step_graph"] = None if self.capture_after is None else StepGraph(self.capture_after)
         self.__dict__.setdefault("_settings_checked", None)
         self.__dict__.setdefault("_replica_home", {})  # pickled before momentum followed its owner
         self.__dict__.setdefault("_agreement", Agreement())  # pickled before the per-step agreement
@@ -601,11 +628,14 @@ class Muon(MomentumHomes, SavedState, Optimizer):
                 loss = closure()
         prepared = self._prepared_step()  # raises before any state changes
         self._offload.check()  # an offload file truncated or replaced: raise before any read
+        graph = self._step_graph
+        mode = "eager" if graph is None else graph.mode(self._graph_key(prepared), _why_captured_again)
         if self._tracer is self._stats_tracer:
             # record into the other tracer: if this step raises, the last step's stats can still
             # read their seconds (resolving them here instead would synchronise inside the step)
             self._tracer, self._spare_tracer = self._spare_tracer, self._tracer
-        self._tracer.reset(self._trace_device())
+        # a graph records no spans: capturing, the tracer keeps host time (CUDA events can't be recorded)
+        self._tracer.reset(self._trace_device() if mode == "eager" else torch.device("cpu"))
         counter = CommCounter()
         seconds: dict[str, float] = {}  # the check's host seconds: its pass, and the exchange
         bad_ranks, bad_names = self._control(prepared, seconds)
@@ -613,6 +643,23 @@ class Muon(MomentumHomes, SavedState, Optimizer):
             self._skipped_on_host += 1
             self._record_stats(counter, seconds, skipped=True, nonfinite_ranks=bad_ranks, nonfinite_params=bad_names)
             return loss
+        if mode == "replay":
+            graph.replay()
+            stats, gate = graph.captured_stats
+            self._stats, self._stats_gate, self._stats_tracer = dict(stats, seconds={}), gate, self._tracer
+            return loss
+        if mode == "capture":
+            graph.capture(lambda: self._hot_step(prepared, counter, seconds))
+            graph.captured_stats = (copy.copy(self._stats), self._stats_gate)
+            return loss
+        self._hot_step(prepared, counter, seconds)
+        if graph is not None:
+            graph.ran_eagerly()
+        return loss
+
+    def _hot_step(self, prepared: PreparedStep, counter: CommCounter, seconds: dict) -> None:
+        """Everything after the control exchange: device work only once the plan is made (the
+        part ``capture_after`` captures in a CUDA graph)."""
         gate = self._gate(prepared) if self.nonfinite_decision == "device" else None
         planned = self._planned_for(prepared)
         if planned is not None:  # count this step's unhealthy updates, on the device (see last_step_stats)
@@ -634,7 +681,19 @@ class Muon(MomentumHomes, SavedState, Optimizer):
         else:
             self._count_skip(gate)
             self._record_stats(counter, seconds, skipped=None, gate=gate, checked=prepared.checked)
-        return loss
+
+    def _graph_key(self, prepared: PreparedStep) -> tuple:
+        """What a captured step depends on: the prepared step, the settings (a tensor lr by
+        identity), and where every parameter and gradient it reads lies (muonlab.optim.step_graph)."""
+        places = tuple((local_shard(p).data_ptr(), local_shard(p.grad).data_ptr()) for p in prepared.checked)
+        return prepared.key, self._settings_checked, places
+
+    def drop_captured_step(self) -> None:
+        """Drop the CUDA graph of ``capture_after`` (if any): the step warms up and captures again.
+        Call it before ``dist.destroy_process_group()``: a live graph holds NCCL work. Loading
+        state and moving momentum between ranks call it too."""
+        if self.__dict__.get("_step_graph") is not None:
+            self._step_graph.release()
 
     def _prepared_step(self) -> PreparedStep:
         """The prepared step for this step: the last one while its key holds, else a new one
@@ -839,7 +898,8 @@ class Muon(MomentumHomes, SavedState, Optimizer):
 
     def _adamw_group(self, group: dict, params: list[torch.Tensor], gate: StepGate | None = None) -> None:
         items = [(p, p, self._state_for(p, "adamw")) for p in params]
-        if gate is not None or isinstance(group["lr"], torch.Tensor):  # bias corrections on the device: the step count with the parameter
+        if gate is not None or isinstance(group["lr"], torch.Tensor) or self._step_graph is not None:
+            # bias corrections on the device: the step count lives with the parameter
             for p in params:
                 step = self.state[p]["step"]
                 if step.device != local_shard(p).device:
@@ -848,6 +908,7 @@ class Muon(MomentumHomes, SavedState, Optimizer):
         beta1 = group.get("momentum", beta1)  # a scheduler cycling momentum: see the class docstring
         # one parameter at a time (adamw_ is a loop over its lists, so this is the same arithmetic):
         # only the state being updated is on the device
+        on_device = gate is not None or isinstance(group["lr"], torch.Tensor) or self._step_graph is not None
         for p, (exp_avg, exp_avg_sq) in self._offload.each(items, ("exp_avg", "exp_avg_sq")):
             F.adamw_(
                 [local_shard(p)], [local_shard(p.grad)], [exp_avg], [exp_avg_sq], [self.state[p]["step"]],
@@ -856,6 +917,7 @@ class Muon(MomentumHomes, SavedState, Optimizer):
                 eps=group["eps"],
                 weight_decay=group["weight_decay"],
                 gate=gate,
+                on_device=on_device,
             )
 
     # ------------------------------------------------------------------ Muon: plan, then paths

@@ -44,6 +44,7 @@ class SavedState:
             # offloaded tensors go straight to their store, never through the parameter's device
             state_dict = dict(state_dict, state={
                 pid: {k: v for k, v in s.items() if k not in offloaded} for pid, s in state_dict["state"].items()})
+        self.drop_captured_step()  # new state tensors: a captured step reads the old ones
         super().load_state_dict(state_dict)
         self._replica_home.clear()  # where the loaded momentum lies: asked at the next step
         for saved, p in pairs:

@@ -1,0 +1,142 @@
+"""Muon(capture_after=N): the hot step captured whole in a CUDA graph (muonlab.optim.step_graph).
+
+The options it needs are refused by name on any machine; the capture itself (replays bit for bit
+the eager steps, a new capture when a setting or a gradient's place changes, no host
+synchronisation in a replayed step) is checked on CUDA only.
+"""
+
+import pytest
+import torch
+
+from muonlab import Muon
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+SHAPES = [(64, 32), (32, 64), (4, 16, 24), (48,)]
+
+
+def _params(device):
+    return [torch.nn.Parameter(torch.randn(s, generator=torch.Generator().manual_seed(i)).to(device))
+            for i, s in enumerate(SHAPES)]
+
+
+def _muon(params, **options):
+    options = dict(dict(lr=0.02, adamw_lr=3e-3, nonfinite_decision="device"), **options)
+    lr, adamw_lr = options.pop("lr"), options.pop("adamw_lr")
+    return Muon([dict(params=params[:3], lr=lr), dict(params=params[3:], algorithm="adamw", lr=adamw_lr)],
+                weight_decay=0.01, adamw_weight_decay=0.1, ns_backend="torch", **options)
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(capture_after=0), "capture_after must be None or an int >= 1"),
+    (dict(capture_after=True), "capture_after must be None or an int >= 1"),
+    (dict(capture_after="3"), "capture_after must be None or an int >= 1"),
+    (dict(capture_after=2, nonfinite_decision="host"), 'capture_after needs nonfinite_decision="device"'),
+    (dict(capture_after=2, nonfinite_decision="host", nonfinite="raise"), "reads a flag on the host"),
+    (dict(capture_after=2, ns_graphs=True), "ns_graphs must be False"),
+    (dict(capture_after=2, state_offload="cpu"), "state_offload='cpu'"),
+    (dict(capture_after=2), r"needs CUDA parameters: parameter .*\(64, 32\).* is on cpu"),
+])
+def test_what_a_captured_step_needs_is_refused_by_name(options, message):
+    with pytest.raises(ValueError, match=message):
+        _muon(_params("cpu"), **options)
+
+
+def test_without_capture_the_optimizer_has_no_graph_and_copies_keep_the_option():
+    import copy
+
+    opt = _muon(_params("cpu"))
+    assert opt.capture_after is None and opt._step_graph is None
+    opt.drop_captured_step()  # nothing to drop
+    assert copy.deepcopy(opt).capture_after is None
+
+
+# ---------------------------------------------------------------- CUDA
+
+
+def _steps(opt, params, grads, steps, bad_at=(), change=None):
+    """``steps`` steps with the gradients copied in place (where a captured step reads them);
+    a NaN at the steps of ``bad_at``; ``change(step, opt)`` before a step. Returns per step the
+    parameters and state, copied."""
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.9 ** s)
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    history = []
+    for step in range(steps):
+        if change is not None:
+            change(step, opt)
+        for p, g in zip(params, grads):
+            p.grad.copy_(g * (1 + step))
+        if step in bad_at:
+            params[0].grad.view(-1)[3] = float("nan")
+        opt.step()
+        sched.step()
+        history.append(([p.detach().clone() for p in params],
+                         [{k: v.clone() for k, v in opt.state[p].items()} for p in params]))
+    return history
+
+
+def _same(a, b) -> bool:
+    (pa, sa), (pb, sb) = a, b
+    return all(torch.equal(x, y) for x, y in zip(pa, pb)) and all(
+        x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x) for x, y in zip(sa, sb))
+
+
+def _pair(**captured_options):
+    """An eager optimizer and one capturing after 2 steps, each on its copy of the same CUDA
+    parameters, with tensor lrs (a scheduler fills them in place); and the gradients."""
+    grads = [torch.randn(s, generator=torch.Generator().manual_seed(50 + i)).cuda() for i, s in enumerate(SHAPES)]
+    runs = []
+    for capture_after in (None, 2):
+        params = _params("cuda")
+        lrs = dict(lr=torch.tensor(0.02, device="cuda"), adamw_lr=torch.tensor(3e-3, device="cuda"))
+        opt = _muon(params, capture_after=capture_after, **lrs, **(captured_options if capture_after else {}))
+        runs.append((opt, params))
+    return runs, grads
+
+
+@cuda
+def test_replayed_steps_equal_eager_steps_bit_for_bit_and_skip_alike():
+    runs, grads = _pair()
+    (eager, eager_params), (captured, captured_params) = runs
+    a = _steps(eager, eager_params, grads, 8, bad_at=(5,))
+    b = _steps(captured, captured_params, grads, 8, bad_at=(5,))
+    assert captured._step_graph.captured
+    assert [_same(x, y) for x, y in zip(a, b)] == [True] * 8
+    assert eager.skipped_steps == captured.skipped_steps == 1
+    assert captured.last_step_stats()["skipped"] is False and captured.last_step_spans() == []
+    captured.drop_captured_step()
+    assert not captured._step_graph.captured
+
+
+@cuda
+def test_a_changed_setting_or_moved_gradients_capture_again_with_a_warning():
+    runs, grads = _pair()
+    (eager, eager_params), (captured, captured_params) = runs
+
+    def change(step, opt):
+        if step == 5:
+            opt.param_groups[0]["weight_decay"] = 0.02
+
+    a = _steps(eager, eager_params, grads, 9, change=change)
+    with pytest.warns(RuntimeWarning, match="a setting changed"):
+        b = _steps(captured, captured_params, grads, 9, change=change)
+    assert [_same(x, y) for x, y in zip(a, b)] == [True] * 9
+    for p in captured_params:
+        p.grad = None  # new gradient tensors at the next step
+    with pytest.warns(RuntimeWarning, match="a parameter or gradient moved"):
+        _steps(captured, captured_params, grads, 1)
+
+
+@cuda
+def test_a_replayed_step_makes_no_host_synchronisation():
+    runs, grads = _pair()
+    captured, params = runs[1]
+    _steps(captured, params, grads, 4)
+    assert captured._step_graph.captured
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        captured.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
