@@ -134,6 +134,13 @@ def configs(cuda: bool, peers: bool = False) -> dict:
         out["muonlab triton gram"] = muonlab_opt(ns_backend="triton", ns_form="gram")
         out["muonlab torch plain + graphs"] = muonlab_opt(ns_backend="torch", ns_form="plain", ns_graphs=True)
         out["muonlab triton plain + graphs"] = muonlab_opt(ns_backend="triton", ns_form="plain", ns_graphs=True)
+        # the whole step in one CUDA graph (muonlab.optim.step_graph; captured at the second warm-up step),
+        # lr a device tensor as its recipe says
+        out["muonlab whole step captured"] = lambda ps: muonlab.Muon(
+            ps, lr=torch.tensor(LR, device=ps[0].device), momentum=MOMENTUM, nonfinite="ignore", capture_after=1)
+        out["muonlab check, device decision, captured"] = lambda ps: muonlab.Muon(
+            ps, lr=torch.tensor(LR, device=ps[0].device), momentum=MOMENTUM, nonfinite_decision="device",
+            capture_after=1)
     if peers and not dion_available():
         out[DION_EAGER] = dion_opt(graph=False)
         if cuda:

@@ -619,8 +619,10 @@ class Muon(MomentumHomes, SavedState, Optimizer):
         2. the control exchange (``_control``): every rank about to take the same step, and no
            gradient non-finite on any rank; both decided before anything is written;
         3. the plan (``_plan_for``, cached; checked across ranks when new);
-        4. the hot step: momentum moved to the matrices' owners where needed, AdamW, then the
-           Muon batches (``_muon_step``: momentum, paths, Newton-Schulz, update).
+        4. the hot step (``_hot_step``): the non-finite gate where it is decided on the device,
+           momentum moved to the matrices' owners where needed, AdamW, then the Muon batches
+           (``_muon_step``: momentum, paths, Newton-Schulz, update). With ``capture_after`` it is
+           captured in a CUDA graph once warm and replayed (muonlab.optim.step_graph).
         """
         loss = None
         if closure is not None:
@@ -645,8 +647,8 @@ class Muon(MomentumHomes, SavedState, Optimizer):
             return loss
         if mode == "replay":
             graph.replay()
-            stats, gate = graph.captured_stats
-            self._stats, self._stats_gate, self._stats_tracer = dict(stats, seconds={}), gate, self._tracer
+            stats, stats_gate = graph.captured_stats  # the gate's flags are the graph's: this replay's
+            self._stats, self._stats_gate, self._stats_tracer = dict(stats, seconds={}), stats_gate, self._tracer
             return loss
         if mode == "capture":
             graph.capture(lambda: self._hot_step(prepared, counter, seconds))
@@ -824,8 +826,9 @@ class Muon(MomentumHomes, SavedState, Optimizer):
             for group, params in work[kind]:
                 fields = ()
                 if settings:
-                    fields = tuple((k, float(group[k]) if torch.is_tensor(group[k]) else group[k])
-                                   for k in SETTINGS[kind])
+                    # a tensor setting read here, where ranks already disagree (the digest holds its kind only)
+                    fields = tuple((k, f"tensor {float(group[k]):g} ({group[k].dtype} on {group[k].device.type})"
+                                    if torch.is_tensor(group[k]) else group[k]) for k in SETTINGS[kind])
                 if kind == "muon":
                     fields += (("newton_schulz", repr(self._ns_config(group))),)
                 for p in params:
@@ -898,8 +901,9 @@ class Muon(MomentumHomes, SavedState, Optimizer):
 
     def _adamw_group(self, group: dict, params: list[torch.Tensor], gate: StepGate | None = None) -> None:
         items = [(p, p, self._state_for(p, "adamw")) for p in params]
-        if gate is not None or isinstance(group["lr"], torch.Tensor) or self._step_graph is not None:
-            # bias corrections on the device: the step count lives with the parameter
+        # no host read (muonlab.optim.functional.adamw_): the step count lives with the parameter
+        on_device = gate is not None or isinstance(group["lr"], torch.Tensor) or self._step_graph is not None
+        if on_device:
             for p in params:
                 step = self.state[p]["step"]
                 if step.device != local_shard(p).device:
@@ -908,7 +912,6 @@ class Muon(MomentumHomes, SavedState, Optimizer):
         beta1 = group.get("momentum", beta1)  # a scheduler cycling momentum: see the class docstring
         # one parameter at a time (adamw_ is a loop over its lists, so this is the same arithmetic):
         # only the state being updated is on the device
-        on_device = gate is not None or isinstance(group["lr"], torch.Tensor) or self._step_graph is not None
         for p, (exp_avg, exp_avg_sq) in self._offload.each(items, ("exp_avg", "exp_avg_sq")):
             F.adamw_(
                 [local_shard(p)], [local_shard(p.grad)], [exp_avg], [exp_avg_sq], [self.state[p]["step"]],

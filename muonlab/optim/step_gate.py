@@ -64,6 +64,7 @@ class StepGate:
         if self._go is None:
             if self._work is not None:
                 self._work.wait()
+                self._work = None  # done: nothing live kept (a copy of the optimizer copies its stats)
             self._go = self._flags.sum().eq(0)
         return self._go
 

@@ -81,6 +81,10 @@ def drift_after_the_first_step(layout: str, drift: str, side_group: bool = False
         params["w1"].grad = None
     elif last and drift == "lr":
         opt.param_groups[0]["lr"] = 0.04
+    elif last and drift == "tensor_lr":
+        opt.param_groups[0]["lr"] = torch.tensor(0.02)
+    elif last and drift == "decision":
+        opt.nonfinite_decision = "device"
     elif last and drift == "adamw_grad":
         bias.grad = None
     elif last and drift == "extra":

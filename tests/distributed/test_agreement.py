@@ -12,12 +12,14 @@ EXPECTED = {
     "lr": r"muon parameter 'w0': lr 0.02 on rank 0, 0.04 on rank 1",
     "adamw_grad": r"adamw parameter 'bias' has a gradient on rank 0 and none on rank 1",
     "extra": r"muon parameter 'extra' has a gradient on rank 1 and none on rank 0",
+    "tensor_lr": r"muon parameter 'w0': lr 0.02 on rank 0, 'tensor 0.02 \(torch.float32 on cpu\)' on rank 1",
+    "decision": r"options of the step: nonfinite_decision 'host' on rank 0, 'device' on rank 1",
 }
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("layout, drift", [("fsdp", "grad"), ("fsdp", "lr"), ("ddp", "adamw_grad"),
-                                           ("ddp", "extra")])
+                                           ("ddp", "extra"), ("fsdp", "tensor_lr"), ("ddp", "decision")])
 def test_a_rank_that_drifts_after_the_first_step_is_named_on_every_rank(layout, drift):
     import re
 
