@@ -81,16 +81,15 @@ def _same(a, b) -> bool:
         x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x) for x, y in zip(sa, sb))
 
 
-def _pair(**captured_options):
-    """An eager optimizer and one capturing after 2 steps, each on its copy of the same CUDA
-    parameters, with tensor lrs (a scheduler fills them in place); and the gradients."""
-    grads = [torch.randn(s, generator=torch.Generator().manual_seed(50 + i)).cuda() for i, s in enumerate(SHAPES)]
+def _pair(device="cuda", capture_after=2):
+    """An eager optimizer and one capturing after ``capture_after`` steps, each on its copy of the
+    same parameters, with tensor lrs (a scheduler fills them in place); and the gradients."""
+    grads = [torch.randn(s, generator=torch.Generator().manual_seed(50 + i)).to(device) for i, s in enumerate(SHAPES)]
     runs = []
-    for capture_after in (None, 2):
-        params = _params("cuda")
-        lrs = dict(lr=torch.tensor(0.02, device="cuda"), adamw_lr=torch.tensor(3e-3, device="cuda"))
-        opt = _muon(params, capture_after=capture_after, **lrs, **(captured_options if capture_after else {}))
-        runs.append((opt, params))
+    for after in (None, capture_after):
+        params = _params(device)
+        lrs = dict(lr=torch.tensor(0.02, device=device), adamw_lr=torch.tensor(3e-3, device=device))
+        runs.append((_muon(params, capture_after=after, **lrs), params))
     return runs, grads
 
 
@@ -128,15 +127,10 @@ def test_a_changed_setting_or_moved_gradients_capture_again_with_a_warning():
 
 
 @cuda
-def test_a_replayed_step_makes_no_host_synchronisation():
+def test_a_replayed_step_makes_no_host_synchronisation(cuda_sync_errors):
     runs, grads = _pair()
     captured, params = runs[1]
     _steps(captured, params, grads, 4)
     assert captured._step_graph.captured
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with cuda_sync_errors():
         captured.step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
