@@ -183,8 +183,10 @@ def build_optimizer(kind: str, params: list[tuple[str, torch.nn.Parameter]], mes
     if kind.startswith("muonlab"):
         nonfinite = "ignore" if kind.endswith("ignore") else "skip"
         rule = dict(update_rule="normuon", normuon_beta2=NORMUON_BETA2) if kind.endswith("normuon") else {}
+        decision = "device" if kind.endswith("device") else "host"
         return Muon(params, lr=LR, momentum=MOMENTUM, nesterov=True, weight_decay=0.0, eps=EPS,
-                    adjust_lr="match_rms_adamw", nonfinite=nonfinite, ns_form="plain", **rule)
+                    adjust_lr="match_rms_adamw", nonfinite=nonfinite, nonfinite_decision=decision, ns_form="plain",
+                    **rule)
     cls = _import_peer(kind)
     tensors = [p for _, p in params]
     kw = dict(lr=LR, mu=MOMENTUM, weight_decay=0.0, epsilon=EPS, nesterov=True, adjust_lr="rms_norm",

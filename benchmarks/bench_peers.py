@@ -64,6 +64,8 @@ XTUNER = dict(repo="InternLM/xtuner", commit="3b6701a1d9dec1e3ab619d82b6edc1518b
               files=("xtuner/v1/optim/muon.py", "xtuner/v1/optim/newton_schulz_triton.py"))
 KINDS = ["muonlab", "muonlab-again", "muonlab-ignore", "dion", "xtuner"]
 NORMUON_KINDS = ["muonlab-normuon", "dion-normuon"]
+OPTIONAL_KINDS = NORMUON_KINDS + ["muonlab-device"]
+"""Run on request only; muonlab-device: the non-finite skip decided on the device (nonfinite_decision="device")."""
 """NorMuon (update_rule="normuon"; Dion's NorMuon class), on request (``--kinds``): not in the default run."""
 
 
@@ -241,7 +243,7 @@ def main(argv=None):
     ap.add_argument("--small-rounds", type=int, default=400, help="timed rounds of the small48 set")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--mirrors", default="/work/.mirror")
-    ap.add_argument("--kinds", nargs="+", choices=KINDS + NORMUON_KINDS, default=KINDS,
+    ap.add_argument("--kinds", nargs="+", choices=KINDS + OPTIONAL_KINDS, default=KINDS,
                     help="the optimizers to run (muonlab is always in: the ratios are to it)")
     ap.add_argument("--out", default=None, help="default: results/peers.md, peers_check.md without peers, "
                                                 "peers_normuon.md with a NorMuon kind")
@@ -252,7 +254,7 @@ def main(argv=None):
         missing = fetch_peers(Path(args.mirrors))
         print("\n".join(f"{p}: {why or 'present'}" for p, why in missing.items()))
         return
-    wanted = ["muonlab"] + [k for k in KINDS + NORMUON_KINDS if k in args.kinds and k != "muonlab"]
+    wanted = ["muonlab"] + [k for k in KINDS + OPTIONAL_KINDS if k in args.kinds and k != "muonlab"]
     peers_wanted = [k for k in ("dion", "xtuner") if any(w.split("-")[0] == k for w in wanted)]
     missing = fetch_peers(Path(args.mirrors)) if peers_wanted else {}
     for peer, why in missing.items():
@@ -287,6 +289,8 @@ def main(argv=None):
         *sections,
         "'time / muonlab' > 1: slower than muonlab with its non-finite check on. "
         "muonlab-ignore is muonlab with nonfinite=\"ignore\": its ratio is the safety check's cost. "
+        "muonlab-device (when asked for) decides the check's skip on the device (nonfinite_decision=\"device\": "
+        "no flag read, one all-reduce of W flags, every write masked). "
         "muonlab-again is a second muonlab, identical to the first (check on): its ratio, 1 in a perfect measurement, "
         "is this run's noise floor for such an A/B. bytes / bound: goal <= 1.005 for muonlab. "
         "muonlab-normuon and dion-normuon (when asked for) are NorMuon (beta2 0.95): their error column compares "

@@ -13,18 +13,20 @@ can't be captured in a CUDA graph. Under ``nonfinite_decision="device"`` nothing
    state passes ``go`` (no rank flagged):
 
    - the grads the momentum reads are ``where(go, g, ...)``: a NaN never reaches the momentum;
-   - momentum, AdamW moments and step counts, and an update rule's state are written as
-     ``where(go, new, old)``, computed from the same operations as the host decision's;
+   - momentum ("sum" form), AdamW moments and step counts, and an update rule's state are written
+     as ``where(go, new, old)``, computed from the same operations as the host decision's ("ema"
+     momentum needs no more than its masked grad: lerp(m, m, w) is m);
    - the parameters: the decayed copy through ``where``, the update zeroed by ``masked_fill``.
 
    A step that goes writes the same bits as under the host decision (tested on the CPU, AdamW
    included: its step count and bias corrections are device tensors here, and the arithmetic keeps
-   the host path's order). A skipped step leaves parameters and state exactly as they were.
+   the host path's order). A skipped step leaves parameters and state exactly as they were (a
+   skipped first step makes its state, as zeros, where the host decision makes none).
 4. what the step's stats say of it (skipped, which ranks, ``skipped_steps``) is read when asked.
 
 This is how torch's capturable optimizers take GradScaler's ``found_inf``; the cost is the extra
 elementwise passes of the masked writes, which the host decision doesn't pay
-(benchmarks/bench_optimizer_step.py ``--sets gate``).
+(benchmarks/bench_optimizer_step.py ``--sets variants``, and bench_peers.py's ``muonlab-device``).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ NONFINITE_DECISIONS = ("host", "device")
 class StepGate:
     """One step's decision, on the device: ``go`` is a 0-dim bool tensor, True when no rank of the
     step's group had a non-finite gradient. Made by ``decide``; read on the host only by
-    ``skipped`` and ``flagged_ranks``."""
+    ``flagged_ranks``."""
 
     def __init__(self, flags: torch.Tensor, ranks: list[int], work=None):
         self._flags, self._ranks, self._work = flags, ranks, work
@@ -68,13 +70,10 @@ class StepGate:
             self._go = self._flags.sum().eq(0)
         return self._go
 
-    def skipped(self) -> bool:
-        """Whether the step was skipped (a host read: on a GPU, one synchronisation)."""
-        return not bool(self.go)
-
     def flagged_ranks(self) -> list[int]:
-        """The global ranks whose gradients were non-finite (a host read)."""
-        self.go  # the all-reduce is done
+        """The global ranks whose gradients were non-finite (a host read: on a GPU, one
+        synchronisation); none when the step went."""
+        _ = self.go  # the all-reduce waited on
         return [rank for rank, flag in zip(self._ranks, self._flags.tolist()) if flag > 0]
 
     # ---------------------------------------------------------------- the masked writes
