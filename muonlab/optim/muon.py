@@ -72,8 +72,8 @@ def _why_captured_again(old: tuple, new: tuple) -> str:
     if old[0] != new[0]:
         return "the prepared step changed: which parameters have gradients, a plan setting or an option"
     if old[1] != new[1]:
-        return ("a setting changed (a float lr under a scheduler makes a new capture at every step: give lr as a "
-                "tensor on the parameters' device, which a scheduler fills in place)")
+        return ("a setting changed (a float lr under a scheduler keeps the step eager: give lr as a tensor on the "
+                "parameters' device, which a scheduler fills in place)")
     return ("a parameter or gradient moved: zero_grad(set_to_none=True), torch's default, makes new gradients "
             "each step; use zero_grad(set_to_none=False)")
 
@@ -259,7 +259,7 @@ class Muon(MomentumHomes, SavedState, Optimizer):
             replay (muonlab.optim.step_graph). Needs nonfinite_decision="device" (or
             nonfinite="ignore"), ns_graphs=False, no state_offload, CUDA parameters, and
             gradients kept in place (``zero_grad(set_to_none=False)``); a scheduler's lr should
-            be a tensor on the parameters' device (a float lr that changes makes a new capture).
+            be a tensor on the parameters' device (a float lr that changes keeps the step eager).
             A replayed step records no spans; its stats keep bytes and the skip, not seconds.
 
     Distributed: ``plan()`` says which path each batch takes and what it moves and computes;

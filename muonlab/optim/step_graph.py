@@ -12,10 +12,11 @@ What the graph reads must stay where it was at capture, so the key holds, beside
 step's key and the settings, the addresses of every parameter and gradient this step reads: a
 gradient made anew (``zero_grad(set_to_none=True)``, torch's default) or a setting changed (a float
 lr under a scheduler) drops the graph and the step warms up and captures again, with a warning
-saying why. A tensor lr on the parameters' device is read by the graph where a scheduler fills
-it, so it changes nothing here. ``release()`` drops the graph (and its memory pool): Muon calls it
-when its state is loaded, and a run should call it before ``dist.destroy_process_group()``, whose
-NCCL communicators a live graph holds.
+saying why (a key that changes at every step, a float lr under a scheduler, keeps the step eager).
+A tensor lr on the parameters' device is read by the graph where a scheduler fills it, so it
+changes nothing here. ``release()`` drops the graph (and its memory pool): Muon calls it when its
+state is loaded, and a run should call it (``Muon.drop_captured_step()``) before
+``dist.destroy_process_group()``, whose NCCL communicators a live graph holds.
 
 A replay records no spans: a replayed step's ``last_step_stats()`` gives the captured step's bytes
 and calls, whether it was skipped and by which ranks (read from the replay's own flags), and no
