@@ -1,12 +1,15 @@
 """Muon(capture_after=N): the hot step captured whole in a CUDA graph (muonlab.optim.step_graph).
 
-The options it needs are refused by name on any machine; the capture itself (replays bit for bit
-the eager steps, a new capture when a setting or a gradient's place changes, no host
-synchronisation in a replayed step) is checked on CUDA only.
+The options it needs are refused by name on any machine, and what a graph assumes of the step is
+checked on the CPU: every steady step makes the same torch calls with the same arguments, skipped
+or not, whatever the lr a scheduler put in its tensor. The capture itself (replays bit for bit the
+eager steps, a new capture when a setting or a gradient's place changes, no host synchronisation
+in a replayed step) is checked on CUDA only.
 """
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from muonlab import Muon
 
@@ -134,3 +137,71 @@ def test_a_replayed_step_makes_no_host_synchronisation(cuda_sync_errors):
     assert captured._step_graph.captured
     with cuda_sync_errors():
         captured.step()
+
+
+# ---------------------------------------------------------------- what a CUDA graph assumes, checked on the CPU
+
+
+class _Program(TorchFunctionMode):
+    """Every torch call a block makes, as (function, its arguments described): tensors by shape,
+    dtype and device, numbers and strings by value. A CUDA graph replays one such program with
+    the values of its tensors changing; a step that makes another program (a branch taken on a
+    host value) or passes other numbers (a value read on the host, baked at capture) can't be
+    replayed."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self.calls.append((getattr(func, "__qualname__", str(func)), _described(args),
+                           _described(sorted(kwargs.items()))))
+        return func(*args, **kwargs)
+
+
+def _described(value):
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), value.dtype, value.device.type)
+    if isinstance(value, (list, tuple)):
+        return tuple(_described(v) for v in value)
+    if value is None or isinstance(value, (bool, int, float, str, torch.dtype, torch.device)):
+        return value
+    return type(value).__name__
+
+
+def _programs(device_decision: bool, tensor_lr: bool, steps: int = 6, bad_at: int = 4, **options):
+    """The program of each step after the first two, with a scheduler and a NaN at ``bad_at``."""
+    params = _params("cpu")
+    lrs = dict(lr=torch.tensor(0.02), adamw_lr=torch.tensor(3e-3)) if tensor_lr else dict(lr=0.02, adamw_lr=3e-3)
+    opt = _muon(params, nonfinite_decision="device" if device_decision else "host", **lrs, **options)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.9 ** s)
+    grads = [torch.randn(s, generator=torch.Generator().manual_seed(50 + i)) for i, s in enumerate(SHAPES)]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    programs = []
+    for step in range(steps):
+        for p, g in zip(params, grads):
+            p.grad.copy_(g * (1 + step))
+        if step == bad_at:
+            params[0].grad.view(-1)[3] = float("nan")
+        with _Program() as program:
+            opt.step()
+        sched.step()
+        if step >= 2:
+            programs.append(program.calls)
+    return programs
+
+
+@pytest.mark.parametrize("options", [dict(), dict(update_rule="normuon", momentum_form="sum")])
+def test_a_steady_step_on_the_device_is_one_program_whatever_its_values(options):
+    """What capture_after relies on: with the skip decided on the device and a tensor lr, steps
+    with other gradients, another lr from the scheduler and a skipped step make the same torch
+    calls with the same arguments. The host decision (a skipped step runs nothing) and a float
+    lr under a scheduler (each step passes another number) do not: made to fail here."""
+    first, *others = _programs(device_decision=True, tensor_lr=True, **options)
+    assert len(first) > 50 and all(calls == first for calls in others)
+    host = _programs(device_decision=False, tensor_lr=True, **options)
+    assert any(calls != host[0] for calls in host[1:])  # the skipped step at 4 ran nothing
+    floats = _programs(device_decision=True, tensor_lr=False, **options)
+    assert any(calls != floats[0] for calls in floats[1:])  # lr * ratio changed with the schedule
