@@ -27,6 +27,8 @@ from .kernels.config import NSConfig, ns_flops
 from .kernels.newton_schulz import resolve_dtype, resolve_form
 from .kernels.runner import matrices_within
 from .optim.routing import muon_param_groups
+from .optim.rule_step import refuse_unfit_for, with_rule_sums
+from .optim.rules import RULES
 from .optim.validation import check_comm_dtype, check_workspace_bytes, checked_fused_banks, whole_number
 
 SIMULATED_STRATEGIES = ("muonlab",) + REFERENCE_STRATEGIES
@@ -153,6 +155,7 @@ def simulate(
     ns_dtype: torch.dtype | str = torch.bfloat16,
     ns_backend: str = "torch",
     device: torch.device | str | None = None,
+    update_rule: str = "muon",
 ) -> Plan:
     """The plan (records as ``Muon.plan()``) for these Muon matrices on a mesh.
 
@@ -181,7 +184,13 @@ def simulate(
             (``ns_dtype="auto"``, and where ``ns_form="auto"`` keeps the plain form: a 16-bit
             dtype on a CPU without fp16 matmul); None: a GPU's. A plan to compare with a run
             passes the run's device (its workers' ``rank_device()``) and its ``ns_dtype``.
+        update_rule: every matrix's update rule (a key of muonlab.optim.rules.RULES), as Muon's:
+            "normuon" adds, per batch whose matrices' rows lie on several ranks, the all-reduce of
+            its norms (``BatchPlan.rule_sums``, priced by the cost model), and refuses the layouts
+            a run refuses.
     """
+    if update_rule not in RULES:
+        raise ValueError(f"unknown update_rule {update_rule!r}; choose one of {sorted(RULES)}")
     if strategy not in SIMULATED_STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; choose one of {SIMULATED_STRATEGIES}")
     check_workspace_bytes(workspace_bytes)
@@ -219,8 +228,12 @@ def simulate(
             def limit(shape, cfg):
                 dtype = resolve_dtype(ns_dtype, run_device, shape)
                 return matrices_within(workspace_bytes, shape, dtype, cfg, reuses_input=True)
-        return plan_batches(specs, configs, comm_itemsize=itemsize, remainder_path=remainder_path, profile=profile,
+        rule = RULES[update_rule]
+        for spec in specs:
+            refuse_unfit_for(rule, spec)
+        plan = plan_batches(specs, configs, comm_itemsize=itemsize, remainder_path=remainder_path, profile=profile,
                             max_local_matrices=limit)
+        return with_rule_sums(plan, {s.index: s for s in specs}, lambda i: rule)
     return reference_plan(strategy, specs, configs, comm_itemsize=itemsize)
 
 

@@ -4,6 +4,7 @@ The model is deliberately small (an alpha-beta model per collective plus a matmu
 
     comm(batch)    = collectives x latency (once per wave: see planner/coalesce.py) + max over ranks of
                      max(intra-node bytes / intra_bw, inter-node bytes / inter_bw)
+                     + the update rule's all-reduce, if it has one (NorMuon's norms: rule_seconds)
     compute(batch) = per-rank Newton-Schulz FLOPs / matmul rate
     step           = the engine's pipeline replayed with these times (see step_seconds)
 
@@ -92,8 +93,21 @@ def _latency(batch: BatchPlan, profile: HardwareProfile) -> float:
     return PATHS[batch.path].collectives * profile.latency_s if batch.pays_latency else 0.0
 
 
+def rule_seconds(batch: BatchPlan, profile: HardwareProfile) -> float:
+    """Its update rule's all-reduce (``BatchPlan.rule_sums`` fp32 numbers over its group; NorMuon's
+    norms): one collective's latency, and a ring's 2 (W - 1) / W of the bytes at the slower link.
+    Counted with the batch's communication: an upper bound, as the run issues it async and
+    applies the batch once the next one is back (muonlab.optim.rule_step)."""
+    if not batch.rule_sums or batch.group is None or batch.group.size <= 1:
+        return 0.0
+    world = batch.group.size
+    link = profile.inter_bw if world > profile.ranks_per_node else profile.intra_bw
+    return profile.latency_s + 2 * (world - 1) / world * 4 * batch.rule_sums / link
+
+
 def comm_seconds(batch: BatchPlan, profile: HardwareProfile) -> float:
-    """Modelled seconds of a batch's communication: ``collectives x latency`` plus the slowest rank.
+    """Modelled seconds of a batch's communication: its path's ``collectives x latency`` plus the
+    slowest rank (below), and its update rule's all-reduce where it has one (``rule_seconds``).
 
     A group-local rank r moves ``traffic = max(bytes_sent[r], bytes_recv[r])``. Its PEERS are the
     ranks it exchanges with: the other members of its slice of the batch's group axis (global
@@ -106,6 +120,11 @@ def comm_seconds(batch: BatchPlan, profile: HardwareProfile) -> float:
     A batch without a group keeps the old node-major guess: (min(ranks_per_node, n) - 1) / (n - 1)
     of every rank's bytes intra-node, n = its number of per-rank entries.
     """
+    return _paths_seconds(batch, profile) + rule_seconds(batch, profile)
+
+
+def _paths_seconds(batch: BatchPlan, profile: HardwareProfile) -> float:
+    """``comm_seconds`` of the path's own collectives."""
     size = len(batch.bytes_sent) or 1
     if size <= 1 or not any(batch.bytes_sent):
         return 0.0

@@ -35,7 +35,7 @@ from .replicas import check_ranks_agree
 from .saved_state import STATE_KEYS, SavedState
 from .step_gate import NONFINITE_DECISIONS, StepGate
 from .step_graph import StepGraph, check_capture
-from .rule_step import RuleStage, ensure_rule_state, refuse_unfit, rule_of, state_shapes
+from .rule_step import RuleStage, ensure_rule_state, refuse_unfit, rule_of, state_shapes, with_rule_sums
 from .rules import RULES
 from .prepared import PreparedStep, group_key, settings_values, step_digest
 from .routing import check_not_flat
@@ -978,6 +978,7 @@ class Muon(MomentumHomes, SavedState, Optimizer):
                 remainder_path=self.remainder_path, strategy=self.strategy, profile=self.hardware_profile,
                 max_local_matrices=self._max_local_matrices,
             )
+            plan = with_rule_sums(plan, {s.index: s for s in specs}, lambda i: rule_of(entries[i][0]))
             owners = {}
             for b in plan:
                 if b.part is not None:  # a bank that can't be cut raises here, before anything changes

@@ -15,12 +15,14 @@ the parameters' device under ``state_offload``: it is one number per row, 1/cols
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
-from ..comm.records import BatchPlan, part_range
+from ..comm.records import BatchPlan, Plan, part_range
 from ..comm.specs import MatrixSpec, default_view, local_shard
 from .rules import RULES, RowsHeld, UpdateRule
 
@@ -48,11 +50,28 @@ def ensure_rule_state(state: dict, group: dict, p: torch.Tensor, view: str) -> N
 
 def refuse_unfit(group: dict, spec: MatrixSpec) -> None:
     """A ValueError naming the parameter when its group's rule can't update its layout."""
-    rule = rule_of(group)
+    refuse_unfit_for(rule_of(group), spec)
+
+
+def refuse_unfit_for(rule: UpdateRule, spec: MatrixSpec) -> None:
+    """``refuse_unfit`` with the rule given (a simulation has no groups)."""
     why = rule.refusal(spec)
     if why:
         raise ValueError(f"update_rule={rule.name!r} can't update parameter {spec.name!r} of shape "
                          f"{tuple(spec.shape)}: {why}")
+
+
+def with_rule_sums(plan: Plan, specs: dict[int, MatrixSpec], rule_for: Callable[[int], UpdateRule]) -> Plan:
+    """``plan`` with each batch's ``rule_sums``: what its matrices' update rules (``rule_for(i)``
+    of Muon entry i) add across the batch's group once it is back, as ``RuleStage`` sends it."""
+    batches = []
+    for b in plan:
+        sums = 0
+        if b.group is not None and b.group.size > 1:
+            sums = sum(rule_for(i).sums_per_matrix * specs[i].num_matrices for i in b.param_indices
+                       if specs[i].layout in ROW_SPLIT_LAYOUTS)
+        batches.append(dataclasses.replace(b, rule_sums=sums) if sums else b)
+    return Plan(tuple(batches))
 
 
 def rows_held(spec: MatrixSpec, update: torch.Tensor, group_rank: int) -> RowsHeld:

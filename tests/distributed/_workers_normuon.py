@@ -94,10 +94,14 @@ def run(kind: str) -> dict:
     for step in range(STEPS):
         _set_grads(params, step)
         opt.step()
-    calls = opt.last_step_stats()["calls"]
+    stats = opt.last_step_stats()
+    calls = stats["calls"]
+    # what the plan says the norms' all-reduce moves (a ring: 2 (W - 1) / W of its fp32 bytes, as counted)
+    planned = sum(2 * (b.group.size - 1) * 4 * b.rule_sums // b.group.size for b in opt.plan() if b.rule_sums)
     if kind == "ddp":
         opt.consolidate_state()
-    result = dict(calls=calls, params={n: full(p) for n, p in params},
+    result = dict(calls=calls, params={n: full(p) for n, p in params}, planned_rule_bytes=planned,
+                  counted_rule_bytes=stats["bytes_sent"].get("normuon", 0),
                   variances={n: full(opt.state[p]["row_variance"]) for n, p in params},
                   layouts=sorted({(b.path, b.names) for b in opt.plan()}))
     if kind == "ddp":

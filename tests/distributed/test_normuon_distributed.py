@@ -38,6 +38,8 @@ def test_normuon_on_ranks_equals_one_process(world_results, kind):
             assert _relative(got["params"][name], want) <= TOLERANCE, (world, kind, rank, name)
             assert _relative(got["variances"][name], ref["variances"][name]) <= TOLERANCE, (world, kind, rank, name)
     calls = results[0][kind]["calls"].get("normuon", 0)
+    for rank, res in results.items():  # the plan's rule_sums (its cost model's) are what the step sent
+        assert res[kind]["planned_rule_bytes"] == res[kind]["counted_rule_bytes"], (world, kind, rank)
     if kind in ("fsdp", "hsdp"):  # the cases the test is for did occur; the norms' all-reduce was counted
         paths = {path for path, _ in results[0][kind]["layouts"]}
         assert paths & {"all_to_all", "agrs"} and paths & {"gather_all", "subgroup", "blocks"}, paths

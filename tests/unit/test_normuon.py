@@ -186,3 +186,27 @@ def test_row_scaled_update_equals_scaling_then_adding(dtype):
     assert torch.allclose(p.float(), want, atol=tol) and torch.allclose(strided.float(), want, atol=tol)
     empty = torch.empty(0, 4, dtype=dtype)
     F.muon_apply_([empty], [torch.empty(0, 4)], lr=0.1, weight_decay=0.0, ratios=[1.0], row_scales=[torch.empty(0)])
+
+
+def test_simulate_prices_the_norms_all_reduce_where_rows_span_ranks():
+    """simulate(update_rule="normuon"): a batch of row-sharded matrices carries two sums per matrix
+    (``rule_sums``, what the run sends: checked against the counted bytes in
+    tests/distributed/test_normuon_distributed.py) and the cost model one more collective for it;
+    replicated matrices (whole on their owner) carry none; a layout the run refuses is refused."""
+    from muonlab.comm.cost import get_profile, rule_seconds, step_seconds
+    from muonlab.simulate import simulate
+
+    shapes = [("qkv", (2304, 768)), ("proj", (768, 768)), ("fc", (3072, 768)), ("out", (768, 3072))] * 2
+    shapes = [(f"{name}{k}", shape) for k, (name, shape) in enumerate(shapes)]
+    profile = get_profile("h100_node")
+    muon, normuon = simulate(shapes, 64), simulate(shapes, 64, update_rule="normuon")
+    assert [b.path for b in normuon] == [b.path for b in muon] and not any(b.rule_sums for b in muon)
+    assert [b.rule_sums for b in normuon] == [2 * b.num_matrices for b in normuon]
+    extra = step_seconds(normuon, profile) - step_seconds(muon, profile)
+    assert extra >= len(normuon) * profile.latency_s > 0
+    assert all(rule_seconds(b, profile) > profile.latency_s for b in normuon)
+    assert not any(b.rule_sums for b in simulate(shapes, 64, layout="ddp", update_rule="normuon"))
+    with pytest.raises(ValueError, match=r"update_rule='normuon' can't update parameter 'out3' .*transpose"):
+        simulate(shapes, 64, update_rule="normuon", matrix_views={"out3": "transpose"})
+    with pytest.raises(ValueError, match="unknown update_rule 'adam'"):
+        simulate(shapes, 64, update_rule="adam")

@@ -52,6 +52,9 @@ class UpdateRule:
     """Why a matrix (a ``muonlab.comm.specs.MatrixSpec``) can't take this rule, or None."""
     state_shape: Callable[[tuple[int, ...], str], tuple[int, ...]] = lambda shape, view: shape
     """The global shape of its state for a parameter of ``shape`` read with matrix view ``view``."""
+    sums_per_matrix: int = 0
+    """How many fp32 numbers per matrix its transform sums across the ranks holding a matrix's
+    rows (the size of what it yields, per matrix): what the plan and its cost model count."""
     transform: Callable | None = None
     """``transform(updates, states, held, settings)``, a generator: the updates this rank holds (one
     per parameter of a batch, its local rows), each parameter's state tensors (local, in

@@ -94,5 +94,6 @@ RULE = UpdateRule(
     check_settings=_check,
     refusal=_refusal,
     state_shape=_state_shape,
+    sums_per_matrix=2,  # ||O||_F^2 and ||O_hat||_F^2
     transform=normalize,
 )
