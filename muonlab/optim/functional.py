@@ -154,7 +154,8 @@ def muon_apply_(
 
     ``row_scales`` (an update rule's, see muonlab.optim.rules): per matrix None, or a 1-D fp32
     scale of each row of O read as (len(scale), -1): X -= lr * ratio * scale[:, None] * O, in one
-    ``addcmul_`` per matrix (no scaled copy of O).
+    ``addcmul_`` per matrix (no scaled copy of O); or a (1, cols) scale of each column of O read
+    as (-1, cols).
 
     ``gate`` (a muonlab.optim.step_gate.StepGate): the parameters change only if the step goes:
     the decayed parameter is committed through it, and each update (overwritten: it is the step's
@@ -213,8 +214,12 @@ def _add_row_scaled(params, updates, *, lr: float, ratios, row_scales) -> None:
         if p.numel() == 0:  # an empty shard: no rows here
             continue
         o = o.float() if p.dtype == torch.float16 else o
-        scale = scale.to(p.device).unsqueeze(1)
-        shape = (scale.shape[0], p.numel() // scale.shape[0])
+        scale = scale.to(p.device)
+        if scale.dim() == 1:  # one per row
+            scale = scale.unsqueeze(1)
+            shape = (scale.shape[0], p.numel() // scale.shape[0])
+        else:  # (1, cols): one per column
+            shape = (p.numel() // scale.shape[1], scale.shape[1])
         if p.is_contiguous():
             p.view(shape).addcmul_(o.reshape(shape), scale, value=-lr * ratio)
         else:  # a strided view of a parameter: the scaled update in full, then one add

@@ -56,9 +56,11 @@ def reference_muon_step(
         ortho = torch.stack([
             reference_newton_schulz(m, ns_steps, ns_coefficients, eps, ns_dtype).float() for m in matrices
         ])
-        if update_rule == "normuon":
+        if update_rule == "normuon":  # per neuron: the rows of (out, in), stored columns for "transpose"
+            neurons = ortho.transpose(-2, -1) if view == "transpose" else ortho
             variances = var.view(len(matrices), -1, 1)
-            ortho = torch.stack([reference_normuon(o, v, normuon_beta2) for o, v in zip(ortho, variances)])
+            neurons = torch.stack([reference_normuon(o, v, normuon_beta2) for o, v in zip(neurons, variances)])
+            ortho = neurons.transpose(-2, -1) if view == "transpose" else neurons
         ortho = ortho.reshape(u.shape)
         ratio = adjust_lr_ratio(spec.lr_shape, adjust_lr)
         p.mul_(1 - lr * weight_decay)

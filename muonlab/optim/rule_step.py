@@ -24,10 +24,7 @@ import torch.distributed as dist
 
 from ..comm.records import BatchPlan, Plan, part_range
 from ..comm.specs import MatrixSpec, default_view, local_shard
-from .rules import RULES, RowsHeld, UpdateRule
-
-ROW_SPLIT_LAYOUTS = ("row_shard", "subgroup", "blocks", "gather_all")
-"""Layouts whose matrices' rows lie on several ranks of the group (with shard dim 0)."""
+from .rules import ROW_SPLIT_LAYOUTS, RULES, RowsHeld, UpdateRule
 
 
 def rule_of(group: dict) -> UpdateRule:
@@ -84,7 +81,8 @@ def rows_held(spec: MatrixSpec, update: torch.Tensor, group_rank: int) -> RowsHe
         per_entry = 1 if spec.view == "flatten" else math.prod(spec.shape[1:-1])
         first = sum(spec.rows[:group_rank]) * per_entry
         return RowsHeld(matrix_rows, cols, first, spec.num_matrices, spans_ranks=True)
-    return RowsHeld(matrix_rows, cols, 0, local_rows // matrix_rows, spans_ranks=False)
+    return RowsHeld(matrix_rows, cols, 0, local_rows // matrix_rows, spans_ranks=False,
+                    columns=spec.view == "transpose")
 
 
 def rule_part(batch: BatchPlan, state: torch.Tensor) -> torch.Tensor:

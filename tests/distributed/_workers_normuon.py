@@ -28,6 +28,8 @@ def shapes(kind: str) -> list[tuple[str, tuple[int, ...]]]:
     if kind == "ep":
         return [("experts_in", (6, 5, 4)), ("experts_out", (6, 4, 5)), ("few", (2, 3, 3))]
     out = [("uneven", (10, 7)), ("wide", (4, 9)), ("tiny", (2, 6)), ("qkv", (12, 6))]
+    if kind == "ddp":  # a weight stored (in, out): whole on every replica, its neurons are columns
+        return out + [("stored", (7, 10))]
     return out + [("conv", (6, 2, 3, 3))] if kind in ("fsdp", "hsdp") else out
 
 
@@ -43,10 +45,14 @@ def fused_for(kind: str) -> dict:
     return FUSED if kind != "ep" else {}
 
 
+def views_for(kind: str) -> dict:
+    return {"stored": "transpose"} if kind == "ddp" else {}
+
+
 def single_process(kind: str, steps: int = STEPS) -> dict:
     """The reference: the same tensors in one process, fp32 throughout."""
     params = [(n, torch.nn.Parameter(init_tensor(s, seed))) for seed, (n, s) in enumerate(shapes(kind))]
-    opt = Muon(params, ns_dtype=torch.float32, fused_banks=fused_for(kind), **HYPER)
+    opt = Muon(params, ns_dtype=torch.float32, fused_banks=fused_for(kind), matrix_views=views_for(kind), **HYPER)
     for step in range(steps):
         for seed, (_, p) in enumerate(params):
             p.grad = grad_for(p.shape, seed, step)
@@ -76,7 +82,7 @@ def _sharded(kind: str):
     params = list(module.named_parameters())
     pg = dist.group.WORLD if kind == "ddp" else None
     opt = Muon(params, ns_dtype=torch.float32, comm_dtype=torch.float32, fused_banks=fused_for(kind),
-               process_group=pg, **HYPER)
+               matrix_views=views_for(kind), process_group=pg, **HYPER)
     return module, params, opt
 
 

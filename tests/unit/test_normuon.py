@@ -12,9 +12,12 @@ from muonlab.optim.reference import reference_muon_step, reference_normuon
 from muonlab.optim.rules import RULES
 
 HYPER = dict(lr=0.05, momentum=0.9, weight_decay=0.1, normuon_beta2=0.9)
-# a tall and a wide matrix, a bank, a fused bank of 3 blocks and a conv kernel read as one matrix
-SHAPES = {"tall": (16, 8), "wide": (6, 20), "bank": (3, 8, 12), "fused": (12, 5), "conv": (6, 2, 3, 3)}
+# a tall and a wide matrix, a bank, a fused bank of 3 blocks, a conv kernel read as one matrix and
+# a weight stored (in, out) (transformers' Conv1D: its neurons are stored columns)
+SHAPES = {"tall": (16, 8), "wide": (6, 20), "bank": (3, 8, 12), "fused": (12, 5), "conv": (6, 2, 3, 3),
+          "stored": (8, 12)}
 FUSED = {"fused": 3}
+VIEWS = {"conv": "flatten", "stored": "transpose"}
 
 
 def _params(seed=0, dtype=torch.float32):
@@ -29,7 +32,8 @@ def _grads(step, dtype=torch.float32):
 
 def _run(steps=3, **kw):
     params = _params(dtype=kw.pop("dtype", torch.float32))
-    opt = Muon(params, ns_dtype=torch.float32, fused_banks=FUSED, **{**HYPER, "update_rule": "normuon", **kw})
+    opt = Muon(params, ns_dtype=torch.float32, fused_banks=FUSED, matrix_views={"stored": "transpose"},
+               **{**HYPER, "update_rule": "normuon", **kw})
     for step in range(steps):
         for n, p in params:
             p.grad = _grads(step, p.dtype)[n]
@@ -41,7 +45,7 @@ def test_normuon_equals_the_slow_reference_on_every_view():
     params, opt = _run()
     ref = {n: p.detach().clone() for n, p in _params()}
     bufs = {n: torch.zeros(s) for n, s in SHAPES.items()}
-    var = {n: RULES["normuon"].state_shape(s, "flatten" if n == "conv" else "") for n, s in SHAPES.items()}
+    var = {n: RULES["normuon"].state_shape(s, VIEWS.get(n, "")) for n, s in SHAPES.items()}
     var = {n: torch.zeros(s) for n, s in var.items()}
     names = list(SHAPES)
     for step in range(3):
@@ -51,7 +55,7 @@ def test_normuon_equals_the_slow_reference_on_every_view():
                             weight_decay=HYPER["weight_decay"], ns_steps=5, ns_coefficients="keller", eps=1e-7,
                             adjust_lr="original", momentum_form="ema", update_rule="normuon",
                             normuon_beta2=HYPER["normuon_beta2"], row_variances=[var[n] for n in names],
-                            num_fused=[FUSED.get(n, 1) for n in names])
+                            num_fused=[FUSED.get(n, 1) for n in names], views=[VIEWS.get(n, "") for n in names])
     plain = {n: p.detach() for n, p in _run(update_rule="muon")[0]}
     for n, p in params:
         err = float((p.detach() - ref[n]).abs().max() / ref[n].abs().max())
@@ -86,7 +90,8 @@ def test_resume_from_a_state_dict_is_bit_for_bit(dtype):
         p.grad = _grads(2, dtype)[n]
     opt.step()
     params2 = [(n, torch.nn.Parameter(saved[n].clone())) for n, _ in params]
-    opt2 = Muon(params2, ns_dtype=torch.float32, fused_banks=FUSED, **HYPER)  # the rule comes from the save
+    opt2 = Muon(params2, ns_dtype=torch.float32, fused_banks=FUSED, matrix_views={"stored": "transpose"},
+                **HYPER)  # the rule comes from the save
     buf.seek(0)
     opt2.load_state_dict(torch.load(buf, weights_only=False))
     assert opt2.param_groups[0]["update_rule"] == "normuon"
@@ -157,13 +162,15 @@ def test_bad_settings_and_unfit_layouts_are_refused_before_anything_changes():
         Muon([w], update_rule="normuon", normuon_beta2=1.0)
     with pytest.raises(TypeError, match="normuon_beta2"):
         Muon([{"params": [w], "normuon_beta2": "0.9"}])
-    stored = torch.nn.Parameter(torch.randn(8, 4))  # a Conv1D weight stored (in, out)
-    opt = Muon([("stored", stored)], update_rule="normuon", matrix_views={"stored": "transpose"})
-    before = stored.detach().clone()
-    stored.grad = torch.randn(8, 4)
-    with pytest.raises(ValueError, match=r"update_rule='normuon' can't update parameter 'stored' of shape \(8, 4\)"):
-        opt.step()
-    assert torch.equal(stored, before) and not opt.state[stored]
+    # a Conv1D weight stored (in, out) and sharded: its neurons' sums would span ranks
+    from muonlab.comm.specs import MatrixSpec
+    from muonlab.optim.rule_step import refuse_unfit_for
+
+    sharded = MatrixSpec(0, "stored", (8, 4), "row_shard", None, view="transpose")
+    with pytest.raises(ValueError, match=r"update_rule='normuon' can't update parameter 'stored' of shape "
+                                         r"\(8, 4\): .*where it is whole"):
+        refuse_unfit_for(RULES["normuon"], sharded)
+    refuse_unfit_for(RULES["normuon"], MatrixSpec(0, "stored", (8, 4), "whole", None, view="transpose"))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

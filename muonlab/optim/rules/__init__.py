@@ -7,7 +7,7 @@ optimizer reads its settings, state and transform from here. A new rule is one m
 """
 
 from . import muon, normuon
-from .base import RowsHeld, UpdateRule
+from .base import ROW_SPLIT_LAYOUTS, RowsHeld, UpdateRule
 
 RULES: dict[str, UpdateRule] = {m.RULE.name: m.RULE for m in (muon, normuon)}
 
@@ -26,4 +26,5 @@ def check_rule_settings(values: dict, where: str) -> None:
         rule.check_settings(values, where)
 
 
-__all__ = ["RULES", "RULE_SETTINGS", "RULE_STATE_KEYS", "RowsHeld", "UpdateRule", "check_rule_settings"]
+__all__ = ["ROW_SPLIT_LAYOUTS", "RULES", "RULE_SETTINGS", "RULE_STATE_KEYS", "RowsHeld", "UpdateRule",
+           "check_rule_settings"]

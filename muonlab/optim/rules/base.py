@@ -14,6 +14,10 @@ from typing import Any
 import torch
 
 
+ROW_SPLIT_LAYOUTS = ("row_shard", "subgroup", "blocks", "gather_all")
+"""Layouts whose matrices' rows lie on several ranks of the group (with shard dim 0)."""
+
+
 @dataclass(frozen=True)
 class RowsHeld:
     """Where one parameter's rows of the update held by this rank lie, read as (rows, cols).
@@ -32,6 +36,9 @@ class RowsHeld:
     spans_ranks: bool
     """Whether other ranks hold rows of the same matrices (a row-sharded matrix), so that sums
     over a matrix add this rank's part to theirs."""
+    columns: bool = False
+    """Whether the matrix's neurons are its stored columns (view "transpose": a weight stored
+    (in, out)): a per-neuron rule then scales columns."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,9 +69,9 @@ class UpdateRule:
     matrices' rows lie on several ranks it yields once a 1-D fp32 tensor of sums and is sent it
     back summed over the ranks sharing the batch's matrices (muonlab.optim.rule_step carries it
     while the next batch computes). It returns, per parameter, the update to apply and None, or a
-    1-D fp32 scale of each of its rows (read as ``RowsHeld`` does), applied as the rows are added
-    to the parameter (``muonlab.optim.functional.muon_apply_``'s ``row_scales``). None: the update
-    is used as it is."""
+    1-D fp32 scale of each of its rows (read as ``RowsHeld`` does), or a (1, cols) one of each of
+    its columns, applied as the update is added to the parameter
+    (``muonlab.optim.functional.muon_apply_``'s ``row_scales``). None: the update is used as it is."""
 
     def new_state(self, p: torch.Tensor, key: str, view: str) -> torch.Tensor:
         """Zeros of ``key`` for parameter ``p``: fp32 on p's device; a DTensor with p's mesh and

@@ -11,6 +11,11 @@ Per matrix O (the orthogonalized momentum, m x n) and its row second moments v (
 and the update then goes through Muon's lr ratio and weight decay as any other. ``eps`` is 1e-10,
 as in the paper's code.
 
+A weight stored (in, out) (view "transpose", transformers' Conv1D) has its neurons in its stored
+columns: ``v`` is (1, out), and where the matrix is whole (one process, DDP replicas) its columns
+are normalised instead of its rows. Sharded by rows it is refused: each column's sum would span
+the ranks (a (1, out) state replicated over them, and an all-reduce of out numbers, would carry it).
+
 Rows are whole on every layout Muon steps (FSDP2 shards rows; a bank's or a fused bank's matrices
 are whole or row blocks), so ``v`` lives with the rows: each rank updates the rows it holds. The
 two Frobenius norms of a matrix whose rows lie on several ranks are the one thing summed across
@@ -22,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import RowsHeld, UpdateRule
+from .base import ROW_SPLIT_LAYOUTS, RowsHeld, UpdateRule
 
 EPS = 1e-10
 
@@ -36,17 +41,20 @@ def _check(values: dict, where: str) -> None:
 
 
 def _refusal(spec) -> str | None:
-    if spec.view == "transpose":
-        return ("it is stored (in, out) (view 'transpose'), so its neurons are columns of the stored matrix; "
-                "NorMuon here normalises rows")
+    if spec.view == "transpose" and spec.layout in ROW_SPLIT_LAYOUTS:
+        return ("it is stored (in, out) (view 'transpose') and its rows lie on several ranks, so each of its "
+                "neurons (stored columns) would be summed across them: NorMuon takes such a matrix where it is "
+                "whole (one process, DDP replicas)")
     if spec.shard_dim != 0:
         return f"it is sharded on dim {spec.shard_dim}, which splits its rows across ranks"
     return None
 
 
 def _state_shape(shape: tuple[int, ...], view: str) -> tuple[int, ...]:
-    """One entry per row: the column dims of the parameter become 1 (a flattened kernel's all
-    but dim 0, else the last)."""
+    """One entry per neuron: per row, the column dims of the parameter become 1 (a flattened
+    kernel's all but dim 0, else the last); a weight stored (in, out), per column: (1, out)."""
+    if view == "transpose":
+        return (1, shape[-1])
     if view == "flatten":
         return (shape[0],) + (1,) * (len(shape) - 1)
     return tuple(shape[:-1]) + (1,)
@@ -63,6 +71,14 @@ def normalize(updates: list[torch.Tensor], states: list[list[torch.Tensor]], hel
     rows, per_matrix = [], []
     for o, (v,), h, group in zip(updates, states, held, settings):
         x = o.reshape(-1, h.cols)
+        if h.columns:  # neurons are stored columns, on a matrix whole here (the refusal says why)
+            sq = torch.linalg.vector_norm(x, dim=0, dtype=torch.float32).square_()
+            vc = v.view(-1)
+            vc.lerp_(sq / x.shape[0], 1 - group["normuon_beta2"])
+            inv = vc.sqrt().add_(EPS).reciprocal_()
+            rows.append((x, inv, None))
+            per_matrix.append(torch.stack([sq.sum(), (sq * inv.square()).sum()]).view(2, 1))
+            continue
         sq = torch.linalg.vector_norm(x, dim=1, dtype=torch.float32).square_()  # per row: sum of O * O
         vr = v.view(-1)
         vr.lerp_(sq / h.cols, 1 - group["normuon_beta2"])
@@ -81,7 +97,7 @@ def normalize(updates: list[torch.Tensor], states: list[list[torch.Tensor]], hel
     out = []
     for (x, inv, matrix), sums, o in zip(rows, per_matrix, updates):
         scale = sums[0].sqrt() / sums[1].sqrt().add_(EPS)
-        out.append((o, inv.mul_(scale[matrix])))
+        out.append((o, inv.mul_(scale).view(1, -1) if matrix is None else inv.mul_(scale[matrix])))
     return out
 
 
