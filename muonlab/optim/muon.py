@@ -250,9 +250,9 @@ class Muon(MomentumHomes, SavedState, Optimizer):
             matrices whose rows lie on several ranks adds one all-reduce of two numbers per
             matrix, which travels while the next batch computes (the batch is applied then; see
             muonlab.optim.rule_step). A matrix stored (in, out) (view "transpose") keeps one
-            number per stored column (its neurons) and is normalised by column where it is whole
-            (one process, DDP replicas); refused where its rows are sharded, and for shards on a
-            dim other than 0.
+            number per stored column (its neurons) and is normalised by column; where its rows are
+            sharded its column sums travel instead (out numbers per matrix) and that state is
+            replicated over the ranks holding the rows. Refused for shards on a dim other than 0.
         normuon_beta2: NorMuon's decay of the row second moments, in [0, 1).
         capture_after: None, or N >= 1: on CUDA, the hot step runs eagerly N times with the same
             prepared step, settings and tensors, is then captured whole in a CUDA graph

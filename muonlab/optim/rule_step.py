@@ -65,8 +65,7 @@ def with_rule_sums(plan: Plan, specs: dict[int, MatrixSpec], rule_for: Callable[
     for b in plan:
         sums = 0
         if b.group is not None and b.group.size > 1:
-            sums = sum(rule_for(i).sums_per_matrix * specs[i].num_matrices for i in b.param_indices
-                       if specs[i].layout in ROW_SPLIT_LAYOUTS)
+            sums = sum(rule_for(i).sums(specs[i]) for i in b.param_indices if specs[i].layout in ROW_SPLIT_LAYOUTS)
         batches.append(dataclasses.replace(b, rule_sums=sums) if sums else b)
     return Plan(tuple(batches))
 
@@ -80,7 +79,8 @@ def rows_held(spec: MatrixSpec, update: torch.Tensor, group_rank: int) -> RowsHe
         # flattened kernel, the rows of one entry for anything else
         per_entry = 1 if spec.view == "flatten" else math.prod(spec.shape[1:-1])
         first = sum(spec.rows[:group_rank]) * per_entry
-        return RowsHeld(matrix_rows, cols, first, spec.num_matrices, spans_ranks=True)
+        return RowsHeld(matrix_rows, cols, first, spec.num_matrices, spans_ranks=True,
+                        columns=spec.view == "transpose")
     return RowsHeld(matrix_rows, cols, 0, local_rows // matrix_rows, spans_ranks=False,
                     columns=spec.view == "transpose")
 

@@ -27,10 +27,12 @@ def shapes(kind: str) -> list[tuple[str, tuple[int, ...]]]:
     """(name, shape) per case. At 4 ranks: 10 rows shard 3, 3, 3, 1; 2 rows 1, 1, 0, 0; 6 experts 2, 2, 2, 0."""
     if kind == "ep":
         return [("experts_in", (6, 5, 4)), ("experts_out", (6, 4, 5)), ("few", (2, 3, 3))]
+    # "stored": a weight stored (in, out), its neurons are columns: whole on every DDP replica; under
+    # FSDP2 its 10 rows shard 5, 5 at 2 ranks and 3, 3, 3, 1 at 4, so its column sums span ranks
     out = [("uneven", (10, 7)), ("wide", (4, 9)), ("tiny", (2, 6)), ("qkv", (12, 6))]
-    if kind == "ddp":  # a weight stored (in, out): whole on every replica, its neurons are columns
+    if kind == "ddp":
         return out + [("stored", (7, 10))]
-    return out + [("conv", (6, 2, 3, 3))] if kind in ("fsdp", "hsdp") else out
+    return out + [("conv", (6, 2, 3, 3)), ("stored", (10, 7))] if kind in ("fsdp", "hsdp") else out
 
 
 def init_tensor(shape, seed: int) -> torch.Tensor:
@@ -46,7 +48,7 @@ def fused_for(kind: str) -> dict:
 
 
 def views_for(kind: str) -> dict:
-    return {"stored": "transpose"} if kind == "ddp" else {}
+    return {"stored": "transpose"} if kind != "ep" else {}
 
 
 def single_process(kind: str, steps: int = STEPS) -> dict:

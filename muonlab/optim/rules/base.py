@@ -59,9 +59,10 @@ class UpdateRule:
     """Why a matrix (a ``muonlab.comm.specs.MatrixSpec``) can't take this rule, or None."""
     state_shape: Callable[[tuple[int, ...], str], tuple[int, ...]] = lambda shape, view: shape
     """The global shape of its state for a parameter of ``shape`` read with matrix view ``view``."""
-    sums_per_matrix: int = 0
-    """How many fp32 numbers per matrix its transform sums across the ranks holding a matrix's
-    rows (the size of what it yields, per matrix): what the plan and its cost model count."""
+    sums: Callable[[Any], int] = lambda spec: 0
+    """How many fp32 numbers its transform sums across the ranks holding the rows of a parameter
+    (a ``MatrixSpec``) whose rows lie on several ranks (its share of what it yields): what the plan
+    and its cost model count."""
     transform: Callable | None = None
     """``transform(updates, states, held, settings)``, a generator: the updates this rank holds (one
     per parameter of a batch, its local rows), each parameter's state tensors (local, in
@@ -82,6 +83,12 @@ class UpdateRule:
         from torch.distributed.tensor import DTensor
 
         local = p.to_local()
+        if view == "transpose":  # one per stored column: every rank holding rows of p keeps them all
+            from torch.distributed.tensor import Replicate
+
+            zeros = torch.zeros(shape, dtype=torch.float32, device=local.device)
+            return DTensor.from_local(zeros, p.device_mesh, [Replicate()] * p.device_mesh.ndim, run_check=False,
+                                      shape=torch.Size(shape), stride=zeros.stride())
         local_shape = (local.shape[0],) + shape[1:]
         zeros = torch.zeros(local_shape, dtype=torch.float32, device=local.device)
         return DTensor.from_local(zeros, p.device_mesh, p.placements, run_check=False, shape=torch.Size(shape),

@@ -12,9 +12,10 @@ and the update then goes through Muon's lr ratio and weight decay as any other. 
 as in the paper's code.
 
 A weight stored (in, out) (view "transpose", transformers' Conv1D) has its neurons in its stored
-columns: ``v`` is (1, out), and where the matrix is whole (one process, DDP replicas) its columns
-are normalised instead of its rows. Sharded by rows it is refused: each column's sum would span
-the ranks (a (1, out) state replicated over them, and an all-reduce of out numbers, would carry it).
+columns: ``v`` is (1, out) and its columns are normalised instead of its rows. Where its rows are
+sharded, each column's sum of squares spans the ranks: the out sums travel (one all-reduce with
+the batch's other sums), and ``v``, replicated over the ranks holding the rows, is updated alike on
+each of them from the summed values.
 
 Rows are whole on every layout Muon steps (FSDP2 shards rows; a bank's or a fused bank's matrices
 are whole or row blocks), so ``v`` lives with the rows: each rank updates the rows it holds. The
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import ROW_SPLIT_LAYOUTS, RowsHeld, UpdateRule
+from .base import RowsHeld, UpdateRule
 
 EPS = 1e-10
 
@@ -41,10 +42,6 @@ def _check(values: dict, where: str) -> None:
 
 
 def _refusal(spec) -> str | None:
-    if spec.view == "transpose" and spec.layout in ROW_SPLIT_LAYOUTS:
-        return ("it is stored (in, out) (view 'transpose') and its rows lie on several ranks, so each of its "
-                "neurons (stored columns) would be summed across them: NorMuon takes such a matrix where it is "
-                "whole (one process, DDP replicas)")
     if spec.shard_dim != 0:
         return f"it is sharded on dim {spec.shard_dim}, which splits its rows across ranks"
     return None
@@ -62,22 +59,21 @@ def _state_shape(shape: tuple[int, ...], view: str) -> tuple[int, ...]:
 
 def normalize(updates: list[torch.Tensor], states: list[list[torch.Tensor]], held: list[RowsHeld],
               settings: list[dict]):
-    """NorMuon's step on this rank's rows of a batch's updates, as a generator: it yields the
-    per-matrix sums of the parameters whose matrices span ranks (one flat fp32 tensor) once, to be
-    sent back summed over those ranks, and returns per parameter its update as it is with the fp32
-    scale of each of its rows (1 / (sqrt(v) + eps) times its matrix's norm ratio), which the update
-    applies as it adds the rows (no scaled copy of the update is made). The row second moments are
-    updated before the yield."""
-    rows, per_matrix = [], []
+    """NorMuon's step on this rank's rows of a batch's updates, as a generator: it yields once the
+    sums of the parameters whose matrices span ranks (one flat fp32 tensor), to be sent back summed
+    over those ranks, and returns per parameter its update as it is with the fp32 scale of each of
+    its neurons (1 / (sqrt(v) + eps) times its matrix's norm ratio), which the update applies as
+    it adds them (no scaled copy of the update is made).
+
+    Rows: each rank's rows' second moments are its own, updated before the yield; what travels is
+    two norms per matrix. Stored columns (view "transpose"): each column's sum of squares is over
+    every rank's rows, so those travel, and the (1, out) second moments, alike on every rank, are
+    updated after."""
+    parts = []  # per parameter: (its rows' inverse scales and matrix of each row, or None for columns; its sums)
     for o, (v,), h, group in zip(updates, states, held, settings):
         x = o.reshape(-1, h.cols)
-        if h.columns:  # neurons are stored columns, on a matrix whole here (the refusal says why)
-            sq = torch.linalg.vector_norm(x, dim=0, dtype=torch.float32).square_()
-            vc = v.view(-1)
-            vc.lerp_(sq / x.shape[0], 1 - group["normuon_beta2"])
-            inv = vc.sqrt().add_(EPS).reciprocal_()
-            rows.append((x, inv, None))
-            per_matrix.append(torch.stack([sq.sum(), (sq * inv.square()).sum()]).view(2, 1))
+        if h.columns:
+            parts.append((None, torch.linalg.vector_norm(x, dim=0, dtype=torch.float32).square_()))
             continue
         sq = torch.linalg.vector_norm(x, dim=1, dtype=torch.float32).square_()  # per row: sum of O * O
         vr = v.view(-1)
@@ -87,18 +83,31 @@ def normalize(updates: list[torch.Tensor], states: list[list[torch.Tensor]], hel
         sums = torch.zeros(2, h.num_matrices, dtype=torch.float32, device=x.device)
         sums[0].index_add_(0, matrix, sq)  # ||O||_F^2, this rank's rows
         sums[1].index_add_(0, matrix, sq * inv.square())  # ||O_hat||_F^2
-        rows.append((x, inv, matrix))
-        per_matrix.append(sums)
+        parts.append(((inv, matrix), sums))
     shared = [i for i, h in enumerate(held) if h.spans_ranks]
     if shared:
-        flat = yield torch.cat([per_matrix[i].view(-1) for i in shared])
-        for i, part in zip(shared, flat.split([per_matrix[i].numel() for i in shared])):
-            per_matrix[i] = part.view(2, -1)
+        flat = yield torch.cat([parts[i][1].view(-1) for i in shared])
+        for i, part in zip(shared, flat.split([parts[i][1].numel() for i in shared])):
+            parts[i] = (parts[i][0], part.view_as(parts[i][1]))
     out = []
-    for (x, inv, matrix), sums, o in zip(rows, per_matrix, updates):
+    for (per_row, sums), o, (v,), h, group in zip(parts, updates, states, held, settings):
+        if per_row is None:  # the matrix's column sums of squares: its neurons' second moments
+            vc = v.view(-1)
+            vc.lerp_(sums / h.matrix_rows, 1 - group["normuon_beta2"])
+            inv = vc.sqrt().add_(EPS).reciprocal_()
+            scale = sums.sum().sqrt() / (sums * inv.square()).sum().sqrt().add_(EPS)
+            out.append((o, inv.mul_(scale).view(1, -1)))
+            continue
+        inv, matrix = per_row
         scale = sums[0].sqrt() / sums[1].sqrt().add_(EPS)
-        out.append((o, inv.mul_(scale).view(1, -1) if matrix is None else inv.mul_(scale[matrix])))
+        out.append((o, inv.mul_(scale[matrix])))
     return out
+
+
+def _sums(spec) -> int:
+    """The numbers ``normalize`` sends for a matrix whose rows lie on several ranks: two norms per
+    matrix, or a stored (in, out) matrix's out column sums."""
+    return spec.num_matrices * (spec.matrix_shape[1] if spec.view == "transpose" else 2)
 
 
 RULE = UpdateRule(
@@ -110,6 +119,6 @@ RULE = UpdateRule(
     check_settings=_check,
     refusal=_refusal,
     state_shape=_state_shape,
-    sums_per_matrix=2,  # ||O||_F^2 and ||O_hat||_F^2
+    sums=_sums,
     transform=normalize,
 )
