@@ -68,8 +68,8 @@ class BatchPlan:
     per direction, issued together (``muonlab.comm.planner.coalesce``). None: it travels alone."""
     rule_sums: int = 0
     """fp32 numbers the batch's update rule adds across its group once it is back (NorMuon: two
-    per matrix whose rows lie on several ranks), in one all-reduce of its own
-    (``muonlab.optim.rule_step.with_rule_sums``); 0: none."""
+    norms per matrix whose rows lie on several ranks, or a stored (in, out) matrix's column sums),
+    in one all-reduce of its own (``muonlab.optim.rule_step.with_rule_sums``); 0: none."""
 
     @property
     def pays_latency(self) -> bool:
