@@ -23,6 +23,8 @@ from muonlab import Muon, checkpoint, muon_param_groups
 VOCAB = 100
 LLAMA_CFG = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+GPT2_CFG = dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=16,
+                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # no dropout: ranks and the reference agree
 SEQ = 9
 ROWS_PER_RANK = 2
 WORLD = 2
@@ -41,6 +43,14 @@ def build_llama(seed: int = 0, tie: bool = False):
 
     torch.manual_seed(seed)
     return LlamaForCausalLM(LlamaConfig(**LLAMA_CFG, tie_word_embeddings=tie))
+
+
+def build_gpt2(seed: int = 0):
+    """GPT2LMHeadModel of GPT2_CFG: its attention and MLP weights are Conv1D, stored (in, out)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    return GPT2LMHeadModel(GPT2Config(**GPT2_CFG))
 
 
 def global_batch(seed: int, world: int = WORLD) -> torch.Tensor:
@@ -74,10 +84,11 @@ def train(model, opt, batches) -> list[float]:
     return losses
 
 
-def single_process(steps: int = TRAIN_STEPS, world: int = WORLD) -> dict[str, torch.Tensor]:
+def single_process(steps: int = TRAIN_STEPS, world: int = WORLD, build=build_llama,
+                   **options) -> dict[str, torch.Tensor]:
     """The reference: one process, the whole global batch of every step."""
-    model = build_llama()
-    opt = Muon(muon_param_groups(model), **EXACT, **HYPER)
+    model = build()
+    opt = Muon(muon_param_groups(model), **EXACT, **HYPER, **options)
     train(model, opt, [global_batch(step, world) for step in range(steps)])
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
@@ -85,13 +96,13 @@ def single_process(steps: int = TRAIN_STEPS, world: int = WORLD) -> dict[str, to
 # ------------------------------------------------------------------ the user's own wrapping
 
 
-def user_fsdp2(model):
-    """What a user's script does: fully_shard each decoder layer, then the root."""
+def user_fsdp2(model, layers=None):
+    """What a user's script does: fully_shard each decoder layer (Llama's by default), then the root."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for layer in model.model.layers:
+    for layer in model.model.layers if layers is None else layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
@@ -116,6 +127,18 @@ def _trained(mode: str) -> dict:
     return dict(params={n: full(p) for n, p in inner.named_parameters()}, losses=losses,
                 plan=[(b.path, b.names) for b in opt.plan()],
                 sharded=sorted(n for n, p in inner.named_parameters() if hasattr(p, "full_tensor")))
+
+
+def _gpt2_normuon() -> dict:
+    """GPT-2 (its Conv1D weights read as "transpose") under the user's FSDP2, stepped by NorMuon:
+    each stored column's sum of squares spans the ranks holding the weight's rows."""
+    model = build_gpt2()
+    user_fsdp2(model, model.transformer.h)
+    opt = Muon(muon_param_groups(model), **EXACT, **HYPER, update_rule="normuon")
+    train(model, opt, _rank_batches(range(TRAIN_STEPS)))
+    return dict(params={n: full(p) for n, p in model.named_parameters()},
+                plan=[(b.path, b.names, b.rule_sums) for b in opt.plan()],
+                transposed=sorted(n for n, v in opt._views.items() if v == "transpose"))
 
 
 def _fsdp2_llama_and_opt():
@@ -149,7 +172,7 @@ def ckpt_resume(root: str) -> dict:
 def first_launch(root: str) -> dict:
     """Every case that can share one set of processes: start-up dominates on 2 cores."""
     torch.set_num_threads(1)
-    return dict(fsdp2=_trained("fsdp2"), ddp=_trained("ddp"), ckpt=ckpt_save(root))
+    return dict(fsdp2=_trained("fsdp2"), ddp=_trained("ddp"), ckpt=ckpt_save(root), gpt2_normuon=_gpt2_normuon())
 
 
 def second_launch(root: str) -> dict:

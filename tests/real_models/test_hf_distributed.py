@@ -56,6 +56,25 @@ def test_user_wrapped_llama_matches_single_process(runs, reference, mode):
         assert paths == {"owner"}, paths
 
 
+@pytest.mark.timeout(600)
+def test_user_sharded_gpt2_under_normuon_matches_single_process(runs):
+    """HF GPT-2's Conv1D weights are stored (in, out): NorMuon normalises their stored columns,
+    whose sums of squares span the ranks holding their rows under FSDP2."""
+    first, _ = runs
+    start = {n: p.detach().clone() for n, p in W.build_gpt2().named_parameters()}
+    ref = W.single_process(build=W.build_gpt2, update_rule="normuon")
+    for rank, res in first.items():
+        got = res["gpt2_normuon"]
+        assert len(got["transposed"]) == 4 * W.GPT2_CFG["n_layer"], got["transposed"]
+        assert all(sums > 0 for _, names, sums in got["plan"] if set(names) & set(got["transposed"]))
+        for name in got["transposed"]:  # 4e-6 measured: summation order
+            e = rel_displacement({name: got["params"][name]}, {name: ref[name]}, {name: start[name]})
+            assert e <= 2e-5, (rank, name, e)
+        # not the AdamW parameters as a whole: the key bias of c_attn has a gradient of 0 up to
+        # rounding (softmax ignores a constant added to every key), which AdamW scales up to a step,
+        # so its displacement is rounding noise (3.6e-4 of it between ranks and one process)
+
+
 def test_fsdp2_parameters_were_really_sharded(runs):
     # the comparison above only means something if fully_shard turned every parameter into a
     # DTensor (and DDP left them plain)
