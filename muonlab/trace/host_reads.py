@@ -24,10 +24,10 @@ HOST_READS = frozenset({
     torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__bool__, torch.Tensor.__float__,
     torch.Tensor.__int__, torch.Tensor.__index__, torch.Tensor.nonzero, torch.nonzero, torch.equal,
     torch.allclose, torch.Tensor.equal, torch.Tensor.allclose, torch.masked_select, torch.Tensor.masked_select,
-    torch.unique, torch.Tensor.unique,
+    torch.unique, torch.Tensor.unique, torch.Tensor.cpu,
 })
 """Calls whose result on the host depends on a tensor's values (or, for nonzero, masked_select and
-unique, whose output size does)."""
+unique, whose output size does), and ``cpu()``: a copy to the host, which waits for the device."""
 
 
 class HostReads(TorchFunctionMode):
