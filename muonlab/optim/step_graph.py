@@ -18,6 +18,9 @@ changes nothing here. ``release()`` drops the graph (and its memory pool): Muon 
 state is loaded, and a run should call it (``Muon.drop_captured_step()``) before
 ``dist.destroy_process_group()``, whose NCCL communicators a live graph holds.
 
+A capture that fails (something in the step a graph can't hold) raises once, naming the cause;
+that step is not applied, and the optimizer's later steps run eagerly.
+
 A replay records no spans: a replayed step's ``last_step_stats()`` gives the captured step's bytes
 and calls, whether it was skipped and by which ranks (read from the replay's own flags), and no
 seconds; ``last_step_spans()`` is empty.
@@ -41,6 +44,7 @@ class StepGraph:
         self._graph: torch.cuda.CUDAGraph | None = None
         self.captured_stats: tuple | None = None  # the optimizer's (stats, their gate) after the capture
         self._warned: set[str] = set()
+        self.failed: str | None = None  # why a capture failed: every later step then runs eagerly
 
     def mode(self, key: tuple, why_new: Callable[[tuple, tuple], str]) -> str:
         """"replay" (a graph for ``key``), "capture" (``after`` eager steps with ``key`` ran) or
@@ -53,17 +57,24 @@ class StepGraph:
             self._key, self._eager = key, 0
         if self._graph is not None:
             return "replay"
-        return "capture" if self._eager >= self.after else "eager"
+        return "capture" if self._eager >= self.after and self.failed is None else "eager"
 
     def ran_eagerly(self) -> None:
         self._eager += 1
 
     def capture(self, hot_step: Callable[[], None]) -> None:
-        """Capture ``hot_step`` (which, captured, runs no kernel) and replay it once: this step."""
-        graph = torch.cuda.CUDAGraph()
-        # "thread_local": the NCCL watchdog thread queries events while this thread captures
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            hot_step()
+        """Capture ``hot_step`` (which, captured, runs no kernel) and replay it once: this step.
+        If the capture fails, this step raises a RuntimeError saying why, and every later step
+        runs eagerly (``failed``): a step that can't be captured is not tried again each step."""
+        try:
+            graph = torch.cuda.CUDAGraph()
+            # "thread_local": the NCCL watchdog thread queries events while this thread captures
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                hot_step()
+        except Exception as err:
+            self.failed = f"{type(err).__name__}: {err}"
+            raise RuntimeError(f"capture_after: the step could not be captured in a CUDA graph ({self.failed}); "
+                               "this step was not applied, and the steps from the next one on run eagerly") from err
         self._graph = graph
         graph.replay()
 

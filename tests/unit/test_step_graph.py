@@ -205,3 +205,20 @@ def test_a_steady_step_on_the_device_is_one_program_whatever_its_values(options)
     assert any(calls != host[0] for calls in host[1:])  # the skipped step at 4 ran nothing
     floats = _programs(device_decision=True, tensor_lr=False, **options)
     assert any(calls != floats[0] for calls in floats[1:])  # lr * ratio changed with the schedule
+
+
+def test_a_capture_that_fails_says_why_once_and_the_steps_run_eagerly_after():
+    """The failure path, on a machine where a CUDA graph can't even be made (no CUDA): the step
+    that tries raises naming the cause, and later steps run eagerly instead of trying again."""
+    from muonlab.optim.step_graph import StepGraph
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA graph can be made here")
+    graph, ran = StepGraph(after=1), []
+    assert graph.mode(("k",), None) == "eager"
+    graph.ran_eagerly()
+    assert graph.mode(("k",), None) == "capture"
+    with pytest.raises(RuntimeError, match="capture_after: the step could not be captured in a CUDA graph"):
+        graph.capture(lambda: ran.append(1))
+    assert graph.failed and not graph.captured
+    assert graph.mode(("k",), None) == "eager"
