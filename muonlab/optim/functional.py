@@ -71,11 +71,12 @@ def muon_momentum_(
         return outs
     for o, g, buf in zip(outs, grads, bufs):
         g = g.to(buf.dtype)  # one grad at a time: no copy of them all in the buffers' dtype
-        if gate is None:
-            _update_one_(buf, g, momentum, form)
-        else:
+        if gate is not None:
             g = gate.grad_for_momentum(g, buf, form)
-            _update_one_gated_(buf, g, momentum, form, gate)
+        if gate is not None and form == "sum":  # mu * buf + 0 is not buf: the new buffer is committed
+            gate.commit_(buf, (buf * momentum).add_(g))  # _update_one_'s operations, out of place
+        else:  # under a gate "ema" reads its own buffer when skipped: lerp(m, m, w) is m
+            _update_one_(buf, g, momentum, form)
         if not nesterov:
             o.copy_(buf)
         elif form == "ema":
@@ -104,16 +105,6 @@ def _update_one_(buf: torch.Tensor, g: torch.Tensor, momentum: float, form: str)
         buf.lerp_(g, 1 - momentum)
     else:
         buf.mul_(momentum).add_(g)
-
-
-def _update_one_gated_(buf: torch.Tensor, g: torch.Tensor, momentum: float, form: str, gate) -> None:
-    """``_update_one_`` through the gate, with the same operations (so the same bits when the
-    step goes): "ema" needs nothing more (its grad is the buffer itself when skipped), "sum"
-    commits its new buffer."""
-    if form == "ema":
-        buf.lerp_(g, 1 - momentum)
-    else:
-        gate.commit_(buf, (buf * momentum).add_(g))
 
 
 def _momentum_foreach(outs, grads, bufs, *, momentum: float, nesterov: bool, form: str) -> None:

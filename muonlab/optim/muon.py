@@ -371,7 +371,7 @@ class Muon(MomentumHomes, SavedState, Optimizer):
             dist.get_rank() if _dist_on() else 0, momentum_dtype)
 
     def _set_options(self, process_group, comm_dtype, remainder_path, strategy, nonfinite, hardware_profile,
-                     fused_banks, nonfinite_decision="host") -> None:
+                     fused_banks, nonfinite_decision) -> None:
         """Check and store the optimizer-wide options (each error names its option)."""
         if process_group is not None and not (dist.is_available() and isinstance(process_group, dist.ProcessGroup)):
             raise TypeError(f"process_group must be a torch.distributed ProcessGroup or None, got "
@@ -748,12 +748,16 @@ class Muon(MomentumHomes, SavedState, Optimizer):
             seconds.update(check=t1 - t0, wait=time.perf_counter() - t1)
         if not bad_ranks:
             return [], []
-        names = nonfinite.culprits([p.grad for p in prepared.checked], lambda i: self._names.get(
-            prepared.checked[i], f"of shape {fmt_shape(prepared.checked[i].shape)}")) if flagged else []
+        names = self._culprits(prepared.checked) if flagged else []
         if self.nonfinite == "raise":
             mine = f"; here: {', '.join(names)}" if names else ""
             raise ValueError(f"non-finite gradient on rank(s) {bad_ranks}{mine}")
         return bad_ranks, names
+
+    def _culprits(self, checked: tuple) -> list[str]:
+        """The parameters among ``checked`` whose grad holds an inf or NaN, by name (or shape)."""
+        return nonfinite.culprits([p.grad for p in checked], lambda i: self._names.get(
+            checked[i], f"of shape {fmt_shape(checked[i].shape)}"))
 
     def _gate(self, prepared: PreparedStep) -> StepGate:
         """The step's decision on the device (nonfinite_decision="device"): this rank's flag,
@@ -797,10 +801,7 @@ class Muon(MomentumHomes, SavedState, Optimizer):
         when read (on CUDA, reading them synchronises). With a ``gate`` (the step decided on the
         device) whether it was skipped, by which ranks and this rank's culprits among the
         ``checked`` parameters' grads are read when the stats are (``_gate_stats``)."""
-        if gate is not None:
-            nonfinite = dict(skipped_steps=None, nonfinite_ranks=None, nonfinite_params=None)
-        else:
-            nonfinite = dict(skipped_steps=self.skipped_steps, **nonfinite)
+        nonfinite = {} if gate is not None else dict(skipped_steps=self.skipped_steps, **nonfinite)  # gate: when read
         self._stats = dict(bytes_sent=dict(counter.sent), bytes_recv=dict(counter.recv), calls=dict(counter.calls),
                            seconds=None, skipped=skipped, **nonfinite,
                            nonfinite_seconds=seconds or None, unhealthy_updates=None, worst_update_ratio=None)
@@ -1056,8 +1057,6 @@ class Muon(MomentumHomes, SavedState, Optimizer):
         if self._stats.get("seconds", {}) is None:
             self._stats["seconds"] = self._phase_seconds()
         if self.__dict__.get("_stats_gate") is not None:
-            for key in ("nonfinite_ranks", "nonfinite_params"):  # present for a skipped step only, as under "host"
-                self._stats.pop(key)
             self._stats.update(self._gate_stats(*self._stats_gate))
             self._stats_gate = None
         if self._stats.get("skipped"):
@@ -1075,14 +1074,11 @@ class Muon(MomentumHomes, SavedState, Optimizer):
         flagged ranks and this rank's culprits (named from the grads as they are now: None when
         a grad was released since, e.g. by zero_grad)."""
         ranks = gate.flagged_ranks()
-        here = dist.get_rank() if _dist_on() else 0
-        names: list[str] | None = []
-        if here in ranks:
-            grads = [p.grad for p in checked]
-            names = None if any(g is None for g in grads) else nonfinite.culprits(grads, lambda i: self._names.get(
-                checked[i], f"of shape {fmt_shape(checked[i].shape)}"))
-        if not ranks:
+        if not ranks:  # the ranks and culprits are there for a skipped step only, as under "host"
             return dict(skipped=False, skipped_steps=self.skipped_steps)
+        names: list[str] | None = []
+        if (dist.get_rank() if _dist_on() else 0) in ranks:
+            names = None if any(p.grad is None for p in checked) else self._culprits(checked)
         return dict(skipped=True, nonfinite_ranks=ranks, nonfinite_params=names, skipped_steps=self.skipped_steps)
 
     def _phase_seconds(self) -> dict[str, float]:

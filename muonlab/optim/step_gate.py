@@ -94,4 +94,4 @@ class StepGate:
         """The grad the momentum reads: ``g`` if the step goes; if not, the value that leaves the
         "ema" momentum as it is (lerp(m, m, w) = m exactly) or 0 for "sum" (whose buffer is
         committed through ``commit_``): finite, so the skipped step's Newton-Schulz input is too."""
-        return torch.where(self.go, g, buf if form == "ema" else torch.zeros((), dtype=g.dtype, device=g.device))
+        return torch.where(self.go, g, buf if form == "ema" else 0.0)
