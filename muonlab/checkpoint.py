@@ -39,6 +39,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from .comm.collectives import dist_on, rank_or_zero, world_size_or_one
 from .optim.validation import whole_number
 
 __all__ = ["save", "load", "read_meta", "META_FILE"]
@@ -46,25 +47,17 @@ __all__ = ["save", "load", "read_meta", "META_FILE"]
 META_FILE = "muonlab_meta.pt"
 
 
-def _dist_on() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def _rank() -> int:
-    return dist.get_rank() if _dist_on() else 0
-
-
 @contextlib.contextmanager
 def _quiet_single_process():
     """DCP warns that it assumes a single process when torch.distributed is off: that is intended."""
     with warnings.catch_warnings():
-        if not _dist_on():
+        if not dist_on():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
 
 
 def _barrier() -> None:
-    if _dist_on() and dist.get_world_size() > 1:
+    if dist_on() and dist.get_world_size() > 1:
         dist.barrier()
 
 
@@ -210,7 +203,7 @@ def save(
     # is written (over an older checkpoint, its tensors would otherwise sit beside the old step)
     meta = io.BytesIO()
     torch.save(dict(step=_step_count(step), scheduler=None if scheduler is None else scheduler.state_dict(),
-                    extra=extra, world_size=dist.get_world_size() if _dist_on() else 1,
+                    extra=extra, world_size=world_size_or_one(),
                     skipped_steps=getattr(opt, "skipped_steps", None),  # Muon's count of non-finite skips
                     tied=_tied_groups(model), torch_version=torch.__version__), meta)
     has_muon_state = hasattr(opt, "consolidate_state")
@@ -221,12 +214,12 @@ def save(
         osd = _strip_param_names(osd)
         msd, osd = _rename(msd, osd, _ep_renames(model))
         meta_path = os.path.join(path, META_FILE)
-        if _rank() == 0 and os.path.exists(meta_path):
+        if rank_or_zero() == 0 and os.path.exists(meta_path):
             os.remove(meta_path)  # over an older checkpoint: a save cut short now reads as incomplete
         _barrier()
         with _quiet_single_process():
             dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
-        if _rank() == 0:
+        if rank_or_zero() == 0:
             tmp = meta_path + ".tmp"
             with open(tmp, "wb") as f:
                 f.write(meta.getvalue())

@@ -34,7 +34,7 @@ from .data import get_batch, load_corpus
 from .distributed.device import rank_device, wait_for
 from .models import GPT, GPTConfig
 from .optim import Muon, muon_param_groups
-from .optim.qk_clip import QKClip
+from .optim.qk_clip import QKClip, check_tau
 from .trace.spectral import SpectralRecord, SpectralRecorder
 
 
@@ -308,10 +308,8 @@ def train(
     clipping, a QKClip of your own is attached for the run (and left open); ``History.max_logit``
     and ``History.qk_clipped`` say what it saw and did.
     """
-    if qk_clip is not None and not isinstance(qk_clip, QKClip) and (
-            isinstance(qk_clip, bool) or not isinstance(qk_clip, (int, float)) or not qk_clip > 0):
-        raise ValueError(f"qk_clip must be tau (a number > 0; math.inf records the max logits only), a QKClip or "
-                         f"None, got {qk_clip!r}")
+    if qk_clip is not None and not isinstance(qk_clip, QKClip):
+        check_tau(qk_clip, "qk_clip (tau, or a QKClip)")
     for name, value, low, what in (("steps", steps, 1, ""),
                                    ("eval_every", eval_every, 0, " (0: only after the last step)"),
                                    ("eval_batches", eval_batches, 1, ""),

@@ -401,7 +401,7 @@ def _check_optimizers(configs: dict, model, seed: int) -> None:
         optimizer, kwargs = _settings(name, settings)
         qk_clip = kwargs.pop("qk_clip", None)
         try:
-            if qk_clip is not None:  # tau's check, on a model of the configurations' kind
+            if qk_clip is not None:  # tau, and attention QK-clip can find, on a model of the configurations' kind
                 from ..optim.qk_clip import QKClip
 
                 QKClip(net, tau=qk_clip).close()

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..comm.collectives import CommCounter
+from ..comm.collectives import CommCounter, rank_or_zero
 from ..comm.specs import local_shard
 
 MOMENTUM_MOVE = "momentum_move"
@@ -154,7 +154,7 @@ class MomentumHomes:
         save or a load): it lives on one rank only, a ZeRO-1 style saving. Collective only after a
         load (where it lies is asked then, ``_resolve_homes``)."""
         self.drop_captured_step()
-        me = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        me = rank_or_zero()
         for i, p, _, home in self._owned():
             self._replica_home[i] = home
             if home != me:

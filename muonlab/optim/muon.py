@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from ..comm.collectives import CommCounter
+from ..comm.collectives import CommCounter, dist_on, rank_or_zero
 from ..comm.cost import HardwareProfile, get_profile
 from ..comm.engine import COMMUNICATION, execute_plan, phase_seconds
 from ..comm.paths.subgroup import ranks_per_expert, subgroups_for
@@ -76,10 +76,6 @@ def _why_captured_again(old: tuple, new: tuple) -> str:
                 "parameters' device, which a scheduler fills in place)")
     return ("a parameter or gradient moved: zero_grad(set_to_none=True), torch's default, makes new gradients "
             "each step; use zero_grad(set_to_none=False)")
-
-
-def _dist_on() -> bool:
-    return dist.is_available() and dist.is_initialized()
 
 
 def _momentum_settings(group: dict) -> tuple:
@@ -343,10 +339,11 @@ class Muon(MomentumHomes, SavedState, Optimizer):
         # _relocate_momentum); absent: not known yet, found by _resolve_homes at the next step
         self._replica_home: dict[int, int] = {}
         self._agreement = Agreement()
-        self._tracer = Tracer(rank=dist.get_rank() if _dist_on() else 0)  # the step recording or recorded last
+        self._tracer = Tracer(rank=rank_or_zero())  # the step recording or recorded last
         self._spare_tracer = Tracer(rank=self._tracer.rank)
         self._stats: dict = {}
         self._stats_tracer = self._tracer  # the one _stats' seconds are read from (resolved lazily)
+        self._stats_gate: tuple | None = None  # the last step's gate, read by last_step_stats()
         # Validate every group before torch's constructor stores any of them.
         groups = self._normalise_params(params)
         # torch's schedulers read `defaults`: "momentum" here (and no "betas") makes OneCycleLR and
@@ -368,7 +365,7 @@ class Muon(MomentumHomes, SavedState, Optimizer):
         self._offload = StateStores(
             state_offload, offload_dir, keep_muon_momentum_in_memory,
             [(p, g["algorithm"]) for g in self.param_groups for p in g["params"]], self._names,
-            dist.get_rank() if _dist_on() else 0, momentum_dtype)
+            rank_or_zero(), momentum_dtype)
 
     def _set_options(self, process_group, comm_dtype, remainder_path, strategy, nonfinite, hardware_profile,
                      fused_banks, nonfinite_decision) -> None:
@@ -579,8 +576,9 @@ class Muon(MomentumHomes, SavedState, Optimizer):
         self.__dict__.setdefault("_replica_home", {})  # pickled before momentum followed its owner
         self.__dict__.setdefault("_agreement", Agreement())  # pickled before the per-step agreement
         self.__dict__.setdefault("nonfinite_decision", "host")  # pickled before the decision on the device
-        if "skipped_steps" in self.__dict__:  # pickled when the count was a plain attribute
-            self.skipped_steps = self.__dict__.pop("skipped_steps")
+        if "_skipped_on_host" not in self.__dict__:  # pickled when the count was a plain attribute
+            self.skipped_steps = self.__dict__.pop("skipped_steps", 0)
+        self.__dict__.setdefault("_stats_gate", None)  # pickled before the decision on the device
         if "_tracer" in self.__dict__ and "_spare_tracer" not in self.__dict__:  # pickled before GPU spans
             self._spare_tracer = Tracer(rank=self._tracer.rank)
             self._stats_tracer = self._tracer
@@ -603,7 +601,7 @@ class Muon(MomentumHomes, SavedState, Optimizer):
     def skipped_steps(self) -> int:
         """Steps skipped for a non-finite gradient (under nonfinite_decision="device" the device's
         count is read here: one synchronisation on a GPU)."""
-        on_device = self.__dict__.get("_skips_on_device")
+        on_device = self._skips_on_device
         return self._skipped_on_host + (0 if on_device is None else int(on_device.item()))
 
     @skipped_steps.setter
@@ -696,7 +694,7 @@ class Muon(MomentumHomes, SavedState, Optimizer):
         """Drop the CUDA graph of ``capture_after`` (if any): the step warms up and captures again.
         Call it before ``dist.destroy_process_group()``: a live graph holds NCCL work. Loading
         state and moving momentum between ranks call it too."""
-        if self.__dict__.get("_step_graph") is not None:
+        if self._step_graph is not None:
             self._step_graph.release()
 
     def _prepared_step(self) -> PreparedStep:
@@ -743,7 +741,7 @@ class Muon(MomentumHomes, SavedState, Optimizer):
                 group, step_digest(prepared, self._settings_checked), flagged,
                 lambda: self._step_description(prepared.work))
         else:
-            bad_ranks = [dist.get_rank() if _dist_on() else 0] if flagged else []
+            bad_ranks = [rank_or_zero()] if flagged else []
         if checking:
             seconds.update(check=t1 - t0, wait=time.perf_counter() - t1)
         if not bad_ranks:
@@ -768,7 +766,7 @@ class Muon(MomentumHomes, SavedState, Optimizer):
     def _count_skip(self, gate: StepGate) -> None:
         """``skipped_steps``' device part: one add, read when asked."""
         skipped = gate.go.logical_not()
-        if self.__dict__.get("_skips_on_device") is None or self._skips_on_device.device != skipped.device:
+        if self._skips_on_device is None or self._skips_on_device.device != skipped.device:
             self._skips_on_device = torch.zeros((), dtype=torch.int64, device=skipped.device)
         self._skips_on_device += skipped
 
@@ -935,7 +933,7 @@ class Muon(MomentumHomes, SavedState, Optimizer):
     def _replicate_group(self):
         if self.process_group is not None:
             return self.process_group
-        return dist.group.WORLD if _dist_on() and dist.get_world_size() > 1 else None
+        return dist.group.WORLD if dist_on() and dist.get_world_size() > 1 else None
 
     def _plan_for(self, indices: tuple[int, ...], collective: bool = True, stepping: bool = False) -> "_Planned":
         """The plan for these Muon parameters. Cached: it depends only on metadata and on the
@@ -1056,7 +1054,7 @@ class Muon(MomentumHomes, SavedState, Optimizer):
         how many and the worst ratio, with settings to try."""
         if self._stats.get("seconds", {}) is None:
             self._stats["seconds"] = self._phase_seconds()
-        if self.__dict__.get("_stats_gate") is not None:
+        if self._stats_gate is not None:
             self._stats.update(self._gate_stats(*self._stats_gate))
             self._stats_gate = None
         if self._stats.get("skipped"):
@@ -1077,7 +1075,7 @@ class Muon(MomentumHomes, SavedState, Optimizer):
         if not ranks:  # the ranks and culprits are there for a skipped step only, as under "host"
             return dict(skipped=False, skipped_steps=self.skipped_steps)
         names: list[str] | None = []
-        if (dist.get_rank() if _dist_on() else 0) in ranks:
+        if (rank_or_zero()) in ranks:
             names = None if any(p.grad is None for p in checked) else self._culprits(checked)
         return dict(skipped=True, nonfinite_ranks=ranks, nonfinite_params=names, skipped_steps=self.skipped_steps)
 

@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ..comm.collectives import dist_on
 from ..models.gpt import Attention
 from ..models.qk_logits import note_max_logits
 
@@ -243,6 +244,13 @@ def _scale_rows_(t: torch.Tensor, first: int, factors: torch.Tensor, rows_per_fa
 # ---------------------------------------------------------------------------------- QKClip
 
 
+def check_tau(tau, name: str = "tau") -> None:
+    """ValueError naming ``name`` unless ``tau`` is a number > 0 (math.inf: record, never clip)."""
+    if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not tau > 0:
+        raise ValueError(f"{name} must be a number > 0 (the max attention logit a head may keep; math.inf records "
+                         f"the max logits only), got {tau!r}")
+
+
 class QKClip:
     """QK-clip of ``model``'s attention heads at threshold ``tau`` (see the module docstring).
 
@@ -259,8 +267,7 @@ class QKClip:
 
     def __init__(self, model: nn.Module, tau: float = 100.0, *, modules: Iterable | None = None, group=None,
                  keep_history: bool = True):
-        if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not tau > 0:
-            raise ValueError(f"tau must be a number > 0 (the max attention logit a head may keep), got {tau!r}")
+        check_tau(tau)
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
         names = {id(m): n for n, m in model.named_modules()}
@@ -309,7 +316,7 @@ class QKClip:
                 raise ValueError(f"{h.name!r} recorded a max logit of shape {tuple(m.shape)}, expected ({h.n_heads},)")
             seen.append(m.detach().float().to(device))
         flat = torch.cat(seen)
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1:
+        if dist_on() and dist.get_world_size(self.group) > 1:
             from ..distributed.device import collective_device
 
             moved = flat.to(collective_device(self.group))

@@ -34,6 +34,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..comm.collectives import rank_or_zero
 from . import nonfinite
 
 NONFINITE_DECISIONS = ("host", "device")
@@ -54,7 +55,7 @@ class StepGate:
         ranks (None: this process alone) in one async all-reduce of one slot per rank."""
         flag = nonfinite.flag_on(grads, device)
         if group is None:
-            return cls(flag.view(1), [dist.get_rank() if dist.is_available() and dist.is_initialized() else 0])
+            return cls(flag.view(1), [rank_or_zero()])
         ranks = dist.get_process_group_ranks(group)
         flags = torch.zeros(len(ranks), dtype=torch.float32, device=device)
         flags[dist.get_rank(group)] = flag  # a device copy: no host read

@@ -38,6 +38,7 @@ from typing import NamedTuple, Union
 import torch
 import torch.distributed as dist
 
+from ..comm.collectives import dist_on
 from ..kernels.newton_schulz import is_number
 
 # Which timeline row a phase belongs to.
@@ -221,7 +222,7 @@ def _host(mark: Mark) -> float:
 
 def gather_spans(spans: list[Span], group=None, dst: int = 0) -> list[Span] | None:
     """All ranks' spans on ``dst`` (None elsewhere); the local list when not distributed."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+    if not dist_on() or dist.get_world_size(group) == 1:
         return list(spans)
     rows = [asdict(s) for s in spans]
     out = [None] * dist.get_world_size(group) if dist.get_rank() == dst else None

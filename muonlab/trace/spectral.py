@@ -48,6 +48,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
+from ..comm.collectives import dist_on
 from ..comm.specs import local_shard
 
 METRICS = ("weight_sigma", "update_sigma", "update_rms", "ortho_error")
@@ -292,7 +293,7 @@ class SpectralRecorder:
                                  f"{tuple(p.shape)}")
             if id(p) not in in_optimizer:
                 raise ValueError(f"parameter '{n}' is not in the optimizer's parameter groups")
-        self._world, self._rank = (dist.get_world_size(), dist.get_rank()) if _dist_on() else (1, 0)
+        self._world, self._rank = (dist.get_world_size(), dist.get_rank()) if dist_on() else (1, 0)
         self._groups = {n: _row_sharded_group(by_name[n], n) for n in names}  # raises on other layouts
         self.optimizer, self.every, self.seed = optimizer, every, seed
         self.cold_iters, self.warm_iters, self.update_iters = cold_iters, warm_iters, update_iters
@@ -497,14 +498,10 @@ class SpectralRecorder:
                             else _initial_vector(f"{kind}:{m}", n, self.seed).to(device) for m in names])
 
 
-def _dist_on() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
 def gather_spectral(records: list[SpectralRecord], group=None, dst: int = 0) -> list[SpectralRecord] | None:
     """All ranks' records on ``dst`` (None elsewhere), sorted by step then name; the local list
     when not distributed."""
-    if not _dist_on() or dist.get_world_size(group) == 1:
+    if not dist_on() or dist.get_world_size(group) == 1:
         return sorted(records, key=lambda r: (r.step, r.name))
     rows = [asdict(r) for r in records]
     out = [None] * dist.get_world_size(group) if dist.get_rank() == dst else None
