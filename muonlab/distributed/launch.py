@@ -769,8 +769,9 @@ def launch(
     the last rank's return to the call's), ``total_s``, and ``workers`` ("cold", "new warm",
     "reused warm").
 
-    Warm workers (``warm``): None (default) means warm in a notebook kernel and cold elsewhere;
-    True or False asks for either anywhere. A warm launch leaves its workers running, their process
+    Warm workers (``warm``): None (default) means ``$MUONLAB_WARM_WORKERS`` where it is set ("1"
+    warm, "0" cold: for a script or test suite that launches again and again), else warm in a
+    notebook kernel and cold elsewhere; True or False asks for either anywhere. A warm launch leaves its workers running, their process
     group connected, and the next warm launch on the same ``nprocs``, device, backend and
     environment (``os.environ``) hands them its function instead of starting processes: its first
     step comes within a fraction of a second instead of seconds (see
@@ -781,7 +782,7 @@ def launch(
     or environment, or a change on disk to a module the workers imported (e.g. the .py file next to
     the notebook), ends the idle workers and starts new ones. Between launches each warm worker is
     reset to what a fresh one would see (environment, working directory, default dtype, grad mode,
-    intra-op threads); module-level state of the function's own modules, and process subgroups it
+    intra-op threads, torch's random generators seeded anew); module-level state of the function's own modules, and process subgroups it
     made, live on, as in any long-lived process. The workers end with the interpreter (``atexit``;
     if the kernel is killed, with it) or on :func:`shutdown_workers`. Why not warm everywhere:
     outside a kernel a launch is usually a script's one call, where workers left running buy
@@ -791,7 +792,8 @@ def launch(
 
     Raises:
         ValueError: ``fn`` is not importable by the children (defined in ``__main__``, e.g. a
-            notebook cell, a lambda, or a nested function), ``nprocs < 1``, ``warm`` not None/True/False, a timeout is not a
+            notebook cell, a lambda, or a nested function), ``nprocs < 1``, ``warm`` not None/True/False
+            (or, for None, ``$MUONLAB_WARM_WORKERS`` set to other than "0" or "1"), a timeout is not a
             positive number of seconds up to ``MAX_TIMEOUT_S``, ``backend`` is not None, "gloo" or
             "nccl", ``device`` is not "auto"/"cpu"/"cuda", ``device="cuda"`` with fewer GPUs than
             ``nprocs``, ``backend="nccl"`` for CPU workers, or ``name`` is in use by a launch still
@@ -809,8 +811,9 @@ def launch(
     _check_launch_args(nprocs, backend, {"timeout_s": timeout_s, "startup_timeout_s": startup_timeout_s},
                        name, progress)
     if warm is not None and not isinstance(warm, bool):
-        raise ValueError(f"warm must be None (warm in a notebook kernel, cold elsewhere), True or False, "
-                         f"got {warm!r}")
+        raise ValueError(f"warm must be None (${WARM_ENV}, else warm in a notebook kernel and cold "
+                         f"elsewhere), True or False, got {warm!r}")
+    warm = _warm_by_default() if warm is None else warm
     # Decided here, once, so a bad choice fails before anything starts and every rank agrees;
     # each worker then takes cuda:LOCAL_RANK (or the CPU) by the same rule.
     chosen = choose_device(device, local_rank=0, local_world_size=nprocs).type
@@ -824,9 +827,23 @@ def launch(
     try:
         return _launch_in(run_dir, fn, nprocs, payload, (chosen, backend),
                           (float(timeout_s), float(startup_timeout_s)), name or _short_name(fn), progress,
-                          _progress.in_notebook_kernel() if warm is None else warm)
+                          warm)
     finally:
         lock.close()  # the run directory is free for the next launch under its name
+
+
+WARM_ENV = "MUONLAB_WARM_WORKERS"
+"""``launch(warm=None)``'s choice where set: "1" warm workers, "0" cold (see :func:`launch`)."""
+
+
+def _warm_by_default() -> bool:
+    """``warm=None``: ``$MUONLAB_WARM_WORKERS`` where set, else whether this is a notebook kernel."""
+    value = os.environ.get(WARM_ENV)
+    if value is None:
+        return _progress.in_notebook_kernel()
+    if value not in ("0", "1"):
+        raise ValueError(f'${WARM_ENV} must be "1" (warm workers) or "0" (cold) where set, got {value!r}')
+    return value == "1"
 
 
 MAX_TIMEOUT_S = 365 * 24 * 3600.0

@@ -104,6 +104,9 @@ def _reset_process_state(task: Task, env: dict[str, str], rank_dir: str, threads
     torch.set_default_dtype(torch.float32)
     torch.set_grad_enabled(True)
     torch.set_num_threads(threads)
+    # A fresh process's generators start from a seed of their own: no draw of an unseeded task
+    # follows from a seed an earlier task set (every device's generator).
+    torch.seed()
 
 
 def _processes_in_group(pgid: int) -> list[int]:
@@ -275,9 +278,10 @@ def _pool_worker_entry(first_task: Task, device: str, backend: str | None, launc
 def pool_key(nprocs: int, device: str, backend: str | None) -> tuple:
     """What a pool must match to run a launch: ranks, device, backend, and the environment the
     workers were started with (what they read at import, e.g. $MUONLAB_DEVICE or thread counts).
-    Variables elastic and launch set while a launch runs are left out."""
+    Variables elastic and launch set while a launch runs are left out, and pytest's
+    PYTEST_CURRENT_TEST, which it rewrites for every test (a suite's launches share a pool)."""
     env = sorted((k, v) for k, v in os.environ.items()
-                 if not k.startswith("TORCHELASTIC_") and k not in _launch._LAUNCH_ENV)
+                 if not k.startswith("TORCHELASTIC_") and k not in _launch._LAUNCH_ENV and k != "PYTEST_CURRENT_TEST")
     digest = hashlib.sha1(repr(env).encode()).hexdigest()
     return (nprocs, device, backend, digest)
 

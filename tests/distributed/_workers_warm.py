@@ -25,7 +25,7 @@ def pid_and_steps(steps: int, tag: str) -> dict:
     dist.all_reduce(total)
     return {"pid": os.getpid(), "world": int(total.item()), "cwd": os.getcwd(),
             "leak": os.environ.get("MUONLAB_TEST_LEAK"), "dtype": str(torch.get_default_dtype()),
-            "grad": torch.is_grad_enabled(), "time": time.time()}
+            "grad": torch.is_grad_enabled(), "time": time.time(), "seed": torch.initial_seed()}
 
 
 def change_process_state() -> int:
@@ -34,6 +34,7 @@ def change_process_state() -> int:
     torch.set_default_dtype(torch.float64)
     torch.set_grad_enabled(False)
     os.chdir("/")
+    torch.manual_seed(dist.get_rank())  # ranks seeded apart, as data per rank is
     return dist.get_rank()
 
 

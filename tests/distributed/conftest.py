@@ -4,15 +4,23 @@ Its checks compare workers' CPU tensors with single-process CPU references, and 
 more ranks than a GPU node may have GPUs, so on a GPU node the device rule would change what they
 test. Every test here therefore runs with ``MUONLAB_DEVICE=cpu`` (inherited by the workers it
 launches), except those marked ``auto_device``, which see the machine's own rule (the CUDA tests).
+
+Launches reuse warm workers (``MUONLAB_WARM_WORKERS=1``): a cold launch spends seconds starting
+processes and importing torch, and the suite launches about a hundred times. A task sees what a
+fresh worker would (muonlab.distributed.warm resets it), and a failing one takes the pool down.
+Modules marked ``cold_launch`` test the launcher itself, or need new processes (a resume read
+from disk alone), and launch cold.
 """
 
 import pytest
 
 from muonlab.distributed.device import DEVICE_ENV
+from muonlab.distributed.launch import WARM_ENV, shutdown_workers
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "auto_device: run without the MUONLAB_DEVICE=cpu pin of tests/distributed")
+    config.addinivalue_line("markers", "cold_launch: launch() without warm= starts new workers (MUONLAB_WARM_WORKERS=0)")
 
 
 @pytest.fixture(autouse=True)
@@ -21,6 +29,8 @@ def _cpu_workers(request, monkeypatch):
         monkeypatch.delenv(DEVICE_ENV, raising=False)
     else:
         monkeypatch.setenv(DEVICE_ENV, "cpu")
+    if request.node.get_closest_marker("cold_launch"):
+        monkeypatch.setenv(WARM_ENV, "0")
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -31,7 +41,10 @@ def _runs_in_a_temporary_directory(tmp_path_factory):
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(RUNS_DIR_ENV, str(tmp_path_factory.mktemp("runs")))
+        mp.setenv(WARM_ENV, "1")
+        mp.setenv(DEVICE_ENV, "cpu")  # module-scoped fixtures launch before _cpu_workers runs
         yield
+    shutdown_workers()
 
 
 @pytest.fixture

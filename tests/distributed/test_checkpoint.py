@@ -41,12 +41,13 @@ def _same_snapshot(a, b, what):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("ckpt"))
-    a = launch(W.phase, 4, [("save", "save_run", (CASES4, root))], timeout_s=240)
+    # cold (warm=False): each resume reads the checkpoint alone, in processes that never held the run
+    a = launch(W.phase, 4, [("save", "save_run", (CASES4, root))], timeout_s=240, warm=False)
     b = launch(W.phase, 2, [("save", "save_run", (CASES2 + [("fsdp", "fp32")], root)),
-                            ("reshard", "reshard_load", (root, 4))], timeout_s=240)
+                            ("reshard", "reshard_load", (root, 4))], timeout_s=240, warm=False)
     c = launch(W.phase, 4, [("resume", "resume_run", (CASES4, root, 4)),
-                            ("reshard", "reshard_load", (root, 2))], timeout_s=240)
-    d = launch(W.phase, 2, [("resume", "resume_run", (CASES2, root, 2))], timeout_s=240)
+                            ("reshard", "reshard_load", (root, 2))], timeout_s=240, warm=False)
+    d = launch(W.phase, 2, [("resume", "resume_run", (CASES2, root, 2))], timeout_s=240, warm=False)
     return dict(root=root, a=a, b=b, c=c, d=d)
 
 

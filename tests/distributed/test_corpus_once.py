@@ -11,6 +11,8 @@ import pytest
 from muonlab.distributed import launch
 from tests.distributed import _workers_corpus as workers
 
+pytestmark = pytest.mark.cold_launch  # a fresh cache read by fresh processes
+
 NUM_RANKS = 4
 
 

@@ -12,6 +12,8 @@ from muonlab.distributed import launch
 from muonlab.distributed.device import DEVICE_ENV, backend_for, choose_device
 from tests.distributed import _workers_device as workers
 
+pytestmark = pytest.mark.cold_launch  # the processes a launch starts
+
 
 @pytest.fixture
 def gpus(monkeypatch):

@@ -19,6 +19,8 @@ import pytest
 from muonlab.distributed import WorkerError, WorkerTimeout, launch
 from tests.distributed import _workers_faults as F
 
+pytestmark = pytest.mark.cold_launch  # a fault ends the workers; the launch after it starts fresh ones
+
 # fault -> (world, timeout_s, first rank named, text the message must hold, timeout expected)
 FAULTS = {
     "raise_before": (2, 60, 1, "injected fault before the first optimizer step", False),

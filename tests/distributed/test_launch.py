@@ -22,6 +22,8 @@ import pytest
 from muonlab.distributed import WorkerError, WorkerTimeout, launch
 from tests.distributed import _workers_launch as workers
 
+pytestmark = pytest.mark.cold_launch  # the launcher itself
+
 
 def _assert_gone(pids) -> None:
     """No process with these pids exists (zombies would still answer kill(pid, 0))."""

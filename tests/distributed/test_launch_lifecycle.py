@@ -18,7 +18,8 @@ from muonlab.distributed.launch import RUNS_DIR_ENV
 from tests.distributed import _workers_launch as workers
 from tests.distributed._common import running
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+pytestmark = [pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc"),
+              pytest.mark.cold_launch]  # the launcher itself
 
 
 

@@ -14,6 +14,8 @@ from muonlab.distributed import WorkerError, launch
 from muonlab.distributed.launch import RUNS_DIR_ENV
 from tests.distributed import _workers_launch as workers
 
+pytestmark = pytest.mark.cold_launch  # a cold launch's phases
+
 
 def _stream(run_dir: str, rank: int) -> list[dict]:
     with open(os.path.join(run_dir, f"rank{rank}", "progress.jsonl")) as f:

@@ -14,11 +14,12 @@ import time
 import pytest
 
 from muonlab.distributed import WorkerError, WorkerTimeout, launch
-from muonlab.distributed.launch import LAUNCH_INFO, RUNS_DIR_ENV, shutdown_workers
+from muonlab.distributed.launch import LAUNCH_INFO, RUNS_DIR_ENV, WARM_ENV, shutdown_workers
 from tests.distributed import _workers_warm as workers
 from tests.distributed._common import running
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+pytestmark = [pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc"),
+              pytest.mark.cold_launch]  # warm= given where it matters; the rest cold
 
 
 
@@ -92,6 +93,26 @@ def test_a_task_leaves_no_process_state_or_child_behind(tmp_path):
     assert len({out["pid"] for out in after.values()}) == 2
     for out in after.values():
         assert (out["leak"], out["dtype"], out["grad"], out["cwd"]) == (None, "torch.float32", True, os.getcwd())
+    # a fresh process seeds itself anew; the earlier task seeded its ranks 0 and 1
+    assert {out["seed"] for out in after.values()}.isdisjoint({0, 1}), after
+
+
+def test_a_bad_warm_workers_variable_is_refused_before_anything_starts(monkeypatch, launches_started):
+    monkeypatch.setenv(WARM_ENV, "maybe")
+    with pytest.raises(ValueError, match=r'\$MUONLAB_WARM_WORKERS must be "1" \(warm workers\) or "0"'):
+        launch(workers.pid_and_steps, 1, 1, "x")
+    assert launches_started == []
+
+
+@pytest.mark.timeout(240)
+def test_the_environment_can_make_launches_warm_by_default(monkeypatch):
+    monkeypatch.setenv(WARM_ENV, "1")
+    launch(workers.pid_and_steps, 1, 1, "first", name="env_warm_first", timeout_s=150)
+    launch(workers.pid_and_steps, 1, 1, "second", name="env_warm_second", timeout_s=150)
+    assert (_info("env_warm_first")["workers"], _info("env_warm_second")["workers"]) == ("new warm", "reused warm")
+    monkeypatch.setenv(WARM_ENV, "0")
+    launch(workers.pid_and_steps, 1, 1, "third", name="env_cold", timeout_s=150)
+    assert _info("env_cold")["workers"] == "cold"
 
 
 @pytest.mark.timeout(300)
