@@ -1,7 +1,10 @@
-"""class Muon: validation, parameter groups, state; the step's stages in order.
+"""class Muon: its options, state, and the step's stages in order.
 
 The math lives in ``functional`` (momentum, update, AdamW); moving matrices between ranks and
-orthogonalizing them lives in ``muonlab.comm`` (plan + paths). This file only wires them.
+orthogonalizing them lives in ``muonlab.comm`` (plan + paths). This file only wires them. Muon's
+other parts are mixins, each in its own module: the parameter groups, names and views checked at
+construction (``param_groups``), the last step's stats and the skip count (``step_stats``), where
+momentum lives (``momentum_homes``) and loading a state dict (``saved_state``).
 """
 
 from __future__ import annotations
@@ -18,31 +21,31 @@ from torch.optim import Optimizer
 
 from ..comm.collectives import CommCounter, dist_on, rank_or_zero
 from ..comm.cost import HardwareProfile, get_profile
-from ..comm.engine import COMMUNICATION, execute_plan, phase_seconds
+from ..comm.engine import COMMUNICATION, execute_plan
 from ..comm.paths.subgroup import ranks_per_expert, subgroups_for
 from ..comm.planner import REMAINDER_PATHS, STRATEGIES, plan_batches
 from ..comm.records import BatchPlan, Plan, part_range
-from ..comm.specs import MatrixSpec, check_view, even_share_bytes, local_shard, matrix_spec, process_group_for
+from ..comm.specs import MatrixSpec, even_share_bytes, local_shard, matrix_spec, process_group_for
 from ..kernels.newton_schulz import NSConfig, form_for, possible_backends, resolve_dtype, resolve_form
 from ..kernels.runner import NewtonSchulzRunner, default_budget
-from ..trace import Span, Tracer
+from ..trace import Tracer
 from . import functional as F
 from . import nonfinite
 from .agreement import Agreement, digest
 from .momentum_homes import MomentumHomes
 from .offload import StateStores
 from .replicas import check_ranks_agree
+from .param_groups import NamedParams
 from .saved_state import STATE_KEYS, SavedState
 from .step_gate import NONFINITE_DECISIONS, StepGate
 from .step_graph import StepGraph, check_capture
+from .step_stats import StepStats
 from .rule_step import RuleStage, ensure_rule_state, refuse_unfit, rule_of, state_shapes, with_rule_sums
 from .rules import RULES
 from .prepared import PreparedStep, group_key, settings_values, step_digest
-from .routing import check_not_flat
 from .validation import (SETTINGS, check_comm_dtype, check_hyperparameters,
                          check_memory_options, checked_fused_banks, fmt_shape, grad_layout_mismatch, state_mismatch)
 
-ALGORITHMS = ("muon", "adamw")
 NONFINITE_POLICIES = ("skip", "raise", "ignore")
 
 class _Planned(NamedTuple):
@@ -115,7 +118,7 @@ def _layout(p: torch.Tensor) -> tuple:
             tuple(getattr(p, "placements", ())))
 
 
-class Muon(MomentumHomes, SavedState, Optimizer):
+class Muon(NamedParams, StepStats, MomentumHomes, SavedState, Optimizer):
     """Muon for matrices, AdamW for everything else, in one optimizer.
 
     Each parameter group carries ``"algorithm": "muon" | "adamw"`` (default "muon"). Muon groups
@@ -397,158 +400,6 @@ class Muon(MomentumHomes, SavedState, Optimizer):
         self.nonfinite = nonfinite
         self.nonfinite_decision = nonfinite_decision
 
-    # ------------------------------------------------------------------ construction
-
-    def _normalise_params(self, params: Iterable) -> list[dict]:
-        if isinstance(params, torch.Tensor):
-            raise TypeError("params must be an iterable of tensors, (name, tensor) pairs or dicts, not a Tensor")
-        self._names.update(getattr(params, "names", {}))  # from muon_param_groups
-        self._views.update(getattr(params, "views", {}))
-        # the blocks muon_param_groups(split_heads=...) declared; the fused_banks argument wins by name
-        self.fused_banks = {**checked_fused_banks(getattr(params, "fused_banks", None)), **self.fused_banks}
-        items = list(params)
-        if not items:
-            raise ValueError("Muon got an empty parameter list")
-        if all(isinstance(it, dict) for it in items):
-            groups = [dict(g) for g in items]
-        elif any(isinstance(it, dict) for it in items):
-            raise TypeError("params mixes parameter-group dicts with tensors; pass one kind")
-        else:
-            groups = [{"params": items}]
-        group_of: dict[torch.Tensor, int] = {}
-        for gi, group in enumerate(groups):
-            self._split_names(group, gi)
-            self._check_unique(group["params"], gi, group_of)
-        return groups
-
-    def _check_unique(self, params: list[torch.Tensor], gi: int, group_of: dict[torch.Tensor, int]) -> None:
-        """Refuse a parameter met before (``group_of``: parameter -> its group index, filled here)."""
-        for p in params:
-            if p in group_of:
-                if group_of[p] == gi:
-                    raise ValueError(f"parameter {self._label(p)} is listed twice in group {gi}")
-                raise ValueError(f"parameter {self._label(p)} appears in more than one parameter group "
-                                 f"(group {group_of[p]} and group {gi})")
-            group_of[p] = gi
-
-    def _split_names(self, group: dict, gi: int) -> None:
-        if "params" not in group:
-            raise ValueError(f"parameter group {gi} has no 'params' entry")
-        raw = group["params"]
-        raw = [raw] if isinstance(raw, torch.Tensor) else list(raw)
-        if not raw:
-            raise ValueError(f"parameter group {gi} has an empty parameter list")
-        names = group.pop("param_names", None)  # torch's named form: names beside the tensors
-        if names is not None and (isinstance(names, str) or not all(isinstance(n, str) for n in names)
-                                  or len(names) != len(raw)):
-            raise ValueError(f"parameter group {gi}: param_names must be a list of {len(raw)} str, one per "
-                             f"parameter, got {names!r}")
-        named: dict[torch.Tensor, str] = {}
-        tensors = []
-        for k, item in enumerate(raw):
-            name = None if names is None else names[k]
-            if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str):
-                name, p = item
-            else:
-                p = item
-            if not isinstance(p, torch.Tensor):
-                raise TypeError(f"parameter group {gi} holds a {type(p).__name__}, not a Tensor")
-            if name is not None:
-                named[p] = name
-            tensors.append(p)
-        # one name, one tensor: matrix_views and fused_banks find parameters by name
-        taken = {n: q for q, n in self._names.items() if q not in named}
-        for q, name in named.items():
-            if taken.get(name, q) is not q:
-                raise ValueError(f"parameter group {gi}: the name {name!r} is given to two different tensors")
-            taken[name] = q
-        self._names.update(named)
-        group["params"] = tensors
-
-    def _check_views(self, declared: dict[str, str]) -> None:
-        """Declared views override the groups' ones; each must name a Muon parameter and be able to
-        read its shape, or construction fails here, before any step."""
-        if not isinstance(declared, dict):
-            raise TypeError(f"matrix_views must be a dict {{parameter name: view}}, got {type(declared).__name__}")
-        self._views.update(declared)
-        muon = {self._names.get(p): p for g in self.param_groups if g["algorithm"] == "muon" for p in g["params"]}
-        adamw = {self._names.get(p) for g in self.param_groups if g["algorithm"] == "adamw" for p in g["params"]}
-        for name in declared:
-            if name in adamw:
-                raise ValueError(f"matrix_views names '{name}', which is in an AdamW group: views are for Muon")
-            if name not in muon:
-                raise ValueError(f"matrix_views names '{name}', which is not a parameter of this optimizer "
-                                 "(pass named parameters or muon_param_groups(model))")
-        for name, p in muon.items():
-            if name in self._views:
-                check_view(name, tuple(p.shape), self._views[name], self.fused_banks.get(name, 1))
-
-    def _view_of(self, p: torch.Tensor) -> str:
-        """The declared matrix view of ``p``, or "" for its shape's default."""
-        return self._views.get(self._names.get(p), "")
-
-    def param_name(self, p: torch.Tensor) -> str | None:
-        """The name given at construction (from named_parameters), or None."""
-        return self._names.get(p)
-
-    def _label(self, p: torch.Tensor) -> str:
-        name = self._names.get(p)
-        shape = fmt_shape(p.shape)
-        return f"'{name}' of shape {shape}" if name else f"of shape {shape}"
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Validate, fill per-algorithm defaults, then register (names stay outside the group)."""
-        if not isinstance(param_group, dict):
-            raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
-        if getattr(self, "_offload", None) is not None and self._offload.place == "disk":
-            # the state file's slots are laid out at construction, for the parameters known then
-            raise ValueError('add_param_group is not supported with state_offload="disk": build the optimizer '
-                             "with every parameter group")
-        names_before = dict(self._names)
-        try:
-            group = self._checked_group(dict(param_group), len(self.param_groups))
-        except (ValueError, TypeError):
-            self._names = names_before  # a refused group leaves no names behind
-            raise
-        self.param_groups.append(group)
-
-    def _checked_group(self, group: dict, gi: int) -> dict:
-        self._split_names(group, gi)  # every item a tensor (or a (name, tensor) pair), the list not empty
-        algorithm = group.setdefault("algorithm", "muon")
-        if algorithm not in ALGORITHMS:
-            raise ValueError(f"unknown algorithm {algorithm!r} in a parameter group; choose one of {ALGORITHMS}")
-        defaults = self._muon_defaults if algorithm == "muon" else self._adamw_defaults
-        for key, value in defaults.items():
-            group.setdefault(key, value)
-        # Keys of the other algorithm would be silently ignored: reject them instead.
-        allowed = {"params", "algorithm", "initial_lr"} | set(defaults)
-        unknown = sorted(set(group) - allowed)
-        if unknown:
-            raise ValueError(f"unknown option(s) {unknown} for a {algorithm} parameter group")
-        check_hyperparameters(group, algorithm, "", f" in parameter group {gi}")
-        for p in group["params"]:
-            self._check_param(p, algorithm)
-        self._check_unique(group["params"], gi, {p: i for i, g in enumerate(self.param_groups) for p in g["params"]})
-        return group
-
-    def _check_param(self, p: torch.Tensor, algorithm: str) -> None:
-        check_not_flat(p, self._names.get(p, "?"))
-        if not (p.is_leaf or p.retains_grad):
-            raise ValueError(f"can't optimize a non-leaf tensor {self._label(p)}")
-        if torch.is_complex(p):
-            raise ValueError(f"parameter {self._label(p)} is complex; Muon supports real tensors only")
-        if not p.is_floating_point():
-            raise TypeError(f"parameter {self._label(p)} has dtype {p.dtype}; Muon and AdamW update "
-                            "floating-point tensors only")
-        if algorithm == "muon" and p.ndim < 2:
-            raise ValueError(
-                f"Muon needs parameters with at least 2 dims, got {self._label(p)}; "
-                "route it to AdamW with {'algorithm': 'adamw'} (see muon_param_groups)"
-            )
-        if algorithm == "muon" and p.numel() == 0:
-            raise ValueError(f"parameter {self._label(p)} is empty: Muon has no matrix to orthogonalize; "
-                             "leave it out or route it to AdamW")
-
     # ------------------------------------------------------------------ copies
 
     def _copied_state(self) -> dict:
@@ -596,17 +447,6 @@ class Muon(MomentumHomes, SavedState, Optimizer):
         memo[id(self)] = twin
         twin.__setstate__(copy.deepcopy(self._copied_state(), memo))
         return twin
-
-    @property
-    def skipped_steps(self) -> int:
-        """Steps skipped for a non-finite gradient (under nonfinite_decision="device" the device's
-        count is read here: one synchronisation on a GPU)."""
-        on_device = self._skips_on_device
-        return self._skipped_on_host + (0 if on_device is None else int(on_device.item()))
-
-    @skipped_steps.setter
-    def skipped_steps(self, count: int) -> None:
-        self._skipped_on_host, self._skips_on_device = int(count), None
 
     # ------------------------------------------------------------------ the step
 
@@ -763,13 +603,6 @@ class Muon(MomentumHomes, SavedState, Optimizer):
         control exchange (so ranks that disagree raise before it)."""
         return StepGate.decide([p.grad for p in prepared.checked], self._trace_device(), prepared.check_group)
 
-    def _count_skip(self, gate: StepGate) -> None:
-        """``skipped_steps``' device part: one add, read when asked."""
-        skipped = gate.go.logical_not()
-        if self._skips_on_device is None or self._skips_on_device.device != skipped.device:
-            self._skips_on_device = torch.zeros((), dtype=torch.int64, device=skipped.device)
-        self._skips_on_device += skipped
-
     def _check_lr_device(self, group: dict, gi: int) -> None:
         """A tensor lr lives on its parameters' device (read there by the step) or on the CPU."""
         lr = group["lr"]
@@ -792,21 +625,6 @@ class Muon(MomentumHomes, SavedState, Optimizer):
                 return planned
             self._prepared = prepared = dataclasses.replace(prepared, planned=planned)
         return prepared.planned
-
-    def _record_stats(self, counter: CommCounter, seconds: dict, skipped: bool | None, gate: StepGate | None = None,
-                      checked: tuple = (), **nonfinite) -> None:
-        """What ``last_step_stats()`` reports for this step; seconds=None: filled from the spans
-        when read (on CUDA, reading them synchronises). With a ``gate`` (the step decided on the
-        device) whether it was skipped, by which ranks and this rank's culprits among the
-        ``checked`` parameters' grads are read when the stats are (``_gate_stats``)."""
-        nonfinite = {} if gate is not None else dict(skipped_steps=self.skipped_steps, **nonfinite)  # gate: when read
-        self._stats = dict(bytes_sent=dict(counter.sent), bytes_recv=dict(counter.recv), calls=dict(counter.calls),
-                           seconds=None, skipped=skipped, **nonfinite,
-                           nonfinite_seconds=seconds or None, unhealthy_updates=None, worst_update_ratio=None)
-        self._stats_gate = None if gate is None else (gate, checked)
-        self._stats_tracer = self._tracer
-        if self._runner is not None:  # a skipped step applied nothing: its updates are not counted
-            (self._runner.health.drop_step if skipped else self._runner.health.end_step)()
 
     def _step_description(self, work: dict[str, list], settings: bool = True) -> list[tuple]:
         """What this rank is about to do, for muonlab.optim.agreement: each parameter with a
@@ -1030,66 +848,6 @@ class Muon(MomentumHomes, SavedState, Optimizer):
                              path=batch.path, wave=batch.travels_with, **ran))
         return rows
 
-    def last_step_stats(self) -> dict:
-        """Bytes counted at each collective (per path) and seconds per phase, for the last step
-        that completed or was skipped (a step that raised leaves them as they were), as a copy the
-        caller may change.
-
-        Bytes: the matrices the plan's paths moved, and momentum moved between ranks
-        (MOMENTUM_MOVE); the small control messages (the ranks' agreement digests, the non-finite
-        flags) are not counted. The seconds come from the step's spans (``phase_seconds``): on
-        CUDA they are GPU time, and the first read after a step synchronises the device once.
-        ``nonfinite_seconds``: the non-finite check's host seconds, "check" (the fused pass and the
-        read of this rank's flag) and "wait" (the control exchange that shares the flags with the
-        agreement digest; 0 for a single process); None when off.
-
-        ``unhealthy_updates``: how many of the matrices this rank orthogonalized in the step have a
-        Frobenius norm above 1.5 x sqrt(min(m, n)) or not finite (an orthogonal factor's is at
-        most sqrt(min(m, n)); Newton-Schulz's with the shipped coefficients about 1.2x that at
-        most), and ``worst_update_ratio`` the largest norm / sqrt(min(m, n)) of the step's matrices
-        (None: no matrix; NaN: one was NaN); 0 and None for a skipped step (muonlab.kernels.health).
-        They are counted on the device during the step and read here (one synchronisation on
-        CUDA). When a completed step since the last read flagged a matrix, reading them (or
-        making a new plan, e.g. after a setting changed) also gives one RuntimeWarning naming
-        how many and the worst ratio, with settings to try."""
-        if self._stats.get("seconds", {}) is None:
-            self._stats["seconds"] = self._phase_seconds()
-        if self._stats_gate is not None:
-            self._stats.update(self._gate_stats(*self._stats_gate))
-            self._stats_gate = None
-        if self._stats.get("skipped"):
-            self._stats.update(unhealthy_updates=0, worst_update_ratio=None)  # nothing was applied
-        if self._stats and self._stats.get("unhealthy_updates", 0) is None:
-            report = self._runner.health.last_step() if self._runner is not None else None
-            self._stats["unhealthy_updates"] = report.flagged if report else 0
-            self._stats["worst_update_ratio"] = report.worst if report else None
-        if self._runner is not None:
-            self._runner.health.warn_unread(stacklevel=2)
-        return copy.deepcopy(self._stats)
-
-    def _gate_stats(self, gate: StepGate, checked: tuple) -> dict:
-        """The stats of a step decided on the device, read now: whether it was skipped, the
-        flagged ranks and this rank's culprits (named from the grads as they are now: None when
-        a grad was released since, e.g. by zero_grad)."""
-        ranks = gate.flagged_ranks()
-        if not ranks:  # the ranks and culprits are there for a skipped step only, as under "host"
-            return dict(skipped=False, skipped_steps=self.skipped_steps)
-        names: list[str] | None = []
-        if (rank_or_zero()) in ranks:
-            names = None if any(p.grad is None for p in checked) else self._culprits(checked)
-        return dict(skipped=True, nonfinite_ranks=ranks, nonfinite_params=names, skipped_steps=self.skipped_steps)
-
-    def _phase_seconds(self) -> dict[str, float]:
-        """Seconds per phase of the last step: momentum, update and adamw from their spans,
-        communication and Newton-Schulz from the engine's (muonlab.comm.engine.phase_seconds)."""
-        phases = {"momentum": 0.0, "communication": 0.0, "newton_schulz": 0.0, "update": 0.0, "adamw": 0.0}
-        tracer = self._stats_tracer
-        for s in tracer.spans:  # resolves them
-            if s.name in ("momentum", "update", "adamw"):
-                phases[s.name] += s.duration
-        phases.update(phase_seconds(tracer))
-        return phases
-
     def _trace_device(self) -> torch.device:
         """Where the step's work runs, for the tracer's clock: the Muon parameters' device (CUDA
         events there), else the first parameter's."""
@@ -1123,12 +881,6 @@ class Muon(MomentumHomes, SavedState, Optimizer):
                     where = "offloaded_bytes" if self._offload.by_key[key].holds(local) else "device_bytes"
                     out[where] += local.numel() * local.element_size()
         return out
-
-    def last_step_spans(self) -> list[Span]:
-        """This rank's spans of the step ``last_step_stats()`` describes (gather them with
-        muonlab.trace.gather_spans); on CUDA GPU-timed, and the first read after a step
-        synchronises the device once."""
-        return list(self._stats_tracer.spans)
 
     def _muon_indices(self, work: list[tuple[dict, list[torch.Tensor]]]) -> tuple[int, ...]:
         position = {id(p): i for i, (_, p) in enumerate(self._muon_entries())}
