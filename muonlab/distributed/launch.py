@@ -771,10 +771,11 @@ def launch(
 
     Warm workers (``warm``): None (default) means ``$MUONLAB_WARM_WORKERS`` where it is set ("1"
     warm, "0" cold: for a script or test suite that launches again and again), else warm in a
-    notebook kernel and cold elsewhere; True or False asks for either anywhere. A warm launch leaves its workers running, their process
-    group connected, and the next warm launch on the same ``nprocs``, device, backend and
-    environment (``os.environ``) hands them its function instead of starting processes: its first
-    step comes within a fraction of a second instead of seconds (see
+    notebook kernel and cold elsewhere; True or False asks for either anywhere. A warm launch
+    leaves its workers running, their process group connected, and the next warm launch on the
+    same ``nprocs``, device, backend and environment (``os.environ``) hands them its function
+    instead of starting processes: its first step comes within a fraction of a second instead of
+    seconds (see
     benchmarks/results/launch.md). Everything above holds for a warm launch too (its own run
     directory, logs and progress stream, both clocks, the processes its function starts ended with
     it, a WorkerError or WorkerTimeout naming the rank); a warm launch that fails, times out or is
@@ -782,8 +783,8 @@ def launch(
     or environment, or a change on disk to a module the workers imported (e.g. the .py file next to
     the notebook), ends the idle workers and starts new ones. Between launches each warm worker is
     reset to what a fresh one would see (environment, working directory, default dtype, grad mode,
-    intra-op threads, torch's random generators seeded anew); module-level state of the function's own modules, and process subgroups it
-    made, live on, as in any long-lived process. The workers end with the interpreter (``atexit``;
+    intra-op threads, torch's random generators seeded anew); module-level state of the
+    function's own modules, and process subgroups it made, live on, as in any long-lived process. The workers end with the interpreter (``atexit``;
     if the kernel is killed, with it) or on :func:`shutdown_workers`. Why not warm everywhere:
     outside a kernel a launch is usually a script's one call, where workers left running buy
     nothing and a caller may count on no process outliving the call; in a kernel, launching again

@@ -280,8 +280,8 @@ def pool_key(nprocs: int, device: str, backend: str | None) -> tuple:
     workers were started with (what they read at import, e.g. $MUONLAB_DEVICE or thread counts).
     Variables elastic and launch set while a launch runs are left out, and pytest's
     PYTEST_CURRENT_TEST, which it rewrites for every test (a suite's launches share a pool)."""
-    env = sorted((k, v) for k, v in os.environ.items()
-                 if not k.startswith("TORCHELASTIC_") and k not in _launch._LAUNCH_ENV and k != "PYTEST_CURRENT_TEST")
+    left_out = (*_launch._LAUNCH_ENV, "PYTEST_CURRENT_TEST")
+    env = sorted((k, v) for k, v in os.environ.items() if not k.startswith("TORCHELASTIC_") and k not in left_out)
     digest = hashlib.sha1(repr(env).encode()).hexdigest()
     return (nprocs, device, backend, digest)
 
