@@ -332,7 +332,7 @@ class Muon(NamedParams, StepStats, MomentumHomes, SavedState, Optimizer):
         self._runner: NewtonSchulzRunner | None = None
         self._set_options(process_group, comm_dtype, remainder_path, strategy, nonfinite, hardware_profile,
                           fused_banks, nonfinite_decision)
-        self.skipped_steps = 0
+        self._skipped_on_host, self._skips_on_device = 0, None  # skipped_steps: host and device counts
         self._names: dict[torch.Tensor, str] = {}
         self._views: dict[str, str] = {}
         self._plans: dict[tuple, tuple] = {}
@@ -428,7 +428,7 @@ class Muon(NamedParams, StepStats, MomentumHomes, SavedState, Optimizer):
         self.__dict__.setdefault("_agreement", Agreement())  # pickled before the per-step agreement
         self.__dict__.setdefault("nonfinite_decision", "host")  # pickled before the decision on the device
         if "_skipped_on_host" not in self.__dict__:  # pickled when the count was a plain attribute
-            self.skipped_steps = self.__dict__.pop("skipped_steps", 0)
+            self._skipped_on_host, self._skips_on_device = int(self.__dict__.pop("skipped_steps", 0)), None
         self.__dict__.setdefault("_stats_gate", None)  # pickled before the decision on the device
         if "_tracer" in self.__dict__ and "_spare_tracer" not in self.__dict__:  # pickled before GPU spans
             self._spare_tracer = Tracer(rank=self._tracer.rank)
@@ -536,6 +536,13 @@ class Muon(NamedParams, StepStats, MomentumHomes, SavedState, Optimizer):
         state and moving momentum between ranks call it too."""
         if self._step_graph is not None:
             self._step_graph.release()
+
+    def trace_next_step(self) -> None:
+        """With ``capture_after``: run the next step eagerly, so that it records its spans and
+        seconds (a replayed step records none), and keep the captured graph for the steps after
+        it. Without a captured step every step is eager, and this changes nothing."""
+        if self._step_graph is not None:
+            self._step_graph.eager_next()
 
     def _prepared_step(self) -> PreparedStep:
         """The prepared step for this step: the last one while its key holds, else a new one

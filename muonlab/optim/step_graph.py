@@ -23,7 +23,10 @@ that step is not applied, and the optimizer's later steps run eagerly.
 
 A replay records no spans: a replayed step's ``last_step_stats()`` gives the captured step's bytes
 and calls, whether it was skipped and by which ranks (read from the replay's own flags), and no
-seconds; ``last_step_spans()`` is empty.
+seconds; ``last_step_spans()`` is empty. For a timeline, ask for an eager step
+(``Muon.trace_next_step()``): the next step runs eagerly, with its spans and seconds, and the
+graph is kept for the steps after it (an eager step runs what the graph holds, on the same
+tensors).
 """
 
 from __future__ import annotations
@@ -45,22 +48,31 @@ class StepGraph:
         self.captured_stats: tuple | None = None  # the optimizer's (stats, their gate) after the capture
         self._warned: set[str] = set()
         self.failed: str | None = None  # why a capture failed: every later step then runs eagerly
+        self._eager_next = False  # the next step runs eagerly, the graph kept (trace_next_step)
 
     def mode(self, key: tuple, why_new: Callable[[tuple, tuple], str]) -> str:
         """"replay" (a graph for ``key``), "capture" (``after`` eager steps with ``key`` ran) or
         "eager". A new key drops the graph; ``why_new(old, new)`` says why, for the warning given
-        the first time a graph is dropped for that reason."""
+        the first time a graph is dropped for that reason. After ``eager_next()``, this step is
+        "eager" whatever else holds (a graph is kept; a due capture waits a step)."""
+        eager_asked, self._eager_next = self._eager_next, False
         if key != self._key:
             if self._graph is not None:
                 self._warn(why_new(self._key, key))
             self.release()
             self._key, self._eager = key, 0
+        if eager_asked:
+            return "eager"
         if self._graph is not None:
             return "replay"
         return "capture" if self._eager >= self.after and self.failed is None else "eager"
 
     def ran_eagerly(self) -> None:
         self._eager += 1
+
+    def eager_next(self) -> None:
+        """Run the next step eagerly (its spans recorded), keeping the graph for the steps after."""
+        self._eager_next = True
 
     def capture(self, hot_step: Callable[[], None]) -> None:
         """Capture ``hot_step`` (which, captured, runs no kernel) and replay it once: this step.

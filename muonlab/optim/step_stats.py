@@ -33,7 +33,10 @@ class StepStats:
 
     @skipped_steps.setter
     def skipped_steps(self, count: int) -> None:
-        self._skipped_on_host, self._skips_on_device = int(count), None
+        # the device's count is zeroed in place: a captured step adds to that very tensor
+        self._skipped_on_host = int(count)
+        if self._skips_on_device is not None:
+            self._skips_on_device.zero_()
 
     def _count_skip(self, gate: StepGate) -> None:
         """``skipped_steps``' device part: one add, read when asked."""

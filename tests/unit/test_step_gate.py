@@ -133,11 +133,14 @@ def test_skipped_steps_and_stats_are_read_when_asked_and_survive_copies():
     twin = copy.deepcopy(opt)
     assert twin.skipped_steps == 2 and twin.nonfinite_decision == "device"
     assert pickle.loads(pickle.dumps(opt)).skipped_steps == 2
+    counted = opt._skips_on_device
     opt.skipped_steps = 7  # as a checkpoint's metadata sets it
     assert opt.skipped_steps == 7
     _set_grads(params, 3, torch.float32)
     opt.step()
     assert opt.skipped_steps == 8
+    # the device's count stays the same tensor, zeroed in place: a captured step adds to it
+    assert opt._skips_on_device is counted and int(counted) == 1
     stats = opt.last_step_stats()
     assert stats["skipped"] and stats["nonfinite_ranks"] == [0] and stats["skipped_steps"] == 8
     assert len(stats["nonfinite_params"]) == 1 and "(4, 6, 8)" in stats["nonfinite_params"][0]

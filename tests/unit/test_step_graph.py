@@ -111,6 +111,27 @@ def test_replayed_steps_equal_eager_steps_bit_for_bit_and_skip_alike():
 
 
 @cuda
+def test_an_eager_step_on_request_records_spans_between_replays():
+    runs, grads = _pair()  # captured at step 2, replayed at 3
+    (eager, eager_params), (captured, captured_params) = runs
+    seen = {}
+
+    def change(step, opt):
+        if step == 4:
+            opt.trace_next_step()
+        if step == 5:  # what step 4, eager on request, left
+            seen.update(graph_kept=opt._step_graph.captured, spans=opt.last_step_spans(),
+                        seconds=opt.last_step_stats()["seconds"])
+
+    a = _steps(eager, eager_params, grads, 6)
+    b = _steps(captured, captured_params, grads, 6, change=change)
+    assert seen["graph_kept"], "the eager step dropped the graph"
+    assert seen["spans"] and seen["seconds"]["newton_schulz"] > 0
+    assert captured.last_step_spans() == []  # step 5 replayed
+    assert [_same(x, y) for x, y in zip(a, b)] == [True] * 6
+
+
+@cuda
 def test_a_changed_setting_or_moved_gradients_capture_again_with_a_warning():
     runs, grads = _pair()
     (eager, eager_params), (captured, captured_params) = runs
@@ -222,3 +243,25 @@ def test_a_capture_that_fails_says_why_once_and_the_steps_run_eagerly_after():
         graph.capture(lambda: ran.append(1))
     assert graph.failed and not graph.captured
     assert graph.mode(("k",), None) == "eager"
+
+
+def test_an_eager_step_asked_for_runs_once_and_keeps_the_graph():
+    """trace_next_step's rule: the next step is eager whatever else holds, once; a graph is kept
+    and a due capture waits a step. (A stand-in object marks a graph as captured: no CUDA here.)"""
+    from muonlab.optim.step_graph import StepGraph
+
+    graph = StepGraph(after=1)
+    graph.mode(("k",), None)
+    graph.ran_eagerly()
+    graph.eager_next()
+    assert graph.mode(("k",), None) == "eager"  # the capture, due, waits
+    graph.ran_eagerly()
+    assert graph.mode(("k",), None) == "capture"
+    graph._graph = object()  # as if captured
+    assert graph.mode(("k",), None) == "replay"
+    graph.eager_next()
+    assert [graph.mode(("k",), None) for _ in range(2)] == ["eager", "replay"]
+    assert graph._graph is not None
+    opt = _muon(_params("cpu"))  # without capture_after, asking changes nothing
+    opt.trace_next_step()
+    assert opt._step_graph is None
