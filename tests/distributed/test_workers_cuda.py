@@ -23,6 +23,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(),
                        reason="needs a CUDA GPU: 1-rank NCCL runs of the workers on cuda:0"),
     pytest.mark.auto_device,  # the machine's own rule, not tests/distributed's CPU pin
+    pytest.mark.cold_launch,  # each run in new processes, as measured on the GPU machines so far
 ]
 
 ON_GPU = {"params": ["cuda:0"], "state": ["cuda:0"]}
