@@ -144,6 +144,9 @@ class NewtonSchulzRunner:
         self._graphed: dict[tuple, _Graphed] = {}
         self.health = UpdateHealth()
         """Counts the orthogonalized matrices that are not sane, per step (``UpdateHealth``)."""
+        self._sized: dict[tuple, tuple] = {}
+        """``_sized_chunks``' decisions per batch key: (matrices per chunk, {chunk size: backend},
+        {backend: config})."""
         self.ran: dict[tuple[int, int], dict[str, str]] = {}
         """{matrix shape: {"dtype", "form", "backend"}} as last run, for reports of what "auto" chose."""
 
@@ -201,14 +204,20 @@ class NewtonSchulzRunner:
             return {k: pick_backend(cfg.backend, device, (k, m, n), dtype, cfg)
                     for k in ((size, size + 1) if extra else (size,))}
 
-        step = within(cfg)
-        backend_of = picks(step)
-        configs = _fixed(cfg, backend_of.values())
-        fits = min(within(c) for c in configs.values())
-        if max(backend_of.keys()) > fits:  # a chunk larger than its picked backend fits
-            step = fits
+        # the same batch at every step: its sizing, checked configs and picks are made once
+        key = (shape, dtype, first.dtype, device, cfg, reuses_input, total, self.budget_bytes)
+        sized = self._sized.get(key)
+        if sized is None:
+            step = within(cfg)
             backend_of = picks(step)
             configs = _fixed(cfg, backend_of.values())
+            fits = min(within(c) for c in configs.values())
+            if max(backend_of.keys()) > fits:  # a chunk larger than its picked backend fits
+                step = fits
+                backend_of = picks(step)
+                configs = _fixed(cfg, backend_of.values())
+            sized = self._sized[key] = (step, backend_of, configs)
+        step, backend_of, configs = sized
         for start, chunk in _chunks(pieces, step):
             yield start, chunk, configs[backend_of[sum(p.shape[0] for p in chunk)]]
 

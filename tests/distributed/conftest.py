@@ -41,6 +41,14 @@ def _runs_in_a_temporary_directory(tmp_path_factory):
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(RUNS_DIR_ENV, str(tmp_path_factory.mktemp("runs")))
+        yield
+
+
+@pytest.fixture(autouse=True, scope="package")
+def _warm_cpu_workers():
+    """While this package's tests run (not after: the unit tests see the machine as it is), launches
+    are warm and on CPU workers; the pool ends with the package."""
+    with pytest.MonkeyPatch.context() as mp:
         mp.setenv(WARM_ENV, "1")
         mp.setenv(DEVICE_ENV, "cpu")  # module-scoped fixtures launch before _cpu_workers runs
         yield
