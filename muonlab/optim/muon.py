@@ -2,9 +2,10 @@
 
 The math lives in ``functional`` (momentum, update, AdamW); moving matrices between ranks and
 orthogonalizing them lives in ``muonlab.comm`` (plan + paths). This file only wires them. Muon's
-other parts are mixins, each in its own module: the parameter groups, names and views checked at
-construction (``param_groups``), the last step's stats and the skip count (``step_stats``), where
-momentum lives (``momentum_homes``) and loading a state dict (``saved_state``).
+options are one frozen record (``options``); its other parts are mixins, each in its own module:
+the parameter groups, names and views checked at construction (``param_groups``), the last step's
+stats and the skip count (``step_stats``), where momentum lives (``momentum_homes``) and loading
+a state dict (``saved_state``).
 """
 
 from __future__ import annotations
@@ -20,10 +21,9 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from ..comm.collectives import CommCounter, dist_on, rank_or_zero
-from ..comm.cost import HardwareProfile, get_profile
 from ..comm.engine import COMMUNICATION, execute_plan
 from ..comm.paths.subgroup import ranks_per_expert, subgroups_for
-from ..comm.planner import REMAINDER_PATHS, STRATEGIES, plan_batches
+from ..comm.planner import plan_batches
 from ..comm.records import BatchPlan, Plan, part_range
 from ..comm.specs import MatrixSpec, even_share_bytes, local_shard, matrix_spec, process_group_for
 from ..kernels.newton_schulz import NSConfig, form_for, possible_backends, resolve_dtype, resolve_form
@@ -35,18 +35,18 @@ from .agreement import Agreement, digest
 from .momentum_homes import MomentumHomes
 from .offload import StateStores
 from .replicas import check_ranks_agree
+from .options import MuonOptions, OptionAttribute
 from .param_groups import NamedParams
 from .saved_state import STATE_KEYS, SavedState
-from .step_gate import NONFINITE_DECISIONS, StepGate
+from .step_gate import StepGate
 from .step_graph import StepGraph, check_capture
 from .step_stats import StepStats
 from .rule_step import RuleStage, ensure_rule_state, refuse_unfit, rule_of, state_shapes, with_rule_sums
 from .rules import RULES
 from .prepared import PreparedStep, group_key, settings_values, step_digest
-from .validation import (SETTINGS, check_comm_dtype, check_hyperparameters,
-                         check_memory_options, checked_fused_banks, fmt_shape, grad_layout_mismatch, state_mismatch)
+from .validation import (SETTINGS, check_hyperparameters,
+                         checked_fused_banks, fmt_shape, grad_layout_mismatch, state_mismatch)
 
-NONFINITE_POLICIES = ("skip", "raise", "ignore")
 
 class _Planned(NamedTuple):
     """A plan with what the step needs beside it, cached per set of parameters."""
@@ -271,6 +271,23 @@ class Muon(NamedParams, StepStats, MomentumHomes, SavedState, Optimizer):
     """Set by a SpectralRecorder for one step: called per matrix with its Newton-Schulz output.
     Named like torch's hook attributes, so copies drop it as they drop hooks."""
 
+    # The optimizer-wide options, read from ``self.options`` (a frozen MuonOptions); setting one
+    # makes a checked new record (muonlab.optim.options).
+    options: MuonOptions
+    ns_dtype = OptionAttribute()
+    ns_form = OptionAttribute()
+    ns_backend = OptionAttribute()
+    momentum_dtype = OptionAttribute()
+    workspace_bytes = OptionAttribute()
+    ns_graphs = OptionAttribute()
+    process_group = OptionAttribute()
+    comm_dtype = OptionAttribute()
+    remainder_path = OptionAttribute()
+    strategy = OptionAttribute()
+    hardware_profile = OptionAttribute()
+    nonfinite = OptionAttribute()
+    nonfinite_decision = OptionAttribute()
+
     def __init__(
         self,
         params: Iterable,
@@ -310,8 +327,11 @@ class Muon(NamedParams, StepStats, MomentumHomes, SavedState, Optimizer):
         normuon_beta2: float = 0.95,
         capture_after: int | None = None,
     ):
-        NSConfig(dtype=ns_dtype, **resolve_form(ns_form), backend=ns_backend)  # raises on a bad ns_*
-        check_memory_options(momentum_dtype, workspace_bytes, ns_graphs)
+        self.options = MuonOptions(
+            ns_dtype=ns_dtype, ns_form=ns_form, ns_backend=ns_backend, momentum_dtype=momentum_dtype,
+            workspace_bytes=workspace_bytes, ns_graphs=ns_graphs, process_group=process_group, comm_dtype=comm_dtype,
+            remainder_path=remainder_path, strategy=strategy, hardware_profile=hardware_profile, nonfinite=nonfinite,
+            nonfinite_decision=nonfinite_decision)
         self._muon_defaults = dict(
             lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
             ns_steps=ns_steps, ns_coefficients=ns_coefficients, eps=eps, adjust_lr=adjust_lr,
@@ -323,15 +343,8 @@ class Muon(NamedParams, StepStats, MomentumHomes, SavedState, Optimizer):
         check_hyperparameters(self._muon_defaults, "muon", "", "")
         check_hyperparameters(self._adamw_defaults, "adamw", "adamw_", "")
         self._adamw_defaults["betas"] = tuple(adamw_betas)
-        self.ns_dtype = ns_dtype
-        self.ns_form = ns_form
-        self.ns_backend = ns_backend
-        self.momentum_dtype = momentum_dtype
-        self.workspace_bytes = workspace_bytes
-        self.ns_graphs = ns_graphs
+        self.fused_banks = checked_fused_banks(fused_banks)
         self._runner: NewtonSchulzRunner | None = None
-        self._set_options(process_group, comm_dtype, remainder_path, strategy, nonfinite, hardware_profile,
-                          fused_banks, nonfinite_decision)
         self._skipped_on_host, self._skips_on_device = 0, None  # skipped_steps: host and device counts
         self._names: dict[torch.Tensor, str] = {}
         self._views: dict[str, str] = {}
@@ -370,36 +383,6 @@ class Muon(NamedParams, StepStats, MomentumHomes, SavedState, Optimizer):
             [(p, g["algorithm"]) for g in self.param_groups for p in g["params"]], self._names,
             rank_or_zero(), momentum_dtype)
 
-    def _set_options(self, process_group, comm_dtype, remainder_path, strategy, nonfinite, hardware_profile,
-                     fused_banks, nonfinite_decision) -> None:
-        """Check and store the optimizer-wide options (each error names its option)."""
-        if process_group is not None and not (dist.is_available() and isinstance(process_group, dist.ProcessGroup)):
-            raise TypeError(f"process_group must be a torch.distributed ProcessGroup or None, got "
-                            f"{type(process_group).__name__} (for a DeviceMesh axis pass mesh.get_group(axis))")
-        check_comm_dtype(comm_dtype)
-        choices_of = (("remainder_path", remainder_path, REMAINDER_PATHS), ("strategy", strategy, STRATEGIES),
-                      ("nonfinite policy", nonfinite, NONFINITE_POLICIES),
-                      ("nonfinite_decision", nonfinite_decision, NONFINITE_DECISIONS))
-        for option, value, choices in choices_of:
-            if not isinstance(value, str) or value not in choices:
-                raise ValueError(f"unknown {option} {value!r}; choose one of {choices}")
-        if nonfinite_decision == "device" and nonfinite != "skip":
-            raise ValueError(f'nonfinite_decision="device" decides a skip on the device and needs nonfinite="skip", '
-                             f'got nonfinite={nonfinite!r} ("raise" reads the flag on the host to raise)')
-        if hardware_profile is None:
-            hardware_profile = "h100_node" if torch.cuda.is_available() else "cpu_gloo"
-        if not isinstance(hardware_profile, (str, HardwareProfile)):
-            raise TypeError(f"hardware_profile must be a profile name or a HardwareProfile, got {hardware_profile!r}")
-        profile = get_profile(hardware_profile)
-        self.fused_banks = checked_fused_banks(fused_banks)
-        self.hardware_profile = profile
-        self.process_group = process_group
-        self.comm_dtype = comm_dtype
-        self.remainder_path = remainder_path
-        self.strategy = strategy
-        self.nonfinite = nonfinite
-        self.nonfinite_decision = nonfinite_decision
-
     # ------------------------------------------------------------------ copies
 
     def _copied_state(self) -> dict:
@@ -426,7 +409,6 @@ class Muon(NamedParams, StepStats, MomentumHomes, SavedState, Optimizer):
         self.__dict__.setdefault("_settings_checked", None)
         self.__dict__.setdefault("_replica_home", {})  # pickled before momentum followed its owner
         self.__dict__.setdefault("_agreement", Agreement())  # pickled before the per-step agreement
-        self.__dict__.setdefault("nonfinite_decision", "host")  # pickled before the decision on the device
         if "_skipped_on_host" not in self.__dict__:  # pickled when the count was a plain attribute
             self._skipped_on_host, self._skips_on_device = int(self.__dict__.pop("skipped_steps", 0)), None
         self.__dict__.setdefault("_stats_gate", None)  # pickled before the decision on the device
@@ -435,10 +417,15 @@ class Muon(NamedParams, StepStats, MomentumHomes, SavedState, Optimizer):
             self._stats_tracer = self._tracer
         if "_offload" not in self.__dict__:  # pickled before state offload existed
             self._offload = StateStores(None, None, False, [], {}, 0)
-        if "momentum_dtype" not in self.__dict__:  # pickled before the memory options: momentum was fp32
-            self.momentum_dtype, self.workspace_bytes, self.ns_graphs, self._runner = torch.float32, None, False, None
-            for store in self._offload.stores():
-                store.momentum_dtype = torch.float32
+        if "options" not in self.__dict__:  # pickled when each option was an attribute of its own
+            legacy = {f.name: self.__dict__.pop(f.name) for f in dataclasses.fields(MuonOptions)
+                      if f.name in self.__dict__}
+            if "momentum_dtype" not in legacy:  # pickled before the memory options: momentum was fp32
+                legacy.update(momentum_dtype=torch.float32, workspace_bytes=None, ns_graphs=False)
+                self._runner = None
+                for store in self._offload.stores():
+                    store.momentum_dtype = torch.float32
+            self.options = MuonOptions(**legacy)  # nonfinite_decision: "host", as before the device's
 
     def __deepcopy__(self, memo: dict) -> "Muon":
         if self.process_group is not None:
@@ -548,9 +535,7 @@ class Muon(NamedParams, StepStats, MomentumHomes, SavedState, Optimizer):
         """The prepared step for this step: the last one while its key holds, else a new one
         (validation first: a refused gradient or setting raises before anything changes). The
         settings read per step are checked whenever they changed."""
-        key = (tuple(group_key(g) for g in self.param_groups), self.ns_dtype, self.ns_form, self.ns_backend,
-               self.comm_dtype, self.strategy, self.remainder_path, self.hardware_profile, self.nonfinite,
-               self.nonfinite_decision, self.workspace_bytes, self.process_group)
+        key = (tuple(group_key(g) for g in self.param_groups), self.options)
         settings = settings_values(self.param_groups)
         if settings != self._settings_checked:
             for gi, group in enumerate(self.param_groups):

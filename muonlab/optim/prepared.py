@@ -81,6 +81,7 @@ class PreparedStep:
     """What a step reuses while its key holds."""
 
     key: tuple
+    """Each group's ``group_key`` and the optimizer's ``MuonOptions`` (muonlab.optim.options)."""
     work: dict[str, list[tuple[dict, list[torch.Tensor]]]]
     """Per algorithm ("muon", "adamw"): (group, its parameters with a gradient), in the optimizer's
     order; a parameter's grad is read at each step."""

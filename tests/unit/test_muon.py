@@ -1,4 +1,5 @@
 import copy
+import dataclasses
 import importlib
 
 import pytest
@@ -612,6 +613,43 @@ def test_copies_step_exactly_like_the_original(copier):
     assert twin.last_step_stats()["skipped"] is False
 
 
+def _as_pickled_with_options_apart(opt) -> dict:
+    """``opt``'s pickled state as muonlab wrote it before MuonOptions: each option an attribute."""
+    import dataclasses
+
+    state = opt.__getstate__()
+    options = state.pop("options")
+    state.update({f.name: getattr(options, f.name) for f in dataclasses.fields(options)})
+    return state
+
+
+def test_a_muon_pickled_with_its_options_apart_loads_them_into_one_record():
+    p = torch.nn.Parameter(torch.randn(4, 6))
+    p.grad = torch.randn(4, 6)
+    opt = Muon([p], strategy="redundant", nonfinite="ignore", comm_dtype=torch.float32)
+    opt.step()
+    state = _as_pickled_with_options_apart(opt)
+    del state["nonfinite_decision"]  # pickled before the decision on the device
+    old = Muon.__new__(Muon)
+    old.__setstate__(state)
+    assert old.options == dataclasses.replace(opt.options, nonfinite_decision="host")
+    assert "strategy" not in vars(old)  # no stale copy beside the record
+    old.step()
+
+
+def test_options_are_one_checked_record_and_a_refused_change_changes_nothing():
+    opt = Muon(_one(), strategy="redundant")
+    before = opt.options
+    assert opt.strategy == "redundant" and before.strategy == "redundant"
+    with pytest.raises(ValueError, match="unknown strategy 'nope'"):
+        opt.strategy = "nope"
+    assert opt.options is before
+    opt.ns_form = "plain"  # a new record, which the next step's prepared key sees
+    assert opt.options == dataclasses.replace(before, ns_form="plain") and before.ns_form == "auto"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        opt.options.strategy = "muonlab"
+
+
 def test_a_muon_pickled_before_the_memory_options_keeps_stepping_with_fp32_momentum():
     """An optimizer pickled by a muonlab without momentum_dtype, workspace_bytes and ns_graphs
     (its momentum was fp32 whatever the parameter's dtype) loads, keeps fp32 momentum and steps."""
@@ -619,7 +657,7 @@ def test_a_muon_pickled_before_the_memory_options_keeps_stepping_with_fp32_momen
     p.grad = torch.randn(4, 6).bfloat16()
     opt = Muon([p], momentum_dtype=torch.float32)
     opt.step()
-    state = opt.__getstate__()
+    state = _as_pickled_with_options_apart(opt)
     for key in ("momentum_dtype", "workspace_bytes", "ns_graphs", "_runner"):
         del state[key]
     for store in state["_offload"].stores():
