@@ -39,6 +39,7 @@ head or be empty, a replicated weight (DDP) all its rows.
 from __future__ import annotations
 
 import math
+import warnings
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -179,11 +180,21 @@ def heads_of(name: str, module: nn.Module) -> QKHeads:
 
 def _hf_record_hook(module, args, kwargs, output):
     """Forward hook of a Hugging Face attention module: its q and k as its forward computes them
-    (projection, q_norm/k_norm, RoPE), recorded when recording is on. Without a cache only: the
-    causal mask is top-left aligned."""
+    (projection, q_norm/k_norm, RoPE), recorded when recording is on. The causal mask is top-left
+    aligned, as in a forward from the first token (training's): a forward that continues a KV
+    cache (generation) is not recorded, with a warning, since its keys start before its queries."""
     if not getattr(module, "qk_recording", False):
         return
     hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+    # the cache's keyword: "cache" from transformers 5.24, "past_key_values" in 5.0-5.23, "past_key_value" in 4
+    cache = next((kwargs[k] for k in ("cache", "past_key_values", "past_key_value") if kwargs.get(k) is not None), None)
+    if cache is not None and hasattr(cache, "get_seq_length"):
+        earlier = cache.get_seq_length(getattr(module, "layer_idx", 0) or 0) - hidden.shape[-2]
+        if earlier > 0:
+            warnings.warn(f"QKClip did not record a forward of {type(module).__name__} that continued a KV cache "
+                          f"of {earlier} earlier tokens (generation): it records forwards from the first token, "
+                          "as training makes them", RuntimeWarning, stacklevel=2)
+            return
     position = kwargs["position_embeddings"] if "position_embeddings" in kwargs else (args[1] if len(args) > 1 else None)
     mask = kwargs["attention_mask"] if "attention_mask" in kwargs else (args[2] if len(args) > 2 else None)
     with torch.no_grad():

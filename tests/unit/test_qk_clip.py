@@ -5,6 +5,7 @@ rule on Qwen3, the training helper, and bad input refused before anything change
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import pytest
@@ -249,6 +250,26 @@ def test_hf_records_its_post_rope_logits_and_clips_to_tau(monkeypatch, kind):
             assert torch.equal(attn.k_norm.weight, was["k_norm"]) != clipped
             assert len(set(g.tolist())) == 1  # the layer's heads share one factor
     assert groups_seen == {True, False}  # both a clipped and an untouched group (layer) were checked
+    clip.close()
+
+
+def test_hf_a_forward_continuing_a_kv_cache_is_not_recorded(monkeypatch):
+    """Generation's forwards continue a cache: their keys start before their queries, which the
+    recorded (top-left) causal mask does not see; they are left out with a warning."""
+    model = _hf("llama")
+    ref = _hf_reference(monkeypatch, "llama")
+    x = torch.randint(0, 100, (2, 9), generator=torch.Generator().manual_seed(3))
+    clip = QKClip(model, tau=1e9)
+    # the cache's name in this transformers: "cache" from 5.24, "past_key_values" before
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    with torch.no_grad():
+        out = model(input_ids=x[:, :8], use_cache=True)  # from the first token: recorded
+        first = [ref[i].clone() for i in range(2)]
+        with pytest.warns(RuntimeWarning, match="did not record a forward of LlamaAttention that continued a KV "
+                                                "cache of 8 earlier tokens"):
+            model(input_ids=x[:, 8:], use_cache=True, **{name: out[name]})
+    for got, want in zip(clip.apply().max_logit, first):
+        assert got.tolist() == pytest.approx(want.tolist(), rel=1e-5)
     clip.close()
 
 
