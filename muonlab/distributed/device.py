@@ -28,6 +28,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ..comm.collectives import dist_on
+
 __all__ = [
     "DEVICE_CHOICES",
     "DEVICE_ENV",
@@ -184,7 +186,7 @@ def rank_device() -> torch.device:
     CUDA device when the group is NCCL, else the CPU (a gloo group on a GPU node that was not asked
     for CUDA wants CPU tensors). Outside one: :func:`choose_device`.
     """
-    if dist.is_available() and dist.is_initialized():
+    if dist_on():
         cuda_available = torch.cuda.is_available()
         return group_device(str(dist.get_backend()), getattr(_default_group(), "bound_device_id", None),
                             cuda_available, torch.cuda.current_device() if cuda_available else None)

@@ -47,6 +47,7 @@ from torch.distributed.tensor import DTensor
 
 from muonlab.models.gpt import MoE
 
+from ..comm.collectives import dist_on
 from .device import match_default_timeout
 from .mesh import MeshAxis, _check_size, _default_device_type
 
@@ -64,7 +65,7 @@ def build_ep_mesh(ep: int, fsdp: int | None = None, *, device_type: str | None =
         ValueError: sizes that are not whole numbers >= 1 (ints or numpy ints; ``ep=None`` included),
             ``ep`` not dividing the world size, or ``ep * fsdp`` different from the world size.
     """
-    if not dist.is_available() or not dist.is_initialized():
+    if not dist_on():
         raise RuntimeError("build_ep_mesh needs an initialised default process group (see launch())")
     world_size = dist.get_world_size()
     ep = _check_size("ep", ep)  # the keyword names, for the error message

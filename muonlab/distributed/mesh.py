@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from ..comm.collectives import dist_on
 from ..optim.validation import whole_number
 from .device import match_default_timeout, rank_device
 
@@ -86,7 +87,7 @@ def build_mesh(
         ValueError: sizes that are not whole numbers >= 1 (ints or numpy ints), ``dp`` together with
             ``replicate``/``shard``, or sizes whose product is not the world size.
     """
-    if not dist.is_available() or not dist.is_initialized():
+    if not dist_on():
         raise RuntimeError("build_mesh needs an initialised default process group (see launch())")
     world_size = dist.get_world_size()
     # dp and shard may be left out (None); the keyword names go into the error message

@@ -261,7 +261,8 @@ class Muon(NamedParams, StepStats, MomentumHomes, SavedState, Optimizer):
             nonfinite="ignore"), ns_graphs=False, no state_offload, CUDA parameters, and
             gradients kept in place (``zero_grad(set_to_none=False)``); a scheduler's lr should
             be a tensor on the parameters' device (a float lr that changes keeps the step eager).
-            A replayed step records no spans; its stats keep bytes and the skip, not seconds.
+            A replayed step records no spans; its stats keep bytes and the skip, not seconds
+            (``trace_next_step()`` runs the next step eagerly, with its spans, keeping the graph).
 
     Distributed: ``plan()`` says which path each batch takes and what it moves and computes;
     ``last_step_stats()`` and ``last_step_spans()`` say what the last step measured.
