@@ -10,11 +10,14 @@ A permutation test is no help at a few seeds: with 3 seeds the exact paired sign
 2^3 = 8 arrangements, so its smallest two-sided p-value is 2/8 = 0.25, never significant at 5%
 however large and consistent the difference. The t-tests assume roughly normal differences;
 at 3 seeds that cannot be checked, so read a p-value near the threshold as "run more seeds".
+A test that cannot weigh a difference against the noise (too few values, or none varying) is
+undecided, never significant (``TestResult.verdict``).
 """
 
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -152,9 +155,11 @@ class TestResult:
     """A two-sided t-test of mean(a) - mean(b) = 0.
 
     ``difference``: mean(a) - mean(b) (paired: the mean of the differences), with its confidence
-    interval ``low``..``high``; ``t``, ``df`` and the two-sided ``p_value``. NaN where the samples
-    are too small (``note`` says why). No spread at all (every run identical but for a constant
-    shift) gives p = 1 for a zero difference and p = 0 for any other.
+    interval ``low``..``high``; ``t``, ``df`` and the two-sided ``p_value``. Where the test cannot
+    weigh the difference against the noise, the interval, ``t`` and ``p_value`` are NaN and the
+    result is undecided (``decided`` False, ``note`` says why): fewer values than the test needs,
+    or no spread at all (every seed gave the same difference: a t-test would call any nonzero one
+    certain, from as few as 2 seeds, though nothing measured the noise it would have to beat).
     """
 
     test: str
@@ -169,25 +174,38 @@ class TestResult:
     confidence: float = 0.95
     note: str = ""
 
+    @property
+    def decided(self) -> bool:
+        """Whether the test weighed the difference (False: ``note`` says why it could not)."""
+        return not math.isnan(self.p_value)
+
     def significant(self, alpha: float = 0.05) -> bool:
-        return self.p_value < alpha  # False for NaN
+        return self.decided and self.p_value < alpha
+
+    def verdict(self, alpha: float = 0.05) -> str:
+        """"significant" or "not significant" at ``alpha``, or "undecided" (``note`` says why)."""
+        if not self.decided:
+            return "undecided"
+        return "significant" if self.significant(alpha) else "not significant"
 
 
 def _t_result(test: str, diff: float, se: float, df: float, n_a: int, n_b: int, confidence: float) -> TestResult:
-    if se == 0.0:  # no spread: the difference is exact
-        t = 0.0 if diff == 0 else math.copysign(math.inf, diff)
-        return TestResult(test, diff, diff, diff, t, df, 1.0 if diff == 0 else 0.0, n_a, n_b, confidence,
-                          note="no spread between runs")
     t = diff / se
     half = t_quantile((1 + confidence) / 2, df) * se
     p = 2.0 * (1.0 - t_cdf(abs(t), df))
     return TestResult(test, diff, diff - half, diff + half, t, df, min(1.0, p), n_a, n_b, confidence)
 
 
-def _too_few(test: str, a: list[float], b: list[float], confidence: float, why: str) -> TestResult:
-    diff = (sum(a) / len(a) - sum(b) / len(b)) if a and b else math.nan
+def _undecided(test: str, diff: float, n_a: int, n_b: int, confidence: float, why: str) -> TestResult:
     nan = math.nan
-    return TestResult(test, diff, nan, nan, nan, nan, nan, len(a), len(b), confidence, note=why)
+    return TestResult(test, diff, nan, nan, nan, nan, nan, n_a, n_b, confidence, note=why)
+
+
+def _no_spread(values: list[float], scale: float) -> bool:
+    """All ``values`` equal but for rounding: a few ulps of ``scale``, the largest magnitude they were
+    computed from. Equal differences of unequal losses (0.3 - 0.2 against 0.4 - 0.3) differ in their
+    last bits, and their exact variance of ~1e-34 would make t huge and p tiny."""
+    return max(values) - min(values) <= 8 * sys.float_info.epsilon * scale
 
 
 def paired_t_test(a: Sequence[float], b: Sequence[float], confidence: float = 0.95) -> TestResult:
@@ -196,10 +214,14 @@ def paired_t_test(a: Sequence[float], b: Sequence[float], confidence: float = 0.
     xs, ys = _finite_values("a", a), _finite_values("b", b)
     if len(xs) != len(ys):
         raise ValueError(f"a paired test needs as many values in a as in b, got {len(xs)} and {len(ys)}")
-    if len(xs) < 2:
-        return _too_few("paired t", xs, ys, confidence, f"{len(xs)} pair(s): a paired test needs at least 2")
     d = [x - y for x, y in zip(xs, ys)]
-    mean = sum(d) / len(d)
+    mean = sum(d) / len(d) if d else math.nan
+    if len(xs) < 2:
+        return _undecided("paired t", mean, len(xs), len(ys), confidence,
+                          f"{len(xs)} pair(s): a paired test needs at least 2")
+    if _no_spread(d, max(abs(v) for v in xs + ys)):
+        return _undecided("paired t", mean, len(xs), len(ys), confidence,
+                          f"no spread: all {len(d)} pairs differ by the same amount")
     return _t_result("paired t", mean, math.sqrt(_variance(d, mean) / len(d)), len(d) - 1, len(xs), len(ys),
                      confidence)
 
@@ -209,11 +231,15 @@ def welch_t_test(a: Sequence[float], b: Sequence[float], confidence: float = 0.9
     Welch-Satterthwaite degrees of freedom (not a whole number in general)."""
     _check_confidence(confidence)
     xs, ys = _finite_values("a", a), _finite_values("b", b)
+    diff = (sum(xs) / len(xs) - sum(ys) / len(ys)) if xs and ys else math.nan
     if len(xs) < 2 or len(ys) < 2:
-        return _too_few("Welch t", xs, ys, confidence,
-                        f"{len(xs)} and {len(ys)} values: Welch's test needs at least 2 on each side")
+        return _undecided("Welch t", diff, len(xs), len(ys), confidence,
+                          f"{len(xs)} and {len(ys)} values: Welch's test needs at least 2 on each side")
+    if all(_no_spread(side, max(abs(v) for v in side)) for side in (xs, ys)):
+        return _undecided("Welch t", diff, len(xs), len(ys), confidence,
+                          "no spread: the values on each side are all the same")
     ma, mb = sum(xs) / len(xs), sum(ys) / len(ys)
     qa, qb = _variance(xs, ma) / len(xs), _variance(ys, mb) / len(ys)
     se = math.sqrt(qa + qb)
-    df = (qa + qb) ** 2 / (qa ** 2 / (len(xs) - 1) + qb ** 2 / (len(ys) - 1)) if se else len(xs) + len(ys) - 2
+    df = (qa + qb) ** 2 / (qa ** 2 / (len(xs) - 1) + qb ** 2 / (len(ys) - 1))
     return _t_result("Welch t", ma - mb, se, df, len(xs), len(ys), confidence)

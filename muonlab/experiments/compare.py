@@ -308,16 +308,22 @@ def _p_text(p: float) -> str:
     return "p < 0.001" if p < 0.001 else f"p = {p:.3f}"
 
 
+def verdict_text(t: stats.TestResult, alpha: float = 0.05) -> str:
+    """The verdict with what it rests on: "p = 0.012: significant at 0.05", or "undecided (why)"."""
+    if not t.decided:
+        return f"undecided ({t.note})"
+    return f"{_p_text(t.p_value)}: {t.verdict(alpha)} at {alpha:g}"
+
+
 def describe_test(a: str, b: str, metric: str, t: stats.TestResult, alpha: float = 0.05) -> str:
     """One line: the difference with its interval, the test, and the verdict at ``alpha``."""
     what = "final val loss" if metric == "final_val_loss" else "steps to target"
     digits = 3 if metric == "final_val_loss" else 1
-    if math.isnan(t.p_value):
-        shown = "" if math.isnan(t.difference) else f" {t.difference:+.{digits}f};"
-        return f"{a} - {b}, {what}:{shown} no test ({t.note})"
-    verdict = "significant" if t.significant(alpha) else "not significant"
+    if not t.decided:  # no interval: it would claim a precision nothing measured
+        shown = "" if math.isnan(t.difference) else f" {t.difference:+.{digits}f},"
+        return f"{a} - {b}, {what}:{shown} {t.test}: {verdict_text(t, alpha)}"
     return (f"{a} - {b}, {what}: {t.difference:+.{digits}f} [{t.low:+.{digits}f}, {t.high:+.{digits}f}], "
-            f"{t.test} (df {t.df:.1f}), {_p_text(t.p_value)}: {verdict} at {alpha:g}")
+            f"{t.test} (df {t.df:.1f}), {verdict_text(t, alpha)}")
 
 
 def _config_result(name: str, settings: dict, runs: list[Run], *, target: float, window: int,

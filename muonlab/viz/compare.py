@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import html
 import math
+import textwrap
 from collections.abc import Mapping, Sequence
 
 import matplotlib.pyplot as plt
@@ -19,7 +20,7 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
-from ..experiments.compare import Comparison, compare, describe_test
+from ..experiments.compare import Comparison, compare, describe_test, verdict_text
 from .panel_output import check_range, show_figure
 
 __all__ = ["ComparePanel", "compare_panel", "comparison_html", "plot_comparison"]
@@ -107,11 +108,10 @@ def _finals(ax, result: Comparison) -> None:
     ax.set_ylabel("final validation loss")
     finals = [(a, b, t) for a, b, metric, t in result.tests if metric == "final_val_loss"]
     title = "final validation loss per seed, mean and interval"
-    if len(finals) == 1 and not math.isnan(finals[0][2].p_value):
+    if len(finals) == 1 and not math.isnan(finals[0][2].difference):
         a, b, t = finals[0]
-        p = "p < 0.001" if t.p_value < 0.001 else f"p = {t.p_value:.3f}"
-        title += f"\n{a} - {b}: {t.difference:+.3f}, {t.test} {p}"
-    ax.set_title(title, fontsize=11)
+        title += f"\n{a} - {b}: {t.difference:+.3f}, {t.test}\n" + textwrap.fill(verdict_text(t), 56)
+    ax.set_title(title, fontsize=10)
     ax.grid(axis="y", alpha=0.3)
 
 
@@ -120,7 +120,7 @@ def plot_comparison(result: Comparison, axes=None, *, title: str | None = None):
     diverge, its t interval as a band and each seed as a thin line; a diverged seed dashed and
     marked with a red x where it leaves the axis (whose range the other runs set); the target as a
     dotted line. Right: each seed's final validation loss and the mean with its interval (diverged
-    seeds as a red x at the top), the test of the difference in the title when there is one.
+    seeds as a red x at the top), the difference and its verdict in the title when there is one.
     The legend (each configuration with the Newton-Schulz form, dtype and backend that ran) sits
     below the axes. ``axes``: None (a new figure) or a pair. Returns the pair."""
     if not isinstance(result, Comparison):
@@ -251,10 +251,9 @@ class ComparePanel:
         self.last = result
         finals = [(a, b, t) for a, b, m, t in result.tests if m == "final_val_loss"]
         verdict = ""
-        if finals and not math.isnan(finals[0][2].p_value):
+        if finals and not math.isnan(finals[0][2].difference):
             a, b, t = finals[0]
-            verdict = (f"; {a} - {b} final val loss {t.difference:+.3f}, "
-                       f"{'significant' if t.significant() else 'not significant'} (p = {t.p_value:.3f})")
+            verdict = f"; {a} - {b} final val loss {t.difference:+.3f}, {verdict_text(t)}"
         self.status.value = f"done: {what}{verdict}"
         return result
 

@@ -51,10 +51,12 @@ def test_a_real_difference_is_significant_and_identical_configurations_are_not(l
     slow = lr_result.difference("lr 1e-4", "lr 0.02")
     assert slow.test == "paired t" and slow.df == 2
     assert slow.difference > 0.1 and slow.significant() and slow.low > 0, slow
+    # an A/A comparison: bit-identical runs, no spread to weigh a difference against, undecided;
+    # unpaired, the seeds' spread is there and the verdict is "not significant"
     twin = lr_result.difference("lr 0.02 again", "lr 0.02")
-    assert twin.difference == 0.0 and twin.p_value == 1.0 and not twin.significant()
+    assert twin.difference == 0.0 and twin.verdict() == "undecided" and not twin.significant()
     welch = lr_result.difference("lr 0.02 again", "lr 0.02", test="welch")
-    assert welch.test == "Welch t" and welch.p_value == 1.0
+    assert welch.test == "Welch t" and welch.p_value == 1.0 and welch.verdict() == "not significant"
     # the tests held by the result: each configuration against the first, on both metrics
     assert [(a, b, m) for a, b, m, _ in lr_result.tests] == [
         ("lr 1e-4", "lr 0.02", "final_val_loss"), ("lr 1e-4", "lr 0.02", "steps_to_target"),
@@ -79,8 +81,52 @@ def test_summaries_intervals_and_the_table(lr_result):
     assert "float32, torch" in fast.choices and fast.choices in fast.label
     table = lr_result.table()
     assert "lr 1e-4 - lr 0.02, final val loss: +" in table and "significant at 0.05" in table
-    assert "lr 0.02 again - lr 0.02, final val loss: +0.000" in table and "p = 1.000: not significant" in table
+    assert ("lr 0.02 again - lr 0.02, final val loss: +0.000, paired t: undecided (no spread: all 3 pairs "
+            "differ by the same amount)") in table
     assert "0/3 reached" in table
+
+
+def _made_up(finals: dict[str, list[float]], reach: dict[str, list[int]], steps: int = 10) -> Comparison:
+    """A comparison of runs made up here: per configuration each seed's final validation loss and
+    the step its training loss drops from 3 to 2 (the target)."""
+    runs = [compare_mod.Run(config=name, seed=seed, final_val_loss=final, choices=[], init_digest="w",
+                            batch_digest=f"batches {seed}", seconds=0.0,
+                            train_loss=[3.0 if i + 1 < reach[name][seed] else 2.0 for i in range(steps)])
+            for name in finals for seed, final in enumerate(finals[name])]
+    configs = {name: FP32 for name in finals}
+    return summarize(runs, configs, seeds=range(len(finals["a"])), steps=steps, target=2.0, window=1)
+
+
+@pytest.mark.parametrize("case", ["no spread", "one seed"])
+def test_undecided_is_what_every_verdict_says_without_spread_or_with_one_seed(case, monkeypatch):
+    """Every seed giving the same difference (notebook 07's panel at smoke size: steps to target
+    -2.0 in both seeds), or a single seed: the table, the HTML, the figure's title and the
+    panel's status say "undecided" and why, never "significant"."""
+    import matplotlib.pyplot as plt
+
+    from muonlab.viz import compare as viz
+
+    if case == "no spread":  # b's losses 0.1 above a's in both seeds, its target 2 steps later
+        result, why = _made_up({"a": [4.0, 4.5], "b": [4.1, 4.6]}, {"a": [5, 7], "b": [7, 9]}), "no spread"
+    else:
+        result, why = _made_up({"a": [4.0], "b": [4.1]}, {"a": [5], "b": [7]}), "1 pair(s)"
+    assert [t.verdict() for _, _, _, t in result.tests] == ["undecided", "undecided"]
+    table = result.table()
+    assert "b - a, final val loss: +0.100, paired t: undecided (" + why in table
+    assert "b - a, steps to target: +2.0, paired t: undecided (" + why in table
+    assert "significant" not in table and "significant" not in viz.comparison_html(result)
+    _, ax_finals = viz.plot_comparison(result)
+    try:
+        title = ax_finals.get_title()
+        assert "b - a: +0.100, paired t\nundecided (" + why in title and "significant" not in title
+    finally:
+        plt.close(ax_finals.figure)
+    pytest.importorskip("ipywidgets", reason="panels are ipywidgets (the lab extra)")
+    monkeypatch.setattr(viz, "compare", lambda *args, **kwargs: result)
+    panel = viz.compare_panel({"a": FP32, "b": FP32}, model=TINY, seeds=2, steps=3)
+    assert panel.update() is result
+    assert panel.status.value.endswith("; b - a final val loss +0.100, undecided (" + result.tests[0][3].note + ")")
+    plt.close("all")
 
 
 def test_a_diverged_run_is_kept_shown_and_left_out_of_the_statistics():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 
@@ -99,15 +100,42 @@ def test_paired_by_hand():
     assert consistent.significant() and consistent.p_value < 0.001
 
 
-def test_no_spread_and_too_few_values():
-    same = paired_t_test([1.0, 2.0, 3.0], [1.0, 2.0, 3.0])
-    assert (same.p_value, same.difference, same.t) == (1.0, 0.0, 0.0) and not same.significant()
-    assert welch_t_test([2.0, 2.0], [2.0, 2.0]).p_value == 1.0
-    shifted = paired_t_test([1.5, 2.5, 3.5], [1.0, 2.0, 3.0])
-    assert shifted.p_value == 0.0 and shifted.t == math.inf and shifted.note
-    few = paired_t_test([1.0], [2.0])
-    assert math.isnan(few.p_value) and not few.significant() and "at least 2" in few.note
-    assert math.isnan(welch_t_test([1.0, 2.0], [3.0]).p_value)
+def test_no_spread_and_too_few_values_are_undecided_never_significant():
+    """A t-test cannot weigh a difference without a measured noise: every seed giving the same
+    difference, one seed, or fewer values than the test needs give "undecided" and say why."""
+    cases = {
+        "same difference in every pair": paired_t_test([1.5, 2.5, 3.5], [1.0, 2.0, 3.0]),
+        # equal differences of unequal numbers differ in their last bits (0.09999999999999998 and
+        # 0.10000000000000003): their variance of ~1e-34 gave p < 1e-15
+        "same difference but for rounding": paired_t_test([0.3, 0.4, 0.5, 0.7], [0.2, 0.3, 0.4, 0.6]),
+        "two seeds, steps to target -2 in both": paired_t_test([7.0, 9.0], [9.0, 11.0]),
+        "identical runs": paired_t_test([1.0, 2.0, 3.0], [1.0, 2.0, 3.0]),
+        "each side constant (Welch)": welch_t_test([4.0, 4.0, 4.0], [4.25, 4.25]),
+        "one pair": paired_t_test([1.0], [2.0]),
+        "no pair": paired_t_test([], []),
+        "one value on a side (Welch)": welch_t_test([1.0, 2.0], [3.0]),
+    }
+    for what, r in cases.items():
+        assert r.verdict() == "undecided" and not r.decided and not r.significant(0.99), what
+        assert r.note and math.isnan(r.p_value) and math.isnan(r.low) and math.isnan(r.t), what
+    assert cases["same difference in every pair"].difference == 0.5
+    assert cases["same difference in every pair"].note.startswith("no spread")
+    assert cases["two seeds, steps to target -2 in both"].difference == -2.0
+    assert "at least 2" in cases["one pair"].note and math.isnan(cases["no pair"].difference)
+    assert "at least 2 on each side" in cases["one value on a side (Welch)"].note
+    assert cases["one value on a side (Welch)"].difference == pytest.approx(-1.5)
+
+
+def test_a_clear_difference_is_significant_and_an_a_a_comparison_is_not():
+    clear = paired_t_test([1.0, 2.0, 3.0], [1.30, 2.31, 3.29])  # b above a by 0.29..0.31 in every pair
+    assert clear.decided and clear.verdict() == "significant" and clear.p_value < 0.001
+    assert clear.verdict(alpha=1e-4) == "not significant"  # p = 3.7e-4
+    gen = random.Random(11)  # A/A: both sides drawn from one normal, paired and unpaired
+    a, b = [gen.gauss(4.0, 0.1) for _ in range(5)], [gen.gauss(4.0, 0.1) for _ in range(5)]
+    for r in (paired_t_test(a, b), welch_t_test(a, b)):
+        assert r.decided and r.verdict() == "not significant" and r.p_value > 0.2, r
+    # a constant side next to a varying one is an ordinary Welch test
+    assert welch_t_test([4.0, 4.0, 4.0], [4.3, 4.35, 4.4]).verdict() == "significant"
 
 
 def test_bad_input_is_refused_by_name():
