@@ -31,3 +31,14 @@ def cuda_sync_errors():
         torch.cuda.synchronize()
 
     return errors
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Say why the browser tests did not run (a missing Chromium): among the suite's other skips
+    (no GPU, no Triton, ...) a quiet run would not show it, and `make test` would look complete."""
+    skipped = [r for r in terminalreporter.stats.get("skipped", []) if r.nodeid.startswith("tests/browser/")]
+    if not skipped:
+        return
+    reasons = sorted({r.longrepr[2].removeprefix("Skipped: ") for r in skipped if isinstance(r.longrepr, tuple)})
+    terminalreporter.write_sep("-", "browser tests not run")
+    terminalreporter.write_line(f"{len(skipped)} test(s) in tests/browser skipped: {'; '.join(reasons)}")

@@ -5,8 +5,8 @@ never touches the repository). Each test runs every cell from the Run menu. Note
 training panel renders as ipywidgets (not a text repr); the test picks other coefficients in its
 dropdown, clicks "train", and checks the click reached the kernel: the status label, the drawn image
 and the panel's kept runs (one curve each in the figure) all change. Notebook 07: the comparison
-panel; the test ticks other configurations, clicks "run" and reads the new table. Skips where no
-Chromium is installed.
+panel; the test ticks other configurations, clicks "run" and reads the new table. Both skip where
+no Chromium is installed, and the run's summary says so (tests/conftest.py), which the last test checks.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[2]
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 NOTEBOOK = "01_quickstart.ipynb"
 ERROR_OUTPUT = ".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']"
-pytestmark = pytest.mark.skipif(
+needs_chromium = pytest.mark.skipif(
     CHROMIUM is None, reason="no Chromium on PATH: install Debian's `chromium` (apt-get install -y chromium)")
 
 
@@ -178,6 +178,7 @@ def _lab_page(tmp_path: Path):
             browser.close()
 
 
+@needs_chromium
 @pytest.mark.timeout(420)  # a stuck page still ends in the fixture's shutdown
 def test_notebook_01_panel_renders_and_trains_on_click(lab, tmp_path):
     url, token = lab
@@ -229,6 +230,7 @@ def test_notebook_01_panel_renders_and_trains_on_click(lab, tmp_path):
         assert len(runs) == 2 and "keller" in runs[0] and "xtuner" in runs[1], runs
 
 
+@needs_chromium
 @pytest.mark.timeout(480)
 def test_notebook_07_compare_panel_runs_on_click(lab, tmp_path):
     url, token = lab
@@ -257,3 +259,16 @@ def test_notebook_07_compare_panel_runs_on_click(lab, tmp_path):
         assert len(rows) == 3 and rows[1].startswith("keller") and rows[2].startswith("adamw"), rows
         assert "no Newton-Schulz" in rows[2] and "float32" in rows[1]  # the resolved choices shown
         assert panel.locator(".widget-output img").count() == 1
+
+
+def test_a_run_without_chromium_says_why_the_browser_tests_skipped():
+    """The browser tests run with a PATH holding no Chromium: they skip, and the summary at the end
+    of the output names the package to install (a skip among the suite's others is easy to miss)."""
+    env = dict(os.environ, PATH=str(Path(sys.executable).parent))
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "notebook_",
+                          str(Path(__file__).relative_to(REPO))], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=300)
+    out = run.stdout + run.stderr
+    assert run.returncode == 0 and "2 skipped" in out, out
+    assert ("2 test(s) in tests/browser skipped: no Chromium on PATH: install Debian's `chromium` "
+            "(apt-get install -y chromium)") in out, out
