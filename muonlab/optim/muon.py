@@ -34,7 +34,7 @@ from . import nonfinite
 from .agreement import Agreement, digest
 from .momentum_homes import MomentumHomes
 from .offload import StateStores
-from .replicas import check_ranks_agree
+from .replicas import check_ranks_agree, fingerprints, fold, name_the_difference
 from .options import MuonOptions, OptionAttribute
 from .param_groups import NamedParams
 from .saved_state import STATE_KEYS, SavedState
@@ -558,21 +558,31 @@ class Muon(NamedParams, StepStats, MomentumHomes, SavedState, Optimizer):
 
     def _control(self, prepared: PreparedStep, seconds: dict) -> tuple[list[int], list[str]]:
         """The step's commit decision, before anything is written: the non-finite check's flag of
-        this rank (one fused pass over the grads), then one exchange with the other ranks of the
-        step's group carrying it and the step's digest (``Agreement.check``: a rank that
-        disagrees makes every rank raise the same error). Returns the global ranks with a
+        this rank (one fused pass over the grads) and the fingerprint of its replicated gradients
+        (read with the flag), then one exchange with the other ranks of the step's group carrying
+        them and the step's digest (``Agreement.check``: a rank that disagrees, or replicas whose
+        gradients differ, make every rank raise the same error). Returns the global ranks with a
         non-finite gradient (the same on every rank) and this rank's culprits; raises under
         ``nonfinite="raise"``. ``seconds``: "check" (the pass) and "wait" (the exchange), host
-        seconds, when the check is on."""
+        seconds, when the check is on.
+
+        The fingerprint rides on the host's read of the flag: with ``nonfinite="ignore"`` or
+        ``nonfinite_decision="device"`` (and so captured steps) no flag is read, and reading one
+        would synchronise a GPU step that otherwise does not; there the replicas' gradients are
+        compared when a plan is made only (muonlab.optim.replicas.check_ranks_agree)."""
         checking = self.nonfinite != "ignore" and self.nonfinite_decision == "host"  # else: _gate
         t0 = time.perf_counter()
-        flagged = checking and nonfinite.found([p.grad for p in prepared.checked])
+        replicas = prepared.replicas if checking else ()
+        flagged, values = (nonfinite.found_and_read([p.grad for p in prepared.checked],
+                                                    fingerprints([p.grad for p in replicas]) if replicas else None)
+                           if checking else (False, []))
         t1 = time.perf_counter()
         group = prepared.check_group
         if group is not None:
             bad_ranks = self._agreement.check(
                 group, step_digest(prepared, self._settings_checked), flagged,
-                lambda: self._step_description(prepared.work))
+                lambda: self._step_description(prepared.work), fold(values) if replicas else 0,
+                lambda side: name_the_difference(side, self._plan_names(prepared, replicas), replicas, values))
         else:
             bad_ranks = [rank_or_zero()] if flagged else []
         if checking:
@@ -584,6 +594,11 @@ class Muon(NamedParams, StepStats, MomentumHomes, SavedState, Optimizer):
             mine = f"; here: {', '.join(names)}" if names else ""
             raise ValueError(f"non-finite gradient on rank(s) {bad_ranks}{mine}")
         return bad_ranks, names
+
+    def _plan_names(self, prepared: PreparedStep, params: tuple) -> list[str]:
+        """Names of Muon parameters as the plan gives them (an unnamed one: "param<entry index>")."""
+        index = {id(p): i for p, i in zip(prepared.checked, prepared.indices)}
+        return [self._names.get(p, f"param{index[id(p)]}") for p in params]
 
     def _culprits(self, checked: tuple) -> list[str]:
         """The parameters among ``checked`` whose grad holds an inf or NaN, by name (or shape)."""

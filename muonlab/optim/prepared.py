@@ -14,10 +14,12 @@ the exception: its value stays on the device (``TensorSetting``), checked when t
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
 
+from ..comm.specs import DTensor
 from .agreement import digest
 from .validation import SETTINGS
 
@@ -97,6 +99,16 @@ class PreparedStep:
     of one rank: nothing to exchange)."""
     planned: Any = None
     """The plan with what it needs (Muon's ``_Planned``), once made and checked across ranks."""
+
+    @cached_property
+    def replicas(self) -> tuple[torch.Tensor, ...]:
+        """The Muon parameters with a gradient that the plan takes as replicas (plain tensors under
+        a multi-rank group: layout "replicated", see muonlab.comm.specs), whose gradients each step
+        compares across ranks (muonlab.optim.replicas.fingerprints). DTensors are not: FSDP2's
+        shards differ by design, and a Replicate DTensor's gradient is kept equal by DTensor."""
+        if self.check_group is None:
+            return ()
+        return tuple(p for p in self.checked[:len(self.indices)] if DTensor is None or not isinstance(p, DTensor))
 
 
 def step_digest(prepared: PreparedStep, settings: tuple) -> int:

@@ -1,20 +1,109 @@
-"""Do replicated parameters really hold replicas? Checked across ranks when a plan is made.
+"""Do replicated parameters really hold replicas? Checked across ranks: in full when a plan is
+made, their gradients at every step.
 
 A plain tensor under a process group of several ranks is taken as a replica (DDP): each matrix is
 orthogonalized on one owner rank and its update applied everywhere. Ranks that plan different
 matrices would hang in mismatched collectives, and replicas that differ (independent models per
-rank, or equal weights trained on each rank's own data without DDP) would silently train wrong.
-``check_ranks_agree`` compares what each rank plans and the replicas' checksums in one exchange.
+rank, or equal weights trained on each rank's own data without DDP) would silently train wrong:
+each matrix would follow its owner rank's data alone, the replicas staying equal.
+
+``check_ranks_agree`` compares what each rank plans and the replicas' checksums (weights and, in a
+step, gradients) in one exchange, when a plan is made. Gradients that part ways later (DDP
+switched off mid-run, a rank skipping the all-reduce, the same batch at the first step only) are
+caught by the step that has them: each step's control exchange (muonlab.optim.agreement) carries a
+fingerprint of this rank's replicated gradients (``fingerprints``, ``fold``), and only when the
+fingerprints differ do the ranks exchange per-matrix values to name the parameter
+(``name_the_difference``), every rank raising the same ValueError before anything changes.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
 from ..comm.specs import MatrixSpec, local_shard
+from .agreement import digest
+
+_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+"""The integer dtype of each float width: a gradient's bits, read as integers."""
+
+
+def fingerprints(grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Per gradient, the sum of its elements' bit patterns read as integers, mod 2**32: an int32
+    vector on the first gradient's device, nothing read. Integer sums are exact and the same in any
+    order, so bit-identical gradients (DDP's all-reduced ones) give equal values on every rank,
+    whatever the thread count, vector width or GPU reduction order, where a float sum need not.
+    Gradients that differ anywhere differ by a nonzero amount that cancels mod 2**32 with
+    probability about 2**-32 per matrix (gradients of other data differ in nearly every element),
+    and a run whose replicas drifted is compared again at the next step. One reduction per
+    matrix reading its bits once (no copy: a same-width view), a third to a half of the non-finite
+    pass's time on a CPU."""
+    device = grads[0].device
+    sums = []
+    for g in grads:
+        bits = g.detach().view(_BITS[g.element_size()])
+        if g.element_size() == 8:  # summed mod 2**64, its high word added in: the sign and exponent count
+            total = bits.sum()
+            total = total + (total >> 32)
+        else:
+            total = bits.sum(dtype=torch.int32)
+        total = total.to(torch.int32)
+        sums.append(total if total.device == device else total.to(device))
+    return torch.stack(sums)
+
+
+def fold(values: list[int]) -> int:
+    """The per-matrix ``fingerprints`` (read) as the one 63-bit value a rank sends in the step's
+    control exchange (muonlab.optim.agreement)."""
+    return digest(values)
+
+
+def name_the_difference(group, names: list[str], params: Sequence[torch.Tensor], values: list[int]) -> str:
+    """After the step's exchange found fingerprints that differ: every rank of ``group`` calls this
+    (one all_gather_object of its per-matrix values and its weights' ``checksums``) and gets the
+    same message naming the first replicated parameter that differs, and the ranks."""
+    everyone: list = [None] * dist.get_world_size(group)
+    shapes = [tuple(p.shape) for p in params]
+    dist.all_gather_object(everyone, (names, shapes, values, checksums(list(params))), group=group)
+    ranks = dist.get_process_group_ranks(group)
+    first_names, first_shapes, first_values, first_sums = everyone[0]
+    for rank, (their_names, their_shapes, _, _) in zip(ranks, everyone):
+        if (their_names, their_shapes) != (first_names, first_shapes):
+            return (f"ranks disagree on the replicated Muon parameters: rank {ranks[0]} has "
+                    f"{list(zip(first_names, first_shapes))}, rank {rank} has {list(zip(their_names, their_shapes))}")
+    for k, (name, shape) in enumerate(zip(first_names, first_shapes)):
+        for rank, (_, _, _, their_sums) in zip(ranks, everyone):
+            if their_sums[k] != first_sums[k]:
+                return different_weights(name, shape, ranks[0], rank, f"checksums {first_sums[k]} vs {their_sums[k]}")
+        differ = [(rank, theirs[k]) for rank, (_, _, theirs, _) in zip(ranks, everyone) if theirs[k] != first_values[k]]
+        if differ:
+            return different_gradients(name, shape, ranks[0], [rank for rank, _ in differ],
+                                       f"gradient fingerprints {first_values[k]} vs {differ[0][1]}")
+    return "replicated Muon parameters' gradients differ between ranks"  # pragma: no cover - values differ
+
+
+def different_weights(name: str, shape: tuple, first_rank: int, rank: int, evidence: str) -> str:
+    """The error for replicas whose weights differ (``evidence``: the values compared)."""
+    return (f"replicated parameter {name!r} of shape {shape} differs between rank {first_rank} "
+            f"and rank {rank} ({evidence}): a plain tensor under a process group of "
+            "several ranks is taken as a replica (DDP). Wrap the model in DDP or FSDP2 "
+            "(muonlab.distributed.parallelize) so replicas start equal, or give a model of "
+            "its own to each rank with process_group=dist.new_group([rank])")
+
+
+def different_gradients(name: str, shape: tuple, first_rank: int, differ: list[int], evidence: str) -> str:
+    """The error for replicas with equal weights and different gradients: a model without DDP
+    given each rank's own data (``evidence``: the values compared)."""
+    return (f"replicated parameter {name!r} of shape {shape} has equal weights but a different "
+            f"gradient on rank(s) {', '.join(map(str, differ))} than on rank {first_rank} ({evidence}): "
+            "a plain tensor under a process group of several ranks is taken as a replica (DDP) and updated "
+            "everywhere from its owner rank's result, so each matrix would follow one rank's data alone. For "
+            'data-parallel training wrap the model in DDP (muonlab.distributed.parallelize(model, "ddp")), which '
+            "averages the gradients before the step; for a model per rank trained on its own data, "
+            "give each rank's optimizer process_group=dist.new_group([rank])")
 
 
 def checksums(tensors: list[torch.Tensor | None]) -> list[tuple[float, float] | None]:
@@ -55,12 +144,10 @@ def check_ranks_agree(group, specs: list[MatrixSpec], configs: tuple, params: li
     all-reduced gradients are bit-identical on every rank (fp32 or bf16 alike: the checksums
     are exact fp64 sums), so they pass. A gradient with an inf or NaN on some rank is left to
     the non-finite check (skip or raise); that parameter's gradients are compared by the
-    next step using this plan. Only a
-    new plan is checked (the first step, and a change of the layout, the settings or the set
-    of parameters with gradients): gradients that diverge only at a later step (data
-    parallelism switched off mid-run, a rank skipping the all-reduce) are not caught, since
-    comparing them at every step would put a collective that exists only to check into the
-    steady-state step (see DESIGN.md, Two phases). The cost, once per plan: each replica's
+    next step using this plan. Only a new plan is checked here (the first step, and a change of
+    the layout, the settings or the set of parameters with gradients); gradients that diverge at
+    a later step are caught by that step's control exchange (``fingerprints``, see the module
+    docstring), which needs no collective of its own. The cost, once per plan: each replica's
     gradient summed in fp64 and 16 bytes per replica more in the exchange. Measured at 2 gloo
     ranks sharing 2 CPU cores under DDP: the tests' small GPT (8 matrices, 14k elements)
     +0.2 ms on a first step of 17 ms; 16 matrices of 3.1M elements +4 to 6 ms (the sums) on
@@ -96,12 +183,7 @@ def check_ranks_agree(group, specs: list[MatrixSpec], configs: tuple, params: li
                              f"with gradients, rank {rank} has {len(theirs)}")
         for spec, a, b in zip(specs, first_sums, their_sums):
             if a != b:
-                raise ValueError(
-                    f"replicated parameter {spec.name!r} of shape {spec.shape} differs between rank {ranks[0]} "
-                    f"and rank {rank} (checksums {a} vs {b}): a plain tensor under a process group of "
-                    "several ranks is taken as a replica (DDP). Wrap the model in DDP or FSDP2 "
-                    "(muonlab.distributed.parallelize) so replicas start equal, or give a model of "
-                    "its own to each rank with process_group=dist.new_group([rank])")
+                raise ValueError(different_weights(spec.name, spec.shape, ranks[0], rank, f"checksums {a} vs {b}"))
     if not grads:
         return not any(replicas)
     compared = True
@@ -114,13 +196,7 @@ def check_ranks_agree(group, specs: list[MatrixSpec], configs: tuple, params: li
             continue
         differ = [rank for rank, pair in zip(ranks, theirs) if pair != first_grad_sums[k]]
         if differ:
-            raise ValueError(
-                f"replicated parameter {spec.name!r} of shape {spec.shape} has equal weights but a different "
-                f"gradient on rank(s) {', '.join(map(str, differ))} than on rank {ranks[0]} (gradient "
-                f"checksums {first_grad_sums[k]} vs {theirs[ranks.index(differ[0])]}): a plain tensor under a "
-                "process group of several ranks is taken as a replica (DDP) and updated everywhere from its "
-                "owner rank's result, so each matrix would follow one rank's data alone. For data-parallel "
-                'training wrap the model in DDP (muonlab.distributed.parallelize(model, "ddp")), which '
-                "averages the gradients before the step; for a model per rank trained on its own data, "
-                "give each rank's optimizer process_group=dist.new_group([rank])")
+            raise ValueError(different_gradients(
+                spec.name, spec.shape, ranks[0], differ,
+                f"gradient checksums {first_grad_sums[k]} vs {theirs[ranks.index(differ[0])]}"))
     return compared

@@ -1,7 +1,8 @@
 """Workers for test_replicas.py: replicated (DDP) Muon matrices whose owner changes between
 steps keep their momentum (it follows the owner), plan() called on one rank alone, or a
 process group of one rank per model, runs no collective with the others, and a small GPT
-trained on each rank's own data without DDP (refused), under DDP, or per rank in its own group."""
+trained on each rank's own data without DDP (refused at the first step, or at the step where the
+ranks' data part ways), under DDP, or per rank in its own group."""
 
 from __future__ import annotations
 
@@ -259,23 +260,70 @@ def forgot_ddp_runs(cases) -> dict:
     return {case: forgot_ddp(*case) for case in cases}
 
 
-def with_ddp(precision: str) -> dict:
+def late_form(precision: str, own_from: int, steps: int = 4) -> dict:
+    """forgot_ddp's model and optimizer, the same rows on every rank (equal gradients: the plan's
+    check passes) before step ``own_from``, each rank's own rows from it on: DDP forgotten after
+    the first step. Returns the step that raised and its error, whether that step changed anything
+    (parameters, momentum, AdamW state, skip count), and the Muon matrices' names and shapes."""
+    torch.set_num_threads(1)
+    model = _gpt(precision)
+    opt = Muon(muon_param_groups(model), **GPT_HYPER)
+    names = {p: n for n, p in model.named_parameters()}
+    muon = {names[p]: tuple(p.shape) for g in opt.param_groups if g["algorithm"] == "muon" for p in g["params"]}
+    same, own = rank_batches(0, steps), rank_batches(dist.get_rank(), steps)
+    for step in range(steps):
+        x, y = (own if step >= own_from else same)[step]
+        model(x, y).backward()
+        snapshot = _snapshot(model, opt)
+        try:
+            opt.step()
+        except ValueError as err:
+            return dict(at=step, error=str(err), unchanged=_equal(snapshot, _snapshot(model, opt)), muon=muon,
+                        momentum=sum("momentum_buffer" in s for s in opt.state.values()))
+        opt.zero_grad()
+    return dict(at=None, error=None, unchanged=False, muon=muon, momentum=None)
+
+
+def late_form_runs(cases) -> dict:
+    """late_form for each (precision, own_from) in one launch."""
+    return {case: late_form(*case) for case in cases}
+
+
+def with_ddp(precision: str, steps: int = GPT_STEPS, nan_at: int | None = None, nonfinite: str = "skip") -> dict:
     """forgot_ddp's run under parallelize(model, "ddp"): all-reduced, bit-identical gradients pass
-    the check. The parameters after GPT_STEPS steps."""
+    the check. The parameters after ``steps`` steps, and the fingerprint each step's exchange
+    carried. ``nan_at``: at that step the last rank's first Muon gradient holds a NaN after the
+    all-reduce (its replicas' gradients differ there): the non-finite check's to skip (the error
+    under ``nonfinite="raise"``, under "errors")."""
     from muonlab.distributed import parallelize
 
     torch.set_num_threads(1)
     model, inner, _ = parallelize(_gpt(precision), "ddp")
-    opt = Muon(muon_param_groups(inner), **GPT_HYPER)
-    for x, y in rank_batches(dist.get_rank()):
+    opt = Muon(muon_param_groups(inner), nonfinite=nonfinite, **GPT_HYPER)
+    first = next(p for g in opt.param_groups if g["algorithm"] == "muon" for p in g["params"])
+    sent, errors = [], {}
+    real = opt._agreement.check
+
+    def spy(*args, **kwargs):
+        sent.append(args[4])  # the fingerprint
+        return real(*args, **kwargs)
+
+    opt._agreement.check = spy
+    for step, (x, y) in enumerate(rank_batches(dist.get_rank(), steps)):
         model(x, y).backward()
-        opt.step()
+        if step == nan_at and dist.get_rank() == dist.get_world_size() - 1:
+            first.grad.view(-1)[0] = float("nan")
+        try:
+            opt.step()
+        except ValueError as err:
+            errors[step] = str(err)
         opt.zero_grad()
-    return {n: p.detach().clone() for n, p in inner.named_parameters()}
+    out = {n: p.detach().clone() for n, p in inner.named_parameters()}
+    return dict(params=out, sent=sent, skipped=opt.skipped_steps, errors=errors)
 
 
 def with_ddp_runs(precisions) -> dict:
-    return {precision: with_ddp(precision) for precision in precisions}
+    return {precision: with_ddp(precision)["params"] for precision in precisions}
 
 
 def single_process_global(precision: str) -> dict:

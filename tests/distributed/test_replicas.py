@@ -1,7 +1,8 @@
 """Replicated (DDP) Muon matrices across steps whose owners change, calls that must not involve
 the other ranks (muonlab.optim.muon: _relocate_momentum, plan(), process_group), gradients
 laid out unlike their parameters, and replicas given different gradients (a model without DDP
-on each rank's own data: _check_ranks_agree)."""
+on each rank's own data: check_ranks_agree when a plan is made, the step's control exchange at
+any later step)."""
 
 import math
 
@@ -149,6 +150,53 @@ def test_replicas_with_different_gradients_are_refused_by_name_before_anything_c
             assert out[case]["unchanged"], (case, rank)
             assert (out[case]["state"] > 0) == (case[1] in ("step", "consolidate")), (case, rank)
             assert out[case]["skipped"] == (case[1] == "nan"), (case, rank)
+
+
+@pytest.mark.timeout(300)
+def test_replicas_whose_gradients_part_ways_after_the_plan_are_refused_at_that_step():
+    """The late form of forgetting DDP: the same rows on every rank at the first step(s), each
+    rank's own from step 1 or 2, with the plan made and checked. Each matrix took its owner rank's
+    gradient, the replicas stayed equal and 3e-4 to 2.9e-2 off their own one-process runs, with no
+    error. Each step's control exchange carries a fingerprint of the replicated gradients: every
+    rank raises the first-step case's error at the step it happens, before anything changes."""
+    import re
+
+    cases = [("fp32", 1), ("bf16", 1), ("fp32", 2)]
+    results = launch(W.late_form_runs, 2, cases, timeout_s=120)
+    for case in cases:
+        errors = {rank: out[case]["error"] for rank, out in results.items()}
+        assert errors[0] and errors[0] == errors[1], (case, errors)
+        m = re.match(r"replicated parameter '([\w.]+)' of shape (\(\d+, \d+\)) has equal weights but a different "
+                     r"gradient on rank\(s\) 1 than on rank 0 \(gradient fingerprints -?\d+ vs -?\d+\)", errors[0])
+        assert m and str(results[0][case]["muon"][m[1]]) == m[2], (case, errors[0])
+        assert 'parallelize(model, "ddp")' in errors[0] and "process_group=dist.new_group([rank])" in errors[0]
+        for rank, out in results.items():
+            assert out[case]["at"] == case[1], (case, rank, out[case]["at"])
+            assert out[case]["unchanged"] and out[case]["momentum"] > 0, (case, rank)  # momentum existed, kept
+
+
+@pytest.mark.timeout(300)
+def test_ddp_replicas_pass_the_per_step_check_and_a_nan_on_one_rank_is_skipped():
+    """Under DDP the fingerprints (taken at every step: none is 0) agree for many steps. A NaN
+    put into one rank's gradient after the all-reduce makes that rank's fingerprint differ: the
+    non-finite check's business (every rank skips, or raises its error), never a replica mismatch;
+    the steps after it pass, and the replicas stay equal."""
+    steps = 8
+    results = launch(W.with_ddp, 2, "fp32", steps, None, timeout_s=120)
+    for rank, out in results.items():
+        assert not out["errors"] and out["skipped"] == 0, (rank, out["errors"])
+        assert len(out["sent"]) == steps and all(out["sent"]), (rank, out["sent"])
+    assert results[0]["sent"] == results[1]["sent"]
+    for nonfinite in ("skip", "raise"):
+        results = launch(W.with_ddp, 2, "fp32", 4, 2, nonfinite, timeout_s=120)
+        got = [out["params"] for out in results.values()]
+        assert all(torch.equal(got[0][n], got[1][n]) for n in got[0]), nonfinite
+        for rank, out in results.items():
+            if nonfinite == "skip":
+                assert not out["errors"] and out["skipped"] == 1, (rank, out["errors"])
+            else:
+                assert list(out["errors"]) == [2] and out["errors"][2].startswith("non-finite gradient on rank(s) [1]"), \
+                    (rank, out["errors"])
 
 
 @pytest.mark.timeout(300)
