@@ -242,7 +242,7 @@ class Muon(NamedParams, StepStats, MomentumHomes, SavedState, Optimizer):
         update_rule: what happens between a matrix's orthogonalized update and its parameter, per
             group (a key of ``muonlab.optim.rules.RULES``): "muon" (the update as it is) or
             "normuon" (NorMuon, Li et al. 2025: per-row second moments, decay ``normuon_beta2``,
-            normalise the update, which keeps its Frobenius norm; see
+            normalise the update, then rescaled to the norm ``normuon_scale`` picks; see
             muonlab.optim.rules.normuon). NorMuon keeps one fp32 number per row of each matrix
             (state key "row_variance", with the rows: on their FSDP2 shard, with an expert, on
             every DDP replica; on the parameters' device under ``state_offload``). A batch of
@@ -253,6 +253,10 @@ class Muon(NamedParams, StepStats, MomentumHomes, SavedState, Optimizer):
             sharded its column sums travel instead (out numbers per matrix) and that state is
             replicated over the ranks holding the rows. Refused for shards on a dim other than 0.
         normuon_beta2: NorMuon's decay of the row second moments, in [0, 1).
+        normuon_scale: the Frobenius norm NorMuon rescales its normalised update to: "code" (the
+            orthogonalized update's own, as the authors' code) or "paper" (an orthogonal matrix's,
+            sqrt(min(m, n)): with adjust_lr="match_rms_adamw" and nesterov=False, the paper's
+            Algorithm 1); see muonlab.optim.rules.normuon.
         capture_after: None, or N >= 1: on CUDA, the hot step runs eagerly N times with the same
             prepared step, settings and tensors, is then captured whole in a CUDA graph
             (collectives included, on NCCL) and replayed at every later step; the host part
@@ -326,6 +330,7 @@ class Muon(NamedParams, StepStats, MomentumHomes, SavedState, Optimizer):
         keep_muon_momentum_in_memory: bool = False,
         update_rule: str = "muon",
         normuon_beta2: float = 0.95,
+        normuon_scale: str = "code",
         capture_after: int | None = None,
     ):
         self.options = MuonOptions(
@@ -337,6 +342,7 @@ class Muon(NamedParams, StepStats, MomentumHomes, SavedState, Optimizer):
             lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
             ns_steps=ns_steps, ns_coefficients=ns_coefficients, eps=eps, adjust_lr=adjust_lr,
             momentum_form=momentum_form, update_rule=update_rule, normuon_beta2=normuon_beta2,
+            normuon_scale=normuon_scale,
         )
         self._adamw_defaults = dict(lr=adamw_lr, betas=adamw_betas, eps=adamw_eps, weight_decay=adamw_weight_decay)
         # the arguments themselves, not only the groups that use them: a bad adamw_lr must not

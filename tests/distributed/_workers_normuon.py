@@ -1,7 +1,8 @@
 """Workers of the NorMuon tests: the same parameters and gradients stepped by Muon with
 ``update_rule="normuon"`` on FSDP2 row shards (empty trailing shards, a fused bank whose blocks the
 shards cut through, a flattened conv kernel), on DDP replicas (the owner path) and on expert banks
-sharded by expert; plus an FSDP2 checkpoint resumed on the same ranks.
+sharded by expert, and FSDP2 again with ``normuon_scale="paper"``; plus an FSDP2 checkpoint resumed
+on the same ranks.
 
 Every worker returns plain data; the parent steps the same tensors in one process.
 """
@@ -21,6 +22,13 @@ HYPER = dict(lr=0.02, weight_decay=0.01, momentum=0.9, update_rule="normuon", no
 STEPS = 3
 FUSED = {"qkv": 3}
 """A fused bank of 3 (4, 6) blocks: 12 rows shard 6, 6 at 2 ranks and 3, 3, 3, 3 at 4 (through blocks: the blocks path)."""
+
+
+def settings_for(kind: str) -> tuple[str, dict]:
+    """(layout, Muon's settings) of a case: "fsdp_paper" is "fsdp" with normuon_scale="paper"."""
+    if kind == "fsdp_paper":
+        return "fsdp", dict(HYPER, normuon_scale="paper")
+    return kind, HYPER
 
 
 def shapes(kind: str) -> list[tuple[str, tuple[int, ...]]]:
@@ -53,8 +61,9 @@ def views_for(kind: str) -> dict:
 
 def single_process(kind: str, steps: int = STEPS) -> dict:
     """The reference: the same tensors in one process, fp32 throughout."""
+    kind, hyper = settings_for(kind)
     params = [(n, torch.nn.Parameter(init_tensor(s, seed))) for seed, (n, s) in enumerate(shapes(kind))]
-    opt = Muon(params, ns_dtype=torch.float32, fused_banks=fused_for(kind), matrix_views=views_for(kind), **HYPER)
+    opt = Muon(params, ns_dtype=torch.float32, fused_banks=fused_for(kind), matrix_views=views_for(kind), **hyper)
     for step in range(steps):
         for seed, (_, p) in enumerate(params):
             p.grad = grad_for(p.shape, seed, step)
@@ -70,6 +79,7 @@ def _sharded(kind: str):
     from torch.distributed.tensor import Shard, distribute_tensor
 
     world = dist.get_world_size()
+    kind, hyper = settings_for(kind)
     module = torch.nn.Module()
     for seed, (name, shape) in enumerate(shapes(kind)):
         module.register_parameter(name, torch.nn.Parameter(init_tensor(shape, seed)))
@@ -84,7 +94,7 @@ def _sharded(kind: str):
     params = list(module.named_parameters())
     pg = dist.group.WORLD if kind == "ddp" else None
     opt = Muon(params, ns_dtype=torch.float32, comm_dtype=torch.float32, fused_banks=fused_for(kind),
-               matrix_views=views_for(kind), process_group=pg, **HYPER)
+               matrix_views=views_for(kind), process_group=pg, **hyper)
     return module, params, opt
 
 
@@ -143,7 +153,7 @@ def resume(path: str) -> dict:
 
 def everything(ckpt_root: str) -> dict:
     """Every case in one launch (process start-up is the slow part)."""
-    kinds = ("fsdp", "ddp", "ep") + (("hsdp",) if dist.get_world_size() == 4 else ())
+    kinds = ("fsdp", "fsdp_paper", "ddp", "ep") + (("hsdp",) if dist.get_world_size() == 4 else ())
     out = {kind: run(kind) for kind in kinds}
     path = os.path.join(ckpt_root, f"world{dist.get_world_size()}")
     out["resume"] = resume(path)

@@ -1,6 +1,6 @@
 """NorMuon across gloo ranks equals one process: FSDP2 row shards (empty trailing shards, a fused
-bank cut through its blocks, a flattened conv kernel; HSDP at 4 ranks), DDP replicas, expert
-banks; and an FSDP2 checkpoint resumes it bit for bit. One launch per world size runs every case."""
+bank cut through its blocks, a flattened conv kernel; HSDP at 4 ranks; the paper's scale too), DDP
+replicas, expert banks; and an FSDP2 checkpoint resumes it bit for bit. One launch per world size runs every case."""
 
 import pytest
 import torch
@@ -23,7 +23,7 @@ def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("kind", ["fsdp", "ddp", "ep", "hsdp"])
+@pytest.mark.parametrize("kind", ["fsdp", "fsdp_paper", "ddp", "ep", "hsdp"])
 def test_normuon_on_ranks_equals_one_process(world_results, kind):
     """Parameters and row second moments within 1e-6 of one process's, on every rank; on FSDP2 the
     fused bank's rows are split across ranks mid-block (its per-block norms are summed across
@@ -40,7 +40,7 @@ def test_normuon_on_ranks_equals_one_process(world_results, kind):
     calls = results[0][kind]["calls"].get("normuon", 0)
     for rank, res in results.items():  # the plan's rule_sums (its cost model's) are what the step sent
         assert res[kind]["planned_rule_bytes"] == res[kind]["counted_rule_bytes"], (world, kind, rank)
-    if kind in ("fsdp", "hsdp"):  # the cases the test is for did occur; the norms' all-reduce was counted
+    if kind in ("fsdp", "fsdp_paper", "hsdp"):  # the cases the test is for did occur; the norms' all-reduce was counted
         paths = {path for path, _ in results[0][kind]["layouts"]}
         assert paths & {"all_to_all", "agrs"} and paths & {"gather_all", "subgroup", "blocks"}, paths
         assert calls >= 1

@@ -3,11 +3,13 @@ state kept, resumed and offloaded exactly, its refusals, and its numerics on the
 produces (low-rank and zero momentum, bf16)."""
 
 import io
+import math
 
 import pytest
 import torch
 
 from muonlab import Muon
+from muonlab.kernels.reference import reference_newton_schulz
 from muonlab.optim.reference import reference_muon_step, reference_normuon
 from muonlab.optim.rules import RULES
 
@@ -41,8 +43,9 @@ def _run(steps=3, **kw):
     return params, opt
 
 
-def test_normuon_equals_the_slow_reference_on_every_view():
-    params, opt = _run()
+@pytest.mark.parametrize("scale", ["code", "paper"])
+def test_normuon_equals_the_slow_reference_on_every_view(scale):
+    params, opt = _run(normuon_scale=scale)
     ref = {n: p.detach().clone() for n, p in _params()}
     bufs = {n: torch.zeros(s) for n, s in SHAPES.items()}
     var = {n: RULES["normuon"].state_shape(s, VIEWS.get(n, "")) for n, s in SHAPES.items()}
@@ -54,7 +57,8 @@ def test_normuon_equals_the_slow_reference_on_every_view():
                             lr=HYPER["lr"], momentum=HYPER["momentum"], nesterov=True,
                             weight_decay=HYPER["weight_decay"], ns_steps=5, ns_coefficients="keller", eps=1e-7,
                             adjust_lr="original", momentum_form="ema", update_rule="normuon",
-                            normuon_beta2=HYPER["normuon_beta2"], row_variances=[var[n] for n in names],
+                            normuon_beta2=HYPER["normuon_beta2"], normuon_scale=scale,
+                            row_variances=[var[n] for n in names],
                             num_fused=[FUSED.get(n, 1) for n in names], views=[VIEWS.get(n, "") for n in names])
     plain = {n: p.detach() for n, p in _run(update_rule="muon")[0]}
     for n, p in params:
@@ -65,24 +69,96 @@ def test_normuon_equals_the_slow_reference_on_every_view():
         assert opt.state[p]["row_variance"].dtype == torch.float32
 
 
-def test_reference_normuon_follows_the_paper_formula():
-    """Algorithm 1 of arXiv 2510.05491 written out: per-row mean of squares into v, divide by
-    sqrt(v), then restore the Frobenius norm of the orthogonalized matrix."""
+@pytest.mark.parametrize("scale", ["code", "paper"])
+def test_reference_normuon_follows_the_formula(scale):
+    """Per-row mean of squares into v, divide by sqrt(v), then rescale to the orthogonalized
+    matrix's Frobenius norm ("code") or to an orthogonal 5 x 7 matrix's, sqrt(5) ("paper")."""
     gen = torch.Generator().manual_seed(3)
     o, v = torch.randn(5, 7, generator=gen), torch.rand(5, 1, generator=gen)
     want_v = 0.8 * v + 0.2 * (o ** 2).sum(dim=1, keepdim=True) / 7
     hat = o / (want_v.sqrt() + 1e-10)
-    want = hat * o.norm() / hat.norm()
-    got = reference_normuon(o, v, 0.8)
+    kept = o.norm() if scale == "code" else math.sqrt(5)
+    want = hat * kept / hat.norm()
+    got = reference_normuon(o, v, 0.8, scale=scale)
     assert torch.allclose(v, want_v) and torch.allclose(got, want, rtol=1e-6)
-    assert torch.allclose(got.norm(), o.norm())
+    assert torch.allclose(got.norm(), torch.as_tensor(kept))
+    with pytest.raises(ValueError, match="scale"):
+        reference_normuon(o, v, 0.8, scale="Paper")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_resume_from_a_state_dict_is_bit_for_bit(dtype):
+def _newton_schulz(m: torch.Tensor) -> torch.Tensor:
+    return reference_newton_schulz(m, 5, "keller", 1e-7, torch.float32)
+
+
+def _authors_code_step(w, g, m, v, *, lr, beta1, beta2, weight_decay):
+    """One step of the authors' code (normuon_update of github.com/zichongli5/NorMuon), written
+    out with a fp32 Newton-Schulz: Nesterov momentum, the normalised update rescaled to
+    ||O||_F, Keller's sqrt(max(1, m/n))."""
+    m.lerp_(g, 1 - beta1)
+    o = _newton_schulz(g.lerp(m, beta1))
+    v.lerp_((o * o).mean(dim=-1, keepdim=True), 1 - beta2)
+    hat = o / (v.sqrt() + 1e-10)
+    update = hat * (o.norm() / (hat.norm() + 1e-10)) * max(1, w.shape[0] / w.shape[1]) ** 0.5
+    w.mul_(1 - lr * weight_decay).add_(update, alpha=-lr)
+
+
+def _algorithm_1_step(w, g, m, v, *, lr, beta1, beta2, weight_decay):
+    """One step of Algorithm 1 of arXiv 2510.05491, written out: M_t = beta1 M + (1 - beta1) G,
+    O_t = NS5(M_t), v_t, O_hat = O_t / (sqrt(V_t) + eps), eta_hat = 0.2 eta sqrt(mn) / ||O_hat||_F,
+    W <- W - eta lambda W - eta_hat O_hat."""
+    m.mul_(beta1).add_(g, alpha=1 - beta1)
+    o = _newton_schulz(m)
+    v.mul_(beta2).add_((o * o).mean(dim=-1, keepdim=True), alpha=1 - beta2)
+    hat = o / (v.sqrt() + 1e-10)
+    eta_hat = 0.2 * lr * math.sqrt(w.shape[0] * w.shape[1]) / hat.norm()
+    w.sub_(lr * weight_decay * w).sub_(eta_hat * hat)
+
+
+@pytest.mark.parametrize("scale", ["code", "paper"])
+def test_each_scale_is_its_source_written_out(scale):
+    """normuon_scale="code" with Muon's defaults steps as the authors' code; "paper" with
+    adjust_lr="match_rms_adamw" and nesterov=False steps as Algorithm 1. The two differ by
+    sqrt(min(m, n)) / ||O||_F (about 1.15 here: Newton-Schulz leaves singular values below 1)."""
+    hyper = dict(lr=0.05, beta1=0.9, beta2=0.9, weight_decay=0.1)
+    shapes = {"tall": (24, 10), "wide": (10, 24), "square": (16, 16)}
+    gen = torch.Generator().manual_seed(11)
+    start = {n: torch.randn(s, generator=gen) for n, s in shapes.items()}
+    grads = [{n: torch.randn(s, generator=gen) for n, s in shapes.items()} for _ in range(3)]
+    params = [(n, torch.nn.Parameter(start[n].clone())) for n in shapes]
+    source = dict(code=dict(), paper=dict(adjust_lr="match_rms_adamw", nesterov=False))[scale]
+    opt = Muon(params, lr=hyper["lr"], momentum=hyper["beta1"], weight_decay=hyper["weight_decay"],
+               update_rule="normuon", normuon_beta2=hyper["beta2"], normuon_scale=scale, ns_dtype=torch.float32,
+               **source)
+    step = _authors_code_step if scale == "code" else _algorithm_1_step
+    ref = {n: start[n].clone() for n in shapes}
+    bufs = {n: torch.zeros(s) for n, s in shapes.items()}
+    var = {n: torch.zeros(s[0], 1) for n, s in shapes.items()}
+    for g in grads:
+        for n, p in params:
+            p.grad = g[n].clone()
+            step(ref[n], g[n].clone(), bufs[n], var[n], **hyper)
+        opt.step()
+    for n, p in params:
+        err = float((p.detach() - ref[n]).abs().max() / ref[n].abs().max())
+        assert err < 1e-6, (scale, n, err)
+    if scale == "paper":  # against the code's first step, from the same start: the ratio of the two
+        for n, s in shapes.items():
+            w_code, w_paper = start[n].clone(), start[n].clone()
+            g = grads[0][n]
+            _algorithm_1_step(w_paper, g.clone(), torch.zeros(s), torch.zeros(s[0], 1), **{**hyper, "weight_decay": 0})
+            o = _newton_schulz((1 - hyper["beta1"]) * g)
+            w_code -= hyper["lr"] * 0.2 * math.sqrt(max(s)) * reference_normuon(o, torch.zeros(s[0], 1), hyper["beta2"])
+            ratio = float((w_paper - start[n]).norm() / (w_code - start[n]).norm())
+            assert ratio == pytest.approx(math.sqrt(min(s)) / float(o.norm()), rel=1e-5) and 1.05 < ratio < 1.3, n
+
+
+@pytest.mark.parametrize("dtype, scale", [(torch.float32, "code"), (torch.bfloat16, "code"),
+                                          (torch.float32, "paper")])
+def test_resume_from_a_state_dict_is_bit_for_bit(dtype, scale):
     """Two steps, save, a third; a fresh optimizer loading the save takes the same third step. The
-    row second moments stay fp32 for bf16 parameters (torch's loader would cast them)."""
-    params, opt = _run(steps=2, dtype=dtype)
+    row second moments stay fp32 for bf16 parameters (torch's loader would cast them); the groups'
+    NorMuon settings come from the save."""
+    params, opt = _run(steps=2, dtype=dtype, normuon_scale=scale)
     buf = io.BytesIO()
     torch.save(opt.state_dict(), buf)
     saved = {n: p.detach().clone() for n, p in params}
@@ -94,7 +170,7 @@ def test_resume_from_a_state_dict_is_bit_for_bit(dtype):
                 **HYPER)  # the rule comes from the save
     buf.seek(0)
     opt2.load_state_dict(torch.load(buf, weights_only=False))
-    assert opt2.param_groups[0]["update_rule"] == "normuon"
+    assert opt2.param_groups[0]["update_rule"] == "normuon" and opt2.param_groups[0]["normuon_scale"] == scale
     for n, p in params2:
         p.grad = _grads(2, dtype)[n]
         assert opt2.state[p]["row_variance"].dtype == torch.float32
@@ -162,6 +238,21 @@ def test_bad_settings_and_unfit_layouts_are_refused_before_anything_changes():
         Muon([w], update_rule="normuon", normuon_beta2=1.0)
     with pytest.raises(TypeError, match="normuon_beta2"):
         Muon([{"params": [w], "normuon_beta2": "0.9"}])
+    with pytest.raises(ValueError, match=r"normuon_scale must be one of \('code', 'paper'\), got 'Paper'"):
+        Muon([w], update_rule="normuon", normuon_scale="Paper")
+    with pytest.raises(ValueError, match="normuon_scale.*got None in parameter group 0"):
+        Muon([{"params": [w], "normuon_scale": None}])
+    bias = torch.nn.Parameter(torch.zeros(4))
+    for setting in ("normuon_beta2", "normuon_scale"):  # Muon's, not AdamW's
+        with pytest.raises(ValueError, match=f"{setting}.*(?i:adamw)"):
+            Muon([{"params": [bias], "algorithm": "adamw", setting: Muon([w]).defaults[setting]}])
+    opt = Muon([w], update_rule="normuon")
+    w.grad = torch.ones_like(w)
+    before = w.detach().clone()
+    opt.param_groups[0]["normuon_scale"] = "both"  # a group changed between steps: refused at the step
+    with pytest.raises(ValueError, match="normuon_scale"):
+        opt.step()
+    assert torch.equal(w.detach(), before) and not opt.state[w]
     # a matrix sharded across its columns: each row's sums would span ranks
     from muonlab.comm.specs import MatrixSpec
     from muonlab.optim.rule_step import refuse_unfit_for

@@ -1,15 +1,30 @@
-"""NorMuon: per-neuron second moments normalise the orthogonalized update, which then keeps its
-Frobenius norm (Z. Li et al., NorMuon: Making Muon more efficient and scalable, arXiv 2510.05491,
-Algorithm 1).
+"""NorMuon: per-neuron second moments normalise the orthogonalized update, which is then rescaled
+to a set Frobenius norm (Z. Li et al., NorMuon: Making Muon more efficient and scalable, arXiv
+2510.05491).
 
 Per matrix O (the orthogonalized momentum, m x n) and its row second moments v (m x 1, fp32):
 
     v <- beta2 v + (1 - beta2) mean_cols(O * O)
     O_hat = O / (sqrt(v) + eps)
-    update = O_hat * ||O||_F / (||O_hat||_F + eps)
+    update = O_hat * N / (||O_hat||_F + eps)
 
 and the update then goes through Muon's lr ratio and weight decay as any other. ``eps`` is 1e-10,
-as in the paper's code.
+as in the paper's code. The paper's Algorithm 1 and the authors' code (normuon.py of
+github.com/zichongli5/NorMuon) differ in N, the final rescale, which the group setting
+``normuon_scale`` picks:
+
+- "code" (the default): N = ||O||_F, the norm Newton-Schulz left (the code's ``vnorm``), so the
+  step is as large as Muon's; the code then scales by Keller Jordan's sqrt(max(1, m/n)), Muon's
+  ``adjust_lr="original"``. The default: it is the authors' published implementation, and it keeps
+  Muon's step size, so NorMuon is a change of rule at Muon's lr.
+- "paper": N = sqrt(min(m, n)), the norm of an exactly orthogonal m x n matrix. Algorithm 1 steps by
+  eta_hat O_hat with eta_hat = 0.2 eta sqrt(mn) / ||O_hat||_F, which is this N times Moonlight's
+  ratio 0.2 sqrt(max(m, n)) (``adjust_lr="match_rms_adamw"``): with that ratio, ``nesterov=False``
+  (Algorithm 1 orthogonalizes M_t itself) and ``momentum_form="ema"``, a step is Algorithm 1's.
+
+At one lr ratio, "paper" steps are sqrt(min(m, n)) / ||O||_F times "code"'s: larger, as Newton-Schulz
+leaves the singular values near 1 but mostly below, and a low-rank momentum's small ones far below
+(the quick start's GPT, fp32: 1.16 to 1.9 times in its first steps, 1.05 to 1.28 after 60).
 
 A weight stored (in, out) (view "transpose", transformers' Conv1D) has its neurons in its stored
 columns: ``v`` is (1, out) and its columns are normalised instead of its rows. Where its rows are
@@ -20,17 +35,22 @@ each of them from the summed values.
 Rows are whole on every layout Muon steps (FSDP2 shards rows; a bank's or a fused bank's matrices
 are whole or row blocks), so ``v`` lives with the rows: each rank updates the rows it holds. The
 two Frobenius norms of a matrix whose rows lie on several ranks are the one thing summed across
-them: one all-reduce of two numbers per matrix per batch, over the batch's group. Exact on every
-layout (microsoft/dion's distributed NorMuon normalises each shard by its own norm instead).
+them: one all-reduce of two numbers per matrix per batch, over the batch's group (both forms send
+both). Exact on every layout (microsoft/dion's distributed NorMuon normalises each shard by its own
+norm instead).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
 from .base import RowsHeld, UpdateRule
 
 EPS = 1e-10
+SCALES = ("code", "paper")
+"""``normuon_scale``'s values: the norm the normalised update is rescaled to (see the module doc)."""
 
 
 def _check(values: dict, where: str) -> None:
@@ -39,6 +59,17 @@ def _check(values: dict, where: str) -> None:
         raise TypeError(f"normuon_beta2 must be a number, got {beta2!r}{where}")
     if not 0 <= beta2 < 1:
         raise ValueError(f"normuon_beta2 must be in [0, 1), got {beta2}{where}")
+    scale = values.get("normuon_scale")
+    if not isinstance(scale, str) or scale not in SCALES:
+        raise ValueError(f"normuon_scale must be one of {SCALES}, got {scale!r}{where}")
+
+
+def _kept_norm(group: dict, norm_of_o: torch.Tensor, h: RowsHeld):
+    """N, the Frobenius norm the normalised update is rescaled to: ||O||_F ("code") or an exactly
+    orthogonal matrix's, sqrt(min(m, n)) ("paper")."""
+    if group["normuon_scale"] == "code":
+        return norm_of_o
+    return math.sqrt(min(h.matrix_rows, h.cols))
 
 
 def _refusal(spec) -> str | None:
@@ -95,11 +126,11 @@ def normalize(updates: list[torch.Tensor], states: list[list[torch.Tensor]], hel
             vc = v.view(-1)
             vc.lerp_(sums / h.matrix_rows, 1 - group["normuon_beta2"])
             inv = vc.sqrt().add_(EPS).reciprocal_()
-            scale = sums.sum().sqrt() / (sums * inv.square()).sum().sqrt().add_(EPS)
+            scale = _kept_norm(group, sums.sum().sqrt(), h) / (sums * inv.square()).sum().sqrt().add_(EPS)
             out.append((o, inv.mul_(scale).view(1, -1)))
             continue
         inv, matrix = per_row
-        scale = sums[0].sqrt() / sums[1].sqrt().add_(EPS)
+        scale = _kept_norm(group, sums[0].sqrt(), h) / sums[1].sqrt().add_(EPS)
         out.append((o, inv.mul_(scale[matrix])))
     return out
 
@@ -114,7 +145,7 @@ RULE = UpdateRule(
     name="normuon",
     summary="per-row second moments normalise the orthogonalized update, keeping its Frobenius norm",
     source="Z. Li et al., NorMuon: Making Muon more efficient and scalable, arXiv 2510.05491 (2025)",
-    settings={"normuon_beta2": 0.95},
+    settings={"normuon_beta2": 0.95, "normuon_scale": "code"},
     state_keys=("row_variance",),
     check_settings=_check,
     refusal=_refusal,
