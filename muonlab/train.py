@@ -62,6 +62,9 @@ class History:
     the clip (muonlab.optim.qk_clip; NaN pads a layer with fewer heads)."""
     qk_clipped: list[int] = field(default_factory=list)
     """With ``qk_clip``: per step, the attention heads QK-clip scaled."""
+    qk_overshoot: list[float] = field(default_factory=list)
+    """With ``qk_clip``: per step, the step's max logit over tau (``QKClipStep.overshoot``): above
+    1 after a clip, the previous update's growth, which the clip does not bound; 0.0 at tau = inf."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -305,8 +308,8 @@ def train(
 
     ``qk_clip``: tau (a number > 0) runs QK-clip (MuonClip: muonlab.optim.qk_clip.QKClip) on the
     model's attention after every optimizer step, ``math.inf`` records the max logits without
-    clipping, a QKClip of your own is attached for the run (and left open); ``History.max_logit``
-    and ``History.qk_clipped`` say what it saw and did.
+    clipping, a QKClip of your own is attached for the run (and left open); ``History.max_logit``,
+    ``History.qk_clipped`` and ``History.qk_overshoot`` say what it saw and did.
     """
     if qk_clip is not None and not isinstance(qk_clip, QKClip):
         check_tau(qk_clip, "qk_clip (tau, or a QKClip)")
@@ -355,6 +358,7 @@ def train(
             hist.max_logit.append(torch.nn.utils.rnn.pad_sequence(record.max_logit, batch_first=True,
                                                                   padding_value=float("nan")))
             hist.qk_clipped.append(record.clipped_heads)
+            hist.qk_overshoot.append(record.overshoot)
     resolved = getattr(optimizer, "resolved_choices", None)
     hist.ns_choices = resolved() if callable(resolved) else []
     return hist

@@ -6,6 +6,15 @@ logits scale by ``gamma_h = tau / max_h``.
     clip.attach(opt)                    # clip.apply() after every opt.step()
     ...                                 # or call clip.apply() yourself after opt.step()
     clip.history[-1].max_logit          # per layer, (heads,) max logit seen before the clip
+    clip.history[-1].overshoot          # that max over tau: how far the step's forward went past it
+
+What holds: the clip scales a clipped head's logits, on any input, by ``gamma_h`` (exactly, to
+rounding; by the layer's smaller gamma under a shared q/k norm), with ``max_h`` the max of the
+forwards BEFORE the optimizer step. So without an update in between, each layer's logits recomputed
+after the clip on the input it saw are at most tau (to rounding). With the update (Kimi's order:
+forward, step, clip) the clip does not see what the step did to the logits: recomputed after step
+and clip they read ``tau * max_h(after the step) / max_h(before)``, and the next forward may pass
+tau by that growth (on a small GPT: 1.19 x tau after a Muon step at lr 0.3). ``overshoot`` records it.
 
 What is scaled (``gamma_h = min(1, tau / max_h)``, max over batch, queries and keys of this step's
 forwards, over every rank):
@@ -106,6 +115,15 @@ class QKClipStep:
     the clip (-inf for a layer that ran no forward)."""
     gamma: list[torch.Tensor] = field(default_factory=list)
     """(n_heads,) float64: the factor each head's logits were scaled by (1.0: untouched)."""
+    tau: float = math.inf
+    """The threshold of the clip (math.inf: recording only)."""
+
+    @property
+    def overshoot(self) -> float:
+        """The largest max logit over tau, across layers and heads (a host read): how far this
+        step's forward went past tau (<= 1: not at all; after a clip, the previous update's growth);
+        0.0 with tau = inf, -inf when no forward ran."""
+        return float(torch.stack([m.max() for m in self.max_logit]).max()) / self.tau
 
     @property
     def clipped_heads(self) -> int:
@@ -270,6 +288,7 @@ class QKClip:
     ``tau=math.inf`` records without clipping (to watch logits under another optimizer). ``group``:
     the process group whose ranks' maxima are combined (default: all ranks when torch.distributed
     is initialized). Recording starts at construction; :meth:`close` stops it and removes the hooks.
+    What a clip promises, and what it does not (the next forward's logits): see the module docstring.
 
     Raises (before anything changes):
         ValueError: ``tau`` not a number > 0; no attention module found.
@@ -341,7 +360,7 @@ class QKClip:
         ``opt.step()`` on every rank of ``group`` (it makes one all-reduce). Returns what it did (also
         appended to ``history`` when ``keep_history``)."""
         maxima = self._reduced_maxima()
-        report = QKClipStep()
+        report = QKClipStep(tau=self.tau)
         for h, m in zip(self.heads, maxima):
             gamma, q_factor, k_factor = clip_factors(m, self.tau, h.n_kv_heads)
             if h.qk_norms is not None:  # a shared norm: every head of the layer by the layer's min gamma
@@ -361,7 +380,15 @@ class QKClip:
         return report
 
     def attach(self, optimizer: torch.optim.Optimizer) -> QKClip:
-        """Run :meth:`apply` after every ``optimizer.step()`` (a step post-hook); returns self."""
+        """Run :meth:`apply` after every ``optimizer.step()`` (a step post-hook); returns self.
+
+        Raises:
+            TypeError: ``optimizer`` is not a torch.optim.Optimizer (it takes step post-hooks).
+            RuntimeError: already attached.
+        """
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"QKClip.attach(optimizer) takes the torch.optim.Optimizer whose steps it follows "
+                            f"(an instance, e.g. Muon(...)), got {type(optimizer).__name__} {optimizer!r}")
         if self._step_handle is not None:
             raise RuntimeError("this QKClip is already attached to an optimizer; close() it first")
         self._step_handle = optimizer.register_step_post_hook(lambda *_: self.apply())
