@@ -80,7 +80,8 @@ try:
 except ImportError:  # not on Windows: there a run directory is not locked
     fcntl = None
 
-__all__ = ["WorkerError", "WorkerTimeout", "launch", "run_worker", "shutdown_workers", "worker_main"]
+__all__ = ["WorkerBaseException", "WorkerError", "WorkerTimeout", "launch", "run_worker", "shutdown_workers",
+           "worker_main"]
 
 # Seconds a signalled worker gets to exit (and elastic's agent to notice) before the next step.
 _TERM_GRACE_S = 5.0
@@ -103,16 +104,31 @@ class WorkerError(RuntimeError):
 
 
 class WorkerTimeout(WorkerError):
-    """:func:`launch` ran out of time; ``ranks`` are the ranks still running their function then (a
-    rank that had returned and was waiting for the others is not among them).
+    """:func:`launch` ran out of time; ``ranks`` are the ranks that hung: still running their
+    function then and not inside a collective (a rank that had returned and was waiting for the
+    others is not among them). ``waiting`` are the ranks that were running but inside a
+    collective, waiting for those; where every running rank was inside one (ranks in different
+    collectives), ``ranks`` names them all and ``waiting`` is empty.
 
     ``phase`` says which limit expired: ``"startup"`` (``startup_timeout_s``: not every rank had
     initialised its process group) or ``"run"`` (``timeout_s``, counted from when every rank had).
     """
 
-    def __init__(self, message: str, ranks: list[int], phase: str = "run", run_dir: str | None = None):
+    def __init__(self, message: str, ranks: list[int], phase: str = "run", run_dir: str | None = None,
+                 waiting: list[int] | None = None):
         super().__init__(message, {rank: "still running at the timeout" for rank in ranks}, run_dir)
         self.phase = phase
+        self.waiting = list(waiting or [])
+
+
+class WorkerBaseException(RuntimeError):
+    """What a launched worker raises in place of a BaseException that is neither an Exception nor
+    SystemExit (KeyboardInterrupt, GeneratorExit, a class of the user's), chained to it: elastic
+    records no error for those, and torch's spawn wrapper ends a process that raised
+    KeyboardInterrupt with exit code 0, as if it had succeeded, so the launcher learnt of the
+    failure only when it gave up waiting for the rank's result. Raised as this, it is recorded
+    as any error is (the traceback names the original type) and the process exits with code 1.
+    """
 
 
 # --------------------------------------------------------------------------------------------
@@ -205,8 +221,12 @@ def _lead_own_process_group() -> None:
         os.setpgrp()
 
 
+def _status_path(status_dir: str, rank: int, kind: str) -> str:
+    return os.path.join(status_dir, f"rank{rank}.{kind}")
+
+
 def _write_status(status_dir: str, rank: int, kind: str, text: str) -> None:
-    with open(os.path.join(status_dir, f"rank{rank}.{kind}"), "w") as f:
+    with open(_status_path(status_dir, rank, kind), "w") as f:
         f.write(text)
 
 
@@ -257,6 +277,7 @@ def _worker_entry(
     _progress._open_stream(os.path.join(_rank_dir(run_dir, rank), _progress.PROGRESS_FILE), rank)
 
     def mark_returned() -> bool:
+        stop_watch()
         _write_status(status_dir, rank, "returned", "")
         return _wait_for_peers(status_dir, int(os.environ["WORLD_SIZE"]))
 
@@ -266,6 +287,16 @@ def _worker_entry(
         if not os.path.exists(os.path.join(status_dir, f"rank{rank}.failed")):
             _write_status(status_dir, rank, "failed", repr(time.time()))
 
+    watch: list[_progress._CollectiveWatch] = []
+
+    def mark_ready() -> None:
+        _write_status(status_dir, rank, "ready", "")
+        watch.append(_progress._CollectiveWatch(_status_path(status_dir, rank, "collective")).start())
+
+    def stop_watch() -> None:  # before the process group goes: the watch reads its counters
+        for w in watch:
+            w.stop()
+
     try:
         # The function and its arguments are unpickled only now, after the caller's import path
         # is in place, so an import problem becomes this rank's recorded traceback.
@@ -274,16 +305,19 @@ def _worker_entry(
                 sys.path.insert(0, entry)
         fn, args, kwargs = pickle.loads(payload)
         result = _call_in_process_group(
-            fn, device, backend, timeouts[0], args, kwargs, on_error=mark_failed,
-            on_ready=lambda: _write_status(status_dir, rank, "ready", ""), startup_timeout_s=timeouts[1],
-            on_return=mark_returned,
+            fn, device, backend, timeouts[0], args, kwargs, on_error=lambda: (stop_watch(), mark_failed()),
+            on_ready=mark_ready, startup_timeout_s=timeouts[1], on_return=mark_returned,
         )
         return pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
     except BaseException as e:
         mark_failed()
         report_failure(rank, status_dir, e)
+        error = unrecorded_as_error(rank, e)
+        if error is not None:
+            raise error from e
         raise
     finally:
+        stop_watch()
         _progress._close_stream()
         _write_status(status_dir, rank, "done", str(os.getpid()))
 
@@ -300,6 +334,14 @@ def report_failure(rank: int, status_dir: str, err: BaseException) -> None:
     else:
         traceback.print_exc()
         sys.stderr.flush()
+
+
+def unrecorded_as_error(rank: int, err: BaseException) -> WorkerBaseException | None:
+    """The :class:`WorkerBaseException` a failing worker raises from ``err`` where elastic would not
+    record ``err`` itself; None where it would (an Exception, SystemExit)."""
+    if isinstance(err, (Exception, SystemExit)):
+        return None
+    return WorkerBaseException(f"{type(err).__name__} raised on rank {rank}" + (f": {err}" if str(err) else ""))
 
 
 def run_worker(
@@ -637,6 +679,9 @@ def _timeout_message(fn: Callable[..., Any], num_procs: int, limits: tuple[float
                 f"initialised the process group (still importing, or stuck connecting)")
     else:
         still = f"{ranks(running)} still running" if running else "no rank still running"
+        if timed_out.get("waiting"):
+            still += (f", not inside a collective; {ranks(timed_out['waiting'])} waited for "
+                      f"{'it' if len(running) == 1 else 'them'} inside one")
         what = (f"timed out after {limits[0]:g} s (timeout_s, counted from when every rank had "
                 f"initialised its process group); {still}")
     return f"{head} {what}; all worker processes have been killed"
@@ -779,9 +824,11 @@ def launch(
     benchmarks/results/launch.md). Everything above holds for a warm launch too (its own run
     directory, logs and progress stream, both clocks, the processes its function starts ended with
     it, a WorkerError or WorkerTimeout naming the rank); a warm launch that fails, times out or is
-    interrupted ends its workers, so the next one starts fresh. Another ``nprocs``, device, backend
-    or environment, or a change on disk to a module the workers imported (e.g. the .py file next to
-    the notebook), ends the idle workers and starts new ones. Between launches each warm worker is
+    interrupted ends its workers, so the next one starts fresh. A worker of the idle pool that
+    died meanwhile (killed, out of memory) is noticed before the next launch hands out its
+    function: that launch ends the pool and starts new workers, with a RuntimeWarning saying so.
+    Another ``nprocs``, device, backend or environment, or a change on disk to a module the workers
+    imported (e.g. the .py file next to the notebook), ends the idle workers and starts new ones. Between launches each warm worker is
     reset to what a fresh one would see (environment, working directory, default dtype, grad mode,
     intra-op threads, torch's random generators seeded anew); module-level state of the
     function's own modules, and process subgroups it made, live on, as in any long-lived process. The workers end with the interpreter (``atexit``;
@@ -803,9 +850,13 @@ def launch(
             worker re-runs a script that calls ``launch`` outside ``if __name__ == "__main__":``
             (the parent then raises WorkerError saying so).
         WorkerError: a worker raised, died or exited with a nonzero code; the message names the
-            rank(s), the path of the first one's log, and holds the traceback(s).
+            rank(s), the path of the first one's log, and holds the traceback(s). A BaseException
+            that is not an Exception (KeyboardInterrupt in a worker) is recorded as a
+            :class:`WorkerBaseException` naming its type, and fails the launch as soon.
         WorkerTimeout: a clock ran out; ``phase`` and the message say which ("startup" or "run")
-            and name the ranks. All worker processes have been ended when either error is raised.
+            and name the ranks that hung: still in their function and not inside a collective
+            (ranks inside one, waiting for those, are its ``waiting``). All worker processes have
+            been ended when either error is raised.
     """
     _refuse_in_spawn_bootstrap()
     _check_importable(fn)
@@ -1175,7 +1226,7 @@ def _results(fn: Callable[..., Any], nprocs: int, limits: tuple[float, float], o
     if "timed_out" in outcome:
         timed_out = outcome["timed_out"]
         message = _timeout_message(fn, nprocs, limits, timed_out) + "\n" + _logs_line(run_dir)
-        raise WorkerTimeout(message, timed_out["running"], timed_out["phase"], run_dir)
+        raise WorkerTimeout(message, timed_out["running"], timed_out["phase"], run_dir, timed_out.get("waiting"))
     error = outcome.get("error")
     if isinstance(error, ChildFailedError):
         raise _worker_error(fn, nprocs, _failure_texts(error, run_dir, status_dir), run_dir) from None
@@ -1292,9 +1343,8 @@ def _vanished(status_dir: str, gone_since: dict[int, float]) -> list[int]:
 
 def _wait_for_agent(agent_done: threading.Event, nprocs: int, limits: tuple[float, float],
                     status_dir: str, tick: Callable[[], None]) -> dict[str, Any] | None:
-    """None once the agent is done, or what timed out: {"phase", "ready", "running"} ("running": the
-    ranks still in their function, neither returned nor failed), or the ranks whose process
-    vanished: {"vanished": [...]}. elastic's agent waits for a result from a
+    """None once the agent is done, or what timed out (see :func:`_timeout_report`), or the ranks whose
+    process vanished: {"vanished": [...]}. elastic's agent waits for a result from a
     worker that ended with exit code 0 and none (``os._exit(0)``) until the timeout; the launch
     does not.
 
@@ -1311,11 +1361,24 @@ def _wait_for_agent(agent_done: threading.Event, nprocs: int, limits: tuple[floa
         if vanished:
             return {"vanished": vanished}
         if time.monotonic() >= deadline:
-            ready = _ranks_in(status_dir, "ready")
-            finished = set().union(*(_ranks_in(status_dir, kind) for kind in ("returned", "failed", "done")))
-            running = sorted(set(range(nprocs)) - finished)
-            return {"phase": phase, "ready": ready, "running": running}
+            return _timeout_report(status_dir, nprocs, phase)
     return None
+
+
+def _timeout_report(status_dir: str, nprocs: int, phase: str) -> dict[str, Any]:
+    """What a launch out of time reports, read before its workers are stopped: {"phase", "ready",
+    "running", "waiting"}. "running": the ranks that hung, still in their function and not inside a
+    collective when their collective watch last looked (see ``progress.collectives_in_flight``);
+    "waiting": those inside one meanwhile. Where every rank still in its function was inside a
+    collective (ranks in different collectives), none can be told apart: all are "running"."""
+    ready = _ranks_in(status_dir, "ready")
+    finished = set().union(*(_ranks_in(status_dir, kind) for kind in ("returned", "failed", "done")))
+    running = sorted(set(range(nprocs)) - finished)
+    waiting = [rank for rank in running if _status_text(status_dir, rank, "collective") == "1"]
+    hung = [rank for rank in running if rank not in waiting]
+    if not hung:
+        hung, waiting = running, []
+    return {"phase": phase, "ready": ready, "running": hung, "waiting": waiting}
 
 
 def _run_agent(config: LaunchConfig, entry_args: tuple, limits: tuple[float, float], status_dir: str,

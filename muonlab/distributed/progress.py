@@ -3,7 +3,9 @@
 Worker side: :func:`report_progress` appends one JSON line (rank, step, loss, total, time) to this
 rank's ``progress.jsonl`` in the launch's run directory, and does nothing outside a launch. A
 line per step costs one small write; a file survives the worker's crash, and the launcher reads
-it without any handshake that could block a worker.
+it without any handshake that could block a worker. Besides, while the function runs, a thread
+of each worker notes whether the rank is inside a collective (:func:`collectives_in_flight`): at a
+timeout, the rank that hung is told apart from those waiting for it.
 
 Launcher side: :class:`ProgressState` folds the lines into per-rank steps and losses (no display,
 so it is tested without a kernel); :class:`ProgressMonitor` tails the files when ``launch`` polls
@@ -32,8 +34,8 @@ from typing import Any, NamedTuple, TextIO
 
 from ..bars import in_notebook_kernel
 
-__all__ = ["PROGRESS_FILE", "LaunchPhase", "ProgressMonitor", "ProgressState", "in_notebook_kernel",
-           "report_progress"]
+__all__ = ["PROGRESS_FILE", "LaunchPhase", "ProgressMonitor", "ProgressState", "collectives_in_flight",
+           "in_notebook_kernel", "report_progress"]
 
 PROGRESS_FILE = "progress.jsonl"
 
@@ -82,6 +84,73 @@ def _loss_value(loss: Any) -> float:
     except (TypeError, ValueError, RuntimeError):  # a str, a tensor of several elements, ...
         raise ValueError(f"report_progress: loss must be None, a number or a one-element tensor, got "
                          f"{loss!r}") from None
+
+
+# ---------------------------------------------------------------------------------- collectives
+
+
+def collectives_in_flight() -> dict[str, tuple[int, int]]:
+    """This process's process groups with a collective entered and not finished: {torch's group
+    id: (last collective enqueued, last completed)}, from the counters c10d keeps per group
+    whether or not its flight recorder is on; {} where this torch does not expose them."""
+    try:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            return {}
+        from torch._C._distributed_c10d import _dump_fr_trace_json
+
+        status = json.loads(_dump_fr_trace_json(False, True)).get("pg_status", {})
+        counts = {pg: (int(s["last_enqueued_collective"]), int(s["last_completed_collective"]))
+                  for pg, s in status.items()}
+    except Exception:  # no such dump here, or a layout of another torch: nothing known
+        return {}
+    return {pg: c for pg, c in counts.items() if c[0] > c[1]}
+
+
+class _CollectiveWatch:
+    """While a launched function runs, a daemon thread notes about once a second whether this
+    rank is inside a collective, in the file ``path`` ("1" or "0", rewritten when that changes).
+
+    At a timeout the launcher reads it to tell the rank that hung from the ranks that wait for it
+    in a collective. Sampled, not traced: a collective's completion reaches c10d's counters a
+    moment after it returns, so one sample can be stale; a hang outlasts many samples. The
+    thread reads counters only, never touching the process group, so it cannot block a collective.
+    """
+
+    EVERY_S = 1.0
+
+    def __init__(self, path: str):
+        import threading
+
+        self.path = path
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="muonlab-collective-watch", daemon=True)
+
+    def start(self) -> "_CollectiveWatch":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """End the thread (within one sample) before the task's status folder goes."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _run(self) -> None:
+        noted = None
+        while True:
+            inside = "1" if collectives_in_flight() else "0"
+            if inside != noted:
+                try:  # whole or not at all: the launcher may read it at any moment
+                    with open(self.path + ".tmp", "w") as f:
+                        f.write(inside)
+                    os.replace(self.path + ".tmp", self.path)
+                    noted = inside
+                except OSError:  # the status folder is gone: the launch is over
+                    return
+            if self._stop.wait(self.EVERY_S):
+                return
 
 
 # ---------------------------------------------------------------------------------- folding

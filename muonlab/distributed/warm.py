@@ -45,6 +45,7 @@ import sys
 import sysconfig
 import threading
 import time
+import warnings
 from datetime import timedelta
 from multiprocessing import Pipe
 from multiprocessing.connection import Connection
@@ -196,14 +197,17 @@ def _run_task(task: Task, rank: int, world: int, first: bool, device: str, backe
         else:  # this launch's collective timeout on the group the pool keeps
             dist.distributed_c10d._set_pg_timeout(timedelta(seconds=task.timeouts[0]))
         _launch._write_status(status_dir, rank, "ready", "")
+        watch = _progress._CollectiveWatch(_launch._status_path(status_dir, rank, "collective")).start()
         try:
             result = _launch._call(fn, args, kwargs)
         except BaseException:
+            watch.stop()  # before the process group goes: the watch reads its counters
             mark_failed()
             # as a cold worker fails: the group destroyed before the process ends (the pool ends
             # with this failure anyway), its peers' collectives then fail at once
             _launch._teardown(wait_for_peers=False)
             raise
+        watch.stop()
         # The cold teardown without destroying the group: no rank goes on before the slowest has
         # returned. (The cold one collects garbage first, so objects of fn's that hold the group
         # die before the group; here the group lives on, so that waits until the task is done.)
@@ -218,6 +222,9 @@ def _run_task(task: Task, rank: int, world: int, first: bool, device: str, backe
     except BaseException as e:
         mark_failed()
         _launch.report_failure(rank, status_dir, e)
+        error = _launch.unrecorded_as_error(rank, e)
+        if error is not None:
+            raise error from e
         raise
     finally:
         _progress._close_stream()
@@ -260,6 +267,8 @@ def _pool_worker_entry(first_task: Task, device: str, backend: str | None, launc
         outcome = _run_task(task, rank, world, first, device, backend)
         if outcome == "abandon":  # as a cold worker whose peer failed: end, the agent ends the rest
             return
+        if outcome == "retire":  # so the launcher takes this worker's end for no death
+            _launch._write_status(task.status_dir, rank, "retiring", "")
         _after_task(rank, task.status_dir)
         if outcome == "retire":  # the task destroyed the process group: no further task can run
             return
@@ -302,6 +311,7 @@ class WorkerPool:
         self.agent_done = threading.Event()
         self.outcome: dict[str, Any] = {}
         self.pids: set[int] = set()
+        self.rank_pids: dict[int, int] = {}
         self.started_wall = time.time()
         self.module_files: dict[str, float] = {}
         self.tasks_run = 0
@@ -350,14 +360,47 @@ class WorkerPool:
         return None
 
     def finished_task(self, status_dir: str) -> None:
-        """Note what a successful task's workers left: their pids and module files."""
+        """Note what a successful task's workers left: their pids and module files; a pool whose
+        task destroyed the process group ends (its workers are leaving) and is not reused."""
         self.pids |= _launch._worker_pids(status_dir, self.run_id)
+        for rank in _launch._ranks_in(status_dir, "pid"):
+            try:
+                self.rank_pids[rank] = int(_launch._status_text(status_dir, rank, "pid"))
+            except ValueError:
+                pass
+        if _launch._ranks_in(status_dir, "retiring"):
+            self.alive = False
         try:
             with open(os.path.join(status_dir, "modules.pkl"), "rb") as f:
                 self.module_files = pickle.load(f)
         except (OSError, pickle.UnpicklingError, EOFError):
             self.module_files = {}
         self.tasks_run += 1
+
+    def ended_workers(self) -> dict[int, int]:
+        """{rank: pid} of the workers that have ended (or are zombies) while the pool idles: a
+        pool with one is dead (its process group broken), whatever elastic's agent has noticed yet."""
+        return {rank: pid for rank, pid in sorted(self.rank_pids.items()) if _launch._process_gone(pid)}
+
+    def death_text(self, ended: dict[int, int]) -> str:
+        """"the worker of rank 1 (pid 123, killed by signal SIGKILL)": the ranks in ``ended``, with
+        how each ended where elastic's agent has said. Where the agent has ended the others too
+        (SIGTERM), the ranks that ended otherwise are the ones named."""
+        error = self.outcome.get("error")
+        failures = getattr(error, "failures", {}) if self.agent_done.is_set() else {}
+
+        def how(rank: int) -> str:
+            failure = failures.get(rank)
+            if failure is None:
+                return ""
+            if failure.exitcode < 0:
+                return f", killed by signal {failure.signal_name()}"
+            return f", exit code {failure.exitcode}"
+
+        first = {rank: pid for rank, pid in ended.items() if how(rank) != ", killed by signal SIGTERM"}
+        named = first or ended
+        parts = [f"{rank} (pid {pid}{how(rank)})" for rank, pid in named.items()]
+        return ("the worker of rank " if len(parts) == 1 else "the workers of ranks ") + ", ".join(parts)
 
     def kill(self, status_dir: str | None = None, agent_ends: bool = True) -> None:
         """End the pool at once (after a failure, a timeout, an interrupt): the cold launch's
@@ -407,21 +450,35 @@ def take_pool(key: tuple) -> tuple[WorkerPool | None, str]:
         pool = _POOL
         if _RESERVED or (pool is not None and pool.busy):
             return None, "busy"
-        if pool is not None and pool.alive and not pool.agent_done.is_set() and pool.key == key:
+        # Checked here, before a task is handed out: a worker killed while idle breaks the process
+        # group, and the task would fail on it (blamed on the function it never ran), the agent
+        # noticing only a moment later.
+        ended = pool.ended_workers() if pool is not None and pool.alive else {}
+        if pool is not None and pool.alive and not ended and not pool.agent_done.is_set() and pool.key == key:
             if pool.stale() is None:
                 pool.busy = True
                 return pool, ""
         _POOL, _RESERVED = None, True
     if pool is None:
         return None, "no pool"
-    reason = "the pool's workers had ended" if pool.agent_done.is_set() else (
-        "other ranks, device, backend or environment" if pool.key != key else pool.stale())
+    died = pool.alive and (ended or "error" in pool.outcome)
     try:
         with _quiet_elastic(pool.last_run_dir):
-            pool.shutdown()
+            if died:  # every process of it ended, reaped, its agent returned
+                pool.kill()
+            else:
+                pool.shutdown()
     except BaseException:
         unreserve()
         raise
+    if died:
+        reason = f"{pool.death_text(ended or pool.ended_workers())} ended while the pool was idle"
+        # one line, as the launch's other events; stacklevel: the caller of launch()
+        warnings.warn(f"muonlab launch: warm workers restarted: {reason}; the pool was shut down and "
+                      f"this launch starts new workers", RuntimeWarning, stacklevel=5)
+        return None, reason
+    reason = "the pool's workers had ended" if pool.agent_done.is_set() or not pool.alive else (
+        "other ranks, device, backend or environment" if pool.key != key else pool.stale())
     return None, reason
 
 
@@ -539,10 +596,9 @@ def wait_for_task(pool: WorkerPool, status_dir: str, limits: tuple[float, float]
                 pool.kill(status_dir, agent_ends=False)
                 return {"vanished": vanished}
             if now >= deadline:
-                ready = _launch._ranks_in(status_dir, "ready")
-                finished = set().union(*(_launch._ranks_in(status_dir, kind) for kind in ("returned", "failed", "done")))
+                report = _launch._timeout_report(status_dir, nprocs, phase)
                 pool.kill(status_dir)
-                return {"timed_out": {"phase": phase, "ready": ready, "running": sorted(set(range(nprocs)) - finished)}}
+                return {"timed_out": report}
             pool.agent_done.wait(_TASK_POLL_S)
     except BaseException:  # KeyboardInterrupt in a notebook: the pool goes down with the launch
         pool.kill(status_dir)

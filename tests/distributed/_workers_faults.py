@@ -61,8 +61,8 @@ def train_with_fault(fault: str, pid_dir: str) -> int:
     counter = None
     if fault == "raise_in_step":
         counter = _inject_in_step(1, 1, _raise_in_step)
-    elif fault == "hang_in_step":
-        counter = _inject_in_step(0, 1, _sleep_forever)
+    elif fault in ("hang_in_step", "hang_in_step_rank1"):
+        counter = _inject_in_step(1 if fault.endswith("rank1") else 0, 1, _sleep_forever)
     for step in range(STEPS):
         if counter is not None:
             counter["step"] = step

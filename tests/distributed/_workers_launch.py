@@ -70,6 +70,34 @@ def hang_on_rank(hanging_rank: int) -> int:
     return dist.get_rank()
 
 
+class DeliberateStop(BaseException):
+    """A BaseException of the caller's own (neither an Exception nor SystemExit)."""
+
+
+def base_exception_on_rank(failing_rank: int, kind: str) -> int:
+    """``failing_rank`` raises ``kind`` ("KeyboardInterrupt" or "DeliberateStop"), both
+    BaseExceptions only; the other ranks wait in a barrier, as real code would."""
+    if dist.get_rank() == failing_rank:
+        raise {"KeyboardInterrupt": KeyboardInterrupt, "DeliberateStop": DeliberateStop}[kind](f"deliberate {kind}")
+    dist.barrier()
+    return dist.get_rank()
+
+
+def hang_while_others_wait_in_a_collective(hanging_rank: int) -> int:
+    """``hanging_rank`` sleeps for ever outside any collective; the others wait for it in a barrier.
+    The barrier runs on a group of its own with a long collective timeout, so the launcher's clock,
+    not gloo's, ends the wait (the default group's timeout, timeout_s, counts from the barrier's
+    call and would race the launcher's, counted from when every rank was up)."""
+    from datetime import timedelta
+
+    group = dist.new_group(timeout=timedelta(seconds=600))
+    if dist.get_rank() == hanging_rank:
+        while True:
+            time.sleep(1)
+    dist.barrier(group=group)
+    return dist.get_rank()
+
+
 def exit_on_rank(exiting_rank: int, code, out_dir: str | None = None, linger_s: float = 0.0) -> int:
     """``sys.exit(code)`` on one rank after ``linger_s`` seconds; the others return their rank at
     once, without a collective. With ``out_dir``, each rank writes the wall time at which its

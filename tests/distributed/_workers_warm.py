@@ -66,3 +66,17 @@ def exit_on_rank(rank: int, code: int) -> int:
         sys.exit(code)
     dist.barrier()
     return dist.get_rank()
+
+
+def interrupt_on_rank(rank: int, out_dir: str) -> int:
+    """KeyboardInterrupt on ``rank`` (its wall time written to ``out_dir/raised`` first); the other
+    ranks sleep up to a minute outside any collective, so only the failing rank's own report can
+    end the launch before then."""
+    if dist.get_rank() == rank:
+        with open(os.path.join(out_dir, "raised"), "w") as f:
+            f.write(repr(time.time()))
+        raise KeyboardInterrupt("deliberate interrupt in a warm task")
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
+    return dist.get_rank()

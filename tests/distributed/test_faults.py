@@ -30,6 +30,8 @@ FAULTS = {
     "shape": (2, 60, None, "ranks disagree on the step: muon parameter 'w': shape (4, 8) on rank 0, "
                            "(4, 9) on rank 1", False),
     "hang_in_step": (2, 10, 0, "timed out after 10 s", True),  # two steps before the hang: well within 10 s
+    # the other rank waits for the hung one in a collective of the step: only the hung one is named
+    "hang_in_step_rank1": (2, 10, 1, "rank 1 still running, not inside a collective; rank 0 waited", True),
 }
 SURVIVED: list[str] = []
 ERRORS: dict[str, WorkerError] = {}
@@ -63,6 +65,8 @@ def test_fault_surfaces_as_a_clear_error_naming_the_rank(fault, tmp_path):
     up_for = time.time() - max(p.stat().st_mtime for p in tmp_path.glob("rank*.pid"))
     assert up_for < timeout_s + 15, (elapsed, up_for)
     assert text in message, message
+    if is_timeout:  # the rank that hung alone, the other waiting for it in a collective
+        assert (err.ranks, err.waiting) == ([rank], [1 - rank]), message
     if rank is not None:
         assert err.ranks[0] == rank, message
         assert message.startswith(f"rank {rank} of {world}") or is_timeout, message

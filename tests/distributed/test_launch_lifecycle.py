@@ -98,6 +98,32 @@ def test_a_timeout_names_only_the_ranks_still_in_their_function(tmp_path, monkey
 
 
 @pytest.mark.timeout(240)
+def test_a_hang_names_the_rank_that_hung_not_the_ones_waiting_for_it_in_a_collective():
+    # Rank 1 sleeps; rank 0 waits for it in a barrier, so both are still in their function at the
+    # timeout. Each rank's collective watch tells them apart: only rank 1 is named.
+    with pytest.raises(WorkerTimeout) as info:
+        launch(workers.hang_while_others_wait_in_a_collective, 2, 1, timeout_s=8)
+    err = info.value
+    assert (err.phase, err.ranks, err.waiting) == ("run", [1], [0]), str(err)
+    assert "rank 1 still running, not inside a collective; rank 0 waited for it inside one" in str(err), str(err)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kind", ["KeyboardInterrupt", "DeliberateStop"])
+def test_a_base_exception_in_a_worker_fails_the_launch_naming_the_rank_and_its_type(kind):
+    # Neither is an Exception: elastic recorded no error for them, and torch's spawn wrapper ended
+    # a KeyboardInterrupt's process with code 0, so the launch named the rank waiting in the
+    # barrier (its connection broke) or gave no type. Now each is recorded as an error.
+    with pytest.raises(WorkerError) as info:
+        launch(workers.base_exception_on_rank, 2, 1, kind, timeout_s=150)
+    err = info.value
+    assert not isinstance(err, WorkerTimeout), str(err)
+    assert err.ranks[0] == 1 and str(err).startswith("rank 1 of 2 failed"), str(err)
+    assert f"{kind}: deliberate {kind}" in err.failures[1], str(err)
+    assert f"WorkerBaseException: {kind} raised on rank 1" in err.failures[1], str(err)
+
+
+@pytest.mark.timeout(240)
 def test_a_worker_that_destroys_the_process_group_itself_returns_normally():
     assert launch(workers.destroy_group_then_return, 2, timeout_s=150) == {0: 0, 1: 1}
 

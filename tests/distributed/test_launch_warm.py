@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 
@@ -136,6 +137,45 @@ def test_a_failing_task_takes_the_pool_down_and_the_next_launch_starts_fresh():
         launch(workers.exit_on_rank, 2, 1, 3, warm=True, timeout_s=150)
     assert "rank 1 exited with code 3 (sys.exit(3)" in info.value.failures[1], str(info.value)
     assert not _wait_gone([out["pid"] for out in after.values()]), "the exited pool's workers outlived it"
+
+
+@pytest.mark.timeout(300)
+def test_a_worker_killed_while_idle_is_noticed_before_the_next_task_is_handed_out():
+    first = launch(workers.pid_and_steps, 2, 1, "first", warm=True, timeout_s=150)
+    old = [out["pid"] for out in first.values()]
+    killed = first[1]["pid"]
+    os.kill(killed, signal.SIGKILL)
+    assert not _wait_gone([killed]), "the killed worker still runs"
+    # at once, before elastic's agent has noticed and ended the pool itself: the task used to be
+    # handed to the broken pool and fail, blamed on the function it never ran
+    with pytest.warns(RuntimeWarning) as warned:
+        after = launch(workers.pid_and_steps, 2, 1, "after", warm=True, name="warm_after_kill", timeout_s=150)
+    lines = [str(w.message) for w in warned if "warm workers restarted" in str(w.message)]
+    assert len(lines) == 1 and f"the worker of rank 1 (pid {killed}" in lines[0], lines
+    assert "ended while the pool was idle; the pool was shut down" in lines[0] and "\n" not in lines[0], lines
+    info = _info("warm_after_kill")
+    assert (info["workers"], info["failed"]) == ("new warm", False), info
+    assert all(out["world"] == 2 for out in after.values())
+    assert not {out["pid"] for out in after.values()} & set(old)
+    assert not _wait_gone(old, limit_s=0.1), "a worker of the dead pool outlived its restart"
+
+
+@pytest.mark.timeout(300)
+def test_a_keyboard_interrupt_in_a_warm_task_is_recorded_as_the_ranks_error(tmp_path):
+    launch(workers.pid_and_steps, 2, 1, "before", warm=True, timeout_s=150)  # the pool is up
+    with pytest.raises(WorkerError) as info:
+        launch(workers.interrupt_on_rank, 2, 1, str(tmp_path), warm=True, name="warm_interrupt", timeout_s=150)
+    ended = time.time()
+    err = info.value
+    # The worker records it as an error and exits nonzero, so elastic reports it at once. It used to
+    # exit with code 0 and no record (torch's spawn wrapper takes a KeyboardInterrupt for a Ctrl-C),
+    # found only after the launcher's grace for a vanished process (10 s).
+    assert not isinstance(err, WorkerTimeout) and err.ranks[0] == 1, str(err)
+    assert "ended without returning" not in str(err), str(err)
+    assert "KeyboardInterrupt: deliberate interrupt in a warm task" in err.failures[1], str(err)
+    assert "WorkerBaseException: KeyboardInterrupt raised on rank 1" in err.failures[1], str(err)
+    raised = float((tmp_path / "raised").read_text())
+    print(f"\nKeyboardInterrupt in a warm task surfaced {ended - raised:.2f} s after it was raised")
 
 
 @pytest.mark.timeout(300)
