@@ -111,6 +111,20 @@ def _shown(name: str) -> str:
     return repr(name) if name else '"" (the model itself)'
 
 
+def check_model(model, where: str) -> None:
+    """A TypeError naming ``model`` unless it is an nn.Module (a list of parameters or a
+    state_dict would fail later, deep in a wrapper, with an unrelated AttributeError)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{where} needs the model (an nn.Module) as model, got {type(model).__name__}")
+
+
+def check_mesh(mesh, where: str) -> None:
+    """A TypeError naming ``mesh`` unless it is a DeviceMesh."""
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"{where} takes mesh as a DeviceMesh (from build_mesh() or build_ep_mesh()), "
+                        f"got {type(mesh).__name__}")
+
+
 def fsdp_units(model: nn.Module, block_attr: str | None = AUTO, *,
                min_unit_params: int = MIN_UNIT_PARAMS) -> list[tuple[str, nn.Module]]:
     """The modules :func:`apply_fsdp` shards as units of their own before the root, as
@@ -125,6 +139,7 @@ def fsdp_units(model: nn.Module, block_attr: str | None = AUTO, *,
         TypeError: ``block_attr`` names no nn.ModuleList or nn.Sequential, saying what to pass.
         ValueError: ``min_unit_params`` is not an integer >= 1.
     """
+    check_model(model, "fsdp_units")
     if isinstance(min_unit_params, bool) or not isinstance(min_unit_params, int) or min_unit_params < 1:
         raise ValueError(f"min_unit_params must be an integer >= 1 (parameters per FSDP unit of the size-based "
                          f"policy), got {min_unit_params!r}")
@@ -179,6 +194,8 @@ def apply_fsdp(
     blocks; a model without any is wrapped by size, ``min_unit_params``), the name of an
     nn.ModuleList or nn.Sequential, or None to shard only the root.
     """
+    check_model(model, "apply_fsdp")
+    check_mesh(mesh, "apply_fsdp")
     if mesh.ndim not in (1, 2):
         raise ValueError(f"apply_fsdp needs a 1-D or 2-D mesh, got shape {tuple(mesh.shape)}")
     return _shard(model, fsdp_units(model, block_attr, min_unit_params=min_unit_params), mesh,
@@ -209,6 +226,7 @@ def apply_ddp(
         ValueError: a CPU parameter under a group that carries CUDA tensors only (NCCL), naming
             the rank and the parameter.
     """
+    check_model(model, "apply_ddp")
     if isinstance(process_group, DeviceMesh):
         if process_group.ndim != 1:
             raise ValueError(
@@ -298,6 +316,7 @@ def parallelize(
     may create process groups).
 
     Raises:
+        TypeError: ``model`` is not an nn.Module, or ``mesh`` not a DeviceMesh, naming its type.
         ValueError: an unknown mode, an option the mode does not read, a model that is already
             parallelized (wrapped in DDP, or FSDP-sharded anywhere, e.g. by a previous call), or a
             mesh of the wrong dimension for the mode (apply_ddp and apply_ep check theirs too), each
@@ -305,6 +324,9 @@ def parallelize(
         TypeError: ``model.<block_attr>`` is not an nn.ModuleList or nn.Sequential ("fsdp", "hsdp"; an
             nn.ModuleList in "ep"), saying what to pass.
     """
+    check_model(model, "parallelize")
+    if mesh is not None:
+        check_mesh(mesh, "parallelize")
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if ep is not None and mode != "ep":

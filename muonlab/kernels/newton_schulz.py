@@ -108,11 +108,23 @@ def resolve_form(form: str, dtype: torch.dtype | str | None = "auto", device: to
 
 def triton_usable(device: torch.device) -> bool:
     """Triton kernels can run on ``device``: triton imports and it is CUDA (or the interpreter is on)."""
+    return why_triton_cannot_run(device) is None
+
+
+def why_triton_cannot_run(device: torch.device) -> str | None:
+    """Why the Triton kernels can't run on ``device``, in words, or None where they can."""
     try:
         from .triton_newton_schulz import INTERPRET, TRITON_AVAILABLE  # optional: imports triton
-    except ImportError:  # the kernel module itself failed to import
-        return False
-    return TRITON_AVAILABLE and (device.type == "cuda" or (INTERPRET and device.type == "cpu"))
+    except ImportError as err:  # the kernel module itself failed to import
+        return f"the Triton kernels failed to import ({err})"
+    if not TRITON_AVAILABLE:
+        return "triton is not installed"
+    if device.type == "cuda" or (INTERPRET and device.type == "cpu"):
+        return None
+    if device.type == "cpu":
+        return ("Triton compiles for GPUs and runs on a CPU only under its interpreter, and TRITON_INTERPRET=1 was "
+                "not set when muonlab was imported")
+    return f"Triton runs on CUDA devices, not on {device.type}"
 
 
 def possible_backends(backend: str, device: torch.device | str, dtype: torch.dtype | None = None) -> tuple[str, ...]:
@@ -134,8 +146,8 @@ def possible_backends(backend: str, device: torch.device | str, dtype: torch.dty
         if not usable:
             raise ValueError(
                 "backend='triton' needs triton installed and a CUDA tensor (or TRITON_INTERPRET=1 "
-                f"set before muonlab is imported, for CPU tests); got device {device}. "
-                "backend='auto' falls back to torch"
+                f"set before muonlab is imported, for CPU tests); got device {device}: "
+                f"{why_triton_cannot_run(device) or 'Triton is not usable there'}. backend='auto' falls back to torch"
             )
         return ("triton",)
     # auto: the interpreter is for correctness tests only, never picked automatically, not even
@@ -269,6 +281,7 @@ def newton_schulz(G: torch.Tensor | Sequence[torch.Tensor], config: NSConfig | N
     if dtype not in NS_DTYPES:  # dtype=None computes in G's dtype
         raise TypeError(f"G has dtype {pieces[0].dtype}; with dtype=None Newton-Schulz computes in G's dtype, "
                         f"which must be one of {list(NS_DTYPES)} (or pass dtype=)")
+    possible_backends(cfg.backend, device, dtype)  # "triton" where it can't run: refused first, even for no matrices
     rows, cols = pieces[0].shape[-2:]
     num = sum(p.shape[0] for p in pieces)
     if out is None:

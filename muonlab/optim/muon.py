@@ -35,11 +35,11 @@ from .agreement import Agreement, digest
 from .momentum_homes import MomentumHomes
 from .offload import StateStores
 from .replicas import check_ranks_agree, fingerprints, fold, name_the_difference
-from .options import MuonOptions, OptionAttribute
+from .options import MuonOptions, OptionAttribute, check_attribute, check_options
 from .param_groups import NamedParams
 from .saved_state import STATE_KEYS, SavedState
 from .step_gate import StepGate
-from .step_graph import StepGraph, check_capture
+from .step_graph import StepGraph, check_capture_place
 from .step_stats import StepStats
 from .rule_step import RuleStage, ensure_rule_state, refuse_unfit, rule_of, state_shapes, with_rule_sums
 from .rules import RULES
@@ -292,6 +292,7 @@ class Muon(NamedParams, StepStats, MomentumHomes, SavedState, Optimizer):
     hardware_profile = OptionAttribute()
     nonfinite = OptionAttribute()
     nonfinite_decision = OptionAttribute()
+    capture_after = OptionAttribute()
 
     def __init__(
         self,
@@ -337,7 +338,9 @@ class Muon(NamedParams, StepStats, MomentumHomes, SavedState, Optimizer):
             ns_dtype=ns_dtype, ns_form=ns_form, ns_backend=ns_backend, momentum_dtype=momentum_dtype,
             workspace_bytes=workspace_bytes, ns_graphs=ns_graphs, process_group=process_group, comm_dtype=comm_dtype,
             remainder_path=remainder_path, strategy=strategy, hardware_profile=hardware_profile, nonfinite=nonfinite,
-            nonfinite_decision=nonfinite_decision)
+            nonfinite_decision=nonfinite_decision, capture_after=capture_after)
+        # the options' checks that need the parameters run as each is added (_check_placed_options)
+        check_capture_place(capture_after, state_offload, (), None)
         self._muon_defaults = dict(
             lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
             ns_steps=ns_steps, ns_coefficients=ns_coefficients, eps=eps, adjust_lr=adjust_lr,
@@ -381,9 +384,6 @@ class Muon(NamedParams, StepStats, MomentumHomes, SavedState, Optimizer):
             if name in self.fused_banks:
                 matrix_spec(-1, name, p, None, self.fused_banks[name])  # validates the shape
         self._check_views(matrix_views or {})
-        check_capture(capture_after, self, state_offload)
-        self.capture_after = capture_after
-        self._step_graph = StepGraph(capture_after) if capture_after is not None else None
         # last: every other check has passed, so a refused option leaves no lock or file behind
         self._offload = StateStores(
             state_offload, offload_dir, keep_muon_momentum_in_memory,
@@ -411,8 +411,6 @@ class Muon(NamedParams, StepStats, MomentumHomes, SavedState, Optimizer):
         super().__setstate__(state)  # also what torch's load_state_dict calls, with state and groups only
         self.__dict__.setdefault("_plans", {})
         self.__dict__["_prepared"] = None  # made again at the next step (it holds live process groups)
-        self.__dict__.setdefault("capture_after", None)  # pickled before whole-step graphs
-        self.__dict__["_step_graph"] = None if self.capture_after is None else StepGraph(self.capture_after)
         self.__dict__.setdefault("_settings_checked", None)
         self.__dict__.setdefault("_replica_home", {})  # pickled before momentum followed its owner
         self.__dict__.setdefault("_agreement", Agreement())  # pickled before the per-step agreement
@@ -432,7 +430,38 @@ class Muon(NamedParams, StepStats, MomentumHomes, SavedState, Optimizer):
                 self._runner = None
                 for store in self._offload.stores():
                     store.momentum_dtype = torch.float32
-            self.options = MuonOptions(**legacy)  # nonfinite_decision: "host", as before the device's
+            self.__dict__["options"] = MuonOptions(**legacy)  # nonfinite_decision: "host", as before the device's
+        elif "capture_after" in self.__dict__:  # pickled when capture_after was an attribute beside the record
+            self.__dict__["options"] = dataclasses.replace(self.options, capture_after=self.__dict__.pop("capture_after"))
+        self.__dict__["_step_graph"] = None if self.capture_after is None else StepGraph(self.capture_after)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """Every option set is applied or refused: ``options`` takes a checked ``MuonOptions``, and
+        once constructed, a public name nothing would read (an argument read at construction only, a
+        group setting, a near-miss of an option's name) is refused (muonlab.optim.options.check_attribute).
+        Private names pass untouched."""
+        if name == "options":
+            self._set_options(value)
+            return
+        if name[:1] != "_" and "_offload" in self.__dict__:  # constructed: _offload is set last
+            public = {n for n in (*dir(type(self)), *self.__dict__) if not n.startswith("_")}
+            check_attribute(name, public)
+        super().__setattr__(name, value)
+
+    def _set_options(self, options: MuonOptions) -> None:
+        """Replace the options record (checked, also against the parameters and the state's home once
+        they are known; a refused record changes nothing); a new ``capture_after`` makes a new
+        StepGraph (the warm-up counts anew)."""
+        check_options(options)
+        if "_offload" in self.__dict__:  # constructed; in __init__ each parameter is checked as it is added
+            check_capture_place(options.capture_after, self._offload.place, (), None)
+            self._check_placed_options(options, [(p, g["algorithm"]) for g in self.param_groups for p in g["params"]])
+        old = self.__dict__.get("options")
+        super().__setattr__("options", options)
+        if old is None or old.capture_after != options.capture_after:
+            if self.__dict__.get("_step_graph") is not None:
+                self._step_graph.release()
+            self._step_graph = None if options.capture_after is None else StepGraph(options.capture_after)
 
     def __deepcopy__(self, memo: dict) -> "Muon":
         if self.process_group is not None:

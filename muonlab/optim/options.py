@@ -12,6 +12,7 @@ key sees (muonlab.optim.prepared).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +23,8 @@ from ..comm.cost import HardwareProfile, get_profile
 from ..comm.planner import REMAINDER_PATHS, STRATEGIES
 from ..kernels.newton_schulz import NSConfig, resolve_form
 from .step_gate import NONFINITE_DECISIONS
-from .validation import check_comm_dtype, check_memory_options
+from .step_graph import check_capture
+from .validation import ADAMW_DEFAULTS, MUON_DEFAULTS, check_comm_dtype, check_memory_options
 
 NONFINITE_POLICIES = ("skip", "raise", "ignore")
 
@@ -48,6 +50,7 @@ class MuonOptions:
     hardware_profile: HardwareProfile | str | None = None
     nonfinite: str = "skip"
     nonfinite_decision: str = "host"
+    capture_after: int | None = None
 
     def __post_init__(self) -> None:
         NSConfig(dtype=self.ns_dtype, **resolve_form(self.ns_form), backend=self.ns_backend)  # a bad ns_*
@@ -67,6 +70,7 @@ class MuonOptions:
         if self.nonfinite_decision == "device" and self.nonfinite != "skip":
             raise ValueError(f'nonfinite_decision="device" decides a skip on the device and needs nonfinite="skip", '
                              f'got nonfinite={self.nonfinite!r} ("raise" reads the flag on the host to raise)')
+        check_capture(self)  # what needs the parameters (CUDA, no state offload): Muon checks it
         profile = self.hardware_profile
         if profile is None:
             profile = "h100_node" if torch.cuda.is_available() else "cpu_gloo"
@@ -87,3 +91,45 @@ class OptionAttribute:
 
     def __set__(self, obj, value) -> None:
         obj.options = dataclasses.replace(obj.options, **{self.name: value})
+
+
+OPTION_NAMES = tuple(f.name for f in dataclasses.fields(MuonOptions))
+
+CONSTRUCTOR_ONLY = ("fused_banks", "matrix_views", "state_offload", "offload_dir", "keep_muon_momentum_in_memory")
+"""Muon's arguments read once, at construction: the parameters' matrix views and the state's home
+(its stores and their files) are built from them, so a later change could not be applied soundly."""
+
+GROUP_SETTINGS = {**{key: ("Muon", key) for key in MUON_DEFAULTS},
+                  **{f"adamw_{key}": ("AdamW", key) for key in ADAMW_DEFAULTS}}
+"""Muon's arguments that are parameter-group defaults -> (the groups' algorithm, the group key):
+a step reads them from ``param_groups``, never from the optimizer."""
+
+
+def check_options(value) -> None:
+    """What may be assigned to ``Muon.options``: a ``MuonOptions``, whose fields are checked."""
+    if not isinstance(value, MuonOptions):
+        raise TypeError(f"options must be a MuonOptions (muonlab.optim.options), got {type(value).__name__}; "
+                        "set one option by its attribute (opt.ns_form = \"plain\") or assign "
+                        "dataclasses.replace(opt.options, ...)")
+
+
+def check_attribute(name: str, known) -> None:
+    """Refuse setting the public attribute ``name`` of a constructed Muon where the value would be
+    silently ignored: an argument read only at construction, a parameter-group default, or a name
+    close to an option or to one of ``known`` (the public attributes it has) that is none of them
+    (a typo, which would otherwise make an attribute nothing reads). Other names pass."""
+    if name in CONSTRUCTOR_ONLY:
+        raise AttributeError(f"{name} can't be changed after construction (the parameters' views and the state's "
+                             f"home are built from it): pass it to the constructor")
+    if name in GROUP_SETTINGS:
+        algorithm, key = GROUP_SETTINGS[name]
+        raise AttributeError(f"{name} is a parameter-group setting, read from opt.param_groups: set "
+                             f"group[{key!r}] in each {algorithm} group (for g in opt.param_groups: ...)")
+    if name in known or name in OPTION_NAMES:
+        return
+    # 0.75: one edit (a swap, a letter missing or wrong) in a name of five letters or more
+    close = difflib.get_close_matches(name, [*OPTION_NAMES, *CONSTRUCTOR_ONLY, *GROUP_SETTINGS, *known], n=1,
+                                      cutoff=0.75)
+    if close:
+        raise AttributeError(f"Muon has no option or attribute {name!r}: did you mean {close[0]!r}? (an attribute "
+                             "of another name would be stored and never read)")

@@ -17,8 +17,10 @@ from typing import Any
 import torch
 
 from ..comm.specs import check_view
+from ..kernels.newton_schulz import possible_backends
 from .routing import check_not_flat
-from .validation import check_hyperparameters, checked_fused_banks, fmt_shape
+from .step_graph import check_capture_place
+from .validation import check_foreign_settings, check_hyperparameters, checked_fused_banks, fmt_shape
 
 ALGORITHMS = ("muon", "adamw")
 
@@ -147,7 +149,8 @@ class NamedParams:
         defaults = self._muon_defaults if algorithm == "muon" else self._adamw_defaults
         for key, value in defaults.items():
             group.setdefault(key, value)
-        # Keys of the other algorithm would be silently ignored: reject them instead.
+        # Keys of the other algorithm would be silently ignored: reject them instead, by name.
+        check_foreign_settings(group, algorithm, f" in parameter group {gi}")
         allowed = {"params", "algorithm", "initial_lr"} | set(defaults)
         unknown = sorted(set(group) - allowed)
         if unknown:
@@ -157,6 +160,21 @@ class NamedParams:
             self._check_param(p, algorithm)
         self._check_unique(group["params"], gi, {p: i for i, g in enumerate(self.param_groups) for p in g["params"]})
         return group
+
+    def _check_placed_options(self, options, params: list[tuple[torch.Tensor, str]]) -> None:
+        """The options' checks that need the parameters (a ``MuonOptions`` is made without them), on
+        ``params`` ((parameter, its algorithm) pairs): ns_backend="triton" where Triton can run
+        each Muon parameter's device, capture_after's CUDA parameters."""
+        if options.ns_backend == "triton":
+            devices = set()
+            for p, algorithm in params:
+                if algorithm == "muon" and p.device not in devices:
+                    devices.add(p.device)
+                    try:
+                        possible_backends("triton", p.device)
+                    except ValueError as err:
+                        raise ValueError(f"ns_backend='triton' can't run on parameter {self._label(p)}: {err}") from None
+        check_capture_place(options.capture_after, None, [p for p, _ in params], self._label)
 
     def _check_param(self, p: torch.Tensor, algorithm: str) -> None:
         check_not_flat(p, self._names.get(p, "?"))
@@ -175,3 +193,4 @@ class NamedParams:
         if algorithm == "muon" and p.numel() == 0:
             raise ValueError(f"parameter {self._label(p)} is empty: Muon has no matrix to orthogonalize; "
                              "leave it out or route it to AdamW")
+        self._check_placed_options(self.options, [(p, algorithm)])

@@ -112,23 +112,31 @@ class StepGraph:
                           "captured again", RuntimeWarning, stacklevel=5)
 
 
-def check_capture(capture_after, opt, state_offload) -> None:
-    """``capture_after`` and the options a captured step needs, each refused by name."""
+def check_capture(options) -> None:
+    """``capture_after`` and the other options a captured step needs, each refused by name
+    (``options``: a ``MuonOptions``, which runs this when made)."""
+    capture_after = options.capture_after
     if capture_after is None:
         return
     if isinstance(capture_after, bool) or not isinstance(capture_after, int) or capture_after < 1:
         raise ValueError(f"capture_after must be None or an int >= 1 (eager steps before the capture: they make "
                          f"the state, the plan and the kernel choices), got {capture_after!r}")
-    if opt.nonfinite == "raise" or (opt.nonfinite == "skip" and opt.nonfinite_decision == "host"):
+    if options.nonfinite == "raise" or (options.nonfinite == "skip" and options.nonfinite_decision == "host"):
         raise ValueError(f'capture_after needs nonfinite_decision="device" (or nonfinite="ignore"): '
-                         f'nonfinite={opt.nonfinite!r} with nonfinite_decision={opt.nonfinite_decision!r} reads a flag '
-                         "on the host at every step")
-    if opt.ns_graphs:
+                         f'nonfinite={options.nonfinite!r} with nonfinite_decision={options.nonfinite_decision!r} '
+                         "reads a flag on the host at every step")
+    if options.ns_graphs:
         raise ValueError("capture_after captures Newton-Schulz with the rest of the step: ns_graphs must be False")
+
+
+def check_capture_place(capture_after, state_offload, params, label) -> None:
+    """What ``capture_after`` needs of where the state and ``params`` live (the options record
+    knows neither): no state offload, and CUDA parameters (``label(p)`` names one)."""
+    if capture_after is None:
+        return
     if state_offload is not None:
         raise ValueError(f"capture_after needs the state on the parameters' device, got state_offload={state_offload!r}")
-    for group in opt.param_groups:
-        for p in group["params"]:
-            device = getattr(p, "device", None)
-            if device is None or device.type != "cuda":
-                raise ValueError(f"capture_after needs CUDA parameters: parameter {opt._label(p)} is on {device}")
+    for p in params:
+        device = getattr(p, "device", None)
+        if device is None or device.type != "cuda":
+            raise ValueError(f"capture_after needs CUDA parameters: parameter {label(p)} is on {device}")

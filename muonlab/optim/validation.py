@@ -119,6 +119,23 @@ ADAMW_DEFAULTS = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
 SETTINGS = {"muon": tuple(MUON_DEFAULTS), "adamw": tuple(ADAMW_DEFAULTS)}
 """The settings every group of an algorithm holds (a step reads each): the defaults' keys."""
 
+ALGORITHM_NAMES = {"muon": "Muon", "adamw": "AdamW"}
+
+
+def check_foreign_settings(group: Mapping, algorithm: str, where: str) -> None:
+    """Refuse the other algorithm's settings in a group, which its step would silently ignore:
+    Muon's (update_rule, ns_steps, normuon_beta2, ...) in an AdamW group, AdamW's betas in a Muon
+    group. A "momentum" in an AdamW group is read (torch's schedulers cycle beta1 through it)."""
+    other = "adamw" if algorithm == "muon" else "muon"
+    read = set(SETTINGS[algorithm]) | ({"momentum"} if algorithm == "adamw" else set())
+    foreign = [key for key in SETTINGS[other] if key in group and key not in read]
+    if foreign:
+        raise ValueError(f"{foreign} {'is a setting' if len(foreign) == 1 else 'are settings'} of "
+                         f"{ALGORITHM_NAMES[other]} groups, which {'an' if algorithm == 'adamw' else 'a'} "
+                         f"{ALGORITHM_NAMES[algorithm]} group does not "
+                         f"read{where}: remove {'it' if len(foreign) == 1 else 'them'}, or put the parameters in a "
+                         f"group with algorithm={other!r}")
+
 
 def check_hyperparameters(values: dict, algorithm: str, prefix: str, where: str) -> None:
     """Types and ranges of a group's (or the constructor's) hyperparameters.
@@ -129,6 +146,7 @@ def check_hyperparameters(values: dict, algorithm: str, prefix: str, where: str)
     missing = [key for key in needed if key not in values]
     if missing:
         raise ValueError(f"missing setting(s) {[prefix + k for k in missing]}{where}")
+    check_foreign_settings(values, algorithm, where)
 
     def number(key: str, low: float, high: float = math.inf, *, low_open=False, high_open=False) -> None:
         value = values[key]
