@@ -202,8 +202,8 @@ class Muon(NamedParams, StepStats, MomentumHomes, SavedState, Optimizer):
         process_group: the group replicated (plain-tensor, DDP) parameters are divided over;
             default: the default group when torch.distributed runs with more than one rank.
             DTensor parameters always use their own mesh. Replicas must hold equal weights and
-            equal (DDP-averaged) gradients; both are compared when a plan is made (see
-            ``muonlab.optim.replicas.check_ranks_agree``). For a model per rank, each trained on its
+            equal (DDP-averaged) gradients; both are compared when a plan is made, the gradients
+            also at every step (see muonlab.optim.replicas). For a model per rank, each trained on its
             own data, give each rank a group of its own (``dist.new_group([rank])``).
         comm_dtype: dtype of matrices on the wire: bf16, or fp32 for exact parity (not fp16:
             momentum travels before it is normalised, and fp16's range can't hold it).
@@ -608,9 +608,9 @@ class Muon(NamedParams, StepStats, MomentumHomes, SavedState, Optimizer):
         checking = self.nonfinite != "ignore" and self.nonfinite_decision == "host"  # else: _gate
         t0 = time.perf_counter()
         replicas = prepared.replicas if checking else ()
-        flagged, values = (nonfinite.found_and_read([p.grad for p in prepared.checked],
-                                                    fingerprints([p.grad for p in replicas]) if replicas else None)
-                           if checking else (False, []))
+        values: list[int] = []  # the replicas' fingerprints, read with the flag
+        flagged = checking and nonfinite.found([p.grad for p in prepared.checked],
+                                               fingerprints([p.grad for p in replicas]) if replicas else None, values)
         t1 = time.perf_counter()
         group = prepared.check_group
         if group is not None:

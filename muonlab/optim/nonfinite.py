@@ -7,7 +7,7 @@ learn each other's flags in the step's one control exchange (muonlab.optim.agree
 anything is written. Names of the culprits (``culprits``) are looked for only when the flag is up,
 so the common path does no per-gradient work beyond grouping and the fused call. ``flag_on`` is
 the same pass without the read, for the decision on the device (muonlab.optim.step_gate).
-``found_and_read`` reads the replicas' gradient fingerprints with the flag, in the same read.
+``found`` reads the replicas' gradient fingerprints with the flag, in the same read.
 """
 
 from __future__ import annotations
@@ -47,25 +47,20 @@ def _flags_by_device(grads: Sequence[torch.Tensor]) -> dict[torch.device, torch.
     return flags
 
 
-def found(grads: Sequence[torch.Tensor]) -> bool:
+def found(grads: Sequence[torch.Tensor], also: torch.Tensor | None = None, also_read: list | None = None) -> bool:
     """Whether any of ``grads`` (plain tensors or DTensors: their local shards) holds an inf or
-    NaN: one fused pass per (device, dtype), then one read of the flag per device."""
-    return found_and_read(grads)[0]
-
-
-def found_and_read(grads: Sequence[torch.Tensor], also: torch.Tensor | None = None) -> tuple[bool, list[int]]:
-    """``found``, and the values of ``also`` (a 1-D integer tensor: the replicas' gradient
-    fingerprints, muonlab.optim.replicas) read in the same read as its device's flag, so that they
-    cost the step no synchronisation of their own."""
+    NaN: one fused pass per (device, dtype), then one read of the flag per device. ``also`` (a 1-D
+    integer tensor: the replicas' gradient fingerprints, muonlab.optim.replicas) is read in the
+    same read as its device's flag, its values put in ``also_read``: no synchronisation of its own."""
     flags = _flags_by_device(grads)
-    values: list[int] = []
     if also is not None:
         flag = flags.pop(also.device, None)
         head = torch.zeros(1, dtype=also.dtype, device=also.device) if flag is None else (flag > 0).to(also.dtype)
         flag_value, *values = torch.cat((head, also)).tolist()
+        also_read[:] = values
         if flag_value:
-            return True, values
-    return any(flag.item() > 0 for flag in flags.values()), values
+            return True
+    return any(flag.item() > 0 for flag in flags.values())
 
 
 def flag_on(grads: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:

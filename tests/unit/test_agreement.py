@@ -72,9 +72,9 @@ def test_the_fingerprints_are_read_with_the_non_finite_flag():
     from muonlab.optim.replicas import fingerprints
 
     grads = [torch.randn(6, 4), torch.randn(3, 3)]
-    values = fingerprints(grads[:1])
-    assert nonfinite.found_and_read(grads, values) == (False, values.tolist())
-    assert nonfinite.found_and_read(grads) == (False, [])
-    grads[1][1, 1] = float("inf")
-    flagged, read = nonfinite.found_and_read(grads, values)
-    assert flagged and read == values.tolist() and nonfinite.found(grads)
+    values, read = fingerprints(grads[:1]), []
+    assert not nonfinite.found(grads, values, read) and read == values.tolist()
+    grads[0][1, 1] = float("inf")
+    assert nonfinite.found(grads, values, read) and read == values.tolist() and nonfinite.found(grads)
+    grads[0][1, 1], grads[1][2, 0] = 0.0, float("nan")  # in a gradient not fingerprinted
+    assert nonfinite.found(grads, values, read)
