@@ -73,8 +73,10 @@ def group_key(group: dict) -> tuple:
 
 def settings_values(groups: list[dict]) -> tuple:
     """Every group's settings (``SETTINGS`` of its algorithm, and a "momentum" a scheduler cycles
-    into an AdamW group), frozen: compared at every step, checked when they change."""
-    return tuple(frozen(tuple(g.get(k) for k in SETTINGS.get(g.get("algorithm"), ())) + (g.get("momentum"),))
+    into an AdamW group), frozen: compared at every step, checked when they change. The group's
+    number of keys too: a key written in later (another algorithm's setting, refused by the check)
+    changes no value read here."""
+    return tuple(frozen(tuple(g.get(k) for k in SETTINGS.get(g.get("algorithm"), ())) + (g.get("momentum"), len(g)))
                  for g in groups)
 
 
