@@ -22,6 +22,7 @@ from .comm.cost import get_profile, step_seconds
 from .comm.planner import REFERENCE_STRATEGIES, plan_batches, reference_plan
 from .comm.records import Plan, per_rank
 from .comm.specs import GroupKey, MatrixSpec, check_view, chunk_sizes, default_view, fused_row_layout
+from .comm.wire import wire_itemsizes
 from .distributed.mesh import MeshAxis
 from .kernels.config import NSConfig, ns_flops
 from .kernels.newton_schulz import resolve_dtype, resolve_form
@@ -145,7 +146,7 @@ def simulate(
     layout: str = "fsdp",
     strategy: str = "muonlab",
     profile="h100_node",
-    comm_dtype: torch.dtype = torch.bfloat16,
+    comm_dtype: torch.dtype | str = "auto",
     ns_steps: int = 5,
     ns_form: str = "auto",
     remainder_path: str = "auto",
@@ -167,6 +168,9 @@ def simulate(
         layout: "fsdp" (sharded) or "ddp" (replicated) for the dense matrices.
         strategy: "muonlab", or a reference strategy: "padded_all_to_all", "xtuner".
         profile: hardware profile name or HardwareProfile (path choice under "auto").
+        comm_dtype: as Muon's: "auto" (each batch on the wire in its Newton-Schulz dtype, as
+            ``ns_dtype`` resolves on ``device``: bf16 for bf16, fp32 otherwise; with
+            ``ns_dtype=None``, in the parameters' dtype's), torch.bfloat16 or torch.float32.
         ns_form: "plain", "gram", or "auto" (Muon's default: the gram form where it saves 20% of
             the FLOPs and runs no wider than ``ns_dtype``), as Muon's ``ns_form``.
         fused_banks: {name: E} for 2-D parameters stacking E matrices on dim 0 (as in Muon).
@@ -220,8 +224,11 @@ def simulate(
         dtypes = {name: str(p.dtype) for name, p in params_or_shapes.named_parameters()}
         specs = [dataclasses.replace(s, dtype=dtypes[s.name]) for s in specs]
     form = resolve_form(ns_form, compute_dtype, device)
-    configs = [NSConfig(steps=ns_steps, **form, backend=ns_backend)] * len(specs)
-    itemsize = torch.empty(0, dtype=comm_dtype).element_size()
+    configs = [NSConfig(steps=ns_steps, dtype=ns_dtype, **form, backend=ns_backend)] * len(specs)  # as Muon's
+    def momentum_dtype(spec: MatrixSpec) -> torch.dtype:  # ns_dtype=None: the parameter's (fp32 for bare shapes)
+        return getattr(torch, spec.dtype.removeprefix("torch.")) if spec.dtype else torch.float32
+
+    itemsize = wire_itemsizes(comm_dtype, device=device, input_dtype=momentum_dtype)
     if strategy == "muonlab":
         limit = None
         if workspace_bytes is not None:  # what Muon._max_local_matrices gives a run with this budget

@@ -186,7 +186,6 @@ def execute_plan(
     prepare: Callable[[BatchPlan], list],
     apply: Callable[[BatchPlan, list], None],
     orthogonalize: Callable[[torch.Tensor, object], torch.Tensor] = newton_schulz,
-    wire_dtype: torch.dtype,
     tracer: Tracer,
     counter: CommCounter,
     device: torch.device | None = None,
@@ -200,12 +199,14 @@ def execute_plan(
     ``orthogonalize(mats, ns_config)``: Newton-Schulz on what a path yields, a stack of whole
     matrices or a list of pieces (``Overwrite`` pieces take the result in place).
     ``device``: where this rank's tensors live (``PathContext.device``).
+    Each batch's matrices travel in its own wire dtype (``BatchPlan.wire_dtype``).
     """
     runs: list[BatchRun | WaveRun] = []
     for i, batch in enumerate(plan):
         pg, group_rank = groups[batch.group]
         in_wave = batch.travels_with is not None
-        run = BatchRun(i, batch, PathContext(pg, group_rank, wire_dtype, device, defer=in_wave), prepare=prepare,
+        ctx = PathContext(pg, group_rank, batch.wire_dtype, device, defer=in_wave)  # each batch its own wire dtype
+        run = BatchRun(i, batch, ctx, prepare=prepare,
                        apply=apply, orthogonalize=orthogonalize, tracer=tracer, counter=counter)
         if in_wave and not batch.pays_latency:  # a later member of the wave just before it
             runs[-1].runs.append(run)

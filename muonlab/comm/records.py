@@ -13,8 +13,11 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import torch
+
 from ..kernels.config import NSConfig
 from .specs import GroupKey
+from .wire import of_itemsize
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,8 +64,10 @@ class BatchPlan:
     then describe the part's matrices alone. None: every matrix of each parameter."""
     notes: str = ""
     comm_itemsize: int = 2
-    """Bytes per element on the wire (the comm dtype's itemsize) that ``bytes_sent``/``bytes_recv``
-    count: the lower bound of ``muonlab.simulate`` is counted at the same size."""
+    """Bytes per element on the wire (its wire dtype's itemsize, ``wire_dtype``) that
+    ``bytes_sent``/``bytes_recv`` count: the lower bound of ``muonlab.simulate`` is counted at the
+    same size. Per batch: under ``comm_dtype="auto"`` it follows the batch's Newton-Schulz dtype
+    (``muonlab.comm.wire``)."""
     travels_with: int | None = None
     """Index of the first batch of its wave: the small batches of one wave travel in one collective
     per direction, issued together (``muonlab.comm.planner.coalesce``). None: it travels alone."""
@@ -75,6 +80,11 @@ class BatchPlan:
     def pays_latency(self) -> bool:
         """Whether its collectives are its own: alone, or the wave's first batch."""
         return self.travels_with is None or self.travels_with == self.index
+
+    @property
+    def wire_dtype(self) -> torch.dtype:
+        """The dtype its matrices travel in (the engine's ``PathContext.wire_dtype``)."""
+        return of_itemsize(self.comm_itemsize)
 
     @property
     def param_numels(self) -> tuple[int, ...]:

@@ -37,7 +37,9 @@ __all__ = ["COMM_DTYPES", "MODES", "plan_rows", "tensor_devices", "train_worker"
 
 # The parallelize() modes that need no mesh from the caller ("hsdp" does).
 MODES = ("fsdp", "ddp", "ep")
-COMM_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# The names comm_dtype_name and ns_dtype_name take; "auto" is Muon's default of each (comm_dtype "auto":
+# each batch on the wire in its Newton-Schulz dtype).
+COMM_DTYPES = {"auto": "auto", "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # Experts each token goes to in train_worker's MoE GPT (moe_config's default; not an argument).
 MOE_TOP_K = GPTConfig.top_k
 STEPS_KEPT = 50
@@ -69,7 +71,7 @@ def train_worker(
     batch_per_rank: int = 4,
     lr: float = 0.02,
     adamw_lr: float = 3e-3,
-    comm_dtype_name: str = "bf16",
+    comm_dtype_name: str = "auto",
     ns_dtype_name: str = "bf16",
     remainder_path: str | None = None,
     seed: int = 0,

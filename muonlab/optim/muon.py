@@ -26,6 +26,7 @@ from ..comm.paths.subgroup import ranks_per_expert, subgroups_for
 from ..comm.planner import plan_batches
 from ..comm.records import BatchPlan, Plan, part_range
 from ..comm.specs import MatrixSpec, even_share_bytes, local_shard, matrix_spec, process_group_for
+from ..comm.wire import wire_itemsizes
 from ..kernels.newton_schulz import NSConfig, form_for, possible_backends, resolve_dtype, resolve_form
 from ..kernels.runner import NewtonSchulzRunner, default_budget
 from ..trace import Tracer
@@ -205,8 +206,13 @@ class Muon(NamedParams, StepStats, MomentumHomes, SavedState, Optimizer):
             equal (DDP-averaged) gradients; both are compared when a plan is made, the gradients
             also at every step (see muonlab.optim.replicas). For a model per rank, each trained on its
             own data, give each rank a group of its own (``dist.new_group([rank])``).
-        comm_dtype: dtype of matrices on the wire: bf16, or fp32 for exact parity (not fp16:
-            momentum travels before it is normalised, and fp16's range can't hold it).
+        comm_dtype: dtype of matrices on the wire. "auto" (default): per batch, the dtype its
+            Newton-Schulz computes in (bf16 where that is bf16, fp32 otherwise: a bf16 wire
+            under fp32 iterates rounds away what the iteration lifts, see muonlab.comm.wire), so
+            a distributed step equals one process; ``plan()`` gives each batch's
+            (``BatchPlan.comm_itemsize``). torch.bfloat16: every batch in bf16 (half an fp32
+            batch's bytes, with that rounding); torch.float32: every batch in fp32. Not fp16:
+            momentum travels before it is normalised, and fp16's range can't hold it.
         remainder_path: "auto", "all_to_all" or "agrs" for row-sharded batches of fewer than W
             matrices; "auto" takes the lower modelled time under ``hardware_profile``.
         hardware_profile: a muonlab.comm.cost profile name or HardwareProfile (default:
@@ -318,7 +324,7 @@ class Muon(NamedParams, StepStats, MomentumHomes, SavedState, Optimizer):
         workspace_bytes: int | None = None,
         ns_graphs: bool = False,
         process_group=None,
-        comm_dtype: torch.dtype = torch.bfloat16,
+        comm_dtype: torch.dtype | str = "auto",
         remainder_path: str = "auto",
         strategy: str = "muonlab",
         hardware_profile=None,
@@ -835,8 +841,14 @@ class Muon(NamedParams, StepStats, MomentumHomes, SavedState, Optimizer):
             if collective:  # before planning: disagreeing ranks can't plan alike
                 compared = check_ranks_agree(self._check_group(), specs, configs, [entries[i][1] for i in indices],
                                              self._ns_runner().budget_bytes, grads=stepping)
+
+            def momentum_dtype(spec: MatrixSpec) -> torch.dtype:  # what Newton-Schulz reads with ns_dtype=None
+                return self._offload.dtype(entries[spec.index][1], "momentum_buffer")
+
+            # each batch's wire dtype follows its Newton-Schulz dtype on this device (comm_dtype "auto")
+            wire = wire_itemsizes(self.comm_dtype, device=self._device(), input_dtype=momentum_dtype)
             plan = plan_batches(
-                specs, configs, comm_itemsize=torch.empty(0, dtype=self.comm_dtype).element_size(),
+                specs, configs, comm_itemsize=wire,
                 remainder_path=self.remainder_path, strategy=self.strategy, profile=self.hardware_profile,
                 max_local_matrices=self._max_local_matrices,
             )
@@ -874,7 +886,8 @@ class Muon(NamedParams, StepStats, MomentumHomes, SavedState, Optimizer):
         the wave it travels in, or None: ``BatchPlan.travels_with``) and the Newton-Schulz dtype,
         form and backend. After a step these are what ran on this rank; before one (or for
         a batch this rank did not orthogonalize) the dtype and form follow the same rules from the
-        shapes, and an "auto" backend reads "auto (timed at the first step)" where two could run."""
+        shapes, and an "auto" backend reads "auto (timed at the first step)" where two could run.
+        And ``wire_dtype``, what its matrices travel in (``comm_dtype``; the plan's, on every rank)."""
         runner_ran = self._runner.ran if self._runner is not None else {}
         device = self._device()
         rows = []
@@ -888,7 +901,8 @@ class Muon(NamedParams, StepStats, MomentumHomes, SavedState, Optimizer):
                 ran = dict(dtype=str(dtype).removeprefix("torch."), form=form_for(cfg, shape),
                            backend=backends[0] if len(backends) == 1 else "auto (timed at the first step)")
             rows.append(dict(batch=batch.index, names=batch.names, shape=shape, matrices=batch.num_matrices,
-                             path=batch.path, wave=batch.travels_with, **ran))
+                             path=batch.path, wave=batch.travels_with, **ran,
+                             wire_dtype=str(batch.wire_dtype).removeprefix("torch.")))
         return rows
 
     def _trace_device(self) -> torch.device:
@@ -1019,7 +1033,7 @@ class Muon(NamedParams, StepStats, MomentumHomes, SavedState, Optimizer):
 
         # 2. move, orthogonalize, move back
         execute_plan(plan, groups, prepare=prepare, apply=apply, orthogonalize=self._ns_runner(),
-                     wire_dtype=self.comm_dtype, tracer=self._tracer, counter=counter, device=self._device())
+                     tracer=self._tracer, counter=counter, device=self._device())  # wire: each batch's
         if stage is not None:
             stage.flush()  # the last batch whose rule's sums travelled
 

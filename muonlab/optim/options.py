@@ -44,7 +44,7 @@ class MuonOptions:
     workspace_bytes: int | None = None
     ns_graphs: bool = False
     process_group: Any = None
-    comm_dtype: torch.dtype = torch.bfloat16
+    comm_dtype: torch.dtype | str = "auto"
     remainder_path: str = "auto"
     strategy: str = "muonlab"
     hardware_profile: HardwareProfile | str | None = None

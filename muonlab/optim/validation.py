@@ -13,6 +13,7 @@ from collections.abc import Mapping
 import torch
 
 from ..comm.specs import DTensor
+from ..comm.wire import WIRE_DTYPES
 from ..kernels.newton_schulz import is_number, resolve_coefficients
 from . import functional as F
 from .rules import RULE_SETTINGS, check_rule_settings
@@ -189,13 +190,15 @@ def check_hyperparameters(values: dict, algorithm: str, prefix: str, where: str)
 
 
 def check_comm_dtype(comm_dtype) -> None:
-    """The dtype of matrices on the wire: bfloat16 or float32."""
+    """The dtype of matrices on the wire: "auto" (each batch's Newton-Schulz dtype, see
+    muonlab.comm.wire), bfloat16 or float32."""
+    if isinstance(comm_dtype, str) and comm_dtype == "auto":
+        return
     if not isinstance(comm_dtype, torch.dtype):
-        raise TypeError(f"comm_dtype must be a torch.dtype, got {comm_dtype!r}")
-    if comm_dtype not in (torch.bfloat16, torch.float32):
-        # float16 would carry momentum before normalisation: gradients of 1e-7 underflowed to a
-        # zero update and of 1e6 overflowed to NaN parameters (finite grads: no check caught it)
-        raise ValueError(f"comm_dtype must be bfloat16 (2 bytes, fp32's range) or float32, got {comm_dtype}")
+        raise TypeError(f'comm_dtype must be a torch.dtype or "auto", got {comm_dtype!r}')
+    if comm_dtype not in WIRE_DTYPES:  # not fp16: see WIRE_DTYPES
+        raise ValueError(f'comm_dtype must be bfloat16 (2 bytes, fp32\'s range) or float32 (or "auto"), '
+                         f"got {comm_dtype}")
 
 
 def check_workspace_bytes(workspace_bytes) -> None:

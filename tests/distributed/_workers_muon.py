@@ -38,12 +38,13 @@ def _train_gpt(mode: str, precision: str):
     world, rank = dist.get_world_size(), dist.get_rank()
     dtype = DTYPES[precision]
     model, inner, _ = parallelize(build_gpt(**GPT_CFG), mode)
-    opt = Muon(muon_param_groups(inner), ns_dtype=dtype, comm_dtype=dtype, **HYPER)
+    opt = Muon(muon_param_groups(inner), ns_dtype=dtype, **HYPER)  # the default wire: ns_dtype's
     train_steps(model, opt, [(rank_rows(x), rank_rows(x)) for x in gpt_batches(world)])
     params = {n: full(p) for n, p in inner.named_parameters()}
     stats = opt.last_step_stats()
     plan_sent, plan_recv = bytes_for_rank(opt.plan(), rank)
     rows = [(b.path, b.names, b.owners, b.bytes_sent, b.flops) for b in opt.plan()]
+    assert {b.wire_dtype for b in opt.plan()} == {dtype}, opt.plan()
     return dict(params=params, sent=stats["bytes_sent"], recv=stats["bytes_recv"], plan_sent=plan_sent,
                 plan_recv=plan_recv, plan=rows, spans=len(opt.last_step_spans()))
 
@@ -105,7 +106,8 @@ def run_paths(world: int, remainder_path: str, precision: str, workspace_bytes: 
             p = torch.nn.Parameter(distribute_tensor(whole, m, pl))
         params.append((name, p))
         layouts.append(placement.get(kind))
-    opt = Muon(params, ns_dtype=dtype, comm_dtype=dtype, remainder_path=remainder_path, fused_banks=FUSED,
+    # the default wire (comm_dtype="auto"), on every path: each batch travels in ns_dtype
+    opt = Muon(params, ns_dtype=dtype, remainder_path=remainder_path, fused_banks=FUSED,
                workspace_bytes=workspace_bytes, **HYPER)
     for step in range(steps):
         for seed, ((name, p), layout) in enumerate(zip(params, layouts)):
@@ -115,6 +117,7 @@ def run_paths(world: int, remainder_path: str, precision: str, workspace_bytes: 
     stats = opt.last_step_stats()
     rank = dist.get_rank()
     plan_sent, plan_recv = bytes_for_rank(opt.plan(), rank)
+    assert {b.wire_dtype for b in opt.plan()} == {dtype}, opt.plan()
     return dict(
         params={n: full(p) for n, p in params},
         momentum={n: full(opt.state[p]["momentum_buffer"]) for n, p in params if p in opt.state},

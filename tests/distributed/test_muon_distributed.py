@@ -1,5 +1,8 @@
 """The same Muon on FSDP2, DDP and explicit DTensor layouts equals the single-process Muon.
 
+Each case sets ns_dtype and keeps the default wire (comm_dtype="auto": the batches travel in
+ns_dtype), so every path runs it; tests/distributed/test_wire_dtype.py has the defaults themselves.
+
 One launch per world size runs every case (worker start-up dominates the cost).
 """
 
@@ -162,8 +165,8 @@ def test_simulated_plan_equals_the_runtime_plan(world_results):
     world, results = world_results
     model = GPT(GPTConfig(**W.GPT_CFG))
     for mode in ("fsdp", "ddp"):
-        sim = simulate(model, world, layout=mode, profile="cpu_gloo", comm_dtype=torch.bfloat16,
-                       ns_dtype=torch.bfloat16, device="cpu")  # the workers' (gloo on the CPU)
+        sim = simulate(model, world, layout=mode, profile="cpu_gloo", ns_dtype=torch.bfloat16,
+                       device="cpu")  # the workers' (gloo on the CPU; both the default wire)
         runtime = results[0]["gpt"][(mode, "bf16")]["plan"]
         if world == 1:
             assert {row[0] for row in runtime} == {b.path for b in sim} == {"local"}

@@ -35,14 +35,17 @@ def latency_bound(batch: BatchPlan, profile: HardwareProfile) -> bool:
 
 
 def coalesce(plan: Plan, profile: HardwareProfile) -> Plan:
-    """``plan`` with each run of two or more consecutive latency-bound batches on one group made a
-    wave (``BatchPlan.travels_with``: the index of the run's first batch); other batches unchanged."""
+    """``plan`` with each run of two or more consecutive latency-bound batches on one group and
+    wire dtype made a wave (``BatchPlan.travels_with``: the index of the run's first batch); other
+    batches unchanged."""
     batches = list(plan)
     runs: list[list[int]] = []
     for i, b in enumerate(batches):
         if not latency_bound(b, profile):
             continue
-        if runs and runs[-1][-1] == i - 1 and batches[i - 1].group == b.group:
+        # one collective carries one dtype: a batch on another wire dtype starts another wave
+        joins = runs and runs[-1][-1] == i - 1 and batches[i - 1].group == b.group
+        if joins and batches[i - 1].comm_itemsize == b.comm_itemsize:
             runs[-1].append(i)
         else:
             runs.append([i])

@@ -21,25 +21,29 @@ from ...kernels.config import NSConfig, ns_flops
 from ..paths import padded_all_to_all
 from ..records import BatchPlan, Plan
 from ..specs import MatrixSpec
+from ..wire import ItemsizeRule, itemsize_rule
 from .search import plan_batches
 
 REFERENCE_STRATEGIES = ("padded_all_to_all", "xtuner")
 
 
 def reference_plan(strategy: str, specs: Sequence[MatrixSpec], configs: Sequence[NSConfig], *,
-                   comm_itemsize: int = 2) -> Plan:
+                   comm_itemsize: int | ItemsizeRule = 2) -> Plan:
+    """The plan of reference ``strategy``; ``comm_itemsize`` as ``plan_batches`` takes it."""
     if strategy not in REFERENCE_STRATEGIES:
         raise ValueError(f"unknown reference strategy {strategy!r}; choose one of {REFERENCE_STRATEGIES}")
     sharded = [i for i, s in enumerate(specs) if s.layout == "row_shard"]
     others = [i for i, s in enumerate(specs) if s.layout != "row_shard"]
     batches = list(plan_batches([specs[i] for i in others], [configs[i] for i in others],
                                 comm_itemsize=comm_itemsize))
+    itemsize_of = itemsize_rule(comm_itemsize)
     buckets: dict[tuple, list[int]] = {}
-    for i in sharded:
-        buckets.setdefault((specs[i].group, specs[i].matrix_shape, configs[i]), []).append(i)
-    for (group, (A, B), cfg), idx in buckets.items():
+    for i in sharded:  # one wire dtype per bucket, as in muonlab's plans
+        key = (specs[i].group, specs[i].matrix_shape, configs[i], itemsize_of(specs[i], configs[i]))
+        buckets.setdefault(key, []).append(i)
+    for (group, (A, B), cfg, itemsize), idx in buckets.items():
         W = group.size
-        block = -(-A // W) * B * comm_itemsize  # one rank's padded shard of one matrix
+        block = -(-A // W) * B * itemsize  # one rank's padded shard of one matrix
         per_matrix = ns_flops((A, B), cfg)
         for start in range(0, len(idx), W):
             chunk = idx[start:start + W]
@@ -58,5 +62,5 @@ def reference_plan(strategy: str, specs: Sequence[MatrixSpec], configs: Sequence
                 param_indices=tuple(specs[i].index for i in chunk), matrix_shape=(A, B), num_matrices=k,
                 group=group, ns_config=cfg, ranks=tuple(range(W)), owners=tuple(range(k)),
                 bytes_sent=tuple(sent), bytes_recv=tuple(sent), flops=tuple(flops), rows=specs[chunk[0]].rows,
-                param_shapes=tuple(specs[i].shape for i in chunk), notes=notes, comm_itemsize=comm_itemsize))
+                param_shapes=tuple(specs[i].shape for i in chunk), notes=notes, comm_itemsize=itemsize))
     return Plan(tuple(batches))

@@ -20,6 +20,7 @@ from ..cost import batch_seconds
 from ..paths import agrs, all_to_all, blocks, gather_all, owner, rebalance, subgroup
 from ..records import BatchPlan, Plan, part_range
 from ..specs import GroupKey, MatrixSpec
+from ..wire import ItemsizeRule, itemsize_rule
 from .loads import RankLoads, least_loaded, lpt_makespan
 
 ROW_RULES = ("structured", "capped", "lpt")
@@ -44,11 +45,12 @@ def even_limit(total: int, limit: int) -> int:
 class RulePlanner:
     """The state of one plan being made: specs, configs, per-rank loads, the batches so far."""
 
-    def __init__(self, specs: Sequence[MatrixSpec], configs: Sequence[NSConfig], *, comm_itemsize: int,
+    def __init__(self, specs: Sequence[MatrixSpec], configs: Sequence[NSConfig], *, comm_itemsize: int | ItemsizeRule,
                  remainder_path: str, profile, row_assignment: str, rebalance: bool, max_local_matrices=None,
                  sources: dict[int, list[int]] | None = None):
         self.specs, self.configs = list(specs), list(configs)
-        self.itemsize, self.remainder_path, self.profile = comm_itemsize, remainder_path, profile
+        self.remainder_path, self.profile = remainder_path, profile
+        self._itemsize_rule, self._itemsizes = itemsize_rule(comm_itemsize), {}
         self.row_assignment, self.rebalance = row_assignment, rebalance
         self.max_local_matrices = max_local_matrices
         self.loads = RankLoads()
@@ -63,6 +65,13 @@ class RulePlanner:
         if i not in self._flops:
             self._flops[i] = ns_flops(self.specs[i].matrix_shape, self.configs[i])
         return self._flops[i]
+
+    def itemsize_of(self, i: int) -> int:
+        """Bytes per element on the wire of parameter i's batch (``comm_itemsize``: one per
+        (shape, config, dtype) bucket, so every parameter of a batch has its batch's)."""
+        if i not in self._itemsizes:
+            self._itemsizes[i] = self._itemsize_rule(self.specs[i], self.configs[i])
+        return self._itemsizes[i]
 
     def sources_of(self, i: int) -> list[int]:
         """Group-local rank holding each matrix of parameter i (``MatrixSpec.matrix_sources``)."""
@@ -83,7 +92,7 @@ class RulePlanner:
             else sum(math.prod(s[:-2]) for s in shapes), group=group, ns_config=self.configs[idx[0]],
             ranks=tuple(ranks), owners=tuple(owners), bytes_sent=tuple(sent), bytes_recv=tuple(recv),
             flops=tuple(flops), rows=first.rows, param_shapes=shapes,
-            shard_dim=first.shard_dim, notes=notes, comm_itemsize=self.itemsize, **extra)
+            shard_dim=first.shard_dim, notes=notes, comm_itemsize=self.itemsize_of(idx[0]), **extra)
 
     def part_members(self, i: int, part: tuple[int, int] | None) -> list[int]:
         """Matrices of parameter i (indices into ``sources_of(i)``) in ``part`` (None: all): on
@@ -182,7 +191,7 @@ class RulePlanner:
         sub-group and orthogonalizes it (the k ranks of a sub-group compute the same one)."""
         size, first = group.size, self.specs[idx[0]]
         k = size // first.num_fused
-        sent, recv = subgroup.bytes_per_rank(first.rows, first.matrix_shape[1], k, len(idx), self.itemsize)
+        sent, recv = subgroup.bytes_per_rank(first.rows, first.matrix_shape[1], k, len(idx), self.itemsize_of(idx[0]))
         flops = [self.flops_of(idx[0]) * len(idx)] * size
         load = self.loads.view(group)
         for r in range(size):
@@ -221,7 +230,7 @@ class RulePlanner:
             flops = [0] * size
             for o in own:
                 flops[o] += f
-            sent, recv = blocks.bytes_per_rank(first.rows, shape[1], E, own, self.itemsize)
+            sent, recv = blocks.bytes_per_rank(first.rows, shape[1], E, own, self.itemsize_of(idx[0]))
             self.batches.append(self.make("blocks", run, group, range(size), own, sent, recv, flops,
                                           notes=f"{E} blocks of {shape[0]} rows each, cut by the shards"))
 
@@ -229,7 +238,7 @@ class RulePlanner:
         size = group.size
         for i in idx:
             spec = self.specs[i]
-            sent, recv = gather_all.bytes_per_rank(spec.shape, spec.shard_dim, size, self.itemsize)
+            sent, recv = gather_all.bytes_per_rank(spec.shape, spec.shard_dim, size, self.itemsize_of(i))
             self.batches.append(self.make(
                 "gather_all", [i], group, range(size), sent=sent, recv=recv,
                 flops=[self.flops_of(i) * spec.num_matrices] * size,
@@ -238,7 +247,7 @@ class RulePlanner:
     # ------------------------------------------------------------------ row-sharded (FSDP2)
 
     def _plan_row_sharded(self, group: GroupKey, items: list[int]) -> None:
-        """One owner per matrix (``row_assignment``), then each (shape, config) bucket as one
+        """One owner per matrix (``row_assignment``), then each (shape, config, wire dtype) bucket as one
         batch in which an owner may own several matrices (a megabatch: one collective each way
         per bucket, however many matrices it holds), cut into several only where an owner's share
         exceeds the workspace budget (``_row_runs``). A batch of at least W matrices goes by
@@ -246,10 +255,16 @@ class RulePlanner:
         owner_of = self._row_owners(group, items)
         buckets: dict[tuple, list[int]] = {}
         for i in items:
-            buckets.setdefault((self.specs[i].matrix_shape, self.configs[i]), []).append(i)
-        for (shape, cfg), bucket in buckets.items():
+            buckets.setdefault(self._row_bucket(i), []).append(i)
+        for (shape, cfg, _), bucket in buckets.items():
             for idx in self._row_runs(bucket, owner_of, shape, cfg):
                 self.batches.append(self._row_batch(group, idx, [owner_of[i] for i in idx], shape))
+
+    def _row_bucket(self, i: int) -> tuple:
+        """The bucket of row-sharded parameter i: its matrix shape, config and wire itemsize (one
+        collective carries one dtype; parameters of one shape and config but other dtypes may
+        travel in other ones when ``ns_dtype=None``)."""
+        return self.specs[i].matrix_shape, self.configs[i], self.itemsize_of(i)
 
     def _row_runs(self, idx: list[int], owner_of: dict[int, int], shape, cfg) -> list[list[int]]:
         """A bucket of row-sharded matrices as batches in which no owner holds more matrices than
@@ -294,7 +309,7 @@ class RulePlanner:
         options = []
         for path in candidates:
             module = agrs if path == "agrs" else all_to_all
-            sent, recv = module.bytes_per_rank(rows, shape[1], owners, self.itemsize)
+            sent, recv = module.bytes_per_rank(rows, shape[1], owners, self.itemsize_of(idx[0]))
             options.append(self.make(path, idx, group, range(size), owners, sent, recv, flops, notes))
         return min(options, key=lambda b: batch_seconds(b, self.profile))
 
@@ -306,7 +321,7 @@ class RulePlanner:
             free = []
             by_bucket: dict[tuple, list[int]] = {}
             for i in items:
-                by_bucket.setdefault((self.specs[i].matrix_shape, self.configs[i]), []).append(i)
+                by_bucket.setdefault(self._row_bucket(i), []).append(i)
             leftovers = []
             for idx in by_bucket.values():
                 full = len(idx) - len(idx) % size
@@ -369,7 +384,7 @@ class RulePlanner:
             A, B = self.specs[idx[0]].matrix_shape
             notes = [f"part {part[0] + 1} of {part[1]}"] if part else []
             notes += [f"{len(moves)} matrices moved for balance"] if moves else []
-            sent, recv = rebalance.bytes_per_rank(moves, size, A * B * self.itemsize)
+            sent, recv = rebalance.bytes_per_rank(moves, size, A * B * self.itemsize_of(idx[0]))
             self.batches.append(self.make(
                 "rebalance" if moves else "local", idx, group, [r for r in range(size) if flops[r]] or [0],
                 sent=sent, recv=recv, flops=flops, notes="; ".join(notes), moves=tuple(moves),
@@ -437,7 +452,7 @@ class RulePlanner:
             for idx in self._owner_runs(bucket, owner_of, shape, cfg, size):
                 payload, flops = [0] * size, [0] * size
                 for i in idx:
-                    payload[owner_of[i]] += self.specs[i].num_matrices * shape[0] * shape[1] * self.itemsize
+                    payload[owner_of[i]] += self.specs[i].num_matrices * shape[0] * shape[1] * self.itemsize_of(i)
                     flops[owner_of[i]] += cost[i]
                 sent, recv = owner.gather_bytes(payload)
                 self.batches.append(self.make("owner", idx, group, range(size), [owner_of[i] for i in idx],

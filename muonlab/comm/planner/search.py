@@ -9,6 +9,7 @@ from ...kernels.config import NSConfig, ns_flops
 from ..cost import get_profile, step_seconds
 from ..records import Plan, flops_per_rank
 from ..specs import MatrixSpec
+from ..wire import ItemsizeRule
 from .coalesce import coalesce
 from .rule import ROW_RULES, RulePlanner
 
@@ -23,7 +24,7 @@ def plan_batches(
     specs: Sequence[MatrixSpec],
     configs: Sequence[NSConfig],
     *,
-    comm_itemsize: int = 2,
+    comm_itemsize: int | ItemsizeRule = 2,
     remainder_path: str = "auto",
     strategy: str = "muonlab",
     profile=None,
@@ -36,7 +37,9 @@ def plan_batches(
     Args:
         specs: one MatrixSpec per Muon parameter, in the optimizer's order (same on every rank).
         configs: the Newton-Schulz config of each parameter; only equal configs share a batch.
-        comm_itemsize: bytes per element on the wire (2 for bf16, 4 for fp32).
+        comm_itemsize: bytes per element on the wire (2 for bf16, 4 for fp32), or per batch a
+            function (spec, config) -> bytes (``muonlab.comm.wire.wire_itemsizes``: Muon's
+            ``comm_dtype="auto"``); each batch records its own (``BatchPlan.comm_itemsize``).
         remainder_path: path of a row-sharded batch with fewer matrices than ranks (a bucket
             smaller than the group, or a budget's last cut of one); "auto"
             takes whichever of all_to_all and agrs has the lower modelled time under ``profile``.
