@@ -2,7 +2,9 @@
 
 Every optimizer gets its own copy of the same FSDP2-style Shard(0) DTensor parameters on a 1-D gloo
 mesh and is stepped with the same DTensor grads; the peers (Dion's and XTuner's distributed Muon)
-are imported from benchmarks/_peers/, where bench_peers.py copies them at a pinned commit.
+are imported from benchmarks/_peers/, where bench_peers.py copies them at a pinned commit. With
+``replicas``, muonlab's kinds alone get plain tensors instead, equal on every rank (DDP replicas:
+equal weights, bit-identical gradients).
 """
 
 from __future__ import annotations
@@ -198,36 +200,45 @@ def build_optimizer(kind: str, params: list[tuple[str, torch.nn.Parameter]], mes
     return cls(tensors, distributed_mesh=mesh, **kw)
 
 
-def _make_params(mesh, shapes):
+def _make_params(mesh, shapes, replicas: bool = False):
     from torch.distributed.tensor import Shard, distribute_tensor
 
     out = []
     for seed, (name, shape) in enumerate(shapes):
         full = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
-        out.append((name, torch.nn.Parameter(distribute_tensor(full, mesh, [Shard(0)]))))
+        out.append((name, torch.nn.Parameter(full if replicas else distribute_tensor(full, mesh, [Shard(0)]))))
     return out
 
 
-def _make_grads(mesh, shapes, step: int):
+def _make_grads(mesh, shapes, step: int, replicas: bool = False):
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    return [distribute_tensor(torch.randn(shape, generator=torch.Generator().manual_seed(1000 * step + seed)),
-                              mesh, [Shard(0)])
-            for seed, (_, shape) in enumerate(shapes)]
+    fulls = [torch.randn(shape, generator=torch.Generator().manual_seed(1000 * step + seed))
+             for seed, (_, shape) in enumerate(shapes)]
+    return fulls if replicas else [distribute_tensor(full, mesh, [Shard(0)]) for full in fulls]
 
 
-def _agreement(kinds: list[str], mesh, shapes) -> dict[str, float]:
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's full tensor; a plain tensor (a replica) as it is."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _agreement(kinds: list[str], mesh, shapes, replicas: bool = False) -> dict[str, float]:
     """Max over matrices of ||U - U_torch|| / ||U_torch|| after two steps from the same start, U the
     whole-matrix update (X_before - X_after) / (lr * ratio) and U_torch torch.optim.Muon's."""
-    steps = [_make_grads(mesh, shapes, s) for s in (0, 1)]
+    steps = [_make_grads(mesh, shapes, s, replicas) for s in (0, 1)]
 
     def one_process_update(make) -> list[torch.Tensor]:
-        ref = [torch.nn.Parameter(p.full_tensor().clone()) for _, p in _make_params(mesh, shapes)]
+        ref = [torch.nn.Parameter(_whole(p).clone()) for _, p in _make_params(mesh, shapes)]
         ref_opt = make(ref)
         for grads in steps:
             before = [p.detach().clone() for p in ref]
             for p, g in zip(ref, grads):
-                p.grad = g.full_tensor()
+                p.grad = _whole(g).clone()
             ref_opt.step()
         return [b - p.detach() for b, p in zip(before, ref)]
 
@@ -242,16 +253,16 @@ def _agreement(kinds: list[str], mesh, shapes) -> dict[str, float]:
     out = {}
     for kind in kinds:
         ref_update = normuon_update if kind.endswith("normuon") else muon_update
-        params = _make_params(mesh, shapes)
+        params = _make_params(mesh, shapes, replicas)
         opt = build_optimizer(kind, params, mesh)
         for grads in steps:
-            before = [p.detach().full_tensor() for _, p in params]
+            before = [_whole(p.detach()).clone() for _, p in params]
             for (_, p), g in zip(params, grads):
                 p.grad = g
             opt.step()
         errs = []
         for (_, p), b, u_ref, (_, shape) in zip(params, before, ref_update, shapes):
-            u = b - p.detach().full_tensor()
+            u = b - _whole(p.detach())
             errs.append(float((u - u_ref).norm() / u_ref.norm()))  # noqa
         out[kind] = max(errs)
     return out
@@ -275,12 +286,13 @@ def _median(values: list[float]) -> float:
     return statistics.median(finite) if finite else math.nan
 
 
-def peers_worker(kinds: list[str], rounds: int, warmup: int, set_name: str = "gpt") -> dict:
+def peers_worker(kinds: list[str], rounds: int, warmup: int, set_name: str = "gpt", replicas: bool = False) -> dict:
     """Alternating rounds: each round steps every optimizer once, in balanced orders (each
     optimizer follows every other equally often), barrier to barrier. Before the timed rounds, one
     untimed step of every optimizer counts its collectives (bytes and torch.distributed calls at
     the call, process-group operations from torch.profiler). Returns per-optimizer step seconds
-    per round, the counts, muonlab's phases."""
+    per round, the counts, muonlab's phases. ``replicas``: plain tensors, muonlab's kinds only; the
+    replicas' gradient fingerprint (muonlab.optim.replicas) is timed alone too."""
     from torch.distributed.device_mesh import init_device_mesh
 
     torch.set_num_threads(1)
@@ -291,11 +303,11 @@ def peers_worker(kinds: list[str], rounds: int, warmup: int, set_name: str = "gp
     world = dist.get_world_size()
     shapes = matrix_shapes(set_name)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=(MeshAxis.DP.value,))
-    kinds = [k for k in kinds if k.startswith("muonlab") or _import_peer(k) is not None]
-    agreement = _agreement(kinds, mesh, shapes)
-    params = {k: _make_params(mesh, shapes) for k in kinds}
+    kinds = [k for k in kinds if k.startswith("muonlab") or (not replicas and _import_peer(k) is not None)]
+    agreement = _agreement(kinds, mesh, shapes, replicas)
+    params = {k: _make_params(mesh, shapes, replicas) for k in kinds}
     opts = {k: build_optimizer(k, params[k], mesh) for k in kinds}
-    grads = _make_grads(mesh, shapes, 7)
+    grads = _make_grads(mesh, shapes, 7, replicas)
     times = {k: [] for k in kinds}
     tally = {k: dict(sent=0, recv=0, calls=0) for k in kinds}
     ops = {k: Counter() for k in kinds}
@@ -342,11 +354,18 @@ def peers_worker(kinds: list[str], rounds: int, warmup: int, set_name: str = "gp
     for _ in range(min(rounds, 50)):
         dist.barrier()
         t0 = time.perf_counter()
-        bad = [i for i, g in enumerate(grads) if not torch.isfinite(g.to_local()).all()]
+        bad = [i for i, g in enumerate(grads) if not torch.isfinite(_local(g)).all()]
         flags = torch.zeros(world)
         flags[dist.get_rank()] = float(bool(bad))
         dist.all_reduce(flags)
         before_s.append(time.perf_counter() - t0)
+    fingerprint_s = []  # the replicas' gradient fingerprint alone, as a step takes it (read to the host)
+    for _ in range(min(rounds, 50) if replicas else 0):
+        from muonlab.optim.replicas import fingerprints
+
+        t0 = time.perf_counter()
+        fingerprints(grads).tolist()
+        fingerprint_s.append(time.perf_counter() - t0)
     plan = {}
     if "muonlab" in opts:
         try:
@@ -357,7 +376,8 @@ def peers_worker(kinds: list[str], rounds: int, warmup: int, set_name: str = "gp
     return dict(kinds=kinds, times=times, bytes=tally, ops={k: dict(c) for k, c in ops.items()},
                 agreement=agreement, phases=median_phases,
                 start_s=_median(check_s), wait_s=_median(wait_s),
-                before_s=statistics.median(before_s), plan=plan, world=world, set_name=set_name)
+                before_s=statistics.median(before_s), plan=plan, world=world, set_name=set_name,
+                fingerprint_s=_median(fingerprint_s))
 
 
 def lower_bound_bytes(world: int, set_name: str = "gpt", itemsize: int = 2) -> float:

@@ -9,6 +9,11 @@ where a step is nearly all fixed host cost (``--small-rounds`` of them, they are
 optimizer, one untimed step after the warm-up counts its collectives: bytes, torch.distributed
 calls, and the gloo process group's operations (torch.profiler's ``gloo:<op>`` events, rank 0).
 
+``--replicas`` runs each set a second time with muonlab's kinds on plain tensors, equal on every
+rank (DDP replicas: equal weights, bit-identical gradients, one owner rank per matrix), where each
+step's control exchange carries a fingerprint of the replicas' gradients; that fingerprint is also
+timed alone.
+
 ``--kinds`` runs a subset (muonlab is always in: the ratios are to it); ``muonlab-normuon`` and
 ``dion-normuon`` (NorMuon, on request only) write results/peers_normuon.md. With muonlab's variants
 alone (``--kinds muonlab muonlab-again muonlab-ignore``) the rounds are short, so many of them fit
@@ -124,7 +129,8 @@ def summarize(res: dict, world: int, set_name: str) -> tuple[list, list, dict, d
         ops_txt = ", ".join(f"{name} {n}" for name, n in sorted(ops.items(), key=lambda kv: -kv[1]))
         byte_rows.append([k, f"{sent:,}", f"{recv:,}", f"{bound:,.0f}", f"{sent / bound:.3f}",
                           r0["bytes"][k]["calls"], sum(ops.values()), ops_txt or "none"])
-    check = {key: max(res[r][key] for r in res) for key in ("start_s", "wait_s", "before_s")}
+    check = {key: max(res[r].get(key, math.nan) for r in res) for key in ("start_s", "wait_s", "before_s",
+                                                                           "fingerprint_s")}
     if {"muonlab-again", "muonlab-ignore"} <= set(kinds):
         # the check off against BOTH check-on copies, per round: the two copies are equally valid
         # samples of the same step, so their mean halves the check-on side's noise in the ratio
@@ -138,12 +144,12 @@ def _pct(seconds: float, step_s: float) -> str:
     return "n/a" if math.isnan(seconds) else f"{1e3 * seconds:.2f} ms ({100 * seconds / step_s:.1f}%)"
 
 
-def world_section(set_name: str, world: int, res: dict) -> tuple[str, dict]:
-    """One (set, W) section of the results and its figures."""
+def world_section(set_name: str, world: int, res: dict, replicas: bool = False) -> tuple[str, dict]:
+    """One (set, W) section of the results and its figures (``replicas``: the plain-tensor run)."""
     time_rows, byte_rows, phases, check = summarize(res, world, set_name)
     phase_rows = [[k, *(f"{1e3 * v:.2f}" for v in p.values())] for k, p in phases.items()]
     lines = [
-        f"### {set_name}, W = {world}",
+        f"### {set_name}{' (replicas)' if replicas else ''}, W = {world}",
         "",
         md_table(["optimizer", "median step ms", "time / muonlab (median of rounds)",
                   "95% interval of that median (bootstrap)", "range of rounds",
@@ -163,6 +169,11 @@ def world_section(set_name: str, world: int, res: dict) -> tuple[str, dict]:
         f"{_pct(check['start_s'], check['step_s'])}; the exchange that carries its flags with the ranks' "
         f"agreement digest ('wait') {_pct(check['wait_s'], check['step_s'])}; a check done the old way, alone "
         f"(an isfinite per grad, then a blocking all-reduce) {_pct(check['before_s'], check['step_s'])}.")
+    if replicas:
+        lines += ["", "The replicas' gradient fingerprint (muonlab.optim.replicas.fingerprints over every matrix's "
+                  "gradient, read to the host; timed alone, per-rank medians, the largest rank's; it is part of "
+                  f"'check' above): {_pct(check['fingerprint_s'], check['step_s'])} of this step. The bytes' lower "
+                  "bound is the sharded layout's (replicas move each update from its owner)."]
     if "off_vs_both" in check:
         lines += ["", "muonlab-ignore against both check-on copies (per round, its time over the mean of muonlab's "
                   "and muonlab-again's; median and its 95% bootstrap interval): "
@@ -201,6 +212,15 @@ def goal_lines(figures: dict) -> list[str]:
             r = got["ratio"]["muonlab-ignore"]
             out.append(f"- gpt, W = {got['world']}: the safety checks cost at most 2% of the step "
                        f"(muonlab-ignore / muonlab >= 0.98): {_interval(r)}, {verdict(r, 0.98)}.")
+    fp = figures.get(("gpt-replicas", 2))
+    if fp and not math.isnan(fp["fingerprint_s"]):
+        share = [f"{100 * fp['fingerprint_s'] / fp['step_s']:.2f}% of the replicas' step"]
+        if ("gpt", 2) in figures:
+            share.insert(0, f"{100 * fp['fingerprint_s'] / figures[('gpt', 2)]['step_s']:.2f}% of the FSDP2 step")
+        worst = max(fp["fingerprint_s"] / fp["step_s"],
+                    fp["fingerprint_s"] / figures[("gpt", 2)]["step_s"] if ("gpt", 2) in figures else 0)
+        out.append(f"- gpt, W = 2: the replicas' per-step gradient fingerprint costs at most 1% of the step: "
+                   f"{1e3 * fp['fingerprint_s']:.2f} ms, {', '.join(share)}, {'met' if worst <= 0.01 else 'missed'}.")
     return out
 
 
@@ -223,13 +243,16 @@ def peers_paragraphs() -> list[str]:
     ]
 
 
-def set_paragraph(set_name: str, rounds: int, warmup: int) -> str:
+def set_paragraph(set_name: str, rounds: int, warmup: int, replicas: bool = False) -> str:
     n = len(matrix_shapes(set_name))
     what = ("the 32 hidden matrices of an 8-layer width-256 GPT and 4 one-of-a-kind shapes: 512x192, 192x512, "
             "320x256, 256x96; compute-bound" if set_name == "gpt" else
             "the 48 hidden matrices of `GPT(GPTConfig(d_model=8, n_layers=12, n_heads=2))`: 24x8, 8x8, 32x8, 8x32 "
             "per layer; host-bound: Newton-Schulz is tiny, so a step is nearly all fixed host cost")
-    return (f"Set {set_name}: {n} matrices ({what}), FSDP2-style Shard(0) DTensors on a 1-D gloo mesh. "
+    layout = ("FSDP2-style Shard(0) DTensors on a 1-D gloo mesh; with --replicas run again as plain tensors, "
+              "equal on every rank (DDP replicas), muonlab's kinds only" if replicas else
+              "FSDP2-style Shard(0) DTensors on a 1-D gloo mesh")
+    return (f"Set {set_name}: {n} matrices ({what}), {layout}. "
             f"{rounds} alternating rounds after {warmup} warm-up rounds, one process group; a round steps every "
             "optimizer once, in balanced orders (a Williams design: each optimizer directly follows every other "
             "equally often), barrier to barrier, the slowest rank's time.")
@@ -247,6 +270,8 @@ def main(argv=None):
                     help="the optimizers to run (muonlab is always in: the ratios are to it)")
     ap.add_argument("--out", default=None, help="default: results/peers.md, peers_check.md without peers, "
                                                 "peers_normuon.md with a NorMuon kind")
+    ap.add_argument("--replicas", action="store_true",
+                    help="run each set again with muonlab's kinds on plain tensors (DDP replicas)")
     ap.add_argument("--fetch-only", action="store_true",
                     help="copy the peers into benchmarks/_peers and stop (e.g. before carrying them to a GPU machine)")
     args = ap.parse_args(argv)
@@ -267,14 +292,16 @@ def main(argv=None):
     load_before = load()
     for set_name in sets:
         rounds = args.rounds if set_name == "gpt" else args.small_rounds
-        paragraphs.append(set_paragraph(set_name, rounds, args.warmup))
+        paragraphs.append(set_paragraph(set_name, rounds, args.warmup, args.replicas))
         sections.append(f"## Set {set_name}")
-        for world in args.world:
-            res = launch(peers_worker, world, kinds, rounds, args.warmup, set_name, timeout_s=900)
-            text, check = world_section(set_name, world, res)
-            figures[(set_name, world)] = dict(check, world=world)
-            print(text, flush=True)
-            sections.append(text)
+        for replicas in (False, True) if args.replicas else (False,):
+            for world in args.world:
+                res = launch(peers_worker, world, [k for k in kinds if k.startswith("muonlab") or not replicas],
+                             rounds, args.warmup, set_name, replicas, timeout_s=900)
+                text, check = world_section(set_name, world, res, replicas)
+                figures[(set_name + ("-replicas" if replicas else ""), world)] = dict(check, world=world)
+                print(text, flush=True)
+                sections.append(text)
     skipped = [f"{p} skipped: {why}." for p, why in missing.items() if why]
     goals = goal_lines(figures)
     body = "\n\n".join([
@@ -288,7 +315,8 @@ def main(argv=None):
         *(["## Goals (this run)\n\n" + "\n".join(goals)] if goals else []),
         *sections,
         "'time / muonlab' > 1: slower than muonlab with its non-finite check on. "
-        "muonlab-ignore is muonlab with nonfinite=\"ignore\": its ratio is the safety check's cost. "
+        "muonlab-ignore is muonlab with nonfinite=\"ignore\": its ratio is the safety check's cost (on replicas "
+        "the gradient fingerprint's too: it rides on the non-finite check's read). "
         "muonlab-device (when asked for) decides the check's skip on the device (nonfinite_decision=\"device\": "
         "no flag read, one all-reduce of W flags, every write masked). "
         "muonlab-again is a second muonlab, identical to the first (check on): its ratio, 1 in a perfect measurement, "
@@ -299,7 +327,8 @@ def main(argv=None):
     ])
     title = "muonlab vs Dion and XTuner distributed Muon (FSDP2, gloo)"
     if not peers_wanted:  # muonlab's variants alone: the safety check's A/B
-        title = "muonlab's safety check: its cost in an A/B of muonlab's variants (FSDP2, gloo)"
+        title = ("muonlab's safety check: its cost in an A/B of muonlab's variants "
+                 f"({'FSDP2 and DDP replicas' if args.replicas else 'FSDP2'}, gloo)")
     normuon = any(k in NORMUON_KINDS for k in kinds)
     if normuon:
         title = "NorMuon: muonlab's against Dion's, beside muonlab's Muon (FSDP2, gloo)"

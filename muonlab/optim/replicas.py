@@ -39,8 +39,8 @@ def fingerprints(grads: Sequence[torch.Tensor]) -> torch.Tensor:
     Gradients that differ anywhere differ by a nonzero amount that cancels mod 2**32 with
     probability about 2**-32 per matrix (gradients of other data differ in nearly every element),
     and a run whose replicas drifted is compared again at the next step. One reduction per
-    matrix reading its bits once (no copy: a same-width view), a third to a half of the non-finite
-    pass's time on a CPU."""
+    matrix reading its bits once (no copy: a same-width view; the non-finite pass reads and writes
+    them); its cost is measured in benchmarks/results/peers_check.md."""
     device = grads[0].device
     sums = []
     for g in grads:
