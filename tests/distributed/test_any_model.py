@@ -49,11 +49,11 @@ def test_task3_two_ranks_of_your_own_model_from_a_cell_in_ten_lines():
     assert {s["step"] for s in out[0]["step_spans"]} == set(range(1, 7)) and out[1]["step_spans"] is None
     assert {s["rank"] for s in out[0]["step_spans"]} == {0, 1} and out[0]["span_clock"] == "host"
     assert {c["path"] for c in out[0]["ns_choices"]} == {"all_to_all"}
-    # the one-process run on the same global batches, up to the bf16 the momentum travels in (6e-6
-    # measured after 6 steps)
+    # the one-process run on the same global batches: the wire carries what Newton-Schulz computes
+    # in (comm_dtype "auto"), so only the gradient reduction's rounding is left (9e-8 measured after
+    # 6 steps on CPUs with and without native bf16; 6e-6 with a bf16 wire)
     reference = _one_process(6, batches=(x, y), batch_size=32)
-    assert out[0]["mean_losses"][0] == pytest.approx(reference[0], rel=1e-6)
-    assert out[0]["mean_losses"] == pytest.approx(reference, rel=1e-4)
+    assert out[0]["mean_losses"] == pytest.approx(reference, rel=1e-6)
     assert sum(out[0]["mean_losses"][-2:]) < sum(out[0]["mean_losses"][:2])
     label = ax_loss.get_legend().get_texts()[0].get_text()
     assert label.startswith("fsdp, 2 ranks (") and label.endswith(", torch) train"), label
