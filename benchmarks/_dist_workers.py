@@ -67,7 +67,8 @@ def time_steps(opt, params, mesh, steps: int, warmup: int = 2):
 
 def bench_worker(layout: str, strategy: str, steps: int):
     params, mesh = _params(layout)
-    opt = Muon(params, strategy=strategy)
+    # a bf16 wire, the lower bound's (comm_dtype "auto" sends fp32 where Newton-Schulz runs in fp32)
+    opt = Muon(params, strategy=strategy, comm_dtype=torch.bfloat16)
     seconds = time_steps(opt, params, mesh, steps)
     stats = opt.last_step_stats()
     plan = opt.plan()

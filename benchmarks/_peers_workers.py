@@ -181,14 +181,15 @@ def build_optimizer(kind: str, params: list[tuple[str, torch.nn.Parameter]], mes
     """Same lr, momentum 0.95, Nesterov, 5 Keller steps in bf16, eps 1e-7, no weight decay, and the
     same lr adjustment: 0.2 sqrt(max(A, B)) (muonlab/torch "match_rms_adamw", the peers' "rms_norm").
     muonlab runs the plain iteration, as the peers and torch.optim.Muon do: the same FLOPs on every
-    side (its default ``ns_form="auto"`` would take the gram form, with fewer)."""
+    side (its default ``ns_form="auto"`` would take the gram form, with fewer). Its wire is bf16, as
+    the peers' is (its default ``comm_dtype="auto"`` sends fp32 where Newton-Schulz runs in fp32)."""
     if kind.startswith("muonlab"):
         nonfinite = "ignore" if kind.endswith("ignore") else "skip"
         rule = dict(update_rule="normuon", normuon_beta2=NORMUON_BETA2) if kind.endswith("normuon") else {}
         decision = "device" if kind.endswith("device") else "host"
         return Muon(params, lr=LR, momentum=MOMENTUM, nesterov=True, weight_decay=0.0, eps=EPS,
                     adjust_lr="match_rms_adamw", nonfinite=nonfinite, nonfinite_decision=decision, ns_form="plain",
-                    **rule)
+                    comm_dtype=torch.bfloat16, **rule)
     cls = _import_peer(kind)
     tensors = [p for _, p in params]
     kw = dict(lr=LR, mu=MOMENTUM, weight_decay=0.0, epsilon=EPS, nesterov=True, adjust_lr="rms_norm",
