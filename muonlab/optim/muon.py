@@ -163,8 +163,10 @@ class Muon(NamedParams, StepStats, MomentumHomes, SavedState, Optimizer):
             wider than ns_dtype (on a CPU without fp16 matmul, a 16-bit ns_dtype keeps the plain
             form), the plain form elsewhere; its error stays within 1.5x of the plain form's (see
             muonlab.kernels.newton_schulz.AUTO_GRAM_SAVING for the time and accuracy measured).
-            "plain" computes torch.optim.Muon's iteration; matrix by matrix it keeps torch's bits,
-            but batched products may round differently (last-bit differences that grow over a
+            "plain" computes torch.optim.Muon's iteration; matrix by matrix it keeps torch's bits
+            where bf16 matmul is native (an emulated one, on an AVX2-only CPU, rounds by the
+            operands' layout, and a tall matrix iterates as stored here, transposed in torch), but
+            batched products may round differently (last-bit differences that grow over a
             run). In the update itself: tall bf16
             parameters (rows > cols) may differ in the last bf16 bit: torch adds its update as a
             transposed view, muonlab as a contiguous tensor, and torch's bf16 ``add_`` rounds the
