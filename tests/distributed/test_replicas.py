@@ -126,6 +126,19 @@ def test_a_gradient_laid_out_unlike_its_parameter_is_refused_by_name(kind, place
         assert out["unchanged"], rank
 
 
+def _assert_every_rank_names_the_replica(results: dict, case, evidence: str = "") -> None:
+    """Both ranks raised the same different-gradients error, naming a replicated parameter by its
+    true shape (``evidence``: a pattern for the values compared) and the two ways out."""
+    import re
+
+    errors = {rank: out[case]["error"] for rank, out in results.items()}
+    assert errors[0] and errors[0] == errors[1], (case, errors)
+    m = re.match(r"replicated parameter '([\w.]+)' of shape (\(\d+, \d+\)) has equal weights but a different "
+                 r"gradient on rank\(s\) 1 than on rank 0" + evidence, errors[0])
+    assert m and str(results[0][case]["muon"][m[1]]) == m[2], (case, errors[0])
+    assert 'parallelize(model, "ddp")' in errors[0] and "process_group=dist.new_group([rank])" in errors[0]
+
+
 @pytest.mark.timeout(300)
 def test_replicas_with_different_gradients_are_refused_by_name_before_anything_changes():
     """Forgot DDP: equal weights, each rank its own data, plain tensors under the default group.
@@ -135,17 +148,11 @@ def test_replicas_with_different_gradients_are_refused_by_name_before_anything_c
     gradients (state and AdamW step counts exist when the new plan refuses); a plan made outside
     a step (consolidate_state) or whose gradients held a NaN (skipped) is compared by the next
     step."""
-    import re
 
     cases = [("fp32", None), ("bf16", None), ("fp32", "step"), ("fp32", "nan"), ("fp32", "consolidate")]
     results = launch(W.forgot_ddp_runs, 2, cases, timeout_s=120)
     for case in cases:
-        errors = {rank: out[case]["error"] for rank, out in results.items()}
-        assert errors[0] and errors[0] == errors[1], (case, errors)
-        m = re.match(r"replicated parameter '([\w.]+)' of shape (\(\d+, \d+\)) has equal weights but a different "
-                     r"gradient on rank\(s\) 1 than on rank 0", errors[0])
-        assert m and str(results[0][case]["muon"][m[1]]) == m[2], (case, errors[0])
-        assert 'parallelize(model, "ddp")' in errors[0] and "process_group=dist.new_group([rank])" in errors[0]
+        _assert_every_rank_names_the_replica(results, case)
         for rank, out in results.items():
             assert out[case]["unchanged"], (case, rank)
             assert (out[case]["state"] > 0) == (case[1] in ("step", "consolidate")), (case, rank)
@@ -159,17 +166,11 @@ def test_replicas_whose_gradients_part_ways_after_the_plan_are_refused_at_that_s
     gradient, the replicas stayed equal and 3e-4 to 2.9e-2 off their own one-process runs, with no
     error. Each step's control exchange carries a fingerprint of the replicated gradients: every
     rank raises the first-step case's error at the step it happens, before anything changes."""
-    import re
 
     cases = [("fp32", 1), ("bf16", 1), ("fp32", 2)]
     results = launch(W.late_form_runs, 2, cases, timeout_s=120)
     for case in cases:
-        errors = {rank: out[case]["error"] for rank, out in results.items()}
-        assert errors[0] and errors[0] == errors[1], (case, errors)
-        m = re.match(r"replicated parameter '([\w.]+)' of shape (\(\d+, \d+\)) has equal weights but a different "
-                     r"gradient on rank\(s\) 1 than on rank 0 \(gradient fingerprints -?\d+ vs -?\d+\)", errors[0])
-        assert m and str(results[0][case]["muon"][m[1]]) == m[2], (case, errors[0])
-        assert 'parallelize(model, "ddp")' in errors[0] and "process_group=dist.new_group([rank])" in errors[0]
+        _assert_every_rank_names_the_replica(results, case, r" \(gradient fingerprints -?\d+ vs -?\d+\)")
         for rank, out in results.items():
             assert out[case]["at"] == case[1], (case, rank, out[case]["at"])
             assert out[case]["unchanged"] and out[case]["momentum"] > 0, (case, rank)  # momentum existed, kept
