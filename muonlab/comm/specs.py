@@ -60,6 +60,16 @@ def local_shard(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor
 
 
+def local_shards(tensors: list) -> list:
+    """``local_shard`` of each of ``tensors``, in one pass (a hot step reads a batch's at once);
+    with autograd on, each through ``local_shard`` (its autograd link)."""
+    if DTensor is None:
+        return list(tensors)
+    if torch.is_grad_enabled():
+        return [local_shard(t) for t in tensors]
+    return [t._local_tensor if isinstance(t, DTensor) else t for t in tensors]
+
+
 def even_share_bytes(t: torch.Tensor) -> int:
     """``t``'s bytes divided evenly over the mesh dims that shard it (a plain tensor: all of them).
     The same number on every rank, where a rank's own shard may be a little larger, smaller or

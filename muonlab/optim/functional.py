@@ -58,25 +58,31 @@ def muon_momentum_(
     either way.
 
     ``gate`` (a muonlab.optim.step_gate.StepGate): the step is decided on the device; the buffers
-    change only if it goes (one tensor at a time on every device: the gate's ``where`` has no
-    foreach form), and the returned inputs are finite either way.
+    change only if it goes: the grads are masked first (``grads_for_momentum``: one new tensor per
+    grad, for the batch at once), so the "ema" form takes the same foreach calls on a GPU (a
+    skipped step's lerp of m towards m is m); the "sum" form commits each buffer through the gate.
+    The returned inputs are finite either way.
     """
     if form not in MOMENTUM_FORMS:
         raise ValueError(f"unknown momentum_form {form!r}; choose one of {MOMENTUM_FORMS}")
     if not bufs:
         return []
     outs = _packed_like(bufs)
-    if outs[0].is_cuda and gate is None:
+    if gate is not None:  # masked (and cast) for the batch at once
+        grads = gate.grads_for_momentum(grads, bufs, form)
+    if outs[0].is_cuda and (gate is None or form == "ema"):
         _momentum_foreach(outs, _cast_all(grads, bufs), bufs, momentum=momentum, nesterov=nesterov, form=form)
         return outs
     for o, g, buf in zip(outs, grads, bufs):
         g = g.to(buf.dtype)  # one grad at a time: no copy of them all in the buffers' dtype
-        if gate is not None:
-            g = gate.grad_for_momentum(g, buf, form)
         if gate is not None and form == "sum":  # mu * buf + 0 is not buf: the new buffer is committed
             gate.commit_(buf, (buf * momentum).add_(g))  # _update_one_'s operations, out of place
-        else:  # under a gate "ema" reads its own buffer when skipped: lerp(m, m, w) is m
-            _update_one_(buf, g, momentum, form)
+        # under a gate "ema" reads its own buffer when skipped: lerp(m, m, w) is m;
+        # _update_one_'s operations, written out: a call per matrix is host work a batch repeats
+        elif form == "ema":
+            buf.lerp_(g, 1 - momentum)
+        else:
+            buf.mul_(momentum).add_(g)
         if not nesterov:
             o.copy_(buf)
         elif form == "ema":
@@ -122,10 +128,11 @@ def _packed_like(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """New tensors shaped like ``tensors``: views of one buffer, in order, where all share a dtype
     and device; else separate tensors."""
     first = tensors[0]
-    if any(t.dtype != first.dtype or t.device != first.device for t in tensors):
+    if len({(t.dtype, t.device) for t in tensors}) > 1:
         return [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
-    flat = torch.empty(sum(t.numel() for t in tensors), dtype=first.dtype, device=first.device)
-    return [v.view(t.shape) for v, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
+    sizes = [t.numel() for t in tensors]
+    flat = torch.empty(sum(sizes), dtype=first.dtype, device=first.device)
+    return [v.view(t.shape) for v, t in zip(flat.split(sizes), tensors)]
 
 
 def muon_apply_(
@@ -157,7 +164,7 @@ def muon_apply_(
     if not params:
         return
     if gate is not None:
-        updates = [gate.zero_unless_go_(o) for o in updates]
+        updates = gate.zero_unless_go_(list(updates))
     if isinstance(lr, torch.Tensor):
         updates = [_times_lr(o, lr) for o in updates]
         if weight_decay != 0:
@@ -179,12 +186,12 @@ def muon_apply_(
             # of 0.998 became 0.99609375 (twice the decay) and 0.9996 became 1.0 (none); mul_ keeps it
             for p in params:
                 p.mul_(factor)
-    if row_scales is not None and any(s is not None for s in row_scales):
+    if row_scales is not None and row_scales.count(None) < len(row_scales):
         _add_row_scaled(params, updates, lr=lr, ratios=ratios, row_scales=row_scales)
         return
     if not params[0].is_cuda:
-        for p, o, ratio in zip(params, updates, ratios):
-            p.add_(_update_for(p, o), alpha=-lr * ratio)
+        for p, o, ratio in zip(params, updates, ratios):  # _update_for, written out (a call per matrix)
+            p.add_(o.float() if p.dtype == torch.float16 else o.to(p.dtype), alpha=-lr * ratio)
         return
     by_ratio: dict[float, tuple[list, list]] = {}
     for p, o, ratio in zip(params, updates, ratios):

@@ -24,7 +24,7 @@ from ..comm.collectives import CommCounter, dist_on, rank_or_zero
 from ..comm.engine import COMMUNICATION, execute_plan
 from ..comm.paths.subgroup import ranks_per_expert, subgroups_for
 from ..comm.planner import plan_batches
-from ..comm.records import BatchPlan, Plan, part_range
+from ..comm.records import BatchPlan, Plan
 from ..comm.specs import MatrixSpec, even_share_bytes, local_shard, matrix_spec, process_group_for
 from ..comm.wire import wire_itemsizes
 from ..kernels.newton_schulz import NSConfig, form_for, possible_backends, resolve_dtype, resolve_form
@@ -40,6 +40,7 @@ from .options import MuonOptions, OptionAttribute, check_attribute, check_option
 from .param_groups import NamedParams
 from .saved_state import STATE_KEYS, SavedState
 from .step_gate import StepGate
+from .step_program import StepContext, StepProgram, part_of
 from .step_graph import StepGraph, check_capture_place
 from .step_stats import StepStats
 from .rule_step import RuleStage, ensure_rule_state, refuse_unfit, rule_of, state_shapes, with_rule_sums
@@ -80,36 +81,6 @@ def _why_captured_again(old: tuple, new: tuple) -> str:
                 "parameters' device, which a scheduler fills in place)")
     return ("a parameter or gradient moved: zero_grad(set_to_none=True), torch's default, makes new gradients "
             "each step; use zero_grad(set_to_none=False)")
-
-
-def _momentum_settings(group: dict) -> tuple:
-    return (("momentum", group["momentum"]), ("nesterov", group["nesterov"]), ("form", group["momentum_form"]))
-
-
-def _by_settings(pairs: list[tuple[int, Any]], settings_of) -> list[tuple[Any, list[tuple[int, Any]]]]:
-    """(parameter index, value) pairs grouped by their group's settings, in first-seen order: one
-    foreach call per distinct setting (a batch usually has one)."""
-    out: dict = {}
-    for i, value in pairs:
-        out.setdefault(settings_of(i), []).append((i, value))
-    return list(out.items())
-
-
-def _part_of(batch: BatchPlan, local: torch.Tensor, read_only: bool = False) -> torch.Tensor:
-    """``local`` (a parameter-shaped local tensor: the shard, its grad or its momentum) or, for a
-    batch holding one part of a bank (``BatchPlan.part``), the view of the part's matrices: the
-    part's run of the matrices this rank holds, the same cut as the planner's. ``read_only``: a
-    copy will do where no view can (a grad)."""
-    if batch.part is None:
-        return local
-    try:
-        mats = local.reshape(-1, *batch.matrix_shape) if read_only else local.view(-1, *batch.matrix_shape)
-    except RuntimeError as err:
-        raise ValueError(f"parameter {batch.names[0]!r}: its local {fmt_shape(local.shape)} tensor is not laid out "
-                         f"as contiguous {fmt_shape(batch.matrix_shape)} matrices, so its bank can't be cut into "
-                         f"parts; make it contiguous or raise workspace_bytes") from err
-    lo, hi = part_range(mats.shape[0], batch.part)
-    return mats[lo:hi]
 
 
 def _layout(p: torch.Tensor) -> tuple:
@@ -858,7 +829,7 @@ class Muon(NamedParams, StepStats, MomentumHomes, SavedState, Optimizer):
             owners = {}
             for b in plan:
                 if b.part is not None:  # a bank that can't be cut raises here, before anything changes
-                    _part_of(b, local_shard(entries[b.param_indices[0]][1]))
+                    part_of(b, local_shard(entries[b.param_indices[0]][1]))
                 if b.path == "subgroup" and collective:  # sub-groups are made collectively, here, never mid-step
                     subgroups_for(b.group, ranks_per_expert(b))
                 if b.path == "owner":
@@ -947,97 +918,43 @@ class Muon(NamedParams, StepStats, MomentumHomes, SavedState, Optimizer):
 
     def _muon_step(self, planned: "_Planned", counter: CommCounter, gate: StepGate | None = None) -> None:
         """Batch by batch (see muonlab.comm.engine): momentum on the local shards, move,
-        orthogonalize, move back, update; only the batches in flight hold inputs and outputs.
-        A batch holding one part of a bank (``BatchPlan.part``) reads and writes that part of its
-        grad, momentum and parameter (``_part_of``), so the stages below never see the rest of the
-        bank. The step's commit decision was taken before (``_control``): everything here writes,
-        through ``gate`` where it is taken on the device (muonlab.optim.step_gate).
-        """
-        entries = self._muon_entries()
-        plan, specs, groups, owners = planned.plan, planned.specs, planned.groups, planned.owners
-        ruled = any(rule_of(g).transform is not None for g in self.param_groups if g["algorithm"] == "muon")
+        orthogonalize, move back, update; only the batches in flight hold inputs and outputs. The
+        stages are the step program's (muonlab.optim.step_program), made once per prepared step.
+        The step's commit decision was taken before (``_control``): everything here writes,
+        through ``gate`` where it is taken on the device (muonlab.optim.step_gate)."""
+        program = self._program_for(planned)
+        stage = None
+        if any(rule_of(g).transform is not None for g in self.param_groups if g["algorithm"] == "muon"):
+            entries = self._muon_entries()
 
-        def on_this_rank(i: int) -> bool:
-            # a replicated matrix's momentum and Newton-Schulz run on its owner rank only
-            return i not in owners or owners[i][2]
+            def rule_state(i: int) -> dict:
+                p = entries[i][1]
+                state = self.state[p]  # a replica's rule state lives on every rank (muonlab.optim.rule_step)
+                ensure_rule_state(state, entries[i][0], p, self._view_of(p))
+                return state
 
-        def ran_here(i: int) -> bool | None:
-            """For the spectral observer: whether this rank ran matrix i's Newton-Schulz; None for
-            a replicated matrix without an owner (strategy "redundant"), which every rank ran."""
-            if i not in owners and specs[i].layout == "replicated":
-                return None
-            return on_this_rank(i)
-
-        def grad_of(i: int, batch) -> torch.Tensor:
-            return _part_of(batch, local_shard(entries[i][1].grad), read_only=True)
-
-        def prepare(batch) -> list[torch.Tensor | None]:
-            """1. momentum on the local shard (replicated matrices: on their owner only)."""
-            inputs = dict.fromkeys(batch.param_indices)
-            with self._tracer.span("momentum", batch=batch.index):
-                mine = [i for i in batch.param_indices if on_this_rank(i)]
-                items = [(i, entries[i][1], self._state_for(entries[i][1], "muon", entries[i][0])) for i in mine]
-                # the store hands out each momentum on the device (fetching the next meanwhile;
-                # of a bank in parts, this batch's part); resident buffers are the state
-                # itself, so they can be updated all at once
-                fetched = self._offload.each(items, ("momentum_buffer",), view=lambda t: _part_of(batch, t))
-                resident = self._offload.place_of("momentum_buffer") is None
-                runs = [list(fetched)] if resident else ([f] for f in fetched)
-                for run in runs:
-                    for settings, members in _by_settings(run, lambda i: _momentum_settings(entries[i][0])):
-                        outs = F.muon_momentum_([grad_of(i, batch) for i, _ in members],
-                                                [buf for _, (buf,) in members], **dict(settings), gate=gate)
-                        inputs.update(zip((i for i, _ in members), outs))
-            return [inputs[i] for i in batch.param_indices]
-
-        def rule_state(i: int) -> dict:
-            p = entries[i][1]
-            state = self.state[p]  # a replica's rule state lives on every rank (muonlab.optim.rule_step)
-            ensure_rule_state(state, entries[i][0], p, self._view_of(p))
-            return state
-
-        def update(batch, pairs: list[tuple[int, torch.Tensor]], scales: list | None = None) -> None:
-            """3b. decay and update, with the lr ratio from each matrix's GLOBAL shape (and an update
-            rule's row scales, when it gave them)."""
-            scale_of = dict(zip(batch.param_indices, scales)) if scales is not None else None
-            for (lr, weight_decay), members in _by_settings(
-                    pairs, lambda i: (lr_of(entries[i][0]), entries[i][0]["weight_decay"])):
-                F.muon_apply_(
-                    [_part_of(batch, local_shard(entries[i][1])) for i, _ in members],
-                    [out for _, out in members], lr=lr,
-                    weight_decay=weight_decay,
-                    ratios=[F.adjust_lr_ratio(specs[i].lr_shape, entries[i][0]["adjust_lr"]) for i, _ in members],
-                    row_scales=None if scale_of is None else [scale_of[i] for i, _ in members],
-                    gate=gate,
-                )
-
-        def ruled_update(batch, pairs, scales) -> None:  # a batch whose rule's sums came back
-            with self._tracer.span("update", batch=batch.index):
-                update(batch, pairs, scales)
-
-        stage = RuleStage(entries=entries, specs=specs, groups=groups, state_of=rule_state, counter=counter,
-                          apply_update=ruled_update, gate=gate) if ruled else None
-
-        def apply(batch, outputs: list[torch.Tensor]) -> None:
-            """3a. the Newton-Schulz outputs to the spectral observer, then the update rule
-            (muonlab.optim.rules: through ``stage``, which applies the batch once its sums are back)
-            or the update itself."""
-            with self._tracer.span("update", batch=batch.index):
-                pairs = list(zip(batch.param_indices, outputs))
-                if self._optimizer_spectral_observer is not None:  # a recording step (muonlab.trace.spectral)
-                    for i, out in pairs:
-                        self._optimizer_spectral_observer(entries[i][1], out, ran_here(i))
-                if stage is None:
-                    update(batch, pairs)
-                    return
-                stage.start(batch, pairs)
-            stage.finish_due()  # each batch applied in an "update" span of its own
-
+            stage = RuleStage(entries=entries, specs=planned.specs, groups=planned.groups, state_of=rule_state,
+                              counter=counter, apply_update=program.ruled_update, gate=gate)
+        program.begin(StepContext(
+            state=self.state, state_for=lambda p, group: self._state_for(p, "muon", group), offload=self._offload,
+            tracer=self._tracer, gate=gate, observer=self._optimizer_spectral_observer, stage=stage))
         # 2. move, orthogonalize, move back
-        execute_plan(plan, groups, prepare=prepare, apply=apply, orthogonalize=self._ns_runner(),
-                     tracer=self._tracer, counter=counter, device=self._device())  # wire: each batch's
+        execute_plan(planned.plan, planned.groups, prepare=program.prepare, apply=program.apply,
+                     orthogonalize=self._ns_runner(), tracer=self._tracer, counter=counter,
+                     device=self._device())  # wire: each batch's
         if stage is not None:
             stage.flush()  # the last batch whose rule's sums travelled
+
+    def _program_for(self, planned: "_Planned") -> StepProgram:
+        """The step program of the plan: kept with the prepared step once the plan is
+        (``_planned_for``); made anew for a plan not kept yet."""
+        prepared = self._prepared
+        if prepared.program is not None and prepared.program[0] is planned:
+            return prepared.program[1]
+        program = StepProgram(planned.plan, self._muon_entries(), planned.specs, planned.owners)
+        if prepared.planned is planned:
+            self._prepared = dataclasses.replace(prepared, program=(planned, program))
+        return program
 
     def _device(self) -> torch.device:
         """Where this rank's Muon shards live (the first Muon parameter's device)."""

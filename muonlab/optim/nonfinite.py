@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ..comm.specs import local_shard
+from ..comm.specs import local_shard, local_shards
 
 
 def _flag_into(found: torch.Tensor, grads: list[torch.Tensor], one: torch.Tensor) -> None:
@@ -34,8 +34,7 @@ def _flags_by_device(grads: Sequence[torch.Tensor]) -> dict[torch.device, torch.
     """Per device of ``grads`` (plain tensors or DTensors: their local shards), a one-element fp32
     flag, raised by one fused pass per dtype: nothing read."""
     by_device: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = {}
-    for g in grads:
-        g = local_shard(g)
+    for g in local_shards(grads):
         by_device.setdefault(g.device, {}).setdefault(g.dtype, []).append(g)
     flags = {}
     for dev, by_dtype in by_device.items():

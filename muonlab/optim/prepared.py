@@ -23,9 +23,10 @@ from ..comm.specs import DTensor
 from .agreement import digest
 from .validation import SETTINGS
 
-PLAN_SETTINGS = {"muon": ("ns_steps", "ns_coefficients", "eps", "update_rule"), "adamw": ()}
+PLAN_SETTINGS = {"muon": ("ns_steps", "ns_coefficients", "eps", "update_rule", "adjust_lr"), "adamw": ()}
 """The group settings a prepared step is made from (the Newton-Schulz config, which the plan's
-batches carry, and the update rule, which may refuse a layout): a change of one makes a new prepared step. The other settings are read per step."""
+batches carry; the update rule, which may refuse a layout; adjust_lr, whose lr ratios the step
+program holds): a change of one makes a new prepared step. The other settings are read per step."""
 
 
 class TensorSetting:
@@ -66,9 +67,11 @@ def group_key(group: dict) -> tuple:
     global shape, dtype, device, placements (a DTensor's) and whether (as which type) it has a
     gradient."""
     algorithm = group["algorithm"]
-    return (id(group), algorithm, frozen(tuple(group.get(k) for k in PLAN_SETTINGS.get(algorithm, ()))),
-            tuple((id(p), p.shape, p.dtype, p.device, getattr(p, "placements", None),
-                   None if p.grad is None else type(p.grad)) for p in group["params"]))
+    # made at every step: one comprehension, no call per parameter (placements read off the spec)
+    return (id(group), algorithm, frozen(tuple([group.get(k) for k in PLAN_SETTINGS.get(algorithm, ())])),
+            tuple([(id(p), p.shape, p.dtype, p.device,
+                    p._spec.placements if DTensor is not None and isinstance(p, DTensor) else None,
+                    None if p.grad is None else type(p.grad)) for p in group["params"]]))
 
 
 def settings_values(groups: list[dict]) -> tuple:
@@ -101,6 +104,8 @@ class PreparedStep:
     of one rank: nothing to exchange)."""
     planned: Any = None
     """The plan with what it needs (Muon's ``_Planned``), once made and checked across ranks."""
+    program: Any = None
+    """(the plan, its ``StepProgram``), made by the first step that runs the kept plan."""
 
     @cached_property
     def replicas(self) -> tuple[torch.Tensor, ...]:

@@ -87,12 +87,18 @@ class StepGate:
         """``now`` (written in place by the step) goes back to ``before`` unless the step goes."""
         torch.where(self.go, now, before, out=now)
 
-    def zero_unless_go_(self, update: torch.Tensor) -> torch.Tensor:
-        """``update`` in place, zeroed when the step is skipped (a NaN in it too)."""
-        return update.masked_fill_(self.go.logical_not(), 0)
+    def zero_unless_go_(self, updates: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each of ``updates`` in place, zeroed when the step is skipped (a NaN in it too): the
+        mask made once for the batch."""
+        stop = self.go.logical_not()
+        return [u.masked_fill_(stop, 0) for u in updates]
 
-    def grad_for_momentum(self, g: torch.Tensor, buf: torch.Tensor, form: str) -> torch.Tensor:
-        """The grad the momentum reads: ``g`` if the step goes; if not, the value that leaves the
-        "ema" momentum as it is (lerp(m, m, w) = m exactly) or 0 for "sum" (whose buffer is
-        committed through ``commit_``): finite, so the skipped step's Newton-Schulz input is too."""
-        return torch.where(self.go, g, buf if form == "ema" else 0.0)
+    def grads_for_momentum(self, grads: list[torch.Tensor], bufs: list[torch.Tensor], form: str) -> list[torch.Tensor]:
+        """The grads the momentum reads, each in its buffer's dtype: ``g`` if the step goes; if
+        not, the value that leaves the "ema" momentum as it is (lerp(m, m, w) = m exactly) or 0
+        for "sum" (whose buffer is committed through ``commit_``): finite, so the skipped step's
+        Newton-Schulz input is too. One new tensor per grad, made for the whole batch at once."""
+        go = self.go
+        if form == "ema":
+            return [torch.where(go, g.to(b.dtype), b) for g, b in zip(grads, bufs)]
+        return [torch.where(go, g.to(b.dtype), 0.0) for g, b in zip(grads, bufs)]

@@ -31,7 +31,6 @@ import json
 import math
 import time
 from collections.abc import Iterable
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, is_dataclass
 from typing import NamedTuple, Union
 
@@ -107,11 +106,17 @@ class Tracer:
             self._pool = []  # an event belongs to the device it was first recorded on
         self._device = device
         self._gpu = device is not None and device.type == "cuda"
+        # on the CPU a mark is the wall clock itself, a C call: a step marks about ten times a batch
+        if self._gpu:
+            self.__dict__.pop("mark", None)
+        else:
+            self.mark = time.time
 
     # ---------------------------------------------------------------- marks
 
     def mark(self) -> Mark:
-        """Now: a float (wall clock) on CPU; on CUDA an event recorded on the current stream."""
+        """Now: a float (wall clock) on CPU (where ``time.time`` itself stands in for this method);
+        on CUDA an event recorded on the current stream."""
         if not self._gpu:
             return time.time()
         event = self._pool.pop() if self._pool else torch.cuda.Event(enable_timing=True)
@@ -121,29 +126,21 @@ class Tracer:
     def add(self, name: str, start: Mark, end: Mark, **fields) -> Span:
         """A span between two marks (or wall-clock floats). On CUDA its times are the marks' host
         times until ``resolve()``."""
-        record = Span(name, _host(start), _host(end), rank=self.rank, **fields)
+        record = Span(name, start.host if type(start) is GpuMark else start,
+                      end.host if type(end) is GpuMark else end, rank=self.rank, **fields)
         self._spans.append(record)
-        if isinstance(start, GpuMark) or isinstance(end, GpuMark):
+        if type(start) is GpuMark or type(end) is GpuMark:
             self._pending.append((record, start, end))
         return record
 
-    @contextmanager
-    def span(self, name: str, **fields):
-        start = self.mark()
-        record = Span(name, _host(start), _host(start), rank=self.rank, **fields)
-        try:
-            yield record
-        finally:
-            end = self.mark()
-            record.end = _host(end)
-            self._spans.append(record)
-            if isinstance(end, GpuMark):
-                self._pending.append((record, start, end))
+    def span(self, name: str, **fields) -> "_OpenSpan":
+        """A context: the span from entering it to leaving it (recorded however it is left)."""
+        return _OpenSpan(self, name, fields)
 
     def tally(self, key: str, start: Mark, end: Mark) -> None:
         """Add the seconds between two marks to the total ``key`` (time that is no span of its own,
         e.g. the engine's exposed communication)."""
-        if isinstance(start, GpuMark) or isinstance(end, GpuMark):
+        if type(start) is GpuMark or type(end) is GpuMark:
             self._totals.setdefault(key, 0.0)
             self._pending.append((key, start, end))
         else:
@@ -216,8 +213,30 @@ class Tracer:
         self._totals = dict(state.get("totals", {}))
 
 
-def _host(mark: Mark) -> float:
-    return mark.host if isinstance(mark, GpuMark) else mark
+class _OpenSpan:
+    """``Tracer.span``'s context (a class, not a generator-based context manager: a step opens two
+    per batch, and each generator context costs several more Python calls)."""
+
+    __slots__ = ("_tracer", "_name", "_fields", "_start", "_record")
+
+    def __init__(self, tracer: Tracer, name: str, fields: dict):
+        self._tracer, self._name, self._fields = tracer, name, fields
+
+    def __enter__(self) -> Span:
+        tracer = self._tracer
+        start = self._start = tracer.mark()
+        host = start.host if type(start) is GpuMark else start
+        self._record = Span(self._name, host, host, rank=tracer.rank, **self._fields)
+        return self._record
+
+    def __exit__(self, *exc) -> bool:
+        tracer, record = self._tracer, self._record
+        end = tracer.mark()
+        record.end = end.host if type(end) is GpuMark else end
+        tracer._spans.append(record)
+        if type(end) is GpuMark:
+            tracer._pending.append((record, self._start, end))
+        return False
 
 
 def gather_spans(spans: list[Span], group=None, dst: int = 0) -> list[Span] | None:

@@ -10,6 +10,10 @@ from muonlab.distributed import launch
 from . import _workers_normuon as W
 
 TOLERANCE = 1e-6  # fp32 on the wire and in Newton-Schulz
+# Row second moments: sums of squares over the rows' pieces, added across ranks in another order
+# than one process's sum; the reference's thread count (whatever the test process runs with) also
+# reorders it. Measured up to 1.1e-6 (4 ranks, the flattened conv kernel).
+VARIANCE_TOLERANCE = 1e-5
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")
@@ -25,7 +29,7 @@ def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("kind", ["fsdp", "fsdp_paper", "ddp", "ep", "hsdp"])
 def test_normuon_on_ranks_equals_one_process(world_results, kind):
-    """Parameters and row second moments within 1e-6 of one process's, on every rank; on FSDP2 the
+    """Parameters within 1e-6 of one process's and row second moments within 1e-5, on every rank; on FSDP2 the
     fused bank's rows are split across ranks mid-block (its per-block norms are summed across
     ranks), and at 4 ranks trailing shards are empty."""
     world, results = world_results
@@ -36,7 +40,8 @@ def test_normuon_on_ranks_equals_one_process(world_results, kind):
         got = res[kind]
         for name, want in ref["params"].items():
             assert _relative(got["params"][name], want) <= TOLERANCE, (world, kind, rank, name)
-            assert _relative(got["variances"][name], ref["variances"][name]) <= TOLERANCE, (world, kind, rank, name)
+            assert _relative(got["variances"][name], ref["variances"][name]) <= VARIANCE_TOLERANCE, \
+                (world, kind, rank, name)
     calls = results[0][kind]["calls"].get("normuon", 0)
     for rank, res in results.items():  # the plan's rule_sums (its cost model's) are what the step sent
         assert res[kind]["planned_rule_bytes"] == res[kind]["counted_rule_bytes"], (world, kind, rank)

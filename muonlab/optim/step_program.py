@@ -1,0 +1,220 @@
+"""The step program: what each batch of a plan needs in the hot step, made once with the plan.
+
+The plan says which matrices travel together (``BatchPlan``); the program holds, per batch, the
+parameters in the batch's order, which of them this rank takes the momentum of (a replicated
+matrix's runs on its owner only), the runs of matrices that share a parameter group (each run is
+one ``muon_momentum_`` and one ``muon_apply_`` call) and each matrix's lr ratio. The hot step then
+makes a number of Python calls per batch that does not grow with its matrices: what changes
+between steps is read per batch in one list comprehension each (the gradients, a new tensor every
+step under ``zero_grad(set_to_none=True)``; the local shards; the momentum buffers, which loading
+a state dict replaces), the settings once per run (a scheduler moves them between steps).
+
+Where that can't hold, a batch takes the per-matrix way: a bank cut into parts (each matrix
+through ``part_of``), momentum offloaded to the host or a file (fetched one matrix ahead), a
+momentum buffer not made yet (``state_for`` makes it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from ..comm.records import BatchPlan, part_range
+from ..comm.specs import MatrixSpec, local_shards
+from . import functional as F
+from .validation import fmt_shape
+
+
+def part_of(batch: BatchPlan, local: torch.Tensor, read_only: bool = False) -> torch.Tensor:
+    """``local`` (a parameter-shaped local tensor: the shard, its grad or its momentum) or, for a
+    batch holding one part of a bank (``BatchPlan.part``), the view of the part's matrices: the
+    part's run of the matrices this rank holds, the same cut as the planner's. ``read_only``: a
+    copy will do where no view can (a grad)."""
+    if batch.part is None:
+        return local
+    try:
+        mats = local.reshape(-1, *batch.matrix_shape) if read_only else local.view(-1, *batch.matrix_shape)
+    except RuntimeError as err:
+        raise ValueError(f"parameter {batch.names[0]!r}: its local {fmt_shape(local.shape)} tensor is not laid out "
+                         f"as contiguous {fmt_shape(batch.matrix_shape)} matrices, so its bank can't be cut into "
+                         f"parts; make it contiguous or raise workspace_bytes") from err
+    lo, hi = part_range(mats.shape[0], batch.part)
+    return mats[lo:hi]
+
+
+@dataclass(frozen=True)
+class Run:
+    """Matrices of one batch that share a parameter group: one momentum or update call."""
+
+    group: dict
+    """The parameter group whose settings the call reads (at each step: a scheduler moves them)."""
+    positions: tuple[int, ...]
+    """Their places in the batch's parameter list."""
+    ratios: tuple[float, ...] = ()
+    """Their lr ratios (``adjust_lr`` of each matrix's GLOBAL shape; update runs only)."""
+
+
+@dataclass(frozen=True)
+class BatchProgram:
+    """One batch of the plan, as the hot step runs it on this rank."""
+
+    batch: BatchPlan
+    params: tuple[torch.Tensor, ...]
+    """The batch's parameters, in its order (``batch.param_indices``)."""
+    mine: tuple[int, ...]
+    """Places of the parameters whose momentum this rank takes (all but replicas owned elsewhere)."""
+    momentum_runs: tuple[Run, ...]
+    """Runs over ``mine``'s places: positions index ``mine``."""
+    update_runs: tuple[Run, ...]
+    """Runs over every parameter of the batch (each rank updates its shard of each)."""
+    ran_here: tuple[bool | None, ...]
+    """For the spectral observer, per parameter: whether this rank ran its Newton-Schulz (None: a
+    replicated matrix without an owner, which every rank ran)."""
+
+
+def _runs(positions: list[int], groups: list[dict], ratios: list[float] | None = None) -> tuple[Run, ...]:
+    """``positions`` split by parameter group, in first-seen order."""
+    by_group: dict[int, tuple[dict, list[int]]] = {}
+    for k in positions:
+        by_group.setdefault(id(groups[k]), (groups[k], []))[1].append(k)
+    return tuple(Run(group, tuple(ks), tuple(ratios[k] for k in ks) if ratios is not None else ())
+                 for group, ks in by_group.values())
+
+
+def batch_program(batch: BatchPlan, entries: list[tuple[dict, torch.Tensor]], specs: dict[int, MatrixSpec],
+                  owners: dict[int, tuple]) -> BatchProgram:
+    """The program of one batch: ``entries`` (the optimizer's Muon (group, parameter) pairs),
+    ``specs`` (layout per entry index) and ``owners`` (replicated entry index -> (group, owner's
+    global rank, owned here)) as the plan gives them."""
+    indices = batch.param_indices
+    groups = [entries[i][0] for i in indices]
+    mine = [k for k, i in enumerate(indices) if i not in owners or owners[i][2]]
+    ratios = [F.adjust_lr_ratio(specs[i].lr_shape, entries[i][0]["adjust_lr"]) for i in indices]
+    ran_here = tuple(None if i not in owners and specs[i].layout == "replicated" else (i not in owners or owners[i][2])
+                     for i in indices)
+    return BatchProgram(
+        batch=batch, params=tuple(entries[i][1] for i in indices), mine=tuple(mine),
+        momentum_runs=tuple(Run(r.group, tuple(mine.index(k) for k in r.positions))
+                            for r in _runs(mine, groups)),
+        update_runs=_runs(list(range(len(indices))), groups, ratios), ran_here=ran_here)
+
+
+@dataclass
+class StepContext:
+    """What one step hands the program: the optimizer's state, where momentum lives, and the step's
+    gate, tracer, observer and rule stage."""
+
+    state: Any
+    """The optimizer's ``state`` (parameter -> dict)."""
+    state_for: Callable[[torch.Tensor, dict], dict]
+    """Makes a parameter's missing Muon state (zeros, where its store keeps them) and returns it."""
+    offload: Any
+    """The optimizer's ``StateStores``: hands out momentum kept off the device, one matrix at a time."""
+    tracer: Any
+    gate: Any = None
+    observer: Callable | None = None
+    stage: Any = None
+    """The update rule's stage (``RuleStage``) where a group has a rule that transforms updates."""
+
+
+class StepProgram:
+    """Every batch of a plan (``BatchProgram``), and the two stages the engine calls per batch:
+    ``prepare`` (momentum, the Newton-Schulz inputs) and ``apply`` (the observer, then the update
+    rule or the update). ``begin(context)`` hands each step its context."""
+
+    def __init__(self, plan, entries, specs, owners):
+        self.batches = [batch_program(b, entries, specs, owners) for b in plan]
+        self._ctx: StepContext | None = None
+        self._resident = True
+
+    def begin(self, ctx: StepContext) -> None:
+        self._ctx = ctx
+        self._resident = ctx.offload.place_of("momentum_buffer") is None
+
+    # -------------------------------------------------------------------- 1. momentum
+
+    def prepare(self, batch: BatchPlan) -> list[torch.Tensor | None]:
+        """This rank's Newton-Schulz input per parameter of ``batch`` (None where another rank
+        takes its momentum), its momentum updated."""
+        ctx, prog = self._ctx, self.batches[batch.index]
+        with ctx.tracer.span("momentum", batch=batch.index):
+            mine = [prog.params[k] for k in prog.mine]
+            bufs = self._buffers(prog, mine) if self._resident and batch.part is None else None
+            if bufs is None:
+                outs = self._momentum_each(prog, mine)
+            else:
+                grads = local_shards([p.grad for p in mine])
+                outs = [None] * len(mine)
+                for run in prog.momentum_runs:
+                    group, ks = run.group, run.positions
+                    got = F.muon_momentum_([grads[k] for k in ks], [bufs[k] for k in ks],
+                                           momentum=group["momentum"], nesterov=group["nesterov"],
+                                           form=group["momentum_form"], gate=ctx.gate)
+                    for k, out in zip(ks, got):
+                        outs[k] = out
+            if len(mine) == len(prog.params):
+                return outs
+            inputs: list[torch.Tensor | None] = [None] * len(prog.params)
+            for k, out in zip(prog.mine, outs):
+                inputs[k] = out
+            return inputs
+
+    def _buffers(self, prog: BatchProgram, mine: list[torch.Tensor]) -> list[torch.Tensor] | None:
+        """The momentum buffers' local shards, read in one pass; None where one is not made yet."""
+        states = [self._ctx.state[p] for p in mine]
+        bufs = [s.get("momentum_buffer") for s in states]
+        if None in bufs:
+            return None
+        return local_shards(bufs)
+
+    def _momentum_each(self, prog: BatchProgram, mine: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The momentum one matrix at a time: a batch holding a part of a bank, momentum kept off
+        the device (the store fetches the next matrix's while this one computes) or not made yet."""
+        ctx, batch = self._ctx, prog.batch
+        group_of = {k: run.group for run in prog.momentum_runs for k in run.positions}
+        items = [(k, p, ctx.state_for(p, group_of[k])) for k, p in enumerate(mine)]
+        outs: list = [None] * len(mine)
+        for k, (buf,) in ctx.offload.each(items, ("momentum_buffer",), view=lambda t: part_of(batch, t)):
+            group = group_of[k]
+            grad = part_of(batch, local_shards([mine[k].grad])[0], read_only=True)
+            outs[k], = F.muon_momentum_([grad], [buf], momentum=group["momentum"], nesterov=group["nesterov"],
+                                        form=group["momentum_form"], gate=ctx.gate)
+        return outs
+
+    # -------------------------------------------------------------------- 3. update
+
+    def apply(self, batch: BatchPlan, outputs: list[torch.Tensor]) -> None:
+        """The Newton-Schulz outputs to the spectral observer (a recording step), then to the
+        update rule's stage (which applies the batch once its sums are back) or the update."""
+        ctx, prog = self._ctx, self.batches[batch.index]
+        with ctx.tracer.span("update", batch=batch.index):
+            if ctx.observer is not None:
+                for p, out, here in zip(prog.params, outputs, prog.ran_here):
+                    ctx.observer(p, out, here)
+            if ctx.stage is None:
+                self.update(batch, outputs)
+                return
+            ctx.stage.start(batch, list(zip(batch.param_indices, outputs)))
+        ctx.stage.finish_due()  # each batch applied in an "update" span of its own
+
+    def update(self, batch: BatchPlan, outputs: list[torch.Tensor], scales: list | None = None) -> None:
+        """Decay and update each parameter's local shard (of a bank in parts, the part), with its
+        lr ratio and, when the update rule gave them, its row scales; one call per run."""
+        ctx, prog = self._ctx, self.batches[batch.index]
+        params = local_shards(prog.params)
+        if batch.part is not None:
+            params = [part_of(batch, t) for t in params]
+        for run in prog.update_runs:
+            group, ks = run.group, run.positions
+            lr = group["lr"]
+            F.muon_apply_([params[k] for k in ks], [outputs[k] for k in ks],
+                          lr=lr if isinstance(lr, torch.Tensor) else float(lr), weight_decay=group["weight_decay"],
+                          ratios=run.ratios, row_scales=None if scales is None else [scales[k] for k in ks],
+                          gate=ctx.gate)
+
+    def ruled_update(self, batch: BatchPlan, pairs: list[tuple[int, torch.Tensor]], scales: list) -> None:
+        """The update of a batch whose rule's sums came back (``RuleStage``'s ``apply_update``)."""
+        with self._ctx.tracer.span("update", batch=batch.index):
+            self.update(batch, [out for _, out in pairs], scales)
