@@ -179,6 +179,12 @@ def phase_seconds(tracer: Tracer) -> dict[str, float]:
             "newton_schulz": sum(s.duration for s in tracer.spans if s.name == "newton_schulz")}
 
 
+def path_contexts(plan: Plan, groups: dict, device: torch.device | None = None) -> list[PathContext]:
+    """Each batch's ``PathContext`` on this rank (its group, wire dtype and device): the same at
+    every step of a plan, so a caller that runs one plan many times makes them once."""
+    return [PathContext(*groups[b.group], b.wire_dtype, device, defer=b.travels_with is not None) for b in plan]
+
+
 def execute_plan(
     plan: Plan,
     groups: dict[GroupKey | None, tuple[object, int]],
@@ -189,6 +195,7 @@ def execute_plan(
     tracer: Tracer,
     counter: CommCounter,
     device: torch.device | None = None,
+    contexts: list[PathContext] | None = None,
 ) -> None:
     """Run every batch of ``plan`` on this rank, recording its spans and communication time in
     ``tracer`` (read them with ``phase_seconds(tracer)``; the callbacks time themselves).
@@ -200,18 +207,18 @@ def execute_plan(
     matrices or a list of pieces (``Overwrite`` pieces take the result in place).
     ``device``: where this rank's tensors live (``PathContext.device``).
     Each batch's matrices travel in its own wire dtype (``BatchPlan.wire_dtype``).
+    ``contexts``: ``path_contexts(plan, groups, device)``, where the caller keeps them (else made here).
     """
+    if contexts is None:
+        contexts = path_contexts(plan, groups, device)
     runs: list[BatchRun | WaveRun] = []
-    for i, batch in enumerate(plan):
-        pg, group_rank = groups[batch.group]
-        in_wave = batch.travels_with is not None
-        ctx = PathContext(pg, group_rank, batch.wire_dtype, device, defer=in_wave)  # each batch its own wire dtype
+    for i, (batch, ctx) in enumerate(zip(plan, contexts)):
         run = BatchRun(i, batch, ctx, prepare=prepare,
                        apply=apply, orthogonalize=orthogonalize, tracer=tracer, counter=counter)
-        if in_wave and not batch.pays_latency:  # a later member of the wave just before it
+        if ctx.defer and not batch.pays_latency:  # a later member of the wave just before it
             runs[-1].runs.append(run)
-        elif in_wave:
-            runs.append(WaveRun([run], group=pg, group_rank=group_rank, tracer=tracer, counter=counter))
+        elif ctx.defer:  # the first member of a wave
+            runs.append(WaveRun([run], group=ctx.group, group_rank=ctx.group_rank, tracer=tracer, counter=counter))
         else:
             runs.append(run)
     if not runs:

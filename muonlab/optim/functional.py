@@ -132,7 +132,7 @@ def _packed_like(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         return [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
     sizes = [t.numel() for t in tensors]
     flat = torch.empty(sum(sizes), dtype=first.dtype, device=first.device)
-    return [v.view(t.shape) for v, t in zip(flat.split(sizes), tensors)]
+    return [v.view(t.shape) for v, t in zip(flat.split_with_sizes(sizes), tensors)]  # (split: 2 Python calls more)
 
 
 def muon_apply_(

@@ -941,7 +941,7 @@ class Muon(NamedParams, StepStats, MomentumHomes, SavedState, Optimizer):
         # 2. move, orthogonalize, move back
         execute_plan(planned.plan, planned.groups, prepare=program.prepare, apply=program.apply,
                      orthogonalize=self._ns_runner(), tracer=self._tracer, counter=counter,
-                     device=self._device())  # wire: each batch's
+                     device=self._device(), contexts=program.contexts)  # wire: each batch's
         if stage is not None:
             stage.flush()  # the last batch whose rule's sums travelled
 
@@ -951,7 +951,8 @@ class Muon(NamedParams, StepStats, MomentumHomes, SavedState, Optimizer):
         prepared = self._prepared
         if prepared.program is not None and prepared.program[0] is planned:
             return prepared.program[1]
-        program = StepProgram(planned.plan, self._muon_entries(), planned.specs, planned.owners)
+        program = StepProgram(planned.plan, self._muon_entries(), planned.specs, planned.owners, planned.groups,
+                              self._device())
         if prepared.planned is planned:
             self._prepared = dataclasses.replace(prepared, program=(planned, program))
         return program

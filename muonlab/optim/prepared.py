@@ -79,8 +79,14 @@ def settings_values(groups: list[dict]) -> tuple:
     into an AdamW group), frozen: compared at every step, checked when they change. The group's
     number of keys too: a key written in later (another algorithm's setting, refused by the check)
     changes no value read here."""
-    return tuple(frozen(tuple(g.get(k) for k in SETTINGS.get(g.get("algorithm"), ())) + (g.get("momentum"), len(g)))
-                 for g in groups)
+    # read at every step: comprehensions, and ``frozen`` only for values that need it
+    return tuple([tuple([v if type(v) in _PLAIN else frozen(v)
+                         for v in [g.get(k) for k in SETTINGS.get(g.get("algorithm"), ())] + [g.get("momentum"), len(g)]])
+                  for g in groups])
+
+
+_PLAIN = frozenset((float, int, bool, str, type(None)))
+"""Setting types ``frozen`` leaves as they are."""
 
 
 @dataclass(frozen=True)

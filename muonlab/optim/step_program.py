@@ -21,8 +21,9 @@ from typing import Any, Callable
 
 import torch
 
+from ..comm.engine import path_contexts
 from ..comm.records import BatchPlan, part_range
-from ..comm.specs import MatrixSpec, local_shards
+from ..comm.specs import DTensor, MatrixSpec, local_shards
 from . import functional as F
 from .validation import fmt_shape
 
@@ -54,6 +55,8 @@ class Run:
     """Their places in the batch's parameter list."""
     ratios: tuple[float, ...] = ()
     """Their lr ratios (``adjust_lr`` of each matrix's GLOBAL shape; update runs only)."""
+    whole: bool = False
+    """Whether the run is every matrix of its list, in order (then the lists are passed as they are)."""
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,10 @@ class BatchProgram:
     """The batch's parameters, in its order (``batch.param_indices``)."""
     mine: tuple[int, ...]
     """Places of the parameters whose momentum this rank takes (all but replicas owned elsewhere)."""
+    mine_params: tuple[torch.Tensor, ...]
+    """Those parameters."""
+    plain: bool
+    """No parameter of the batch is a DTensor: its tensors are their own local shards."""
     momentum_runs: tuple[Run, ...]
     """Runs over ``mine``'s places: positions index ``mine``."""
     update_runs: tuple[Run, ...]
@@ -75,11 +82,12 @@ class BatchProgram:
 
 
 def _runs(positions: list[int], groups: list[dict], ratios: list[float] | None = None) -> tuple[Run, ...]:
-    """``positions`` split by parameter group, in first-seen order."""
+    """``positions`` (places in a list of ``len(positions)``) split by parameter group, in first-seen order."""
     by_group: dict[int, tuple[dict, list[int]]] = {}
     for k in positions:
         by_group.setdefault(id(groups[k]), (groups[k], []))[1].append(k)
-    return tuple(Run(group, tuple(ks), tuple(ratios[k] for k in ks) if ratios is not None else ())
+    return tuple(Run(group, tuple(ks), tuple(ratios[k] for k in ks) if ratios is not None else (),
+                     whole=ks == list(range(len(positions))))
                  for group, ks in by_group.values())
 
 
@@ -94,10 +102,15 @@ def batch_program(batch: BatchPlan, entries: list[tuple[dict, torch.Tensor]], sp
     ratios = [F.adjust_lr_ratio(specs[i].lr_shape, entries[i][0]["adjust_lr"]) for i in indices]
     ran_here = tuple(None if i not in owners and specs[i].layout == "replicated" else (i not in owners or owners[i][2])
                      for i in indices)
+    params = tuple(entries[i][1] for i in indices)
+    momentum_runs = []
+    for r in _runs(mine, groups):
+        ks = tuple(mine.index(k) for k in r.positions)
+        momentum_runs.append(Run(r.group, ks, whole=ks == tuple(range(len(mine)))))
     return BatchProgram(
-        batch=batch, params=tuple(entries[i][1] for i in indices), mine=tuple(mine),
-        momentum_runs=tuple(Run(r.group, tuple(mine.index(k) for k in r.positions))
-                            for r in _runs(mine, groups)),
+        batch=batch, params=params, mine=tuple(mine), mine_params=tuple(params[k] for k in mine),
+        plain=DTensor is None or not any(isinstance(p, DTensor) for p in params),
+        momentum_runs=tuple(momentum_runs),
         update_runs=_runs(list(range(len(indices))), groups, ratios), ran_here=ran_here)
 
 
@@ -124,8 +137,10 @@ class StepProgram:
     ``prepare`` (momentum, the Newton-Schulz inputs) and ``apply`` (the observer, then the update
     rule or the update). ``begin(context)`` hands each step its context."""
 
-    def __init__(self, plan, entries, specs, owners):
+    def __init__(self, plan, entries, specs, owners, groups, device):
         self.batches = [batch_program(b, entries, specs, owners) for b in plan]
+        self.contexts = path_contexts(plan, groups, device)
+        """Each batch's ``PathContext`` (muonlab.comm.engine), for the engine."""
         self._ctx: StepContext | None = None
         self._resident = True
 
@@ -140,20 +155,26 @@ class StepProgram:
         takes its momentum), its momentum updated."""
         ctx, prog = self._ctx, self.batches[batch.index]
         with ctx.tracer.span("momentum", batch=batch.index):
-            mine = [prog.params[k] for k in prog.mine]
-            bufs = self._buffers(prog, mine) if self._resident and batch.part is None else None
+            mine = prog.mine_params
+            bufs = self._buffers(prog) if self._resident and batch.part is None else None
             if bufs is None:
                 outs = self._momentum_each(prog, mine)
             else:
-                grads = local_shards([p.grad for p in mine])
+                grads = [p.grad for p in mine]
+                if not prog.plain:
+                    grads = local_shards(grads)
                 outs = [None] * len(mine)
                 for run in prog.momentum_runs:
                     group, ks = run.group, run.positions
-                    got = F.muon_momentum_([grads[k] for k in ks], [bufs[k] for k in ks],
+                    got = F.muon_momentum_(grads if run.whole else [grads[k] for k in ks],
+                                           bufs if run.whole else [bufs[k] for k in ks],
                                            momentum=group["momentum"], nesterov=group["nesterov"],
                                            form=group["momentum_form"], gate=ctx.gate)
-                    for k, out in zip(ks, got):
-                        outs[k] = out
+                    if run.whole:
+                        outs = got
+                    else:
+                        for k, out in zip(ks, got):
+                            outs[k] = out
             if len(mine) == len(prog.params):
                 return outs
             inputs: list[torch.Tensor | None] = [None] * len(prog.params)
@@ -161,13 +182,13 @@ class StepProgram:
                 inputs[k] = out
             return inputs
 
-    def _buffers(self, prog: BatchProgram, mine: list[torch.Tensor]) -> list[torch.Tensor] | None:
+    def _buffers(self, prog: BatchProgram) -> list[torch.Tensor] | None:
         """The momentum buffers' local shards, read in one pass; None where one is not made yet."""
-        states = [self._ctx.state[p] for p in mine]
-        bufs = [s.get("momentum_buffer") for s in states]
+        state = self._ctx.state
+        bufs = [state[p].get("momentum_buffer") for p in prog.mine_params]
         if None in bufs:
             return None
-        return local_shards(bufs)
+        return bufs if prog.plain else local_shards(bufs)
 
     def _momentum_each(self, prog: BatchProgram, mine: list[torch.Tensor]) -> list[torch.Tensor]:
         """The momentum one matrix at a time: a batch holding a part of a bank, momentum kept off
@@ -203,13 +224,14 @@ class StepProgram:
         """Decay and update each parameter's local shard (of a bank in parts, the part), with its
         lr ratio and, when the update rule gave them, its row scales; one call per run."""
         ctx, prog = self._ctx, self.batches[batch.index]
-        params = local_shards(prog.params)
+        params = prog.params if prog.plain else local_shards(prog.params)
         if batch.part is not None:
             params = [part_of(batch, t) for t in params]
         for run in prog.update_runs:
             group, ks = run.group, run.positions
             lr = group["lr"]
-            F.muon_apply_([params[k] for k in ks], [outputs[k] for k in ks],
+            F.muon_apply_(params if run.whole else [params[k] for k in ks],
+                          outputs if run.whole else [outputs[k] for k in ks],
                           lr=lr if isinstance(lr, torch.Tensor) else float(lr), weight_decay=group["weight_decay"],
                           ratios=run.ratios, row_scales=None if scales is None else [scales[k] for k in ks],
                           gate=ctx.gate)
