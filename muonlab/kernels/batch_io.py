@@ -67,37 +67,50 @@ def store_pieces(stack: torch.Tensor, pieces: list[torch.Tensor]) -> None:
 def batch_pieces(G, name: str = "G", writable: bool = False) -> list[torch.Tensor]:
     """``G`` as a list of (k, A, B) tensors, checked: one device and dtype, equal last two dims;
     empty pieces dropped, pieces back to back in one buffer joined. ``writable`` pieces (``out``)
-    are views: a reshape that had to copy would take the result away."""
+    are views: a reshape that had to copy would take the result away.
+
+    A runner call takes this on every plan batch of every step: its checks cost a constant number
+    of Python calls whatever the number of pieces (comprehensions, no generators, no call per piece)."""
     if isinstance(G, torch.Tensor):
         if G.ndim < 2:
             raise ValueError(f"newton_schulz needs {name} with at least 2 dims, got shape {tuple(G.shape)}")
         return [_as_batch(G, writable)]
-    pieces = list(G) if isinstance(G, Sequence) else None
-    if not pieces or not all(isinstance(p, torch.Tensor) for p in pieces):
+    # lists and tuples first: the abstract Sequence check is a Python call of its own
+    pieces = list(G) if isinstance(G, (list, tuple)) or isinstance(G, Sequence) else None
+    if not pieces or not all([isinstance(p, torch.Tensor) for p in pieces]):
         raise TypeError(f"newton_schulz needs {name} as a tensor or a non-empty list of tensors, got {type(G).__name__}")
+    kinds = {(p.shape[-2:], p.device, p.dtype) if p.ndim >= 2 else None for p in pieces}
+    if len(kinds) > 1 or None in kinds:
+        _refuse_mixed(pieces, name)
+    # (k, A, B) pieces with matrices are taken as they are; others are reshaped (or, writable, viewed)
+    return _joined([p if p.ndim == 3 and p.numel() else _as_batch(p, writable) for p in pieces])
+
+
+def _refuse_mixed(pieces: list[torch.Tensor], name: str) -> None:
+    """ValueError naming the first of ``pieces`` unlike the first one (``batch_pieces``)."""
     first = pieces[0]
     for i, p in enumerate(pieces):
         if p.ndim < 2 or p.shape[-2:] != first.shape[-2:] or p.device != first.device or p.dtype != first.dtype:
             raise ValueError(f"newton_schulz's list {name} needs tensors of one device and dtype with equal last two "
                              f"dims; tensor {i} is {tuple(p.shape)} {p.dtype} on {p.device}, tensor 0 "
                              f"{tuple(first.shape)} {first.dtype} on {first.device}")
-    return _joined([_as_batch(p, writable) for p in pieces])
 
 
 def _joined(pieces: list[torch.Tensor]) -> list[torch.Tensor]:
     """Pieces that lie back to back in one buffer (a batch's momentum inputs, see
     ``muonlab.optim.functional.muon_momentum_``) as one (k, A, B) view of it; else as they are."""
     pieces = [p for p in pieces if p.shape[0]] or pieces[:1]
-    first = pieces[0]
-    if len(pieces) == 1 or not all(p.is_contiguous() for p in pieces):
+    if len(pieces) == 1:
         return pieces
-    storage, end = first.untyped_storage().data_ptr(), first.data_ptr()
+    first = pieces[0]
+    storage, end, num = first.untyped_storage().data_ptr(), first.data_ptr(), 0
     for p in pieces:
-        if p.data_ptr() != end or p.untyped_storage().data_ptr() != storage:
+        if not p.is_contiguous() or p.data_ptr() != end or p.untyped_storage().data_ptr() != storage:
             return pieces
         end += p.numel() * p.element_size()
+        num += p.shape[0]
     rows, cols = first.shape[-2:]
-    return [first.as_strided((sum(p.shape[0] for p in pieces), rows, cols), (rows * cols, cols, 1))]
+    return [first.as_strided((num, rows, cols), (rows * cols, cols, 1))]
 
 
 def _as_batch(t: torch.Tensor, writable: bool) -> torch.Tensor:
@@ -124,7 +137,7 @@ def load_normalised(X: torch.Tensor, pieces: list[torch.Tensor], eps: float, sca
     if len(pieces) == 1 and pieces[0].dtype == X.dtype:
         normalise_into(X, pieces[0], eps, scale)
         return
-    if X.dtype == torch.float16 and any(p.dtype != torch.float16 for p in pieces):
+    if X.dtype == torch.float16 and any([p.dtype != torch.float16 for p in pieces]):
         for piece, dest in zip(pieces, X.split([p.shape[0] for p in pieces])):
             norms = torch.linalg.vector_norm(piece, dim=(-2, -1), keepdim=True, dtype=torch.float32) * scale
             torch.div(piece, norms.clamp(min=eps), out=dest)

@@ -112,13 +112,19 @@ class UpdateHealth:
         without a host read: a fused norm per tensor and a scale into the step's vector."""
         if not self._recording:
             return
-        for x in [mats] if isinstance(mats, torch.Tensor) else mats:
-            if x.numel() == 0:  # no matrix, or matrices with a zero dim: nothing orthogonalized
-                continue
-            k = x.numel() // (x.shape[-2] * x.shape[-1])
-            slot = self._slots(k, x.device)
-            norms = torch.linalg.vector_norm(x, dim=(-2, -1)).reshape(k)
-            torch.mul(norms, 1.0 / math.sqrt(min(x.shape[-2:])), out=slot)
+        xs = [mats] if isinstance(mats, torch.Tensor) else mats
+        # matrices per tensor (none where one has no matrix or a zero dim: nothing orthogonalized);
+        # the slots are taken once for them all, so a list costs no Python call per tensor
+        counts = [x.numel() // (x.shape[-2] * x.shape[-1]) if x.numel() else 0 for x in xs]
+        total = sum(counts)
+        if not total:
+            return
+        slots, at = self._slots(total, xs[0].device), 0
+        for x, k in zip(xs, counts):
+            if k:
+                norms = torch.linalg.vector_norm(x, dim=(-2, -1)).reshape(k)
+                torch.mul(norms, 1.0 / math.sqrt(min(x.shape[-2:])), out=slots[at:at + k])
+                at += k
 
     def _slots(self, k: int, device: torch.device) -> torch.Tensor:
         """The next ``k`` entries of the step's vector, grown (on the device, from the host's

@@ -16,8 +16,11 @@ What a call runs is made of registered units, each one module:
 
 This module holds the choices that depend on the device (the compute dtype "auto" means, the
 dtype the gram form iterates in, the backends that can run) and ``newton_schulz``, which makes
-them and hands the batch to ``execute.run``. Its other public names are re-exported from the
-modules that now own them, for the code that imports them from here.
+them on every call and hands the batch to ``execute.run``; the runner (``runner``) makes them
+once per batch key, with the same functions (``compute_dtype``, ``checked_form``,
+``pick_backend``), and runs each chunk on the result (``execute.run_resolved``). Its other
+public names are re-exported from the modules that now own them, for the code that imports them
+from here.
 
 Both forms work on any leading batch dims (one matrix per expert); each matrix is normalised by
 its own Frobenius norm, never across the batch.
@@ -53,8 +56,8 @@ _plain_iterations, _normalise_into = plain_iterations, normalise_into
 __all__ = [
     "AUTO_GRAM_SAVING", "BACKENDS", "CPU_FP32_MAX_WORK", "Coefficients", "DEFAULT_GRAM_RESTARTS", "FORMS",
     "FORM_CHOICES", "GRAM_DTYPES", "HALF_DTYPES", "HALF_SMALLEST", "NORM_SCALE", "NSConfig", "NS_DTYPES", "Overwrite",
-    "PRESETS", "SCHEDULES", "TRITON_DTYPES", "batch_pieces", "coefficient_table", "cpu_bf16_flags", "cpu_flags",
-    "cpu_has_native_bf16", "default_gram_dtype", "form_for", "fp32_matmul_precision", "gram_work_dtype",
+    "PRESETS", "SCHEDULES", "TRITON_DTYPES", "batch_pieces", "checked_form", "coefficient_table", "compute_dtype",
+    "cpu_bf16_flags", "cpu_flags", "cpu_has_native_bf16", "default_gram_dtype", "form_for", "fp32_matmul_precision", "gram_work_dtype",
     "is_number", "load_pieces", "native_fp16_matmul", "newton_schulz", "norm_scale", "ns_flops", "pick_backend",
     "plain_flops_per_iter", "possible_backends", "resolve_coefficients", "resolve_dtype", "resolve_form",
     "store_pieces", "symmetric_flops_per_iter", "triton_usable", "work_dtype",
@@ -276,30 +279,50 @@ def newton_schulz(G: torch.Tensor | Sequence[torch.Tensor], config: NSConfig | N
     """
     pieces = batch_pieces(G)
     cfg = _config(config, settings)
-    device = pieces[0].device
-    dtype = resolve_dtype(cfg.dtype, device, pieces[0].shape) or pieces[0].dtype
-    if dtype not in NS_DTYPES:  # dtype=None computes in G's dtype
-        raise TypeError(f"G has dtype {pieces[0].dtype}; with dtype=None Newton-Schulz computes in G's dtype, "
-                        f"which must be one of {list(NS_DTYPES)} (or pass dtype=)")
+    first = pieces[0]
+    device = first.device
+    dtype = compute_dtype(cfg, device, first.shape, first.dtype)
     possible_backends(cfg.backend, device, dtype)  # "triton" where it can't run: refused first, even for no matrices
-    rows, cols = pieces[0].shape[-2:]
-    num = sum(p.shape[0] for p in pieces)
+    rows, cols = first.shape[-2:]
+    num = sum([p.shape[0] for p in pieces])
     if out is None:
         out = G if isinstance(G, Overwrite) else torch.empty(
             G.shape if isinstance(G, torch.Tensor) else (num, rows, cols), dtype=dtype, device=device)
     targets = batch_pieces(out, "out", writable=True)
-    if sum(t.shape[0] for t in targets) != num or targets[0].shape[-2:] != pieces[0].shape[-2:] \
+    if sum([t.shape[0] for t in targets]) != num or targets[0].shape[-2:] != first.shape[-2:] \
             or targets[0].device != device or not targets[0].is_floating_point():
         raise ValueError(f"out must hold {num} matrices of shape {(rows, cols)} on {device} in a float dtype, "
                          f"like G; got {[tuple(t.shape) for t in targets]} of {targets[0].dtype} on {targets[0].device}")
     if num == 0 or rows == 0 or cols == 0:
         return out
+    form, iterates = checked_form(cfg, (rows, cols), dtype, device)
     m, n = sorted((rows, cols))
-    form = _form(cfg, m, n)
-    iterates = work_dtype(cfg, form, dtype, device)  # the gram form's is never bf16 (forms.gram)
-    schedule = schedule_of(cfg.coefficients)
-    if schedule is not None:  # before anything is timed or written
-        schedule.check(form, iterates, cfg.steps)
     use = pick_backend(cfg.backend, device, (num, m, n), dtype, cfg)
     execute.run(pieces, targets, cfg, form=form, backend=use, dtype=iterates, workspace=workspace)
     return out
+
+
+def compute_dtype(cfg: NSConfig, device: torch.device, matrix_shape: Sequence[int],
+                  input_dtype: torch.dtype) -> torch.dtype:
+    """The dtype a batch of ``input_dtype`` matrices of ``matrix_shape`` computes in on ``device``
+    under ``cfg`` (``resolve_dtype``; the input's for ``dtype=None``); TypeError where it is not
+    one of ``NS_DTYPES``."""
+    dtype = resolve_dtype(cfg.dtype, device, matrix_shape) or input_dtype
+    if dtype not in NS_DTYPES:  # dtype=None computes in G's dtype
+        raise TypeError(f"G has dtype {input_dtype}; with dtype=None Newton-Schulz computes in G's dtype, "
+                        f"which must be one of {list(NS_DTYPES)} (or pass dtype=)")
+    return dtype
+
+
+def checked_form(cfg: NSConfig, matrix_shape: Sequence[int], dtype: torch.dtype,
+                 device: torch.device | str | None) -> tuple[str, torch.dtype]:
+    """(the form, the dtype it iterates in) for matrices of ``matrix_shape`` (no dim zero) in
+    compute dtype ``dtype`` on ``device``; ValueError where the schedule may not run there,
+    raised before anything is timed or written."""
+    m, n = sorted(matrix_shape[-2:])
+    form = _form(cfg, m, n)
+    iterates = work_dtype(cfg, form, dtype, device)  # the gram form's is never bf16 (forms.gram)
+    schedule = schedule_of(cfg.coefficients)
+    if schedule is not None:
+        schedule.check(form, iterates, cfg.steps)
+    return form, iterates

@@ -11,18 +11,25 @@ per iteration, which matters below width ~4096 where eager launches leave the GP
 
 Every chunk's output passes ``health`` (muonlab.kernels.health): while a step records, each
 matrix's Frobenius norm against sqrt(min(m, n)) is counted on the device, with no host read.
+
+A plan runs the same batches every step, so the runner makes its choices once per batch key (the
+compute dtype, the form and its iterates' dtype, the chunks, each chunk size's backend, the
+resolved coefficients: ``_Decided``) and runs each chunk straight on the executor
+(``execute.run_resolved``): a call then makes the same number of Python calls whatever the number
+of pieces it is handed, plus a few per chunk.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
 from .health import UpdateHealth
-from .batch_io import Overwrite, batch_pieces, load_pieces, store_pieces
+from .batch_io import Overwrite, _joined, batch_pieces, load_pieces, store_pieces
 from .config import NSConfig, form_for
-from .newton_schulz import newton_schulz, pick_backend, possible_backends, resolve_dtype, work_dtype
+from .execute import ResolvedRun, resolve, run_resolved
+from .newton_schulz import checked_form, compute_dtype, pick_backend, possible_backends, resolve_dtype, work_dtype
 from .workspace import Workspace, max_batch_matrices
 
 MIN_BUDGET = {"cuda": 256 * 2**20, "cpu": 8 * 2**20}
@@ -88,7 +95,7 @@ def _chunks(pieces: list[torch.Tensor], size: int):
     """(offset, pieces) per run of at most ``size`` matrices over the concatenation of ``pieces``
     (each (k_i, A, B)), as even as can be (64 under 30 as 22+21+21: fewer distinct shapes for the
     matmul library); a piece crossing a boundary is cut into views."""
-    size, extra = _even_sizes(sum(p.shape[0] for p in pieces), size)
+    size, extra = _even_sizes(sum([p.shape[0] for p in pieces]), size)
     chunk, count, start = [], 0, 0
     for p in pieces:
         taken = 0
@@ -109,24 +116,38 @@ def _fixed(cfg: NSConfig, backends) -> dict[str, NSConfig]:
     return {b: cfg if b == cfg.backend else replace(cfg, backend=b) for b in set(backends)}
 
 
+@dataclass(frozen=True, eq=False)
+class _Decided:
+    """The runner's choices for one batch key (``NewtonSchulzRunner._decide``)."""
+
+    dtype: torch.dtype
+    """The compute dtype: the output's."""
+    step: int
+    """Matrices per chunk, as ``_chunks`` takes it."""
+    runs: dict[int, ResolvedRun]
+    """{chunk size: its run}, on the backend picked for that size."""
+    ran: dict[int, dict[str, str]]
+    """{chunk size: its ``NewtonSchulzRunner.ran`` entry}."""
+
+
 class _Graphed:
     """One chunk shape's Newton-Schulz captured in a CUDA graph, with its static buffers."""
 
-    def __init__(self, chunk: list[torch.Tensor], cfg: NSConfig, dtype: torch.dtype):
+    def __init__(self, chunk: list[torch.Tensor], num: int, run: ResolvedRun, dtype: torch.dtype):
         first = chunk[0]
-        shape = (sum(p.shape[0] for p in chunk), *first.shape[-2:])
+        shape = (num, *first.shape[-2:])
         self.input = torch.empty(shape, dtype=first.dtype, device=first.device)
         self.output = torch.empty(shape, dtype=dtype, device=first.device)
         self.workspace = Workspace()  # its own: graph buffers must not move
         load_pieces(self.input, chunk)
         side = torch.cuda.Stream(first.device)
         side.wait_stream(torch.cuda.current_stream(first.device))
-        with torch.cuda.stream(side):  # warm-up off the capture (autotune, backend choice, allocator)
-            newton_schulz(self.input, cfg, workspace=self.workspace, out=self.output)
+        with torch.cuda.stream(side):  # warm-up off the capture (autotune, allocator)
+            run_resolved([self.input], [self.output], run, self.workspace)
         torch.cuda.current_stream(first.device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
-            newton_schulz(self.input, cfg, workspace=self.workspace, out=self.output)
+            run_resolved([self.input], [self.output], run, self.workspace)
 
     def __call__(self, chunk: list[torch.Tensor], out: torch.Tensor | list[torch.Tensor]) -> None:
         load_pieces(self.input, chunk)
@@ -144,9 +165,8 @@ class NewtonSchulzRunner:
         self._graphed: dict[tuple, _Graphed] = {}
         self.health = UpdateHealth()
         """Counts the orthogonalized matrices that are not sane, per step (``UpdateHealth``)."""
-        self._sized: dict[tuple, tuple] = {}
-        """``_sized_chunks``' decisions per batch key: (matrices per chunk, {chunk size: backend},
-        {backend: config})."""
+        self._decided: dict[tuple, _Decided] = {}
+        """``_decide``'s choices per batch key."""
         self.ran: dict[tuple[int, int], dict[str, str]] = {}
         """{matrix shape: {"dtype", "form", "backend"}} as last run, for reports of what "auto" chose."""
 
@@ -161,40 +181,60 @@ class NewtonSchulzRunner:
         their concatenation (read straight into the workspace, never stacked first). Returns a new
         tensor in the config's compute dtype, of the stack's shape ((sum k, A, B) for pieces); for
         ``Overwrite`` pieces, the pieces themselves, now holding the result (no output buffer)."""
+        if torch.is_grad_enabled():  # an optimizer's transform, written in place: no autograd graph
+            with torch.no_grad():
+                return self(mats, cfg)
         overwrite = isinstance(mats, Overwrite)
         pieces = batch_pieces(mats, "mats", writable=overwrite)  # (k, A, B) each, checked as newton_schulz does
         first = pieces[0]
         shape = tuple(first.shape[-2:])
-        dtype = resolve_dtype(cfg.dtype, first.device, shape) or first.dtype
-        total = sum(p.shape[0] for p in pieces)
-        out = None if overwrite else torch.empty((total, *shape), dtype=dtype, device=first.device)
-        reuses_input = overwrite and first.dtype == dtype
-        if total and all(shape):  # matrices with a zero dim: nothing to orthogonalize, no bytes to cut by
-            for start, chunk, chunk_cfg in self._sized_chunks(pieces, dtype, cfg, reuses_input):
-                dest = chunk if out is None else out[start:start + sum(p.shape[0] for p in chunk)]
-                self.ran[shape] = dict(dtype=str(dtype).removeprefix("torch."), form=form_for(chunk_cfg, shape),
-                                       backend=chunk_cfg.backend)
-                if self.graphs and first.is_cuda:
-                    self._graph_for(chunk, chunk_cfg, dtype)(chunk, dest)
-                else:
-                    newton_schulz(chunk, chunk_cfg, workspace=self.workspace, out=dest)
-                self.health.observe(dest)
+        # lists, not generators, here and per chunk: a generator is a Python call per item
+        total = sum([p.shape[0] for p in pieces])
+        if not (total and all(shape)):  # matrices with a zero dim: nothing to orthogonalize, no bytes to cut by
+            if overwrite:
+                return mats
+            dtype = resolve_dtype(cfg.dtype, first.device, shape) or first.dtype
+            out = torch.empty((total, *shape), dtype=dtype, device=first.device)
+            return out.view(mats.shape) if isinstance(mats, torch.Tensor) else out
+        key = (shape, first.dtype, first.device, cfg, overwrite, total, self.budget_bytes)
+        decided = self._decided.get(key)
+        if decided is None:  # the same batch at every step: its choices are made once
+            decided = self._decided[key] = self._decide(first, cfg, overwrite, total)
+        out = None if overwrite else torch.empty((total, *shape), dtype=decided.dtype, device=first.device)
+        graphed = self.graphs and first.is_cuda
+        for start, chunk in _chunks(pieces, decided.step):
+            num = sum([p.shape[0] for p in chunk])
+            run = decided.runs[num]
+            self.ran[shape] = decided.ran[num].copy()
+            if len(chunk) > 1:  # as newton_schulz reads a list: pieces back to back as one
+                chunk = _joined(chunk)
+            dest = chunk if out is None else out[start:start + num]
+            if graphed:
+                self._graph_for(chunk, num, run, decided.dtype)(chunk, dest)
+            else:
+                run_resolved(chunk, chunk if out is None else [dest], run, self.workspace)
+            self.health.observe(dest)
         if out is None:
             return mats
         return out.view(mats.shape) if isinstance(mats, torch.Tensor) else out
 
-    def _sized_chunks(self, pieces: list[torch.Tensor], dtype: torch.dtype, cfg: NSConfig, reuses_input: bool):
-        """(offset, pieces, config) per chunk of the budget's size (``_chunks``), its config naming
-        the backend picked for the chunk's own size, so that ``newton_schulz`` runs the backend the
-        chunk was checked against. "auto" may pick either for different batch sizes (and chunks are
-        cut smaller than the budget's count, evenly): a chunk sized for the torch path that would
-        run on Triton, which holds one m x n more per matrix, is cut again at Triton's count.
-        ``matrices_within`` already counts Triton's bytes wherever "auto" may pick it; this keeps
-        the runner's budget whatever picker answers (a timing cache, a test's stand-in)."""
-        first = pieces[0]
+    def _decide(self, first: torch.Tensor, cfg: NSConfig, overwrite: bool, total: int) -> _Decided:
+        """The choices for a batch of ``total`` matrices like ``first`` under ``cfg``, with
+        ``newton_schulz``'s errors, raised before anything is timed or written: the compute dtype,
+        the form and its iterates' dtype (where the schedule is checked), the chunks of the
+        budget's size (``_chunks``), and per chunk size the backend picked for that size and its
+        resolved run, so that a chunk runs the backend it was sized for. "auto" may pick either
+        for different batch sizes (and chunks are cut smaller than the budget's count, evenly): a
+        chunk sized for the torch path that would run on Triton, which holds one m x n more per
+        matrix, is cut again at Triton's count. ``matrices_within`` already counts Triton's bytes
+        wherever "auto" may pick it; this keeps the runner's budget whatever picker answers (a
+        timing cache, a test's stand-in)."""
         shape, device = tuple(first.shape[-2:]), first.device
+        dtype = compute_dtype(cfg, device, shape, first.dtype)
+        possible_backends(cfg.backend, device, dtype)  # "triton" where it can't run: refused first
+        form, iterates = checked_form(cfg, shape, dtype, device)
+        reuses_input = overwrite and first.dtype == dtype
         m, n = sorted(shape)
-        total = sum(p.shape[0] for p in pieces)
 
         def within(c: NSConfig) -> int:
             return self.chunk_size(shape, dtype, reuses_input, c, device, input_dtype=first.dtype)
@@ -204,28 +244,24 @@ class NewtonSchulzRunner:
             return {k: pick_backend(cfg.backend, device, (k, m, n), dtype, cfg)
                     for k in ((size, size + 1) if extra else (size,))}
 
-        # the same batch at every step: its sizing, checked configs and picks are made once
-        key = (shape, dtype, first.dtype, device, cfg, reuses_input, total, self.budget_bytes)
-        sized = self._sized.get(key)
-        if sized is None:
-            step = within(cfg)
+        step = within(cfg)
+        backend_of = picks(step)
+        configs = _fixed(cfg, backend_of.values())
+        fits = min(within(c) for c in configs.values())
+        if max(backend_of.keys()) > fits:  # a chunk larger than its picked backend fits
+            step = fits
             backend_of = picks(step)
             configs = _fixed(cfg, backend_of.values())
-            fits = min(within(c) for c in configs.values())
-            if max(backend_of.keys()) > fits:  # a chunk larger than its picked backend fits
-                step = fits
-                backend_of = picks(step)
-                configs = _fixed(cfg, backend_of.values())
-            sized = self._sized[key] = (step, backend_of, configs)
-        step, backend_of, configs = sized
-        for start, chunk in _chunks(pieces, step):
-            yield start, chunk, configs[backend_of[sum(p.shape[0] for p in chunk)]]
+        runs = {b: resolve(c, form=form, backend=b, dtype=iterates) for b, c in configs.items()}
+        name = str(dtype).removeprefix("torch.")
+        return _Decided(dtype=dtype, step=step, runs={k: runs[b] for k, b in backend_of.items()},
+                        ran={k: dict(dtype=name, form=form, backend=b) for k, b in backend_of.items()})
 
-    def _graph_for(self, chunk: list[torch.Tensor], cfg: NSConfig, dtype: torch.dtype) -> _Graphed:
+    def _graph_for(self, chunk: list[torch.Tensor], num: int, run: ResolvedRun, dtype: torch.dtype) -> _Graphed:
         first = chunk[0]
-        key = (sum(p.shape[0] for p in chunk), tuple(first.shape[-2:]), first.dtype, first.device, cfg, dtype)
+        key = (num, tuple(first.shape[-2:]), first.dtype, first.device, run.cfg, dtype)
         if key not in self._graphed:
-            self._graphed[key] = _Graphed(chunk, cfg, dtype)
+            self._graphed[key] = _Graphed(chunk, num, run, dtype)
         return self._graphed[key]
 
     @property

@@ -152,9 +152,9 @@ def test_runner_budgets_the_form_that_runs(form, chunks, monkeypatch):
 
     cfg = NSConfig(dtype=torch.float32, form=form, gram_min_saving=0.2)
     seen = []
-    real = runner_module.newton_schulz
-    monkeypatch.setattr(runner_module, "newton_schulz",
-                        lambda mats, c, **kw: seen.append(sum(p.shape[0] for p in mats)) or real(mats, c, **kw))
+    real = runner_module.run_resolved  # each chunk's run, its choices made
+    monkeypatch.setattr(runner_module, "run_resolved",
+                        lambda mats, *a: seen.append(sum(p.shape[0] for p in mats)) or real(mats, *a))
     runner = NewtonSchulzRunner(3 * 4 * (3 * 16 * 64 + 2 * 16 * 16))  # three plain matrices, two gram
     mats = torch.randn(7, 16, 64)
     assert torch.equal(runner(mats, cfg), newton_schulz(mats, cfg))

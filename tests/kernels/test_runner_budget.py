@@ -99,9 +99,9 @@ def test_inputs_wider_than_the_compute_dtype_count_at_their_own_itemsize(input_d
     narrow, wide = dtype.itemsize, input_dtype.itemsize
     budget = 4 * batch_bytes_per_matrix(m, n, narrow)  # four matrices, were the inputs narrow
     runner, chunks = NewtonSchulzRunner(budget), []
-    real = runner_module.newton_schulz
-    monkeypatch.setattr(runner_module, "newton_schulz",
-                        lambda mats, c, **kw: chunks.append(sum(p.shape[0] for p in mats)) or real(mats, c, **kw))
+    real = runner_module.run_resolved  # each chunk's run, its choices made
+    monkeypatch.setattr(runner_module, "run_resolved",
+                        lambda mats, *a: chunks.append(sum(p.shape[0] for p in mats)) or real(mats, *a))
     pieces = Overwrite([torch.randn(8, m, n, dtype=input_dtype)])
     expected = newton_schulz(pieces[0], NSConfig(dtype=dtype)).to(input_dtype)
     assert runner(pieces, NSConfig(dtype=dtype, form="plain")) is pieces and torch.equal(pieces[0], expected)
