@@ -202,11 +202,13 @@ class NewtonSchulzRunner:
             decided = self._decided[key] = self._decide(first, cfg, overwrite, total)
         out = None if overwrite else torch.empty((total, *shape), dtype=decided.dtype, device=first.device)
         graphed = self.graphs and first.is_cuda
-        for start, chunk in _chunks(pieces, decided.step):
-            num = sum([p.shape[0] for p in chunk])
+        # one chunk (a plan's batches are cut by the same budget): the pieces as they are, joined
+        whole = decided.step >= total
+        for start, chunk in ((0, pieces),) if whole else _chunks(pieces, decided.step):
+            num = total if whole else sum([p.shape[0] for p in chunk])
             run = decided.runs[num]
             self.ran[shape] = decided.ran[num].copy()
-            if len(chunk) > 1:  # as newton_schulz reads a list: pieces back to back as one
+            if not whole and len(chunk) > 1:  # as newton_schulz reads a list: pieces back to back as one
                 chunk = _joined(chunk)
             dest = chunk if out is None else out[start:start + num]
             if graphed:
