@@ -21,9 +21,9 @@ STEPS = 4
 
 
 def _inject_in_step(rank_to_fail: int, at_step: int, action) -> None:
-    """Replace Newton-Schulz (called by Muon's runner inside Muon.step, between collectives) with one that runs
-    ``action`` on ``rank_to_fail`` from its ``at_step``-th call on (calls counted per step)."""
-    real = runner_module.newton_schulz
+    """Replace Newton-Schulz (each chunk the runner runs inside Muon.step, between collectives) with one that
+    runs ``action`` on ``rank_to_fail`` from its ``at_step``-th call on (calls counted per step)."""
+    real = runner_module.run_resolved
     calls = {"step": 0}
 
     def faulty(*args, **kwargs):
@@ -31,7 +31,7 @@ def _inject_in_step(rank_to_fail: int, at_step: int, action) -> None:
             action()
         return real(*args, **kwargs)
 
-    runner_module.newton_schulz = faulty
+    runner_module.run_resolved = faulty
     return calls
 
 

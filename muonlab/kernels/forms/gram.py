@@ -52,30 +52,23 @@ def gram_iterations(X: torch.Tensor, spare: torch.Tensor, coeffs, restarts: Sequ
         from ..triton_newton_schulz import gram_form_products  # optional: only where it runs
 
         gram, poly, product = gram_form_products(X.dtype)
-    else:
+    else:  # torch's own ops, called directly: a helper around each would be Python calls every step
         def gram(X, out):
             if tall:
                 torch.bmm(X.mT, X, out=out)
             else:
                 torch.bmm(X, X.mT, out=out)
 
-        def poly(R, out, b, c):
-            torch.baddbmm(R, R, R, beta=b, alpha=c, out=out)
-
-        def product(A, B, out):
-            torch.bmm(A, B, out=out)
-
-    def times_q(Q, X, out):
-        if tall:
-            product(X, Q.mT, out)
-        else:
-            product(Q, X, out)
+        poly, product = None, torch.bmm
 
     gram(X, R)
     identity = True  # Q is the identity, kept implicit until the first iteration
     last = len(coeffs) - 1
     for k, (a, b, c) in enumerate(coeffs):
-        poly(R, Z, b, c)                                               # Z = a I + b R + c R^2
+        if poly is None:                                               # Z = a I + b R + c R^2
+            torch.baddbmm(R, R, R, beta=b, alpha=c, out=Z)
+        else:
+            poly(R, Z, b, c)
         # a rounded to the compute dtype first, as a * I held it: the bits then do not depend on
         # how a device's kernel treats a scalar (on this CPU the two agree)
         Z.diagonal(dim1=-2, dim2=-1).add_(torch.tensor(a, dtype=Z.dtype).item())
@@ -83,21 +76,27 @@ def gram_iterations(X: torch.Tensor, spare: torch.Tensor, coeffs, restarts: Sequ
             Q, Z = Z, Q                                                # Q = Z: the buffers swap names
             current = Q                                                # (this step's Z is there now)
         else:
-            product(Z, Q, T)                                           # Q = Z Q
+            product(Z, Q, out=T)                                       # Q = Z Q
             Q, T = T, Q
             current = Z
         identity = False
         if k == last:
             break
-        if k in restarts:
-            times_q(Q, X, spare)                                       # X = Q X_0, R afresh
+        if k in restarts:                                              # X = Q X_0, R afresh
+            if tall:
+                product(X, Q.mT, out=spare)
+            else:
+                product(Q, X, out=spare)
             X, spare = spare, X
             gram(X, R)
             identity = True
         else:
-            product(current, R, T)                                     # R = Z (Z R)
-            product(current, T, R)
-    times_q(Q, X, spare)
+            product(current, R, out=T)                                 # R = Z (Z R)
+            product(current, T, out=R)
+    if tall:                                                           # X = Q X_0
+        product(X, Q.mT, out=spare)
+    else:
+        product(Q, X, out=spare)
     return spare
 
 
