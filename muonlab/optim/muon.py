@@ -40,6 +40,7 @@ from .options import MuonOptions, OptionAttribute, check_attribute, check_option
 from .param_groups import NamedParams
 from .saved_state import STATE_KEYS, SavedState
 from .step_gate import StepGate
+from .state_table import StateTable
 from .step_program import StepContext, StepProgram, part_of
 from .step_graph import StepGraph, check_capture_place
 from .step_stats import StepStats
@@ -388,6 +389,8 @@ class Muon(NamedParams, StepStats, MomentumHomes, SavedState, Optimizer):
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)  # also what torch's load_state_dict calls, with state and groups only
+        if not isinstance(self.state, StateTable):  # a loaded state dict's defaultdict
+            self.__dict__["state"] = StateTable(self.state)
         self.__dict__.setdefault("_plans", {})
         self.__dict__["_prepared"] = None  # made again at the next step (it holds live process groups)
         self.__dict__.setdefault("_settings_checked", None)
@@ -422,6 +425,8 @@ class Muon(NamedParams, StepStats, MomentumHomes, SavedState, Optimizer):
         if name == "options":
             self._set_options(value)
             return
+        if name == "state" and not isinstance(value, StateTable):  # torch's constructor sets a defaultdict
+            value = StateTable(value)
         if name[:1] != "_" and "_offload" in self.__dict__:  # constructed: _offload is set last
             public = {n for n in (*dir(type(self)), *self.__dict__) if not n.startswith("_")}
             check_attribute(name, public)

@@ -139,6 +139,9 @@ class StepProgram:
 
     def __init__(self, plan, entries, specs, owners, groups, device):
         self.batches = [batch_program(b, entries, specs, owners) for b in plan]
+        self._states: list[tuple | None] = [None] * len(self.batches)
+        """Per batch, (the state table, its version, the state dict of each of ``mine_params``) as
+        last looked up (muonlab.optim.state_table)."""
         self.contexts = path_contexts(plan, groups, device)
         """Each batch's ``PathContext`` (muonlab.comm.engine), for the engine."""
         self._ctx: StepContext | None = None
@@ -183,9 +186,16 @@ class StepProgram:
             return inputs
 
     def _buffers(self, prog: BatchProgram) -> list[torch.Tensor] | None:
-        """The momentum buffers' local shards, read in one pass; None where one is not made yet."""
-        state = self._ctx.state
-        bufs = [state[p].get("momentum_buffer") for p in prog.mine_params]
+        """The momentum buffers' local shards, read in one pass; None where one is not made yet.
+        The parameters' state dicts are looked up again only when the table changed (a lookup
+        hashes each tensor, a Python call; a table without a version is looked up every step)."""
+        table, index = self._ctx.state, prog.batch.index
+        version = getattr(table, "version", None)
+        kept = self._states[index]
+        if kept is None or kept[0] is not table or kept[1] != version or version is None:
+            states = [table[p] for p in prog.mine_params]  # (a missing one is added, and counted)
+            kept = self._states[index] = (table, getattr(table, "version", None), states)
+        bufs = [s.get("momentum_buffer") for s in kept[2]]
         if None in bufs:
             return None
         return bufs if prog.plain else local_shards(bufs)
