@@ -92,7 +92,7 @@ class BatchRun:
         if isinstance(mats, Pending):
             mats = self._advance(mats.wait(), "out")
         t1 = tracer.mark()  # on CUDA after wait(): the current stream has waited for the data
-        tracer.tally(COMMUNICATION, t0, t1)
+        exposed = (t0, t1)  # tallied with the way back's issue below, in one call
         self._record_comm("out", t1)
         self._back_start = t1
         ortho = None
@@ -106,7 +106,7 @@ class BatchRun:
             self._item = self._advance(ortho, "back")
         except StopIteration as done:  # no way back: the outputs are ready
             outputs = done.value
-        tracer.tally(COMMUNICATION, self._back_start, tracer.mark())
+        tracer.tally(COMMUNICATION, *exposed, self._back_start, tracer.mark())
         if outputs is not None:
             self._apply_outputs(outputs)
 

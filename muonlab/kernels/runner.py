@@ -128,6 +128,8 @@ class _Decided:
     """{chunk size: its run}, on the backend picked for that size."""
     ran: dict[int, dict[str, str]]
     """{chunk size: its ``NewtonSchulzRunner.ran`` entry}."""
+    cfg: NSConfig | None = None
+    """The config decided for (the key holds its id: hashing a dataclass is a Python call)."""
 
 
 class _Graphed:
@@ -196,9 +198,11 @@ class NewtonSchulzRunner:
             dtype = resolve_dtype(cfg.dtype, first.device, shape) or first.dtype
             out = torch.empty((total, *shape), dtype=dtype, device=first.device)
             return out.view(mats.shape) if isinstance(mats, torch.Tensor) else out
-        key = (shape, first.dtype, first.device, cfg, overwrite, total, self.budget_bytes)
+        key = (shape, first.dtype, first.device, id(cfg), overwrite, total, self.budget_bytes)
         decided = self._decided.get(key)
-        if decided is None:  # the same batch at every step: its choices are made once
+        # the same batch at every step (a plan's config object): its choices are made once; an id
+        # reused by another config after the first was freed is told apart by identity
+        if decided is None or decided.cfg is not cfg:
             decided = self._decided[key] = self._decide(first, cfg, overwrite, total)
         out = None if overwrite else torch.empty((total, *shape), dtype=decided.dtype, device=first.device)
         graphed = self.graphs and first.is_cuda
@@ -256,7 +260,7 @@ class NewtonSchulzRunner:
             configs = _fixed(cfg, backend_of.values())
         runs = {b: resolve(c, form=form, backend=b, dtype=iterates) for b, c in configs.items()}
         name = str(dtype).removeprefix("torch.")
-        return _Decided(dtype=dtype, step=step, runs={k: runs[b] for k, b in backend_of.items()},
+        return _Decided(cfg=cfg, dtype=dtype, step=step, runs={k: runs[b] for k, b in backend_of.items()},
                         ran={k: dict(dtype=name, form=form, backend=b) for k, b in backend_of.items()})
 
     def _graph_for(self, chunk: list[torch.Tensor], num: int, run: ResolvedRun, dtype: torch.dtype) -> _Graphed:

@@ -128,8 +128,9 @@ def _packed_like(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """New tensors shaped like ``tensors``: views of one buffer, in order, where all share a dtype
     and device; else separate tensors."""
     first = tensors[0]
-    if len({(t.dtype, t.device) for t in tensors}) > 1:
-        return [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
+    for t in tensors:  # (a loop: a comprehension is a Python frame per batch)
+        if t.dtype != first.dtype or t.device != first.device:
+            return [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
     sizes = [t.numel() for t in tensors]
     flat = torch.empty(sum(sizes), dtype=first.dtype, device=first.device)
     return [v.view(t.shape) for v, t in zip(flat.split_with_sizes(sizes), tensors)]  # (split: 2 Python calls more)

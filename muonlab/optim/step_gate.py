@@ -90,15 +90,18 @@ class StepGate:
     def zero_unless_go_(self, updates: list[torch.Tensor]) -> list[torch.Tensor]:
         """Each of ``updates`` in place, zeroed when the step is skipped (a NaN in it too): the
         mask made once for the batch."""
-        stop = self.go.logical_not()
-        return [u.masked_fill_(stop, 0) for u in updates]
+        stop = (self._go if self._go is not None else self.go).logical_not()
+        for u in updates:  # a loop, not a comprehension: no Python frame per batch (3.11)
+            u.masked_fill_(stop, 0)
+        return updates
 
     def grads_for_momentum(self, grads: list[torch.Tensor], bufs: list[torch.Tensor], form: str) -> list[torch.Tensor]:
         """The grads the momentum reads, each in its buffer's dtype: ``g`` if the step goes; if
         not, the value that leaves the "ema" momentum as it is (lerp(m, m, w) = m exactly) or 0
         for "sum" (whose buffer is committed through ``commit_``): finite, so the skipped step's
         Newton-Schulz input is too. One new tensor per grad, made for the whole batch at once."""
-        go = self.go
-        if form == "ema":
-            return [torch.where(go, g.to(b.dtype), b) for g, b in zip(grads, bufs)]
-        return [torch.where(go, g.to(b.dtype), 0.0) for g, b in zip(grads, bufs)]
+        go = self._go if self._go is not None else self.go  # (the property: a Python call per batch)
+        masked = []
+        for g, b in zip(grads, bufs):
+            masked.append(torch.where(go, g.to(b.dtype), b if form == "ema" else 0.0))
+        return masked

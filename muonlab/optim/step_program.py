@@ -159,7 +159,21 @@ class StepProgram:
         ctx, prog = self._ctx, self.batches[batch.index]
         with ctx.tracer.span("momentum", batch=batch.index):
             mine = prog.mine_params
-            bufs = self._buffers(prog) if self._resident and batch.part is None else None
+            bufs = None
+            if self._resident and batch.part is None:
+                # the momentum buffers, from the state dicts kept while the state table is unchanged
+                # (a lookup hashes each tensor: a Python call; a table without a version: every step)
+                table = ctx.state
+                version = getattr(table, "version", None)
+                kept = self._states[batch.index]
+                if kept is None or kept[0] is not table or kept[1] != version or version is None:
+                    states = [table[p] for p in mine]  # (a missing one is added, and counted)
+                    kept = self._states[batch.index] = (table, getattr(table, "version", None), states)
+                bufs = [s.get("momentum_buffer") for s in kept[2]]
+                if None in bufs:  # not made yet: the per-matrix way makes it
+                    bufs = None
+                elif not prog.plain:
+                    bufs = local_shards(bufs)
             if bufs is None:
                 outs = self._momentum_each(prog, mine)
             else:
@@ -184,21 +198,6 @@ class StepProgram:
             for k, out in zip(prog.mine, outs):
                 inputs[k] = out
             return inputs
-
-    def _buffers(self, prog: BatchProgram) -> list[torch.Tensor] | None:
-        """The momentum buffers' local shards, read in one pass; None where one is not made yet.
-        The parameters' state dicts are looked up again only when the table changed (a lookup
-        hashes each tensor, a Python call; a table without a version is looked up every step)."""
-        table, index = self._ctx.state, prog.batch.index
-        version = getattr(table, "version", None)
-        kept = self._states[index]
-        if kept is None or kept[0] is not table or kept[1] != version or version is None:
-            states = [table[p] for p in prog.mine_params]  # (a missing one is added, and counted)
-            kept = self._states[index] = (table, getattr(table, "version", None), states)
-        bufs = [s.get("momentum_buffer") for s in kept[2]]
-        if None in bufs:
-            return None
-        return bufs if prog.plain else local_shards(bufs)
 
     def _momentum_each(self, prog: BatchProgram, mine: list[torch.Tensor]) -> list[torch.Tensor]:
         """The momentum one matrix at a time: a batch holding a part of a bank, momentum kept off
