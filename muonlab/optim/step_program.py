@@ -170,9 +170,11 @@ class StepProgram:
                     states = [table[p] for p in mine]  # (a missing one is added, and counted)
                     kept = self._states[batch.index] = (table, getattr(table, "version", None), states)
                 bufs = [s.get("momentum_buffer") for s in kept[2]]
-                if None in bufs:  # not made yet: the per-matrix way makes it
-                    bufs = None
-                elif not prog.plain:
+                for buf in bufs:  # by identity: `None in bufs` compares DTensors with ==, ~30 us each
+                    if buf is None:  # not made yet: the per-matrix way makes it
+                        bufs = None
+                        break
+                if bufs is not None and not prog.plain:
                     bufs = local_shards(bufs)
             if bufs is None:
                 outs = self._momentum_each(prog, mine)
