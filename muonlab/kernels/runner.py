@@ -120,6 +120,8 @@ def _fixed(cfg: NSConfig, backends) -> dict[str, NSConfig]:
 class _Decided:
     """The runner's choices for one batch key (``NewtonSchulzRunner._decide``)."""
 
+    cfg: NSConfig
+    """The config decided for (the key holds its id: hashing a dataclass is a Python call)."""
     dtype: torch.dtype
     """The compute dtype: the output's."""
     step: int
@@ -128,8 +130,6 @@ class _Decided:
     """{chunk size: its run}, on the backend picked for that size."""
     ran: dict[int, dict[str, str]]
     """{chunk size: its ``NewtonSchulzRunner.ran`` entry}."""
-    cfg: NSConfig | None = None
-    """The config decided for (the key holds its id: hashing a dataclass is a Python call)."""
 
 
 class _Graphed:

@@ -75,11 +75,11 @@ def muon_momentum_(
         return outs
     for o, g, buf in zip(outs, grads, bufs):
         g = g.to(buf.dtype)  # one grad at a time: no copy of them all in the buffers' dtype
+        # _update_foreach_'s operations one tensor at a time, written out here (a helper called per
+        # matrix is host work a batch repeats)
         if gate is not None and form == "sum":  # mu * buf + 0 is not buf: the new buffer is committed
-            gate.commit_(buf, (buf * momentum).add_(g))  # _update_one_'s operations, out of place
-        # under a gate "ema" reads its own buffer when skipped: lerp(m, m, w) is m;
-        # _update_one_'s operations, written out: a call per matrix is host work a batch repeats
-        elif form == "ema":
+            gate.commit_(buf, (buf * momentum).add_(g))  # out of place
+        elif form == "ema":  # under a gate a skipped step's grad is buf: lerp(m, m, w) is m
             buf.lerp_(g, 1 - momentum)
         else:
             buf.mul_(momentum).add_(g)
@@ -104,13 +104,6 @@ def _update_foreach_(grads, bufs, momentum: float, form: str) -> None:
     else:
         torch._foreach_mul_(bufs, momentum)
         torch._foreach_add_(bufs, grads)
-
-
-def _update_one_(buf: torch.Tensor, g: torch.Tensor, momentum: float, form: str) -> None:
-    if form == "ema":
-        buf.lerp_(g, 1 - momentum)
-    else:
-        buf.mul_(momentum).add_(g)
 
 
 def _momentum_foreach(outs, grads, bufs, *, momentum: float, nesterov: bool, form: str) -> None:

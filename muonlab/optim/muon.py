@@ -41,7 +41,7 @@ from .param_groups import NamedParams
 from .saved_state import STATE_KEYS, SavedState
 from .step_gate import StepGate
 from .state_table import StateTable
-from .step_program import StepContext, StepProgram, part_of
+from .step_program import StepContext, StepProgram, lr_of, part_of
 from .step_graph import StepGraph, check_capture_place
 from .step_stats import StepStats
 from .rule_step import RuleStage, ensure_rule_state, refuse_unfit, rule_of, state_shapes, with_rule_sums
@@ -65,12 +65,6 @@ class _Planned(NamedTuple):
     """Whether the replicas' gradients were compared across ranks (see
     ``muonlab.optim.replicas.check_ranks_agree``): False for a plan made outside a step, or where a
     gradient was not finite; the next step that uses it compares them then."""
-
-
-def lr_of(group: dict) -> float | torch.Tensor:
-    """A group's lr as the step uses it: a float, or a tensor lr as it is (read on the device)."""
-    lr = group["lr"]
-    return lr if isinstance(lr, torch.Tensor) else float(lr)
 
 
 def _why_captured_again(old: tuple, new: tuple) -> str:

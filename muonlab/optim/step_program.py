@@ -45,6 +45,12 @@ def part_of(batch: BatchPlan, local: torch.Tensor, read_only: bool = False) -> t
     return mats[lo:hi]
 
 
+def lr_of(group: dict) -> float | torch.Tensor:
+    """A group's lr as the step uses it: a float, or a tensor lr as it is (read on the device)."""
+    lr = group["lr"]
+    return lr if isinstance(lr, torch.Tensor) else float(lr)
+
+
 @dataclass(frozen=True)
 class Run:
     """Matrices of one batch that share a parameter group: one momentum or update call."""
@@ -81,13 +87,13 @@ class BatchProgram:
     replicated matrix without an owner, which every rank ran)."""
 
 
-def _runs(positions: list[int], groups: list[dict], ratios: list[float] | None = None) -> tuple[Run, ...]:
-    """``positions`` (places in a list of ``len(positions)``) split by parameter group, in first-seen order."""
+def _runs(groups: list[dict], ratios: list[float] | None = None) -> tuple[Run, ...]:
+    """The places of a list whose k-th matrix is in ``groups[k]``, split by group in first-seen order."""
     by_group: dict[int, tuple[dict, list[int]]] = {}
-    for k in positions:
-        by_group.setdefault(id(groups[k]), (groups[k], []))[1].append(k)
+    for k, group in enumerate(groups):
+        by_group.setdefault(id(group), (group, []))[1].append(k)
     return tuple(Run(group, tuple(ks), tuple(ratios[k] for k in ks) if ratios is not None else (),
-                     whole=ks == list(range(len(positions))))
+                     whole=len(ks) == len(groups))
                  for group, ks in by_group.values())
 
 
@@ -98,20 +104,16 @@ def batch_program(batch: BatchPlan, entries: list[tuple[dict, torch.Tensor]], sp
     global rank, owned here)) as the plan gives them."""
     indices = batch.param_indices
     groups = [entries[i][0] for i in indices]
-    mine = [k for k, i in enumerate(indices) if i not in owners or owners[i][2]]
+    here = [i not in owners or owners[i][2] for i in indices]  # a replica's momentum: on its owner only
+    mine = [k for k, h in enumerate(here) if h]
     ratios = [F.adjust_lr_ratio(specs[i].lr_shape, entries[i][0]["adjust_lr"]) for i in indices]
-    ran_here = tuple(None if i not in owners and specs[i].layout == "replicated" else (i not in owners or owners[i][2])
-                     for i in indices)
     params = tuple(entries[i][1] for i in indices)
-    momentum_runs = []
-    for r in _runs(mine, groups):
-        ks = tuple(mine.index(k) for k in r.positions)
-        momentum_runs.append(Run(r.group, ks, whole=ks == tuple(range(len(mine)))))
     return BatchProgram(
         batch=batch, params=params, mine=tuple(mine), mine_params=tuple(params[k] for k in mine),
         plain=DTensor is None or not any(isinstance(p, DTensor) for p in params),
-        momentum_runs=tuple(momentum_runs),
-        update_runs=_runs(list(range(len(indices))), groups, ratios), ran_here=ran_here)
+        momentum_runs=_runs([groups[k] for k in mine]), update_runs=_runs(groups, ratios),
+        ran_here=tuple(None if i not in owners and specs[i].layout == "replicated" else h
+                       for i, h in zip(indices, here)))
 
 
 @dataclass
@@ -240,7 +242,7 @@ class StepProgram:
             params = [part_of(batch, t) for t in params]
         for run in prog.update_runs:
             group, ks = run.group, run.positions
-            lr = group["lr"]
+            lr = group["lr"]  # lr_of(group), written out: a call per batch is host work every step repeats
             F.muon_apply_(params if run.whole else [params[k] for k in ks],
                           outputs if run.whole else [outputs[k] for k in ks],
                           lr=lr if isinstance(lr, torch.Tensor) else float(lr), weight_decay=group["weight_decay"],

@@ -142,7 +142,9 @@ class Tracer:
     def tally(self, key: str, start: Mark, end: Mark, *more: Mark) -> None:
         """Add the seconds between two marks to the total ``key`` (time that is no span of its own,
         e.g. the engine's exposed communication); ``more``: further (start, end) pairs, added too."""
-        for start, end in ((start, end), *zip(more[::2], more[1::2])) if more else ((start, end),):
+        marks = (start, end, *more)
+        for i in range(0, len(marks), 2):
+            start, end = marks[i], marks[i + 1]
             if type(start) is GpuMark or type(end) is GpuMark:
                 self._totals.setdefault(key, 0.0)
                 self._pending.append((key, start, end))
