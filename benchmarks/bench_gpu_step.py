@@ -64,7 +64,7 @@ from _machine import load  # noqa: E402
 from _report import md_table, results_path, text_table, write_report  # noqa: E402
 
 import muonlab  # noqa: E402
-from muonlab.kernels.newton_schulz import plain_flops_per_iter  # noqa: E402
+from muonlab.kernels.forms.plain import plain_flops_per_iter  # noqa: E402
 from muonlab.kernels.runner import default_budget  # noqa: E402
 
 SETS = {

@@ -24,14 +24,13 @@ from pathlib import Path
 
 import torch
 
-from muonlab.kernels import FORMS as FORM_UNITS
 from muonlab.kernels import SCHEDULES, newton_schulz, ns_flops
+from muonlab.kernels.config import FORM_NAMES
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _machine import MatmulProbe, load  # noqa: E402
 from _report import md_table, results_path, text_table, write_report  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-FORMS = tuple(FORM_UNITS)
 
 
 def parse_shape(text: str) -> tuple[int, ...]:
@@ -57,7 +56,7 @@ def refusal_here(schedule: str, steps: int) -> str | None:
     """Why ``schedule`` can't run ``steps`` steps in every form and dtype of this benchmark on
     this device (its ValueError), or None."""
     try:
-        for form in FORMS:
+        for form in FORM_NAMES:
             for dtype in DTYPES.values():
                 newton_schulz(torch.ones(2, 4), steps=steps, coefficients=schedule, dtype=dtype, form=form)
     except ValueError as err:
@@ -97,7 +96,7 @@ def main(argv=None) -> None:
         polars[shape] = U @ Vh
 
     configs = [(shape, preset, form, dname) for shape in shapes for preset in presets
-               for form in FORMS for dname in DTYPES]
+               for form in FORM_NAMES for dname in DTYPES]
 
     def call(cfg):
         shape, preset, form, dname = cfg

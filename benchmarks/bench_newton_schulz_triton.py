@@ -38,13 +38,9 @@ if not HAS_CUDA:
 from muonlab.kernels.triton_newton_schulz import TRITON_AVAILABLE, newton_schulz_triton  # noqa: E402
 import muonlab.kernels.triton_newton_schulz as tns  # noqa: E402
 
-from muonlab.kernels.newton_schulz import _plain_iterations as torch_plain_iterations  # noqa: E402
-from muonlab.kernels.newton_schulz import (  # noqa: E402
-    PRESETS,
-    plain_flops_per_iter,
-    resolve_coefficients,
-    symmetric_flops_per_iter,
-)
+from muonlab.kernels.coefficients import PRESETS, resolve_coefficients  # noqa: E402
+from muonlab.kernels.forms.plain import plain_flops_per_iter, symmetric_flops_per_iter  # noqa: E402
+from muonlab.kernels.forms.plain import plain_iterations as torch_plain_iterations  # noqa: E402
 from muonlab.kernels.reference import plain_iterations  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -55,7 +55,8 @@ import torch.nn as nn
 import muonlab
 from muonlab import muon_param_groups, newton_schulz, ns_flops
 from muonlab.models import GPT, GPTConfig
-from muonlab.kernels.newton_schulz import NSConfig, cpu_bf16_flags, resolve_dtype, resolve_form
+from muonlab.kernels.config import NSConfig
+from muonlab.kernels.newton_schulz import cpu_bf16_flags, resolve_dtype, resolve_form
 from muonlab.optim import functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _machine import MatmulProbe, load  # noqa: E402

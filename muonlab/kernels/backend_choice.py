@@ -23,11 +23,12 @@ import torch
 
 from ..files import file_lock, write_atomic
 from . import execute
+from .backends import BACKENDS, FALLBACK
 from .config import form_for
 from .forms import FORMS
-from .precision import TRITON_DTYPES, fp32_matmul_precision
+from .precision import fp32_matmul_precision
 
-TIE = 0.02  # triton must be more than 2% faster to be picked: torch has no compile or tuning risk
+TIE = 0.02  # another backend must be more than 2% faster than torch to be picked: torch has no compile or tuning risk
 REPEATS = 5
 
 _lock = threading.Lock()
@@ -75,9 +76,9 @@ def _key(batch_shape, dtype, cfg) -> str:
 
 def _read(path: Path) -> dict[str, str]:
     """The choices in one cache file: {} where there is none, or a damaged one (measured again,
-    then rewritten); entries other than a backend name (a hand-edited file) are left out."""
+    then rewritten); entries other than a registered backend's name (a hand-edited file) are left out."""
     try:
-        return {k: v for k, v in dict(json.loads(path.read_text())).items() if v in ("torch", "triton")}
+        return {k: v for k, v in dict(json.loads(path.read_text())).items() if isinstance(v, str) and v in BACKENDS}
     except (OSError, ValueError, TypeError, RecursionError):  # RecursionError: deeply nested JSON
         return {}
 
@@ -104,10 +105,12 @@ def _store(path: Path) -> None:
 
 
 def faster_backend(batch_shape: tuple[int, int, int], dtype: torch.dtype, cfg, device: torch.device) -> str:
-    """"torch" or "triton" for a normalised batch of ``batch_shape`` (B, m, n), m <= n, on CUDA;
-    "torch", unmeasured, for a dtype the Triton kernels don't take (``TRITON_DTYPES``)."""
-    if dtype not in TRITON_DTYPES:  # timing Triton on it would raise (or compute garbage)
-        return "torch"
+    """The faster, on a normalised batch of ``batch_shape`` (B, m, n), m <= n, on CUDA, of the
+    registered backends that take ``dtype`` and can run on ``device``; ``FALLBACK``, unmeasured,
+    where no other does (timing Triton on fp64 would raise, or compute garbage)."""
+    candidates = [name for name, record in BACKENDS.items() if record.takes(dtype) and record.usable(device)]
+    if candidates == [FALLBACK]:
+        return FALLBACK
     path = cache_file(device)
     key = _key(batch_shape, dtype, cfg)
     with _lock:
@@ -118,7 +121,7 @@ def faster_backend(batch_shape: tuple[int, int, int], dtype: torch.dtype, cfg, d
             if torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError(f"backend='auto' has not measured Newton-Schulz on {tuple(batch_shape)} {dtype} "
                                    "yet and can't while a CUDA graph is being captured: run one eager call first")
-            choices[key] = _measure(batch_shape, dtype, cfg, device)
+            choices[key] = _measure(batch_shape, dtype, cfg, device, candidates)
             _store(path)
         return _memory[path][key]
 
@@ -129,10 +132,11 @@ def measured_choices(device: torch.device) -> dict[str, str]:
         return dict(_choices(cache_file(device)))
 
 
-def _measure(batch_shape, dtype, cfg, device) -> str:
-    """Time both backends on a (B, m, n) batch, each running what ``newton_schulz`` would run
-    there: the form that runs on the shape, iterating in its dtype on CUDA (which multiplies
-    fp16 natively)."""
+def _measure(batch_shape, dtype, cfg, device, candidates) -> str:
+    """Time each of ``candidates`` (backend names, ``FALLBACK`` among them) on a (B, m, n) batch,
+    each running what ``newton_schulz`` would run there: the form that runs on the shape,
+    iterating in its dtype on CUDA (which multiplies fp16 natively). The fastest, if more than
+    ``TIE`` faster than ``FALLBACK``; else ``FALLBACK``."""
     form = form_for(cfg, batch_shape[-2:])
     iterates = FORMS[form].work_dtype(cfg, dtype, True)
     # A generator of its own: drawing from the default one would advance the caller's RNG on the
@@ -141,7 +145,7 @@ def _measure(batch_shape, dtype, cfg, device) -> str:
     generator.manual_seed(0)
     X = torch.randn(batch_shape, dtype=dtype, device=device, generator=generator)
     times = {}
-    for backend in ("torch", "triton"):
+    for backend in candidates:
         fixed = replace(cfg, backend=backend, dtype=dtype)
 
         def once():  # as a call of newton_schulz without a workspace: output and buffers fresh
@@ -158,4 +162,5 @@ def _measure(batch_shape, dtype, cfg, device) -> str:
             end.synchronize()
             runs.append(start.elapsed_time(end))
         times[backend] = statistics.median(runs)
-    return "triton" if times["triton"] < (1 - TIE) * times["torch"] else "torch"
+    fastest = min(times, key=times.get)
+    return fastest if times[fastest] < (1 - TIE) * times[FALLBACK] else FALLBACK

@@ -1,6 +1,7 @@
 """``NSConfig``, the Newton-Schulz settings a batch of matrices shares; which form runs on a
 shape under it (``form_for``) and what that costs (``ns_flops``). Pure functions of the config
-and the shape: the device's rules (dtypes, backends) are ``newton_schulz``'s."""
+and the shape: the device's rules (dtypes, backends) are ``newton_schulz``'s, each backend's
+facts its record's (``backends``)."""
 
 from __future__ import annotations
 
@@ -9,20 +10,14 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
+from .backends import AUTO, BACKENDS, check_backend_name
 from .coefficients import Coefficients, coefficient_table, resolve_coefficients, schedule_of
 from .forms import FORMS, PLAIN
 from .forms.gram import GRAM_DTYPES, checked_restarts, restarts_in
-from .precision import NS_DTYPES, TRITON_DTYPES, is_number
+from .precision import NS_DTYPES, is_number
 
-BACKENDS = ("auto", "torch", "triton")
 FORM_NAMES = tuple(FORMS)
 """The registered forms' names, in registry order (``NSConfig.form``)."""
-
-
-def triton_dtype_message(dtype: torch.dtype) -> str:
-    return (f"Newton-Schulz dtype {dtype} (Muon's ns_dtype, or the input's dtype with ns_dtype=None) is not "
-            f"supported by backend='triton' (Muon's ns_backend): its kernels take {list(TRITON_DTYPES)}; "
-            "use backend='torch' or 'auto' for it")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,9 +40,10 @@ class NSConfig:
     rectangular matrices; see its module). Square matrices always take the plain form: there gram
     saves nothing and costs about 20% more."""
     backend: str = "auto"
-    """"torch", "triton" (CUDA + triton required; fp32, fp16 or bf16 only, ``TRITON_DTYPES``) or "auto":
-    per shape, whichever of the two was measured faster on this device (muonlab.kernels.backend_choice);
-    torch off CUDA, under the Triton interpreter, and for other dtypes (fp64)."""
+    """A registered backend (``muonlab.kernels.backends.BACKENDS``): "torch", "triton" (CUDA + triton
+    required; fp32, fp16 or bf16 only, ``TRITON_DTYPES``); or "auto": per shape, whichever of those
+    that may run was measured faster on this device (muonlab.kernels.backend_choice); torch off
+    CUDA, under the Triton interpreter, and for other dtypes (fp64)."""
     gram_restarts: tuple[int, ...] | None = None
     """Iterations after which the gram form recomputes R from X. None: ``DEFAULT_GRAM_RESTARTS``
     for the dtype it iterates in (``restarts_in``)."""
@@ -63,9 +59,7 @@ class NSConfig:
     gram form diverges (see ``muonlab.kernels.forms.gram``)."""
 
     def __post_init__(self):
-        if self.backend not in BACKENDS:
-            raise ValueError(f"unknown Newton-Schulz backend {self.backend!r} (Muon's ns_backend); "
-                             f"choose one of {BACKENDS}")
+        check_backend_name(self.backend)
         if self.form not in FORMS:
             raise ValueError(f"unknown Newton-Schulz form {self.form!r} (Muon's ns_form); choose one of {FORM_NAMES}")
         if self.dtype is not None and self.dtype != "auto" and not isinstance(self.dtype, torch.dtype):
@@ -74,8 +68,9 @@ class NSConfig:
         if isinstance(self.dtype, torch.dtype) and self.dtype not in NS_DTYPES:
             raise ValueError(f"Newton-Schulz dtype (Muon's ns_dtype) must be one of {list(NS_DTYPES)} or None, "
                              f"got {self.dtype}")
-        if self.backend == "triton" and isinstance(self.dtype, torch.dtype) and self.dtype not in TRITON_DTYPES:
-            raise ValueError(triton_dtype_message(self.dtype))
+        backend = None if self.backend == AUTO else BACKENDS[self.backend]
+        if backend is not None and isinstance(self.dtype, torch.dtype) and not backend.takes(self.dtype):
+            raise ValueError(backend.dtype_message(self.dtype))
         if not is_number(self.eps):
             raise TypeError(f"Newton-Schulz eps must be a number, got {self.eps!r}")
         if not self.eps > 0:  # a zero floor divides an all-zero matrix by zero
@@ -179,9 +174,9 @@ def form_for(cfg: NSConfig, shape: Sequence[int]) -> str:
 def ns_flops(shape: Sequence[int], config: NSConfig | None = None, **settings) -> int:
     """FLOPs (multiply-adds count 2) of ``newton_schulz`` on a tensor of ``shape`` under a config:
     the form that runs on it (``form_for``), its ``flops`` with m = min, n = max of the last two
-    dims. Backend "triton": the symmetric products' count (``symmetric_flops_per_iter`` for the
-    plain form); "auto" counts as torch (it picks Triton only on CUDA, which a plan made from
-    shapes cannot know)."""
+    dims. A backend with symmetric products ("triton"): their count (``symmetric_flops_per_iter``
+    for the plain form); "auto" counts as torch (it picks Triton only on CUDA, which a plan made
+    from shapes cannot know)."""
     cfg = _config(config, settings)
     if len(shape) < 2:
         raise ValueError(f"ns_flops needs a shape with at least 2 dims, got {tuple(shape)}")
@@ -189,4 +184,8 @@ def ns_flops(shape: Sequence[int], config: NSConfig | None = None, **settings) -
     for d in shape[:-2]:
         batch *= int(d)
     m, n = sorted((int(shape[-2]), int(shape[-1])))
-    return batch * FORMS[_form(cfg, m, n)].flops(m, n, cfg, symmetric=cfg.backend == "triton")
+    return batch * FORMS[_form(cfg, m, n)].flops(m, n, cfg, symmetric=_symmetric(cfg.backend))
+
+
+def _symmetric(backend: str) -> bool:
+    return backend != AUTO and BACKENDS[backend].symmetric_products

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .backends import BACKENDS, NSBackend
 from .batch_io import load_normalised, store_pieces
 from .coefficients import Coefficients, norm_scale
 from .config import NSConfig
@@ -25,8 +26,9 @@ class ResolvedRun:
     cfg: NSConfig
     """The config: the forms read their own settings (steps, restarts) from it."""
     form: str
-    backend: str
-    """"torch" or "triton"."""
+    backend: NSBackend
+    """The backend's record: how the executor hands it the batch (``wide``), and the kernels the
+    form's products run on."""
     dtype: torch.dtype
     """The dtype the iterates are in."""
     unit: NSForm
@@ -43,7 +45,7 @@ def resolve(cfg: NSConfig, *, form: str, backend: str, dtype: torch.dtype) -> Re
     unit = FORMS[form]
     if dtype not in unit.dtypes:  # the form's own guarantee (the gram form never iterates in bf16)
         raise ValueError(f"the {form!r} Newton-Schulz form may not iterate in {dtype}; it takes {list(unit.dtypes)}")
-    return ResolvedRun(cfg=cfg, form=form, backend=backend, dtype=dtype, unit=unit,
+    return ResolvedRun(cfg=cfg, form=form, backend=BACKENDS[backend], dtype=dtype, unit=unit,
                        coefficients=cfg.resolved_coefficients(), scale=norm_scale(cfg.coefficients),
                        result_in_input=unit.writes(cfg, dtype) % 2 == 0)
 
@@ -51,7 +53,7 @@ def resolve(cfg: NSConfig, *, form: str, backend: str, dtype: torch.dtype) -> Re
 def run(pieces: list[torch.Tensor], targets: list[torch.Tensor], cfg: NSConfig, *, form: str, backend: str,
         dtype: torch.dtype, workspace: Workspace | None = None) -> None:
     """Orthogonalize ``pieces`` ((k, A, B) each, checked, no dim zero) into ``targets`` (as many
-    matrices, any float dtype) under ``cfg``, with ``form`` on ``backend`` ("torch" or "triton"),
+    matrices, any float dtype) under ``cfg``, with ``form`` on ``backend`` (a registered one),
     iterating in ``dtype``; buffers from ``workspace`` (None: a new one)."""
     run_resolved(pieces, targets, resolve(cfg, form=form, backend=backend, dtype=dtype), workspace)
 
@@ -74,10 +76,11 @@ def run_resolved(pieces: list[torch.Tensor], targets: list[torch.Tensor], resolv
     # the Triton kernels want them wide, so a tall batch is transposed on its way in.
     stored, square, wide = ((num, rows, cols), dtype), ((num, m, m), dtype), ((num, m, n), dtype)
     squares = [square] * unit.squares
-    if resolved.backend == "triton":
+    backend = resolved.backend
+    if backend.wide:
         X, spare, *products = workspace.take(device, [wide, wide, *squares])
         load_normalised(X.mT if tall else X, pieces, cfg.eps, resolved.scale)
-        result = unit.iterate(X, spare, products, resolved.coefficients, cfg, dtype, kernels="triton")
+        result = unit.iterate(X, spare, products, resolved.coefficients, cfg, dtype, kernels=backend.kernels)
         store_pieces(result.mT if tall else result, targets)
         return
     # Two iterate buffers take turns (and the form's m x m products come from the workspace too).
@@ -90,6 +93,6 @@ def run_resolved(pieces: list[torch.Tensor], targets: list[torch.Tensor], resolv
     else:
         first_buffer, second, *products = workspace.take(device, [stored, stored, *squares])
     load_normalised(first_buffer, pieces, cfg.eps, resolved.scale)
-    result = unit.iterate(first_buffer, second, products, resolved.coefficients, cfg, dtype, kernels="torch")
+    result = unit.iterate(first_buffer, second, products, resolved.coefficients, cfg, dtype, kernels=backend.kernels)
     if direct is None:
         store_pieces(result, targets)

@@ -11,16 +11,17 @@ What a call runs is made of registered units, each one module:
 * a form (``muonlab.kernels.forms``): "plain", the iteration on X, or "gram", the same iteration
   on X X^T (fewer FLOPs on rectangular matrices; never in bf16), each with its workspace, FLOP
   count and dtypes;
-* a backend: torch, or the Triton kernels (``triton_newton_schulz``), picked per shape by
-  "auto" (``backend_choice``).
+* a backend (``muonlab.kernels.backends``): torch, or the Triton kernels
+  (``triton_newton_schulz``), each with where it can run and the dtypes it takes; "auto" picks
+  one per shape (``backend_choice``).
 
-This module holds the choices that depend on the device (the compute dtype "auto" means, the
-dtype the gram form iterates in, the backends that can run) and ``newton_schulz``, which makes
-them on every call and hands the batch to ``execute.run``; the runner (``runner``) makes them
-once per batch key, with the same functions (``compute_dtype``, ``checked_form``,
-``pick_backend``), and runs each chunk on the result (``execute.run_resolved``). Its other
-public names are re-exported from the modules that now own them, for the code that imports them
-from here.
+This module holds the choices that depend on the device: the compute dtype "auto" means
+(``resolve_dtype``, ``compute_dtype``), the form and the dtype it iterates in (``resolve_form``,
+``checked_form``, ``work_dtype``), and the backends that can run (``possible_backends``,
+``pick_backend``, over the backends' records). ``newton_schulz`` makes them on every call and
+hands the batch to ``execute.run``; the runner (``runner``) makes them once per batch key, with
+the same functions, and runs each chunk on the result (``execute.run_resolved``). The settings
+are ``config.NSConfig``'s, the batch I/O ``batch_io``'s.
 
 Both forms work on any leading batch dims (one matrix per expert); each matrix is normalised by
 its own Frobenius norm, never across the batch.
@@ -34,33 +35,21 @@ from collections.abc import Sequence
 import torch
 
 from . import backend_choice, execute
-from .batch_io import HALF_SMALLEST, Overwrite, batch_pieces, load_pieces, normalise_into, store_pieces
-from .batch_io import _joined  # noqa: F401  (re-exported: a test imports it from here)
-from .coefficients import (NORM_SCALE, PRESETS, Coefficients, coefficient_table, norm_scale, resolve_coefficients,
-                           schedule_of)
-from .config import BACKENDS, FORM_NAMES, NSConfig, _config, _form, form_for, ns_flops, triton_dtype_message
-from .forms import FORMS as FORM_UNITS
+from .backends import AUTO, BACKENDS, FALLBACK, check_backend_name
+from .batch_io import Overwrite, batch_pieces
+from .coefficients import schedule_of
+from .config import FORM_NAMES, NSConfig, _config, _form
+from .forms import FORMS
 from .forms import gram as _gram
-from .forms.gram import DEFAULT_GRAM_RESTARTS, GRAM_DTYPES
-from .forms.plain import plain_flops_per_iter, plain_iterations, symmetric_flops_per_iter
-from .precision import HALF_DTYPES, NS_DTYPES, TRITON_DTYPES, fp32_matmul_precision, is_number
-from .schedules import SCHEDULES
-
-FORMS = FORM_NAMES
-"""The registered forms' names ("plain", "gram"); the forms themselves: ``muonlab.kernels.forms.FORMS``."""
-
-# private names this module had before the forms and batch I/O became modules of their own, for
-# the benchmark and tests that import them from here
-_plain_iterations, _normalise_into = plain_iterations, normalise_into
+# owned by forms.plain; importable from here too, as notebooks/04_kernels.ipynb imports them
+from .forms.plain import plain_flops_per_iter, symmetric_flops_per_iter  # noqa: F401
+from .precision import NS_DTYPES
 
 __all__ = [
-    "AUTO_GRAM_SAVING", "BACKENDS", "CPU_FP32_MAX_WORK", "Coefficients", "DEFAULT_GRAM_RESTARTS", "FORMS",
-    "FORM_CHOICES", "GRAM_DTYPES", "HALF_DTYPES", "HALF_SMALLEST", "NORM_SCALE", "NSConfig", "NS_DTYPES", "Overwrite",
-    "PRESETS", "SCHEDULES", "TRITON_DTYPES", "batch_pieces", "checked_form", "coefficient_table", "compute_dtype",
-    "cpu_bf16_flags", "cpu_flags", "cpu_has_native_bf16", "default_gram_dtype", "form_for", "fp32_matmul_precision", "gram_work_dtype",
-    "is_number", "load_pieces", "native_fp16_matmul", "newton_schulz", "norm_scale", "ns_flops", "pick_backend",
-    "plain_flops_per_iter", "possible_backends", "resolve_coefficients", "resolve_dtype", "resolve_form",
-    "store_pieces", "symmetric_flops_per_iter", "triton_usable", "work_dtype",
+    "AUTO_GRAM_SAVING", "BF16_CPU_FLAGS", "CPU_FP32_MAX_WORK", "FORM_CHOICES", "FP16_CPU_FLAGS", "checked_form",
+    "compute_dtype", "cpu_bf16_flags", "cpu_flags", "cpu_has_native_bf16", "default_gram_dtype", "gram_work_dtype",
+    "native_fp16_matmul", "newton_schulz", "pick_backend", "possible_backends", "resolve_dtype", "resolve_form",
+    "work_dtype",
 ]
 
 
@@ -109,63 +98,31 @@ def resolve_form(form: str, dtype: torch.dtype | str | None = "auto", device: to
     return dict(form="gram", gram_min_saving=AUTO_GRAM_SAVING)
 
 
-def triton_usable(device: torch.device) -> bool:
-    """Triton kernels can run on ``device``: triton imports and it is CUDA (or the interpreter is on)."""
-    return why_triton_cannot_run(device) is None
-
-
-def why_triton_cannot_run(device: torch.device) -> str | None:
-    """Why the Triton kernels can't run on ``device``, in words, or None where they can."""
-    try:
-        from .triton_newton_schulz import INTERPRET, TRITON_AVAILABLE  # optional: imports triton
-    except ImportError as err:  # the kernel module itself failed to import
-        return f"the Triton kernels failed to import ({err})"
-    if not TRITON_AVAILABLE:
-        return "triton is not installed"
-    if device.type == "cuda" or (INTERPRET and device.type == "cpu"):
-        return None
-    if device.type == "cpu":
-        return ("Triton compiles for GPUs and runs on a CPU only under its interpreter, and TRITON_INTERPRET=1 was "
-                "not set when muonlab was imported")
-    return f"Triton runs on CUDA devices, not on {device.type}"
-
-
 def possible_backends(backend: str, device: torch.device | str, dtype: torch.dtype | None = None) -> tuple[str, ...]:
     """The backends ``backend`` may run a batch on ``device`` on, whatever the batch's shape: one,
-    or for "auto" where compiled Triton kernels can run both (its pick then depends on the batch's
-    shape, see ``pick_backend``). ``dtype``, the compute dtype, if known: "auto" offers Triton only
-    for ``TRITON_DTYPES``. ValueError for a name not in ``BACKENDS``, and for "triton" where Triton
-    can't run or can't take ``dtype``."""
-    if backend not in BACKENDS:  # a typo must not silently become "auto"
-        raise ValueError(f"unknown Newton-Schulz backend {backend!r} (Muon's ns_backend); choose one of {BACKENDS}")
+    or for "auto" ``FALLBACK`` and every registered backend whose record lets "auto" pick it there
+    (``NSBackend.auto_may_pick``: compiled Triton on CUDA; its pick then depends on the batch's
+    shape, see ``pick_backend``). ``dtype``, the compute dtype, if known: "auto" offers a backend
+    only for the dtypes it takes. ValueError for a name neither "auto" nor registered, and for a
+    backend that can't run on ``device`` or can't take ``dtype``."""
+    check_backend_name(backend)
     device = torch.device(device)
-    triton_dtype = dtype is None or dtype in TRITON_DTYPES
-    if backend == "triton" and not triton_dtype:
-        raise ValueError(triton_dtype_message(dtype))
-    if backend == "torch" or (backend == "auto" and (device.type != "cuda" or not triton_dtype)):
-        return ("torch",)  # "auto" off CUDA: not even importing triton (its import alone costs ~80 MB)
-    usable = triton_usable(device)
-    if backend == "triton":
-        if not usable:
-            raise ValueError(
-                "backend='triton' needs triton installed and a CUDA tensor (or TRITON_INTERPRET=1 "
-                f"set before muonlab is imported, for CPU tests); got device {device}: "
-                f"{why_triton_cannot_run(device) or 'Triton is not usable there'}. backend='auto' falls back to torch"
-            )
-        return ("triton",)
-    # auto: the interpreter is for correctness tests only, never picked automatically, not even
-    # on CUDA (TRITON_INTERPRET=1 left set while debugging a kernel: timing it would take hours)
-    if not usable:
-        return ("torch",)
-    from .triton_newton_schulz import INTERPRET  # optional: imports triton
-
-    return ("torch",) if INTERPRET else ("torch", "triton")
+    if backend != AUTO:
+        record = BACKENDS[backend]
+        if not record.takes(dtype):
+            raise ValueError(record.dtype_message(dtype))
+        refusal = record.refusal(device)
+        if refusal is not None:
+            raise ValueError(refusal)
+        return (backend,)
+    return (FALLBACK, *[name for name, record in BACKENDS.items()
+                        if name != FALLBACK and record.auto_may_pick(device, dtype)])
 
 
 def pick_backend(backend: str, device: torch.device | str, batch_shape: tuple[int, int, int], dtype: torch.dtype,
                  cfg: NSConfig) -> str:
-    """"torch" or "triton": which path ``backend`` runs a (B, m, n) batch of ``dtype`` on ``device``;
-    ValueError as ``possible_backends`` (an unknown name, "triton" where Triton can't run or can't
+    """The registered backend ``backend`` runs a (B, m, n) batch of ``dtype`` on ``device`` on;
+    ValueError as ``possible_backends`` (an unknown name, a backend that can't run there or can't
     take ``dtype``)."""
     possible = possible_backends(backend, device, dtype)
     if len(possible) == 1:
@@ -224,7 +181,7 @@ def default_gram_dtype(dtype: torch.dtype, device: torch.device | str | None) ->
 def work_dtype(cfg: NSConfig, form: str, dtype: torch.dtype, device: torch.device | str | None) -> torch.dtype:
     """The dtype ``form`` iterates in under ``cfg`` for compute dtype ``dtype`` on ``device``
     (None: the GPU rule): the form's ``work_dtype`` with the device's fp16 fact."""
-    return FORM_UNITS[form].work_dtype(cfg, dtype, native_fp16_matmul(device))
+    return FORMS[form].work_dtype(cfg, dtype, native_fp16_matmul(device))
 
 
 def gram_work_dtype(cfg: NSConfig, dtype: torch.dtype, device: torch.device | str | None) -> torch.dtype:
@@ -282,7 +239,7 @@ def newton_schulz(G: torch.Tensor | Sequence[torch.Tensor], config: NSConfig | N
     first = pieces[0]
     device = first.device
     dtype = compute_dtype(cfg, device, first.shape, first.dtype)
-    possible_backends(cfg.backend, device, dtype)  # "triton" where it can't run: refused first, even for no matrices
+    possible_backends(cfg.backend, device, dtype)  # a backend that can't run: refused first, even for no matrices
     rows, cols = first.shape[-2:]
     num = sum([p.shape[0] for p in pieces])
     if out is None:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from .backends import AUTO, FALLBACK
 from .health import UpdateHealth
 from .batch_io import Overwrite, _joined, batch_pieces, load_pieces, store_pieces
 from .config import NSConfig, form_for
@@ -62,27 +63,26 @@ def matrices_within(budget_bytes: int, shape, dtype: torch.dtype, cfg: NSConfig 
     they are handed over; see ``batch_bytes_per_matrix``). The one rule behind the runner's
     chunks, Muon's plan and ``muonlab.simulate``'s.
 
-    On a ``device`` where ``cfg``'s backend may run Triton (``"triton"``, or ``"auto"`` where
-    Triton can run: its pick is timed per batch size, and a plan or a runner cuts batches
-    smaller than this count, evenly), the Triton path's bytes count: fewer matrices, for which
-    either backend stays within the budget whatever it picks; the count then depends on no
-    timing, so every rank plans the same batches. Without a device (``muonlab.simulate``),
-    ``"triton"`` counts the Triton path's bytes, as every run it can make does (where Triton
-    can't run, a run is refused), and ``"auto"`` the torch path's: its choice is made on the
+    On a ``device``, the fewest over the backends ``cfg``'s may run (``possible_backends``: for
+    ``"auto"`` where Triton can run, both, its pick being timed per batch size, and a plan or a
+    runner cuts batches smaller than this count, evenly): one for which any of them stays within
+    the budget whatever "auto" picks (Triton's wide iterates take one m x n more per matrix); the
+    count then depends on no timing, so every rank plans the same batches. Without a device
+    (``muonlab.simulate``), a named backend's bytes, as every run it can make takes (where it
+    can't run, a run is refused), and for ``"auto"`` the torch path's: its choice is made on the
     device itself."""
     form = "plain" if cfg is None else form_for(cfg, shape)
-    if cfg is None or cfg.backend == "torch":
-        on_triton = False
+    if cfg is None or (device is None and cfg.backend == AUTO):
+        backends = (FALLBACK,)
     elif device is None:
-        on_triton = cfg.backend == "triton"
+        backends = (cfg.backend,)
     else:
-        on_triton = "triton" in possible_backends(cfg.backend, device, dtype)
+        backends = possible_backends(cfg.backend, device, dtype)
     input_itemsize = None if input_dtype is None else input_dtype.itemsize
     # the iterates' own bytes where the form iterates in another dtype (the gram form's fp16 or fp32)
     work_itemsize = None if cfg is None else work_dtype(cfg, form, dtype, device).itemsize
-    return max_batch_matrices(shape, dtype.itemsize, budget_bytes, reuses_input, form,
-                              backend="triton" if on_triton else "torch", input_itemsize=input_itemsize,
-                              work_itemsize=work_itemsize)
+    return min([max_batch_matrices(shape, dtype.itemsize, budget_bytes, reuses_input, form, backend=b,
+                                   input_itemsize=input_itemsize, work_itemsize=work_itemsize) for b in backends])
 
 
 def _even_sizes(total: int, size: int) -> tuple[int, int]:
@@ -237,7 +237,7 @@ class NewtonSchulzRunner:
         timing cache, a test's stand-in)."""
         shape, device = tuple(first.shape[-2:]), first.device
         dtype = compute_dtype(cfg, device, shape, first.dtype)
-        possible_backends(cfg.backend, device, dtype)  # "triton" where it can't run: refused first
+        possible_backends(cfg.backend, device, dtype)  # a backend that can't run there: refused first
         form, iterates = checked_form(cfg, shape, dtype, device)
         reuses_input = overwrite and first.dtype == dtype
         m, n = sorted(shape)

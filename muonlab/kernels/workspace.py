@@ -17,6 +17,7 @@ import sys
 
 import torch
 
+from .backends import BACKENDS, FALLBACK
 from .forms import FORMS
 
 ALIGN = 256  # bytes: every buffer starts aligned for any dtype and for vectorised kernels
@@ -59,17 +60,18 @@ class Workspace:
 
 
 def batch_bytes_per_matrix(m: int, n: int, itemsize: int, reuses_input: bool = False, form: str = "plain",
-                           backend: str = "torch", input_itemsize: int | None = None,
+                           backend: str = FALLBACK, input_itemsize: int | None = None,
                            work_itemsize: int | None = None) -> int:
     """Transient bytes one m x n matrix (m <= n) adds to a Newton-Schulz batch: its input, the
     workspace's iterate and two m x m products, and the output, which doubles as the second
     iterate (see ``newton_schulz``): 3 m n + 2 m^2 elements. ``reuses_input``: the result
-    overwrites an input already in the compute dtype (``muonlab.kernels.newton_schulz.Overwrite``), which
+    overwrites an input already in the compute dtype (``muonlab.kernels.batch_io.Overwrite``), which
     is then the output too: 2 m n + 2 m^2. Another form (``form`` as it runs on this shape) has
     the same iterates and its own number of m x m products (``NSForm.squares``: four for the
-    gram form, R, Z, Q and one in flight). ``backend="triton"``: one m n more, as its two iterates are wide
-    buffers of the workspace and the output a copy of the last (the kernels want (B, m, n)
-    contiguous; a tall output can't be one).
+    gram form, R, Z, Q and one in flight). A ``backend`` whose kernels take the batch wide
+    (``NSBackend.wide``: "triton"): one m n more, as its two iterates are wide buffers of the
+    workspace and the output a copy of the last (the kernels want (B, m, n) contiguous; a tall
+    output can't be one).
 
     ``input_itemsize`` (None: ``itemsize``): the input's, which may be wider than the compute
     dtype (Muon's local path hands over fp32 momentum to bf16 Newton-Schulz: counted at bf16, it
@@ -82,7 +84,7 @@ def batch_bytes_per_matrix(m: int, n: int, itemsize: int, reuses_input: bool = F
     input nor the output can serve as an iterate: the input (also the output where
     ``reuses_input``), the output, and all iterates and products at ``work_itemsize``."""
     squares = FORMS[form].squares
-    iterates = 2 + (1 if backend == "triton" else 0)  # the output (or reused input) and the spare
+    iterates = 2 + (1 if BACKENDS[backend].wide else 0)  # the output (or reused input) and the spare
     input_bytes = (itemsize if input_itemsize is None else input_itemsize) * m * n
     if work_itemsize is not None and work_itemsize != itemsize:
         output = 0 if reuses_input else itemsize * m * n
@@ -92,7 +94,7 @@ def batch_bytes_per_matrix(m: int, n: int, itemsize: int, reuses_input: bool = F
 
 
 def max_batch_matrices(shape: tuple[int, int], itemsize: int, budget_bytes: int, reuses_input: bool = False,
-                       form: str = "plain", backend: str = "torch", input_itemsize: int | None = None,
+                       form: str = "plain", backend: str = FALLBACK, input_itemsize: int | None = None,
                        work_itemsize: int | None = None) -> int:
     """How many matrices of ``shape`` one Newton-Schulz call may take within ``budget_bytes``
     (at least one: a single matrix larger than the budget still has to be orthogonalized; any

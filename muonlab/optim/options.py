@@ -21,7 +21,8 @@ import torch.distributed as dist
 
 from ..comm.cost import HardwareProfile, get_profile
 from ..comm.planner import REMAINDER_PATHS, STRATEGIES
-from ..kernels.newton_schulz import NSConfig, resolve_form
+from ..kernels.config import NSConfig
+from ..kernels.newton_schulz import resolve_form
 from .step_gate import NONFINITE_DECISIONS
 from .step_graph import check_capture
 from .validation import ADAMW_DEFAULTS, MUON_DEFAULTS, check_comm_dtype, check_memory_options

@@ -14,7 +14,8 @@ import torch
 
 from ..comm.specs import DTensor
 from ..comm.wire import WIRE_DTYPES
-from ..kernels.newton_schulz import is_number, resolve_coefficients
+from ..kernels.coefficients import resolve_coefficients
+from ..kernels.precision import is_number
 from . import functional as F
 from .rules import RULE_SETTINGS, check_rule_settings
 

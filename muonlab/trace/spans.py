@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm.collectives import dist_on
-from ..kernels.newton_schulz import is_number
+from ..kernels.precision import is_number
 
 # Which timeline row a phase belongs to.
 LANES = {"momentum": "compute", "newton_schulz": "compute", "update": "compute", "adamw": "compute",

@@ -26,7 +26,7 @@ from collections import deque
 
 import torch
 
-from ..kernels.newton_schulz import is_number
+from ..kernels.precision import is_number
 from .spans import Span, gather_spans
 
 __all__ = ["CLOCKS", "StepRecorder"]

@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 
 import matplotlib.pyplot as plt
 
-from ..kernels.newton_schulz import PRESETS
+from ..kernels.coefficients import PRESETS
 from ..models import GPT, GPTConfig
 from ..train import History, make_optimizer, train
 from .curves import ns_choice_short, plot_loss_curves, robust_ylim

@@ -15,7 +15,8 @@ from muonlab.comm.paths import agrs as agrs_path
 from muonlab.comm.paths import all_to_all as all_to_all_path
 from muonlab.comm.records import BatchPlan, bytes_for_rank
 from muonlab.comm.specs import GroupKey, chunk_sizes
-from muonlab.kernels.newton_schulz import NSConfig, newton_schulz
+from muonlab.kernels.config import NSConfig
+from muonlab.kernels.newton_schulz import newton_schulz
 
 from ._common import full
 

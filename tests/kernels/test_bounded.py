@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from muonlab import newton_schulz
-from muonlab.kernels.newton_schulz import GRAM_DTYPES, PRESETS, NSConfig
+from muonlab.kernels.coefficients import PRESETS
+from muonlab.kernels.config import NSConfig
+from muonlab.kernels.forms.gram import GRAM_DTYPES
 
 TOP_BOUND = 1.5
 
@@ -105,9 +107,9 @@ def test_triton_backend_is_bounded(coefficients, form, gram_dtype, dtype):
     # under the interpreter on CPU (set by tests/conftest.py); bf16 tl.dot is wrong there, so bf16
     # iterates are checked on a GPU (benchmarks/gpu_checklist.sh runs this file)
     pytest.importorskip("triton")
-    from muonlab.kernels.newton_schulz import triton_usable
+    from muonlab.kernels.backends import BACKENDS
 
-    if not triton_usable(torch.device("cuda" if torch.cuda.is_available() else "cpu")):
+    if not BACKENDS["triton"].usable(torch.device("cuda" if torch.cuda.is_available() else "cpu")):
         pytest.skip("Triton can't run here (no CUDA and no interpreter)")
     inputs = training_like_inputs(16, 48)
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -9,7 +9,7 @@ import torch
 from muonlab import newton_schulz
 from muonlab.kernels import backend_choice
 from muonlab.kernels.forms import FORMS
-from muonlab.kernels.newton_schulz import NSConfig, form_for, ns_flops
+from muonlab.kernels.config import NSConfig, form_for, ns_flops
 from muonlab.kernels.workspace import batch_bytes_per_matrix
 
 

@@ -13,7 +13,9 @@ import torch
 
 import muonlab
 from muonlab.kernels import backend_choice
-from muonlab.kernels.newton_schulz import NSConfig, Overwrite, cpu_has_native_bf16, newton_schulz, resolve_dtype
+from muonlab.kernels.batch_io import Overwrite
+from muonlab.kernels.config import NSConfig
+from muonlab.kernels.newton_schulz import cpu_has_native_bf16, newton_schulz, resolve_dtype
 from muonlab.kernels.runner import NewtonSchulzRunner, default_budget
 from muonlab.kernels.workspace import ALIGN, Workspace, max_batch_matrices
 
@@ -308,7 +310,7 @@ def test_graphed_and_auto_optimizer_steps_match_eager_torch():
 
 
 def test_pieces_back_to_back_in_one_buffer_are_read_as_one_tensor():
-    from muonlab.kernels.newton_schulz import _joined
+    from muonlab.kernels.batch_io import _joined
 
     flat = torch.randn(6 * 4 * 5)
     pieces = [flat[:40].view(2, 4, 5), flat[40:40].view(0, 4, 5), flat[40:].view(4, 4, 5)]

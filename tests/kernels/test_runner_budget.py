@@ -14,7 +14,10 @@ import torch
 
 import muonlab
 from muonlab.kernels import backend_choice
-from muonlab.kernels.newton_schulz import NSConfig, Overwrite, newton_schulz, triton_usable
+from muonlab.kernels.backends import BACKENDS
+from muonlab.kernels.batch_io import Overwrite
+from muonlab.kernels.config import NSConfig
+from muonlab.kernels.newton_schulz import newton_schulz
 from muonlab.kernels.runner import NewtonSchulzRunner, matrices_within
 from muonlab.kernels.workspace import batch_bytes_per_matrix, max_batch_matrices
 
@@ -30,7 +33,7 @@ def test_auto_counts_tritons_bytes_wherever_it_may_pick_triton(monkeypatch):
     path's count wherever the timing at that count said torch: 58 matrices then ran as 29 + 29
     on Triton, 1.26x the budget."""
     pytest.importorskip("triton")
-    if not triton_usable(torch.device("cuda")):
+    if not BACKENDS["triton"].usable(torch.device("cuda")):
         pytest.skip("triton can't run on CUDA here (not installed or failed to import)")
     from muonlab.kernels import triton_newton_schulz as tns
 

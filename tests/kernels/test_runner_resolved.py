@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from muonlab.kernels.config import form_for
-from muonlab.kernels.newton_schulz import NSConfig, Overwrite, newton_schulz, work_dtype
+from muonlab.kernels.batch_io import Overwrite
+from muonlab.kernels.config import NSConfig
+from muonlab.kernels.newton_schulz import newton_schulz, work_dtype
 from muonlab.kernels.runner import NewtonSchulzRunner
 from muonlab.kernels.workspace import batch_bytes_per_matrix
 
@@ -144,7 +146,7 @@ def test_a_decided_batch_resolves_nothing_again():
     assert torch.equal(again, first)
     assert names.count("run_resolved") == 3  # three chunks
     choices = {"newton_schulz", "compute_dtype", "resolve_dtype", "checked_form", "_form", "work_dtype",
-               "schedule_of", "refusal", "check", "pick_backend", "possible_backends", "triton_usable", "_config",
+               "schedule_of", "refusal", "check", "pick_backend", "possible_backends", "usable", "_config",
                "resolve", "resolved_coefficients", "norm_scale", "matrices_within", "_decide"}
     assert not choices & set(names), choices & set(names)
 

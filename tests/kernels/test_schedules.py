@@ -9,7 +9,11 @@ import torch
 
 from muonlab import newton_schulz
 from muonlab.kernels.forms import FORMS
-from muonlab.kernels.newton_schulz import NS_DTYPES, PRESETS, NSConfig, Overwrite, form_for, resolve_form, work_dtype
+from muonlab.kernels.batch_io import Overwrite
+from muonlab.kernels.coefficients import PRESETS
+from muonlab.kernels.config import NSConfig, form_for
+from muonlab.kernels.newton_schulz import resolve_form, work_dtype
+from muonlab.kernels.precision import NS_DTYPES
 from muonlab.kernels.runner import NewtonSchulzRunner
 from muonlab.kernels.schedules import SCHEDULES
 from test_bounded import training_like_inputs

@@ -11,6 +11,7 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 import importlib  # noqa: E402
+from dataclasses import replace  # noqa: E402
 import time  # noqa: E402
 
 import pytest  # noqa: E402
@@ -19,17 +20,11 @@ pytest.importorskip("triton")
 
 import muonlab.kernels.triton_newton_schulz as tns  # noqa: E402
 from muonlab.kernels import backend_choice  # noqa: E402
-from muonlab.kernels.newton_schulz import (  # noqa: E402
-    BACKENDS,
-    NSConfig,
-    newton_schulz,
-    pick_backend,
-    possible_backends,
-    resolve_coefficients,
-)
-
-# the module, not the function muonlab.kernels exports under the same name
-ns_module = importlib.import_module("muonlab.kernels.newton_schulz")
+from muonlab.kernels.backends import BACKENDS, backend_choices  # noqa: E402
+from muonlab.kernels.coefficients import resolve_coefficients  # noqa: E402
+from muonlab.kernels.config import NSConfig  # noqa: E402
+from muonlab.kernels.newton_schulz import newton_schulz, pick_backend, possible_backends  # noqa: E402
+from muonlab.kernels.precision import fp32_matmul_precision  # noqa: E402
 
 if not torch.cuda.is_available() and not tns.INTERPRET:
     # Imported earlier in this process without the interpreter (another test module): define the
@@ -88,12 +83,12 @@ def test_triton_path_runs_after_the_new_fp32_precision_api(restore_fp32_precisio
     assert backend_choice._key((1, 8, 24), torch.float32, NSConfig()).endswith("|high")
     X = _x(1, 8, 16, dtype=torch.float16)
     torch.testing.assert_close(tns.sym_matmul(X).float(), X.float() @ X.float().mT, rtol=2e-3, atol=2e-3)
-    assert ns_module.fp32_matmul_precision() == "tf32"
+    assert fp32_matmul_precision() == "tf32"
     torch.backends.cuda.matmul.fp32_precision = "ieee"
     assert tns._dot_flags(torch.float32) == (False, "ieee")
     torch.backends.cuda.matmul.fp32_precision = "none"  # defers to the generic setting
     torch.backends.fp32_precision = "tf32"
-    assert ns_module.fp32_matmul_precision() == "tf32"
+    assert fp32_matmul_precision() == "tf32"
 
 
 def test_fp32_precision_falls_back_to_the_legacy_getter(monkeypatch):
@@ -101,9 +96,9 @@ def test_fp32_precision_falls_back_to_the_legacy_getter(monkeypatch):
     getter, and a legacy getter that raises counts as torch's default, never as a crash."""
     monkeypatch.setattr(torch.backends.cuda, "matmul", object())  # no fp32_precision attribute
     monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "high")
-    assert ns_module.fp32_matmul_precision() == "tf32"
+    assert fp32_matmul_precision() == "tf32"
     monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "highest")
-    assert ns_module.fp32_matmul_precision() == "ieee"
+    assert fp32_matmul_precision() == "ieee"
 
     def mixed():
         raise RuntimeError("mix of the legacy and new APIs")
@@ -111,7 +106,7 @@ def test_fp32_precision_falls_back_to_the_legacy_getter(monkeypatch):
     monkeypatch.setattr(torch, "get_float32_matmul_precision", mixed)
     assert tns._dot_flags(torch.float16) == (False, "ieee")  # read on every launch, whatever the dtype
     assert backend_choice._key((1, 8, 24), torch.float32, NSConfig()).endswith("|highest")
-    assert ns_module.fp32_matmul_precision() == "ieee"
+    assert fp32_matmul_precision() == "ieee"
 
 
 # ------------------------------------------------------------------- dtypes Triton can't take (r1, r2)
@@ -134,7 +129,7 @@ def test_triton_backend_refuses_fp64_up_front(form):
 def test_auto_offers_triton_only_for_its_dtypes(monkeypatch):
     """"auto" timed Triton on fp64 (and crashed): possible_backends now takes the dtype."""
     monkeypatch.setattr(tns, "INTERPRET", False)  # as on a GPU with compiled kernels
-    monkeypatch.setattr(ns_module, "triton_usable", lambda device: True)
+    monkeypatch.setitem(BACKENDS, "triton", replace(BACKENDS["triton"], why_not=lambda device: None))
     cuda = torch.device("cuda")
     assert possible_backends("auto", cuda) == ("torch", "triton")
     assert possible_backends("auto", cuda, torch.bfloat16) == ("torch", "triton")
@@ -173,7 +168,7 @@ def test_auto_never_offers_the_interpreter():
 def test_unknown_backend_names_raise(name):
     with pytest.raises(ValueError, match="choose one of") as err:
         possible_backends(name, "cpu")
-    assert repr(name) in str(err.value) and str(BACKENDS) in str(err.value)
+    assert repr(name) in str(err.value) and str(backend_choices()) in str(err.value)
     with pytest.raises(ValueError, match="choose one of"):
         pick_backend(name, "cpu", (1, 8, 16), torch.float32, NSConfig())
 

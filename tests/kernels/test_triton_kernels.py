@@ -71,12 +71,8 @@ if tns.INTERPRET:
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (compiled Triton)")
 
-from muonlab.kernels.newton_schulz import (  # noqa: E402
-    PRESETS,
-    plain_flops_per_iter,
-    resolve_coefficients,
-    symmetric_flops_per_iter,
-)
+from muonlab.kernels.coefficients import PRESETS, resolve_coefficients  # noqa: E402
+from muonlab.kernels.forms.plain import plain_flops_per_iter, symmetric_flops_per_iter  # noqa: E402
 from muonlab.kernels.reference import plain_iterations  # noqa: E402
 
 COEFFICIENTS = {name: resolve_coefficients(name, 5) for name in PRESETS}

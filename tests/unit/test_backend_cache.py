@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from muonlab.kernels import backend_choice
-from muonlab.kernels.newton_schulz import NSConfig
+from muonlab.kernels.config import NSConfig
 
 CPU = torch.device("cpu")
 

@@ -11,7 +11,7 @@ from muonlab.comm.cost import PROFILES, HardwareProfile, comm_seconds
 from muonlab.comm.paths import PATHS
 from muonlab.comm.records import BatchPlan
 from muonlab.comm.specs import GroupKey
-from muonlab.kernels.newton_schulz import NSConfig
+from muonlab.kernels.config import NSConfig
 from muonlab.simulate import simulate
 
 H100 = PROFILES["h100_node"]

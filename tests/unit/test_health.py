@@ -17,7 +17,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from muonlab import Muon, muon_param_groups
 from muonlab.kernels.health import UpdateHealth, update_ratios
-from muonlab.kernels.newton_schulz import NSConfig, Overwrite
+from muonlab.kernels.batch_io import Overwrite
+from muonlab.kernels.config import NSConfig
 from muonlab.kernels.reference import reference_newton_schulz
 from muonlab.kernels.runner import NewtonSchulzRunner
 from muonlab.kernels.workspace import batch_bytes_per_matrix

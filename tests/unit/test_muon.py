@@ -9,7 +9,8 @@ import torch.optim._muon as torch_muon
 from muonlab import Muon, muon_param_groups
 from muonlab.models import GPT, GPTConfig
 from muonlab.kernels.reference import reference_newton_schulz
-from muonlab.kernels.newton_schulz import NSConfig, form_for, resolve_form
+from muonlab.kernels.config import NSConfig, form_for
+from muonlab.kernels.newton_schulz import resolve_form
 from muonlab.kernels.workspace import batch_bytes_per_matrix
 from muonlab.optim import functional as F
 from muonlab.optim.reference import reference_muon_step

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from muonlab import PRESETS, NSConfig, newton_schulz, ns_flops
-from muonlab.kernels.newton_schulz import resolve_coefficients
+from muonlab.kernels.coefficients import resolve_coefficients
 from muonlab.kernels.reference import reference_newton_schulz
 
 
@@ -220,7 +220,7 @@ def test_gram_form_allocates_nothing_once_its_workspace_is_warm(shape, into_g):
     # and the product in flight: a warm call allocates no matrix at all, only the per-matrix norms
     from torch.profiler import ProfilerActivity, profile
 
-    from muonlab.kernels.newton_schulz import Overwrite
+    from muonlab.kernels.batch_io import Overwrite
     from muonlab.kernels.workspace import Workspace
 
     ws = Workspace()
@@ -341,7 +341,7 @@ def test_fp16_normalisation_copies_nothing_and_stays_within_fp16_rounding():
     and the fp32 division each made one (2.2x the runner's workspace budget); now only the
     per-matrix scalars are allocated. The result stays within fp16 rounding of the division in
     fp32, from tiny entries to norms past 65504, in place too."""
-    from muonlab.kernels.newton_schulz import _normalise_into
+    from muonlab.kernels.batch_io import normalise_into as _normalise_into
 
     gen = torch.Generator().manual_seed(0)
     scales = torch.tensor([1e-4, 1.0, 600.0, 3e4]).view(4, 1, 1)  # 3e4: entries up to fp16's largest
@@ -362,7 +362,7 @@ def test_fp16_normalisation_copies_nothing_and_stays_within_fp16_rounding():
 def test_fp32_and_bf16_normalisation_keep_their_bits():
     """Only fp16 takes the two-pass division: fp32 and bf16 divide once by the norm in their own
     dtype, torch.optim.Muon's ``X / X.norm()``."""
-    from muonlab.kernels.newton_schulz import _normalise_into
+    from muonlab.kernels.batch_io import normalise_into as _normalise_into
 
     G = 5 * torch.randn(3, 24, 40, generator=torch.Generator().manual_seed(1))
     for dtype in (torch.float32, torch.bfloat16):

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from muonlab import Muon, newton_schulz
-from muonlab.kernels.newton_schulz import PRESETS, form_for
+from muonlab.kernels.coefficients import PRESETS
+from muonlab.kernels.config import form_for
 
 SHAPES = [(64, 64), (32, 96), (96, 32), (48, 80), (64, 512), (512, 64)]
 STEPS = 10
@@ -78,7 +79,7 @@ def test_the_check_would_catch_the_gram_form_in_bf16():
     # the check itself, on the numerics it was written against: bf16 gram iterates (still
     # reachable for a test by emulating them: the gram form in fp32 then rounded at every product
     # is not the same, so the bf16 iteration is written out here) are more than 1.5x as far
-    from muonlab.kernels.newton_schulz import norm_scale, resolve_coefficients
+    from muonlab.kernels.coefficients import norm_scale, resolve_coefficients
 
     def bf16_gram(G, coefficients):
         X = G.bfloat16()

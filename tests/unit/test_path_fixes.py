@@ -8,7 +8,7 @@ from muonlab.comm.paths.base import PathContext
 from muonlab.comm.paths.subgroup import ranks_per_expert
 from muonlab.comm.records import BatchPlan
 from muonlab.comm.specs import GroupKey
-from muonlab.kernels.newton_schulz import NSConfig
+from muonlab.kernels.config import NSConfig
 from muonlab.simulate import simulate
 
 

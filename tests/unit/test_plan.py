@@ -8,7 +8,8 @@ import pytest
 from muonlab.comm.planner import plan_batches
 from muonlab.comm.records import flops_per_rank
 from muonlab.comm.specs import GroupKey, MatrixSpec, chunk_sizes
-from muonlab.kernels.newton_schulz import NSConfig, ns_flops, resolve_form
+from muonlab.kernels.config import NSConfig, ns_flops
+from muonlab.kernels.newton_schulz import resolve_form
 
 CFG = NSConfig()
 CFG_OF_SIMULATE = NSConfig(**resolve_form("auto"))  # simulate()'s default form
@@ -292,10 +293,10 @@ def test_simulate_sizes_batches_for_the_triton_backend_as_a_triton_run_does():
     import torch
 
     import muonlab
-    from muonlab.kernels.newton_schulz import triton_usable
+    from muonlab.kernels.backends import BACKENDS
     from muonlab.simulate import simulate
 
-    if not triton_usable(torch.device("cpu")):
+    if not BACKENDS["triton"].usable(torch.device("cpu")):
         pytest.skip("needs triton (its interpreter, TRITON_INTERPRET=1, on a CPU)")
     shapes = [("bank", (10, 16, 48)), ("w", (16, 48))] + [(f"v{i}", (48, 16)) for i in range(9)]
     budget = 4 * 4 * (3 * 16 * 48 + 2 * 16 * 16)  # four fp32 16x48 matrices on the Triton path

@@ -8,7 +8,7 @@ import pytest
 from muonlab.comm.planner import plan_batches
 from muonlab.comm.records import flops_per_rank
 from muonlab.comm.specs import GroupKey, MatrixSpec, chunk_sizes
-from muonlab.kernels.newton_schulz import NSConfig
+from muonlab.kernels.config import NSConfig
 from muonlab.models import GPT, GPTConfig
 from muonlab.simulate import lower_bound_bytes, muon_shapes, simulate
 

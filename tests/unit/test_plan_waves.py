@@ -9,7 +9,7 @@ from muonlab.comm.planner import plan_batches
 from muonlab.comm.planner.coalesce import coalesce, latency_bound
 from muonlab.comm.records import Plan
 from muonlab.comm.specs import GroupKey, MatrixSpec, chunk_sizes
-from muonlab.kernels.newton_schulz import NSConfig
+from muonlab.kernels.config import NSConfig
 from muonlab.models import GPT, GPTConfig
 from muonlab.simulate import simulate
 

@@ -33,8 +33,9 @@ class NSForm:
     square_matrices: bool
     """Whether it runs on square matrices; where not, they take the plain form."""
     iterate: Callable[..., torch.Tensor]
-    """``iterate(X, spare, squares, coefficients, cfg, dtype, kernels)``: run the steps
-    (``kernels``: "torch" or "triton"), return the buffer holding the result."""
+    """``iterate(X, spare, squares, coefficients, cfg, dtype, kernels)``: run the steps on the
+    backend's kernels (``kernels``: its record's ``NSBackend.kernels``, "torch" or "triton"),
+    return the buffer holding the result."""
     writes: Callable[..., int]
     """``writes(cfg, dtype)``: how many times ``iterate`` writes an iterate buffer on the torch
     backend (an even count leaves the result in X)."""
