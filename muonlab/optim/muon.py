@@ -27,7 +27,8 @@ from ..comm.planner import plan_batches
 from ..comm.records import BatchPlan, Plan
 from ..comm.specs import MatrixSpec, even_share_bytes, local_shard, matrix_spec, process_group_for
 from ..comm.wire import wire_itemsizes
-from ..kernels.newton_schulz import NSConfig, form_for, possible_backends, resolve_dtype, resolve_form
+from ..kernels.config import NSConfig, form_for
+from ..kernels.newton_schulz import possible_backends, resolve_dtype, resolve_form
 from ..kernels.runner import NewtonSchulzRunner, default_budget
 from ..trace import Tracer
 from . import functional as F
