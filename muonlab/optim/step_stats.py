@@ -2,11 +2,10 @@
 of skipped steps, recorded during the step and resolved when read (on CUDA, a read synchronises;
 the step itself reads nothing).
 
-``StepStats`` is a mixin of ``muonlab.optim.Muon``. It keeps ``_stats`` (the last step's record),
-``_stats_tracer`` (the tracer holding its spans), ``_stats_gate`` (a step decided on the device:
-its gate, read when the stats are) and the skip count, ``_skipped_on_host`` plus the device's
-``_skips_on_device``; it reads the optimizer's ``_tracer``, ``_runner`` (Newton-Schulz's health
-counts) and ``_culprits()``.
+``StepRecord`` owns them: the tracers (the one the step records into, and the one the last step's
+stats read), the last step's record, a step decided on the device (its gate, read when the stats
+are) and the skip count, host and device parts. What it reads beside them (the Newton-Schulz
+runner's health counts, the parameters' names) is passed in.
 """
 
 from __future__ import annotations
@@ -17,53 +16,110 @@ import torch
 
 from ..comm.collectives import CommCounter, rank_or_zero
 from ..comm.engine import phase_seconds
-from ..trace import Span
+from ..comm.specs import local_shard
+from ..trace import Span, Tracer
+from . import nonfinite
 from .step_gate import StepGate
+from .validation import fmt_shape
 
 
-class StepStats:
-    """The last step's stats and spans, and the skipped-step count, of Muon (see the module doc)."""
+def clock_device(param_groups: list[dict]) -> torch.device:
+    """Where a step's work runs, for the tracer's clock: the Muon parameters' device (CUDA events
+    there; the first Muon parameter's), else the first parameter's."""
+    first = None
+    for group in param_groups:
+        for p in group["params"]:
+            if group["algorithm"] == "muon":
+                return local_shard(p).device
+            first = p if first is None else first
+            break
+    return torch.device("cpu") if first is None else local_shard(first).device
+
+
+def culprits(checked: tuple, names: dict) -> list[str]:
+    """The parameters among ``checked`` whose grad holds an inf or NaN, by name (or shape)."""
+    return nonfinite.culprits([p.grad for p in checked], lambda i: names.get(
+        checked[i], f"of shape {fmt_shape(checked[i].shape)}"))
+
+
+class StepRecord:
+    """The last step's stats and spans, and the skipped-step count (see the module doc)."""
+
+    def __init__(self, rank: int):
+        self.tracer = Tracer(rank=rank)
+        """The tracer the step records into (or recorded last)."""
+        self.spare_tracer = Tracer(rank=rank)
+        """The other one: a step records into it while the last step's stats may still read theirs."""
+        self.stats: dict = {}
+        self.stats_tracer = self.tracer
+        """The tracer ``stats``' seconds are read from (resolved lazily)."""
+        self.stats_gate: tuple | None = None
+        """(gate, checked parameters) of the last step where it was decided on the device."""
+        self.skipped_on_host = 0
+        self.skips_on_device: torch.Tensor | None = None
+
+    def begin(self, device: torch.device) -> Tracer:
+        """A step starts: it records into the tracer the last step's stats do not read (if this
+        step raises, they can still read their seconds; resolving them here instead would
+        synchronise inside the step), reset for ``device``'s clock."""
+        if self.tracer is self.stats_tracer:
+            self.tracer, self.spare_tracer = self.spare_tracer, self.tracer
+        self.tracer.reset(device)
+        return self.tracer
 
     @property
     def skipped_steps(self) -> int:
-        """Steps skipped for a non-finite gradient (under nonfinite_decision="device" the device's
-        count is read here: one synchronisation on a GPU)."""
-        on_device = self._skips_on_device
-        return self._skipped_on_host + (0 if on_device is None else int(on_device.item()))
+        """Steps skipped for a non-finite gradient (the device's count read here: one
+        synchronisation on a GPU)."""
+        on_device = self.skips_on_device
+        return self.skipped_on_host + (0 if on_device is None else int(on_device.item()))
 
-    @skipped_steps.setter
-    def skipped_steps(self, count: int) -> None:
+    def set_skipped_steps(self, count: int) -> None:
         # the device's count is zeroed in place: a captured step adds to that very tensor
-        self._skipped_on_host = int(count)
-        if self._skips_on_device is not None:
-            self._skips_on_device.zero_()
+        self.skipped_on_host = int(count)
+        if self.skips_on_device is not None:
+            self.skips_on_device.zero_()
 
-    def _count_skip(self, gate: StepGate) -> None:
+    def count_skip(self, gate: StepGate) -> None:
         """``skipped_steps``' device part: one add, read when asked."""
         skipped = gate.go.logical_not()
-        if self._skips_on_device is None or self._skips_on_device.device != skipped.device:
-            self._skips_on_device = torch.zeros((), dtype=torch.int64, device=skipped.device)
-        self._skips_on_device += skipped
+        if self.skips_on_device is None or self.skips_on_device.device != skipped.device:
+            self.skips_on_device = torch.zeros((), dtype=torch.int64, device=skipped.device)
+        self.skips_on_device += skipped
 
-    def _record_stats(self, counter: CommCounter, seconds: dict, skipped: bool | None, gate: StepGate | None = None,
-                      checked: tuple = (), **nonfinite) -> None:
+    def record(self, counter: CommCounter, seconds: dict, skipped: bool | None, runner, gate: StepGate | None = None,
+               checked: tuple = (), **nonfinite) -> None:
         """What ``last_step_stats()`` reports for this step; seconds=None: filled from the spans
         when read (on CUDA, reading them synchronises). With a ``gate`` (the step decided on the
-        device) whether it was skipped, by which ranks and this rank's culprits among the
-        ``checked`` parameters' grads are read when the stats are (``_gate_stats``)."""
+        device) the skip is counted on the device, and whether it was skipped, by which ranks and
+        this rank's culprits among the ``checked`` parameters' grads are read when the stats are
+        (``_gate_stats``). ``runner``: the Newton-Schulz runner (None before the first Muon step),
+        whose health counts close with the step."""
+        if gate is not None:
+            self.count_skip(gate)
         nonfinite = {} if gate is not None else dict(skipped_steps=self.skipped_steps, **nonfinite)  # gate: when read
-        self._stats = dict(bytes_sent=dict(counter.sent), bytes_recv=dict(counter.recv), calls=dict(counter.calls),
-                           seconds=None, skipped=skipped, **nonfinite,
-                           nonfinite_seconds=seconds or None, unhealthy_updates=None, worst_update_ratio=None)
-        self._stats_gate = None if gate is None else (gate, checked)
-        self._stats_tracer = self._tracer
-        if self._runner is not None:  # a skipped step applied nothing: its updates are not counted
-            (self._runner.health.drop_step if skipped else self._runner.health.end_step)()
+        self.stats = dict(bytes_sent=dict(counter.sent), bytes_recv=dict(counter.recv), calls=dict(counter.calls),
+                          seconds=None, skipped=skipped, **nonfinite,
+                          nonfinite_seconds=seconds or None, unhealthy_updates=None, worst_update_ratio=None)
+        self.stats_gate = None if gate is None else (gate, checked)
+        self.stats_tracer = self.tracer
+        if runner is not None:  # a skipped step applied nothing: its updates are not counted
+            (runner.health.drop_step if skipped else runner.health.end_step)()
 
-    def last_step_stats(self) -> dict:
+    def captured(self) -> tuple:
+        """What a captured step's replays report: its stats and gate as recorded at capture."""
+        return copy.copy(self.stats), self.stats_gate
+
+    def replayed(self, captured: tuple) -> None:
+        """A replay of a captured step: its stats, without seconds (a graph records no spans)."""
+        stats, gate = captured
+        self.stats, self.stats_gate, self.stats_tracer = dict(stats, seconds={}), gate, self.tracer
+
+    def last_step_stats(self, runner, names: dict) -> dict:
         """Bytes counted at each collective (per path) and seconds per phase, for the last step
         that completed or was skipped (a step that raised leaves them as they were), as a copy the
-        caller may change.
+        caller may change. ``runner``: the Newton-Schulz runner (or None), ``names``: parameter ->
+        name, for a skipped step's culprits.
 
         Bytes: the matrices the plan's paths moved, and momentum moved between ranks
         (MOMENTUM_MOVE); the small control messages (the ranks' agreement digests, the non-finite
@@ -82,38 +138,39 @@ class StepStats:
         CUDA). When a completed step since the last read flagged a matrix, reading them (or
         making a new plan, e.g. after a setting changed) also gives one RuntimeWarning naming
         how many and the worst ratio, with settings to try."""
-        if self._stats.get("seconds", {}) is None:
-            self._stats["seconds"] = self._phase_seconds()
-        if self._stats_gate is not None:
-            self._stats.update(self._gate_stats(*self._stats_gate))
-            self._stats_gate = None
-        if self._stats.get("skipped"):
-            self._stats.update(unhealthy_updates=0, worst_update_ratio=None)  # nothing was applied
-        if self._stats and self._stats.get("unhealthy_updates", 0) is None:
-            report = self._runner.health.last_step() if self._runner is not None else None
-            self._stats["unhealthy_updates"] = report.flagged if report else 0
-            self._stats["worst_update_ratio"] = report.worst if report else None
-        if self._runner is not None:
-            self._runner.health.warn_unread(stacklevel=2)
-        return copy.deepcopy(self._stats)
+        stats = self.stats
+        if stats.get("seconds", {}) is None:
+            stats["seconds"] = self._phase_seconds()
+        if self.stats_gate is not None:
+            stats.update(self._gate_stats(*self.stats_gate, names))
+            self.stats_gate = None
+        if stats.get("skipped"):
+            stats.update(unhealthy_updates=0, worst_update_ratio=None)  # nothing was applied
+        if stats and stats.get("unhealthy_updates", 0) is None:
+            report = runner.health.last_step() if runner is not None else None
+            stats["unhealthy_updates"] = report.flagged if report else 0
+            stats["worst_update_ratio"] = report.worst if report else None
+        if runner is not None:
+            runner.health.warn_unread(stacklevel=3)
+        return copy.deepcopy(stats)
 
-    def _gate_stats(self, gate: StepGate, checked: tuple) -> dict:
+    def _gate_stats(self, gate: StepGate, checked: tuple, names: dict) -> dict:
         """The stats of a step decided on the device, read now: whether it was skipped, the
         flagged ranks and this rank's culprits (named from the grads as they are now: None when
         a grad was released since, e.g. by zero_grad)."""
         ranks = gate.flagged_ranks()
         if not ranks:  # the ranks and culprits are there for a skipped step only, as under "host"
             return dict(skipped=False, skipped_steps=self.skipped_steps)
-        names: list[str] | None = []
+        found: list[str] | None = []
         if rank_or_zero() in ranks:
-            names = None if any(p.grad is None for p in checked) else self._culprits(checked)
-        return dict(skipped=True, nonfinite_ranks=ranks, nonfinite_params=names, skipped_steps=self.skipped_steps)
+            found = None if any(p.grad is None for p in checked) else culprits(checked, names)
+        return dict(skipped=True, nonfinite_ranks=ranks, nonfinite_params=found, skipped_steps=self.skipped_steps)
 
     def _phase_seconds(self) -> dict[str, float]:
         """Seconds per phase of the last step: momentum, update and adamw from their spans,
         communication and Newton-Schulz from the engine's (muonlab.comm.engine.phase_seconds)."""
         phases = {"momentum": 0.0, "communication": 0.0, "newton_schulz": 0.0, "update": 0.0, "adamw": 0.0}
-        tracer = self._stats_tracer
+        tracer = self.stats_tracer
         for s in tracer.spans:  # resolves them
             if s.name in ("momentum", "update", "adamw"):
                 phases[s.name] += s.duration
@@ -124,4 +181,21 @@ class StepStats:
         """This rank's spans of the step ``last_step_stats()`` describes (gather them with
         muonlab.trace.gather_spans); on CUDA GPU-timed, and the first read after a step
         synchronises the device once."""
-        return list(self._stats_tracer.spans)
+        return list(self.stats_tracer.spans)
+
+
+def record_of(attrs: dict) -> StepRecord:
+    """The record of a Muon pickled when its parts were Muon's own attributes (``_tracer``,
+    ``_stats``, ...; older: no spare tracer, ``skipped_steps`` a plain count), popped from ``attrs``."""
+    tracer = attrs.pop("_tracer", None)
+    record = StepRecord(rank_or_zero() if tracer is None else tracer.rank)
+    if tracer is not None:
+        spare = attrs.pop("_spare_tracer", None)
+        record.tracer, record.spare_tracer = tracer, spare or Tracer(rank=tracer.rank)
+        record.stats_tracer = attrs.pop("_stats_tracer", tracer) if spare is not None else tracer
+    record.stats, record.stats_gate = attrs.pop("_stats", {}), attrs.pop("_stats_gate", None)
+    if "_skipped_on_host" in attrs:
+        record.skipped_on_host, record.skips_on_device = attrs.pop("_skipped_on_host"), attrs.pop("_skips_on_device")
+    else:
+        record.skipped_on_host = int(attrs.pop("skipped_steps", 0))
+    return record

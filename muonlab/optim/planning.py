@@ -1,0 +1,197 @@
+"""Muon's plan: which matrices travel and orthogonalize together, made from the parameters'
+metadata and the options, cached per set of parameters, and what the plan's batches resolve to.
+
+The functions take what they read: the Muon entries ((group, parameter) pairs in the optimizer's
+order), its ``MuonOptions``, its parameter names and views (``NamedParams``), its state stores and
+the Newton-Schulz runner, whose budget shapes the batches.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from ..comm.collectives import dist_on
+from ..comm.paths.subgroup import ranks_per_expert, subgroups_for
+from ..comm.planner import plan_batches
+from ..comm.records import Plan
+from ..comm.specs import MatrixSpec, even_share_bytes, local_shard, matrix_spec, process_group_for
+from ..comm.wire import wire_itemsizes
+from ..kernels.config import NSConfig, form_for
+from ..kernels.newton_schulz import possible_backends, resolve_dtype, resolve_form
+from ..kernels.runner import NewtonSchulzRunner, default_budget
+from .replicas import check_ranks_agree
+from .rule_step import refuse_unfit, rule_of, with_rule_sums
+from .step_program import part_of
+
+
+class Planned(NamedTuple):
+    """A plan with what the step needs beside it, cached per set of parameters."""
+
+    plan: Plan
+    specs: dict[int, MatrixSpec]
+    """Parameter index -> its layout."""
+    groups: dict
+    """GroupKey -> (torch ProcessGroup, this rank's index in it)."""
+    owners: dict[int, tuple]
+    """Replicated (DDP) parameter index -> (process group, owner's global rank, owned here)."""
+    grads_compared: bool = False
+    """Whether the replicas' gradients were compared across ranks (see
+    ``muonlab.optim.replicas.check_ranks_agree``): False for a plan made outside a step, or where a
+    gradient was not finite; the next step that uses it compares them then."""
+
+
+def why_captured_again(old: tuple, new: tuple) -> str:
+    """Why a captured step's key changed (Muon._graph_key's parts), in words."""
+    if old[0] != new[0]:
+        return "the prepared step changed: which parameters have gradients, a plan setting or an option"
+    if old[1] != new[1]:
+        return ("a setting changed (a float lr under a scheduler keeps the step eager: give lr as a tensor on the "
+                "parameters' device, which a scheduler fills in place)")
+    return ("a parameter or gradient moved: zero_grad(set_to_none=True), torch's default, makes new gradients "
+            "each step; use zero_grad(set_to_none=False)")
+
+
+def _layout(p: torch.Tensor) -> tuple:
+    """What a plan depends on of one parameter: which tensor it is, its global and local shapes,
+    dtype, device and (for a DTensor) placements."""
+    return (id(p), tuple(p.shape), tuple(local_shard(p).shape), p.dtype, p.device,
+            tuple(getattr(p, "placements", ())))
+
+
+def replicate_group(process_group):
+    """The group replicated (plain-tensor) parameters are divided over (None: this process alone)."""
+    if process_group is not None:
+        return process_group
+    return dist.group.WORLD if dist_on() and dist.get_world_size() > 1 else None
+
+
+def ns_config(group: dict, options, device: torch.device) -> NSConfig:
+    """A Muon group's Newton-Schulz settings with the optimizer-wide dtype, form and backend."""
+    return NSConfig(steps=group["ns_steps"], coefficients=group["ns_coefficients"], eps=group["eps"],
+                    dtype=options.ns_dtype, **resolve_form(options.ns_form, options.ns_dtype, device),
+                    backend=options.ns_backend)
+
+
+def new_runner(options, entries: list, device: torch.device) -> NewtonSchulzRunner:
+    """The Newton-Schulz runner (chunks within the workspace budget, reused buffers, graphs); its
+    ``budget_bytes`` is the one budget the plan and the chunks use. The default is computed from
+    each parameter's even share of its bytes, not from this rank's own shards: it decides how
+    matrices are grouped into batches, so it must be the same on every rank (uneven FSDP2 shards
+    would otherwise give ranks different plans)."""
+    budget = options.workspace_bytes
+    if budget is None:
+        budget = default_budget(sum(even_share_bytes(p) for _, p in entries), device.type)
+    return NewtonSchulzRunner(budget, graphs=options.ns_graphs)
+
+
+def max_local_matrices(shape: tuple[int, int], cfg: NSConfig, device: torch.device, momentum: torch.dtype,
+                       runner: NewtonSchulzRunner) -> int:
+    """Matrices of ``shape`` one batch of the local path may hold within the budget: its results
+    overwrite its momentum inputs, whose bytes serve as an iterate when their dtype (``momentum``,
+    the first Muon parameter's, standing for all) is the compute dtype, and count at the
+    momentum's itemsize otherwise (fp32 momentum into bf16 Newton-Schulz: twice the bytes)."""
+    dtype = resolve_dtype(cfg.dtype, device, shape) or torch.float32
+    return runner.chunk_size(shape, dtype, reuses_input=momentum == dtype, cfg=cfg, device=device,
+                             input_dtype=momentum)
+
+
+def plan_for(cache: dict, indices: tuple[int, ...], entries: list, options, named, offload,
+             runner: NewtonSchulzRunner | None, device: torch.device | None, check_group,
+             collective: bool = True, stepping: bool = False) -> Planned:
+    """The plan for these Muon entries. Cached in ``cache``: it depends only on metadata and on the
+    settings below (part of the key, so changing one re-plans).
+
+    A new plan is first checked against the other ranks' (over ``check_group``) and its sub-groups
+    made, both collectives. ``collective=False`` (``Muon.plan()``, which one rank may call alone)
+    skips them and leaves the plan uncached, so the step still checks it. ``stepping``: called by
+    a step, whose gradients (all present) are compared too; a plan made outside a step
+    (consolidate_state, release_unowned_state: gradients there need not be a step's) has them
+    compared by the first step that uses it, in one more exchange of the same check."""
+    # one config per group (settings may change between steps, so made anew each step)
+    by_group = {id(g): g for g, _ in entries}
+    by_group = {key: ns_config(g, options, device) for key, g in by_group.items()}
+    configs = tuple(by_group[id(entries[i][0])] for i in indices)
+    # each parameter's identity and layout too: one may be replaced, resized (p.data = ...) or
+    # resharded between steps, and a plan made for its old shape would update it wrongly
+    layouts = tuple(_layout(entries[i][1]) for i in indices)
+    rules = tuple(entries[i][0]["update_rule"] for i in indices)  # a rule may refuse a layout
+    cache_key = (indices, configs, layouts, rules, options.comm_dtype, options.strategy, options.remainder_path,
+                 options.hardware_profile)
+    if cache_key not in cache:
+        if runner is not None:  # a new plan is made outside the hot step: the place to read them
+            runner.health.warn_unread(" (read when making a new plan)")
+        for i in indices:  # still a matrix Muon can update (it may have changed since construction)
+            named.check_param(entries[i][1], "muon", options)
+        replicate = replicate_group(options.process_group)
+        specs, groups = [], {None: (None, 0)}
+        for i in indices:
+            group, p = entries[i]
+            name = named.names.get(p, f"param{i}")
+            spec = matrix_spec(i, name, p, replicate, named.fused_banks.get(name, 1), named.view_of(p))
+            refuse_unfit(group, spec)
+            specs.append(spec)
+            if spec.group not in groups:
+                groups[spec.group] = process_group_for(p, spec, replicate)
+        compared = False
+        if collective:  # before planning: disagreeing ranks can't plan alike
+            compared = check_ranks_agree(check_group, specs, configs, [entries[i][1] for i in indices],
+                                         runner.budget_bytes, grads=stepping)
+
+        def momentum_dtype(spec: MatrixSpec) -> torch.dtype:  # what Newton-Schulz reads with ns_dtype=None
+            return offload.dtype(entries[spec.index][1], "momentum_buffer")
+
+        def max_local(shape: tuple[int, int], cfg: NSConfig) -> int:
+            return max_local_matrices(shape, cfg, device, offload.dtype(entries[0][1], "momentum_buffer"), runner)
+
+        # each batch's wire dtype follows its Newton-Schulz dtype on this device (comm_dtype "auto")
+        wire = wire_itemsizes(options.comm_dtype, device=device, input_dtype=momentum_dtype)
+        plan = plan_batches(
+            specs, configs, comm_itemsize=wire,
+            remainder_path=options.remainder_path, strategy=options.strategy, profile=options.hardware_profile,
+            max_local_matrices=max_local,
+        )
+        plan = with_rule_sums(plan, {s.index: s for s in specs}, lambda i: rule_of(entries[i][0]))
+        owners = {}
+        for b in plan:
+            if b.part is not None:  # a bank that can't be cut raises here, before anything changes
+                part_of(b, local_shard(entries[b.param_indices[0]][1]))
+            if b.path == "subgroup" and collective:  # sub-groups are made collectively, here, never mid-step
+                subgroups_for(b.group, ranks_per_expert(b))
+            if b.path == "owner":
+                pg, me = groups[b.group]
+                owners.update({i: (pg, dist.get_global_rank(pg, o), o == me)
+                               for i, o in zip(b.param_indices, b.owners)})
+        planned = Planned(plan, {s.index: s for s in specs}, groups, owners, compared)
+        if not collective:
+            return planned
+        cache[cache_key] = planned
+    elif stepping and not cache[cache_key].grads_compared:  # (the cache is alike on every rank)
+        planned = cache[cache_key]
+        compared = check_ranks_agree(check_group, [planned.specs[i] for i in indices], configs,
+                                     [entries[i][1] for i in indices], runner.budget_bytes, grads=True)
+        cache[cache_key] = planned._replace(grads_compared=compared)
+    return cache[cache_key]
+
+
+def resolved_choices(plan: Plan, runner: NewtonSchulzRunner | None, device: torch.device,
+                     param_dtype: torch.dtype) -> list[dict]:
+    """Muon.resolved_choices' rows for ``plan``: what ran on this rank (``runner.ran``), else what
+    the rules give from the shapes (``param_dtype``: the first Muon parameter's, for ns_dtype=None)."""
+    runner_ran = runner.ran if runner is not None else {}
+    rows = []
+    for batch in plan:
+        shape = tuple(batch.matrix_shape)
+        ran = runner_ran.get(shape)
+        if ran is None:
+            cfg = batch.ns_config
+            dtype = resolve_dtype(cfg.dtype, device, shape) or param_dtype
+            backends = possible_backends(cfg.backend, device, dtype)
+            ran = dict(dtype=str(dtype).removeprefix("torch."), form=form_for(cfg, shape),
+                       backend=backends[0] if len(backends) == 1 else "auto (timed at the first step)")
+        rows.append(dict(batch=batch.index, names=batch.names, shape=shape, matrices=batch.num_matrices,
+                         path=batch.path, wave=batch.travels_with, **ran,
+                         wire_dtype=str(batch.wire_dtype).removeprefix("torch.")))
+    return rows
