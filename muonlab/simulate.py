@@ -231,7 +231,7 @@ def simulate(
     itemsize = wire_itemsizes(comm_dtype, device=device, input_dtype=momentum_dtype)
     if strategy == "muonlab":
         limit = None
-        if workspace_bytes is not None:  # what Muon._max_local_matrices gives a run with this budget
+        if workspace_bytes is not None:  # what optim.planning.max_local_matrices gives a run with this budget
             def limit(shape, cfg):
                 dtype = resolve_dtype(ns_dtype, run_device, shape)
                 return matrices_within(workspace_bytes, shape, dtype, cfg, reuses_input=True)
