@@ -24,16 +24,18 @@ demo: setup data/cache/corpus.meta.json
 	$(PY) -m muonlab.cli demo
 
 # ruff check first: pyflakes' findings ([tool.ruff] in pyproject.toml) across the repository, notebooks excepted.
-# tests/ includes tests/browser (JupyterLab in headless Chromium; skipped where none is installed).
+# Then one pytest session over tests/ and notebooks/, on TEST_WORKERS xdist workers; --dist loadscope
+# keeps a module's (and a notebook's) tests on one worker, so module fixtures launch once.
+# tests/ includes tests/browser (JupyterLab in headless Chromium; skipped where none is installed)
+# and tests/test_notebooks_at_default_size.py (every notebook again with CI unset, --nbval-lax:
+# the # NBVAL_CHECK_OUTPUT cells compared, so a run that breaks only after some steps fails).
 # Notebooks: strict nbval, every cell not marked # NBVAL_IGNORE_OUTPUT compared with its stored
-# output (notebooks/_store_outputs.py writes them), after notebooks/nbval_sanitize.cfg. Then again at
-# their default sizes (CI unset), comparing the # NBVAL_CHECK_OUTPUT cells: a run that breaks only
-# after some steps fails there.
+# output (notebooks/_store_outputs.py writes them), after notebooks/nbval_sanitize.cfg.
+TEST_WORKERS ?= 2
 test: setup data/cache/corpus.meta.json
 	$(VENV)/bin/ruff check .
-	CI=1 $(PY) -m pytest -q tests
-	CI=1 $(PY) -m pytest -q -p no:cacheprovider --nbval --nbval-sanitize-with notebooks/nbval_sanitize.cfg notebooks
-	env -u CI $(PY) -m pytest -q -p no:cacheprovider --nbval-lax notebooks
+	CI=1 $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadscope \
+		--nbval --nbval-sanitize-with notebooks/nbval_sanitize.cfg tests notebooks
 
 lab: setup data/cache/corpus.meta.json
 	$(VENV)/bin/jupyter lab notebooks $(if $(filter 0,$(shell id -u)),--allow-root)

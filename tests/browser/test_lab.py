@@ -263,9 +263,11 @@ def test_notebook_07_compare_panel_runs_on_click(lab, tmp_path):
 
 def test_a_run_without_chromium_says_why_the_browser_tests_skipped():
     """The browser tests run with a PATH holding no Chromium: they skip, and the summary at the end
-    of the output names the package to install (a skip among the suite's others is easy to miss)."""
+    of the output names the package to install (a skip among the suite's others is easy to miss).
+    Run as `make test` runs them, on xdist workers: the summary is written by the controller."""
     env = dict(os.environ, PATH=str(Path(sys.executable).parent))
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "notebook_",
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", "--dist",
+                          "loadscope", "-k", "notebook_",
                           str(Path(__file__).relative_to(REPO))], cwd=REPO, env=env, capture_output=True,
                          text=True, timeout=300)
     out = run.stdout + run.stderr

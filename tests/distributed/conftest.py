@@ -33,10 +33,12 @@ def _cpu_workers(request, monkeypatch):
         monkeypatch.setenv(WARM_ENV, "0")
 
 
-@pytest.fixture(autouse=True, scope="session")
+@pytest.fixture(autouse=True, scope="package")
 def _runs_in_a_temporary_directory(tmp_path_factory):
-    """launch() keeps each run's logs under $MUONLAB_RUNS_DIR (default ./runs); the suite's runs go
-    to a temporary directory instead of the checkout."""
+    """launch() keeps each run's logs under $MUONLAB_RUNS_DIR (default ./runs); this package's runs
+    go to a temporary directory instead of the checkout. Package scope, not session: on an xdist
+    worker the notebooks run after these tests in the same process, and their kernels must see
+    the environment a researcher's has."""
     from muonlab.distributed.launch import RUNS_DIR_ENV
 
     with pytest.MonkeyPatch.context() as mp:
