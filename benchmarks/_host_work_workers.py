@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import muonlab
 from muonlab import Muon
 from muonlab.distributed import MeshAxis
 
@@ -51,15 +52,22 @@ class _CountOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def count_step(step: Callable[[], None]) -> tuple[int, int]:
-    """(Python calls, aten ops) of a step: two calls of ``step``, one counted by each, since a
-    dispatch mode runs Python for every op it sees and would inflate the calls."""
+PACKAGE = str(Path(muonlab.__file__).resolve().parent) + os.sep
+
+
+def count_step(step: Callable[[], None]) -> tuple[int, int, int, int]:
+    """(Python calls, aten ops, muonlab files, muonlab/kernels files) of a step: two calls of
+    ``step``, one counted by each, since a dispatch mode runs Python for every op it sees and would
+    inflate the calls. The files are the modules of muonlab whose functions the step called (its
+    walk; issue 40's goal: at most 12, and a Newton-Schulz call within 3 of kernels/)."""
     calls = 0
+    files = set()
 
     def profile(frame, event, arg):
         nonlocal calls
         if event == "call":
             calls += 1
+            files.add(frame.f_code.co_filename)
 
     sys.setprofile(profile)
     try:
@@ -69,7 +77,8 @@ def count_step(step: Callable[[], None]) -> tuple[int, int]:
     mode = _CountOps()
     with mode:
         step()
-    return calls, mode.ops
+    walk = [f.removeprefix(PACKAGE) for f in files if f.startswith(PACKAGE)]
+    return calls, mode.ops, len(walk), sum(f.startswith("kernels" + os.sep) for f in walk)
 
 
 def _optimizer(kind: str, named: list[tuple[str, torch.nn.Parameter]], mesh):

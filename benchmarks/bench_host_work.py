@@ -35,7 +35,7 @@ from muonlab.distributed import launch  # noqa: E402
 
 def rows_for(counts: dict, kinds: list[str], sizes: list[int], dion: dict | None) -> tuple[list, list]:
     header = ["optimizer", *(f"{n} matrices: calls / ops" for n in sizes), "per added matrix: calls / ops",
-              "calls / Dion's at the largest"]
+              "calls / Dion's at the largest", "muonlab files walked (kernels/)"]
     rows = []
     lo, hi = min(sizes), max(sizes)
     for kind in kinds:
@@ -44,7 +44,9 @@ def rows_for(counts: dict, kinds: list[str], sizes: list[int], dion: dict | None
         cells = [f"{counts[(kind, n)][0]:,} / {counts[(kind, n)][1]:,}" for n in sizes]
         per = [(counts[(kind, hi)][k] - counts[(kind, lo)][k]) / (hi - lo) for k in (0, 1)]
         vs = f"{counts[(kind, hi)][0] / dion[(hi)][0]:.2f}x" if dion else "n/a"
-        rows.append([kind, *cells, f"{per[0]:.1f} / {per[1]:.1f}", vs])
+        files, kernel_files = counts[(kind, hi)][2:4]
+        walk = f"{files} ({kernel_files})" if files else "-"
+        rows.append([kind, *cells, f"{per[0]:.1f} / {per[1]:.1f}", vs, walk])
     return header, rows
 
 
@@ -80,7 +82,8 @@ def main(argv=None):
         "rank 0, after 3 warm-up steps, on GPT-2-small's hidden matrices at 1/8 scale; see the script's docstring. "
         "muonlab kinds: the defaults, `nonfinite_decision=\"device\"`, `state_offload=\"cpu\"`, "
         "`update_rule=\"normuon\"`. Goal (issue 40): at most 5 Python calls per added matrix and at most 1.2x "
-        "Dion's calls at 96 matrices, one process and rank 0 of 2.",
+        "Dion's calls at 96 matrices, one process and rank 0 of 2. The files walked: the muonlab modules whose functions "
+        "the step called at the largest size (in brackets, those in kernels/); goal: at most 12 (3).",
         *sections, *notes])
     write_report(args.out or results_path("host_work"), "Host work per optimizer step: Python calls and aten ops",
                  body, script=__file__, argv=argv,
