@@ -53,6 +53,9 @@ class BatchPlan:
     """Global shape of each parameter of the batch."""
     sources: tuple[tuple[int, ...], ...] = ()
     """Whole layouts: the group-local rank holding each matrix of each parameter."""
+    pieces: tuple = ()
+    """Layout "pieces": per parameter of the batch, what each group-local rank holds of it
+    (``MatrixSpec.pieces``)."""
     moves: tuple[tuple[int, int, int, int], ...] = ()
     """Whole matrices moved for balance (rebalance path): (parameter position in the batch,
     matrix index in that parameter's group-wide matrices, source rank, owner rank)."""

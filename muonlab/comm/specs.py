@@ -14,7 +14,14 @@ between ranks: the global shape, how it is laid out over which group of ranks, a
 * ``blocks``: a fused bank (E*M, N) row-sharded so that some of its matrices straddle shards (a
   fused QKV split per head): each matrix is gathered on the rank holding most of its rows and
   sent back (muonlab.comm.paths.blocks).
-* ``gather_all``: any other DTensor placement; handled by a padded full gather (the fallback).
+* ``pieces``: a DTensor sharded on two or more mesh axes, as tensor parallelism composed with FSDP2
+  makes it (a column-wise Linear ``(_StridedShard(0), Shard(0))``, a row-wise one ``(Shard(0),
+  Shard(1))``, HSDP x TP with a Replicate axis more): each rank of the sharding axes, flattened into
+  one group, holds an arbitrary block of each tensor, a product of index runs per dim
+  (``MatrixSpec.pieces``; uneven and empty ones included). Each parameter is gathered whole on one
+  owner and its update's pieces sent back (muonlab.comm.paths.pieces).
+* ``gather_all``: a single ``Shard(dim)`` with dim > 0 on one axis (a row-wise Linear on its own
+  mesh); handled by a padded full gather (the fallback), with a warning the first time.
 
 A parameter's MATRIX VIEW says how its tensor is read as matrices (``VIEWS``); the data is always
 moved and orthogonalized as stored, so only the lr ratio needs the (out, in) orientation:
@@ -30,8 +37,10 @@ moved and orthogonalized as stored, so only the lr ratio needs the (out, in) ori
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -39,10 +48,17 @@ import torch.distributed as dist
 
 try:
     from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
 except ImportError:  # pragma: no cover - torch without distributed
-    DTensor = Replicate = Shard = None  # type: ignore[assignment,misc]
+    DTensor = Replicate = Shard = _StridedShard = None  # type: ignore[assignment,misc]
 
-LAYOUTS = ("whole", "row_shard", "subgroup", "blocks", "replicated", "gather_all")
+LAYOUTS = ("whole", "row_shard", "subgroup", "blocks", "replicated", "pieces", "gather_all")
+
+Runs = tuple[tuple[int, int], ...]
+"""Index runs along one tensor dim, (first index, length) each, in the order the local tensor
+holds them (a Shard gives one run, a _StridedShard several, an empty piece none)."""
+Piece = tuple[Runs, ...]
+"""What one rank holds of a tensor: the product of one ``Runs`` per dim."""
 VIEWS = ("matrix", "transpose", "flatten", "bank")
 
 
@@ -172,6 +188,9 @@ class MatrixSpec:
     dtype: str = ""
     """The parameter's dtype (``str(p.dtype)``; empty: unknown). A batch holds one: its matrices are
     read into one workspace, from momentum in the parameter's dtype by default."""
+    pieces: tuple[Piece, ...] = ()
+    """Layout "pieces": what each group-local rank holds of the tensor (``Piece``), from global
+    metadata alone; empty for every other layout."""
 
     def __post_init__(self):
         if not self.view:
@@ -239,6 +258,147 @@ def group_key_for_pg(group) -> GroupKey:
     return GroupKey(mesh_ranks=ranks, mesh_shape=(len(ranks),), axis_name="")
 
 
+def _runs(index: list[int]) -> Runs:
+    """``index`` (global positions, in local order) as runs of consecutive positions."""
+    out: list[list[int]] = []
+    for g in index:
+        if out and out[-1][0] + out[-1][1] == g:
+            out[-1][1] += 1
+        else:
+            out.append([g, 1])
+    return tuple((a, n) for a, n in out)
+
+
+def held_piece(shape: tuple[int, ...], mesh_shape: tuple[int, ...], coordinate: tuple[int, ...],
+               placements: tuple) -> Piece:
+    """What the rank at ``coordinate`` of a mesh holds of a tensor of global ``shape`` placed by
+    ``placements``: per dim, the global indices it holds as runs, in its local tensor's order.
+
+    torch's own sharding arithmetic (``_get_shard_size_and_offsets``, what
+    ``compute_local_shape_and_global_offset`` is made of) applied mesh dim by mesh dim, keeping
+    every offset rather than the first, so strided (``_StridedShard``) and uneven shards come out
+    exactly as DTensor lays them out."""
+    from torch.distributed.tensor._utils import _get_shard_size_and_offsets
+
+    sizes = list(shape)
+    offsets: dict[int, object] = {}
+    for mesh_dim, placement in enumerate(placements):
+        if isinstance(placement, Replicate):
+            continue
+        dim = placement.dim
+        size, index = _get_shard_size_and_offsets(sizes[dim], mesh_shape[mesh_dim], coordinate[mesh_dim],
+                                                  placement, offsets.get(dim), shape[dim], False)
+        sizes[dim] = size
+        offsets[dim] = index[:size]  # an empty shard's offsets hold a placeholder past the end
+    return tuple(_runs(offsets[d].tolist()) if d in offsets else ((0, shape[d]),) if shape[d] else ()
+                 for d in range(len(shape)))
+
+
+def piece_numel(piece: Piece) -> int:
+    """Elements of a ``Piece``."""
+    return math.prod(sum(n for _, n in runs) for runs in piece)
+
+
+def piece_rows(spec: "MatrixSpec", group_rank: int) -> list[int]:
+    """The parameter's rows (read as (rows, cols) by its view: a bank's matrices' rows one after
+    another, a flattened kernel's dim 0) that group rank ``group_rank``'s piece holds part of, in its
+    local order; for view "transpose", whose rows are its stored columns, those columns."""
+    piece = spec.pieces[group_rank]
+
+    def indices(d: int) -> list[int]:
+        return [i for start, n in piece[d] for i in range(start, start + n)]
+
+    if spec.view == "transpose":
+        return indices(1)
+    if spec.view == "flatten":
+        return indices(0)
+    rows = [0]
+    for d in range(len(spec.shape) - 1):  # the leading dims, row-major
+        rows = [r * spec.shape[d] + i for r in rows for i in indices(d)]
+    return rows
+
+
+@functools.lru_cache(maxsize=256)
+def group_pieces(shape: tuple[int, ...], mesh_shape: tuple[int, ...], placements: tuple) -> tuple[Piece, ...]:
+    """``held_piece`` of every rank of the flattened sharding axes (the non-Replicate ones, row-major
+    in mesh order: a "pieces" group's local ranks). Cached: a model repeats a few (shape,
+    placements) pairs, and a simulation asks for thousands of ranks."""
+    axes = [a for a, pl in enumerate(placements) if not isinstance(pl, Replicate)]
+    out = []
+    for flat in range(math.prod(mesh_shape[a] for a in axes)):
+        coordinate, rest = [0] * len(mesh_shape), flat
+        for a in reversed(axes):
+            coordinate[a], rest = rest % mesh_shape[a], rest // mesh_shape[a]
+        out.append(held_piece(shape, mesh_shape, tuple(coordinate), placements))
+    return tuple(out)
+
+
+def flattened_key(mesh, placements) -> GroupKey:
+    """The key of the group a "pieces" tensor travels in: the mesh axes that shard it (not
+    Replicate), flattened in mesh order, one group per slice of the other axes. Named on the
+    root mesh as ``group_key_for_mesh`` does (axes of the root that ``mesh`` lacks are other
+    slices); the key's mesh is the root's ranks with the sharding axes moved last and flattened."""
+    import torch as _torch
+
+    names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
+    root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
+    root = root if root is not None else mesh
+    root_names = root.mesh_dim_names or tuple(f"dim{i}" for i in range(root.ndim))
+    if root is mesh or not set(names) <= set(root_names):
+        root, root_names = mesh, names
+    sharding = [root_names.index(names[a]) for a, pl in enumerate(placements) if not isinstance(pl, Replicate)]
+    others = [a for a in range(len(root_names)) if a not in sharding]
+    ranks = _torch.as_tensor(root.mesh).permute(*others, *sharding)
+    size = math.prod(root.mesh.shape[a] for a in sharding)
+    return GroupKey(mesh_ranks=tuple(ranks.flatten().tolist()), mesh_shape=(ranks.numel() // size, size),
+                    axis_name="+".join(str(root_names[a]) for a in sharding), axis_index=1)
+
+
+_FLAT_GROUPS: dict[GroupKey, dict[int, tuple[object, int]]] = {}
+
+
+def flattened_group(key: GroupKey, create: bool = True) -> tuple[object, int]:
+    """(ProcessGroup, this rank's index in it) of this rank's slice of a flattened key.
+
+    A slice that is the whole world in rank order is the default group; otherwise every slice's
+    group is made on first use, collectively (every rank enters every ``new_group`` call in the
+    same order, as the optimizer does when it first plans on every rank) and kept. ``create=False``
+    (a plan one rank may make alone, ``Muon.plan()``) makes none: (None, index) until a step has."""
+    me = dist.get_rank()
+    if key not in _FLAT_GROUPS:
+        slices = key.axis_slices()
+        if slices == [list(range(dist.get_world_size()))]:
+            _FLAT_GROUPS[key] = {g: (dist.group.WORLD, g) for g in slices[0]}
+        elif not create:
+            return None, key.local_ranks()[me]
+        else:
+            mapping = {}
+            for members in slices:
+                if members != sorted(members):  # torch orders a group's ranks by global rank
+                    raise ValueError(f"mesh axes {key.axis_name!r} hold ranks {members} out of rank order; "
+                                     "muonlab needs each slice of the sharding axes in increasing rank order")
+                pg = dist.new_group(members)
+                for i, g in enumerate(members):
+                    mapping[g] = (pg, i)
+            _FLAT_GROUPS[key] = mapping
+    return _FLAT_GROUPS[key][me]
+
+
+_WARNED: set[tuple[str, str]] = set()
+
+
+def warn_full_gather(name: str, shape: tuple[int, ...], placements: tuple, mesh_shape: tuple[int, ...]) -> None:
+    """Warn, once per parameter and placements in this process, that the padded full gather
+    handles it: every rank gathers the whole tensor and orthogonalizes all of it."""
+    key = (name, str(tuple(placements)))
+    if key in _WARNED:
+        return
+    _WARNED.add(key)
+    warnings.warn(f"Muon parameter '{name}' of shape {shape} with placements {tuple(placements)} on mesh "
+                  f"{mesh_shape} goes to the padded full gather (path gather_all): every rank gathers it whole "
+                  "and orthogonalizes all of it", stacklevel=3)
+
+
 def fused_row_layout(num_rows: int, num_fused: int, size: int) -> str:
     """How a fused bank of ``num_fused`` matrices stacked on dim 0 falls on ``size`` row shards.
 
@@ -271,13 +431,30 @@ def matrix_spec(index: int, name: str, p: torch.Tensor, replicate_group=None, nu
     shape = tuple(p.shape)
     view = view or default_view(shape)
     check_view(name, shape, view, num_fused)
+    if DTensor is not None and isinstance(p, DTensor) and is_pieces_placement(p.placements):
+        # sharded on several mesh axes (tensor parallel with FSDP2): what every rank holds, from
+        # the global shape and placements alone
+        key = flattened_key(p.device_mesh, p.placements)
+        pieces = group_pieces(shape, tuple(p.device_mesh.mesh.shape), tuple(p.placements))
+        return MatrixSpec(index, name, shape, "pieces", key, (), 0, num_fused, view, str(p.dtype), pieces)
     layout, group, rows, shard_dim = _layout(name, p, shape, replicate_group, num_fused, view)
+    if layout == "gather_all":
+        warn_full_gather(name, shape, p.placements, tuple(p.device_mesh.mesh.shape))
     return MatrixSpec(index, name, shape, layout, group, rows, shard_dim, num_fused, view, str(p.dtype))
+
+
+def is_pieces_placement(placements) -> bool:
+    """Whether placements take layout "pieces": two or more sharding axes (Shard or _StridedShard,
+    the rest Replicate), or one _StridedShard."""
+    sharded = [pl for pl in placements if not isinstance(pl, Replicate)]
+    if not all(isinstance(pl, (Shard, _StridedShard)) for pl in sharded):
+        return False  # Partial: refused by _layout
+    return len(sharded) >= 2 or (len(sharded) == 1 and isinstance(sharded[0], _StridedShard))
 
 
 def _layout(name: str, p: torch.Tensor, shape: tuple[int, ...], replicate_group, num_fused: int,
             view: str) -> tuple[str, GroupKey | None, tuple[int, ...], int]:
-    """(layout, group, rows, shard dim) of ``p``: see the module docstring."""
+    """(layout, group, rows, shard dim) of ``p`` on one axis or none: see the module docstring."""
     if DTensor is not None and isinstance(p, DTensor):
         mesh, placements = p.device_mesh, p.placements
         sharded = [(i, pl) for i, pl in enumerate(placements) if not isinstance(pl, Replicate)]
@@ -301,18 +478,21 @@ def _layout(name: str, p: torch.Tensor, shape: tuple[int, ...], replicate_group,
             return "gather_all", key, rows, dim
         raise ValueError(
             f"Muon parameter '{name}' of shape {shape} has placements {tuple(placements)} on mesh "
-            f"{tuple(mesh.mesh.shape)}; supported: one Shard(dim) on one mesh axis (others Replicate), "
-            "or Replicate on a 1-D mesh"
+            f"{tuple(mesh.mesh.shape)}; supported: Shard(dim) or _StridedShard(dim) on one or more mesh "
+            "axes (others Replicate), or Replicate on a 1-D mesh"
         )
     if replicate_group is not None and dist.get_world_size(replicate_group) > 1:
         return "replicated", group_key_for_pg(replicate_group), (), 0
     return "whole", None, (), 0
 
 
-def process_group_for(p: torch.Tensor, spec: MatrixSpec, replicate_group) -> tuple[object, int]:
-    """(torch ProcessGroup, this rank's index in it) for a parameter's spec."""
+def process_group_for(p: torch.Tensor, spec: MatrixSpec, replicate_group, create: bool = True) -> tuple[object, int]:
+    """(torch ProcessGroup, this rank's index in it) for a parameter's spec; ``create``: whether a
+    flattened group not made yet may be made now (collectively: ``flattened_group``)."""
     if spec.group is None:
         return None, 0
+    if spec.layout == "pieces":
+        return flattened_group(spec.group, create)
     if DTensor is not None and isinstance(p, DTensor):
         mesh = p.device_mesh
         names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))

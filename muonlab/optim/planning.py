@@ -134,7 +134,7 @@ def plan_for(cache: dict, indices: tuple[int, ...], entries: list, options, name
             refuse_unfit(group, spec)
             specs.append(spec)
             if spec.group not in groups:
-                groups[spec.group] = process_group_for(p, spec, replicate)
+                groups[spec.group] = process_group_for(p, spec, replicate, create=collective)
         compared = False
         if collective:  # before planning: disagreeing ranks can't plan alike
             compared = check_ranks_agree(check_group, specs, configs, [entries[i][1] for i in indices],

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm.records import BatchPlan, Plan, part_range
-from ..comm.specs import MatrixSpec, default_view, local_shard
+from ..comm.specs import MatrixSpec, default_view, local_shard, piece_rows
 from .rules import ROW_SPLIT_LAYOUTS, RULES, RowsHeld, UpdateRule
 
 
@@ -73,6 +73,9 @@ def with_rule_sums(plan: Plan, specs: dict[int, MatrixSpec], rule_for: Callable[
 def rows_held(spec: MatrixSpec, update: torch.Tensor, group_rank: int) -> RowsHeld:
     """Where this rank's rows of ``update`` (its part of one parameter's update) lie."""
     matrix_rows, cols = spec.matrix_shape
+    if spec.layout == "pieces":
+        return RowsHeld(matrix_rows, cols, 0, spec.num_matrices, spans_ranks=True, columns=spec.view == "transpose",
+                        rows=tuple(piece_rows(spec, group_rank)))
     local_rows = update.numel() // cols
     if spec.layout in ROW_SPLIT_LAYOUTS:
         # rows of the parameter read as (rows, cols) per dim-0 entry: 1 for a 2-D matrix or a

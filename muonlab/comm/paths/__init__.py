@@ -4,10 +4,10 @@ The engine runs ``PATHS[name].run``, the cost model reads ``collectives`` and ``
 reads ``color``; the order here is the order tables and legends use.
 """
 
-from . import agrs, all_to_all, blocks, gather_all, local, owner, padded_all_to_all, rebalance, subgroup
+from . import agrs, all_to_all, blocks, gather_all, local, owner, padded_all_to_all, pieces, rebalance, subgroup
 from .base import CommPath, PathContext
 
 PATHS: dict[str, CommPath] = {m.PATH.name: m.PATH for m in (
-    local, rebalance, all_to_all, agrs, subgroup, blocks, owner, gather_all, padded_all_to_all)}
+    local, rebalance, all_to_all, agrs, subgroup, blocks, pieces, owner, gather_all, padded_all_to_all)}
 
 __all__ = ["PATHS", "CommPath", "PathContext"]

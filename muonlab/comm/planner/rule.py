@@ -17,9 +17,9 @@ from dataclasses import replace
 
 from ...kernels.config import NSConfig, ns_flops
 from ..cost import batch_seconds
-from ..paths import agrs, all_to_all, blocks, gather_all, owner, rebalance, subgroup
+from ..paths import agrs, all_to_all, blocks, gather_all, owner, pieces, rebalance, subgroup
 from ..records import BatchPlan, Plan, part_range
-from ..specs import GroupKey, MatrixSpec
+from ..specs import GroupKey, MatrixSpec, piece_numel
 from ..wire import ItemsizeRule, itemsize_rule
 from .loads import RankLoads, least_loaded, lpt_makespan
 
@@ -110,9 +110,11 @@ class RulePlanner:
         return sorted(members)
 
     def plan(self) -> Plan:
-        row_sharded, whole, replicated = self._by_layout()
+        row_sharded, whole, replicated, pieced = self._by_layout()
         for group, items in row_sharded.items():
             self._plan_row_sharded(group, items)
+        for group, items in pieced.items():
+            self._plan_pieces(group, items)
         for group, buckets in whole.items():
             self._plan_whole(group, buckets)
         for group, items in replicated.items():
@@ -128,7 +130,8 @@ class RulePlanner:
     def _by_layout(self):
         """Buckets of same group, layout, matrix shape, dtype and config (and for sub-group banks,
         expert count: it sets the sub-groups' size), in first-seen order. Sub-group banks and
-        fallbacks become batches now; the rest is returned by layout, per group."""
+        fallbacks become batches now; the rest is returned by layout, per group (row-sharded, whole,
+        replicated, pieces)."""
         buckets: dict[tuple, list[int]] = {}
         for i, (spec, cfg) in enumerate(zip(self.specs, self.configs)):
             # banks of 2 and 3 experts can't share a batch: the count sets the sub-groups, or the blocks' rows
@@ -137,6 +140,7 @@ class RulePlanner:
         row_sharded: dict[GroupKey, list[int]] = {}
         whole: dict[GroupKey | None, list[list[tuple]]] = {}
         replicated: dict[GroupKey, list[int]] = {}
+        pieced: dict[GroupKey, list[int]] = {}
         for (group, layout, *_), idx in buckets.items():
             if layout == "whole":
                 load = self.loads.view(group)
@@ -154,9 +158,11 @@ class RulePlanner:
                 self._plan_blocks(group, idx)
             elif layout == "gather_all":
                 self._plan_gather_all(group, idx)
+            elif layout == "pieces":
+                pieced.setdefault(group, []).extend(idx)
             else:  # pragma: no cover - MatrixSpec validates layouts
                 raise AssertionError(layout)
-        return row_sharded, whole, replicated
+        return row_sharded, whole, replicated, pieced
 
     def _within_budget(self, idx: list[int]) -> list[list[tuple[int, tuple[int, int] | None]]]:
         """A bucket of whole matrices as runs of (parameter, part) whose matrices per rank fit
@@ -243,6 +249,38 @@ class RulePlanner:
                 "gather_all", [i], group, range(size), sent=sent, recv=recv,
                 flops=[self.flops_of(i) * spec.num_matrices] * size,
                 notes=f"fallback for Shard({spec.shard_dim}): padded all-gather, every rank computes it"))
+
+    # ------------------------------------------------------------------ pieces (tensor parallel x FSDP2)
+
+    def _plan_pieces(self, group: GroupKey, items: list[int]) -> None:
+        """Each parameter whole on one owner of the flattened group: largest first to the least
+        loaded rank (LPT over its FLOPs), ties to the rank holding most of it (the fewest bytes
+        move). Each (matrix shape, config, wire dtype) bucket travels as one batch, one
+        all-to-all each way, cut where an owner's matrices exceed the workspace budget."""
+        size, load = group.size, self.loads.view(group)
+        held = {i: [piece_numel(pc) for pc in self.specs[i].pieces] for i in items}
+        cost = {i: self.flops_of(i) * self.specs[i].num_matrices for i in items}
+        owner_of = {}
+        for i in sorted(items, key=lambda i: (-cost[i], i)):
+            o = least_loaded(load, range(size), held[i])
+            owner_of[i] = o
+            load.add(o, cost[i])
+        buckets: dict[tuple, list[int]] = {}
+        for i in items:
+            buckets.setdefault(self._row_bucket(i), []).append(i)
+        for (shape, cfg, itemsize), bucket in buckets.items():
+            runs = [bucket]
+            if self.max_local_matrices is not None:
+                runs = self._runs_per_owner(bucket, owner_of, [self.specs[i].num_matrices for i in bucket],
+                                            self.max_local_matrices(shape, cfg))
+            for idx in runs:
+                flops = [0] * size
+                for i in idx:
+                    flops[owner_of[i]] += cost[i]
+                owners = [owner_of[i] for i in idx]
+                sent, recv = pieces.bytes_per_rank([held[i] for i in idx], owners, itemsize)
+                self.batches.append(self.make("pieces", idx, group, range(size), owners, sent, recv, flops,
+                                              pieces=tuple(self.specs[i].pieces for i in idx)))
 
     # ------------------------------------------------------------------ row-sharded (FSDP2)
 

@@ -14,8 +14,9 @@ from typing import Any
 import torch
 
 
-ROW_SPLIT_LAYOUTS = ("row_shard", "subgroup", "blocks", "gather_all")
-"""Layouts whose matrices' rows lie on several ranks of the group (with shard dim 0)."""
+ROW_SPLIT_LAYOUTS = ("row_shard", "subgroup", "blocks", "gather_all", "pieces")
+"""Layouts whose matrices' rows lie on several ranks of the group (with shard dim 0; "pieces" may
+split rows across ranks too: ``RowsHeld.rows``)."""
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,11 @@ class RowsHeld:
     columns: bool = False
     """Whether the matrix's neurons are its stored columns (view "transpose": a weight stored
     (in, out)): a per-neuron rule then scales columns."""
+    rows: tuple[int, ...] | None = None
+    """Layout "pieces" (tensor parallel): the global rows (columns, with ``columns``) this rank's
+    piece holds part of, in its local order. Other ranks may hold other columns of the same rows,
+    so a per-row sum adds every rank's part, and a rule's per-row state holds every row, alike on
+    each rank (``UpdateRule.new_state``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,8 +88,12 @@ class UpdateRule:
             return torch.zeros(shape, dtype=torch.float32, device=p.device)
         from torch.distributed.tensor import DTensor
 
+        from ...comm.specs import is_pieces_placement
+
         local = p.to_local()
-        if view == "transpose":  # one per stored column: every rank holding rows of p keeps them all
+        # one per stored column, or per row of a tensor-parallel piece (whose rows other ranks hold
+        # columns of): every rank keeps them all
+        if view == "transpose" or is_pieces_placement(p.placements):
             from torch.distributed.tensor import Replicate
 
             zeros = torch.zeros(shape, dtype=torch.float32, device=local.device)

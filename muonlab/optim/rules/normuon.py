@@ -38,6 +38,10 @@ two Frobenius norms of a matrix whose rows lie on several ranks are the one thin
 them: one all-reduce of two numbers per matrix per batch, over the batch's group (both forms send
 both). Exact on every layout (microsoft/dion's distributed NorMuon normalises each shard by its own
 norm instead).
+
+A tensor-parallel piece (layout "pieces") may hold part of a row's columns, so there every row's
+sum of squares travels (one number per row, added over the group), and ``v``, replicated, holds
+every row on each rank, updated alike from the summed values: the columns' way, for rows.
 """
 
 from __future__ import annotations
@@ -102,6 +106,9 @@ def normalize(updates: list[torch.Tensor], states: list[list[torch.Tensor]], hel
     updated after."""
     parts = []  # per parameter: (its rows' inverse scales and matrix of each row, or None for columns; its sums)
     for o, (v,), h, group in zip(updates, states, held, settings):
+        if h.rows is not None:
+            parts.append(_piece_sums(o, h))
+            continue
         x = o.reshape(-1, h.cols)
         if h.columns:
             parts.append((None, torch.linalg.vector_norm(x, dim=0, dtype=torch.float32).square_()))
@@ -122,6 +129,9 @@ def normalize(updates: list[torch.Tensor], states: list[list[torch.Tensor]], hel
             parts[i] = (parts[i][0], part.view_as(parts[i][1]))
     out = []
     for (per_row, sums), o, (v,), h, group in zip(parts, updates, states, held, settings):
+        if isinstance(per_row, _Piece):
+            out.append((o, _piece_scales(per_row, sums, v, h, group)))
+            continue
         if per_row is None:  # the matrix's column sums of squares: its neurons' second moments
             vc = v.view(-1)
             vc.lerp_(sums / h.matrix_rows, 1 - group["normuon_beta2"])
@@ -135,9 +145,50 @@ def normalize(updates: list[torch.Tensor], states: list[list[torch.Tensor]], hel
     return out
 
 
+class _Piece:
+    """A tensor-parallel piece's rows (``RowsHeld.rows``) as an index tensor."""
+
+    def __init__(self, index: torch.Tensor):
+        self.index = index
+
+
+def _piece_sums(o: torch.Tensor, h: RowsHeld) -> tuple[_Piece, torch.Tensor]:
+    """A tensor-parallel piece (layout "pieces"): its rows' sums of squares, partial where other
+    ranks hold other columns of them, added at their global rows of a vector of every row of the
+    parameter (columns for a stored (in, out) weight), which travels whole: summed over the group,
+    it holds every row's full sum on each rank."""
+    index = torch.tensor(h.rows, dtype=torch.long, device=o.device)
+    held = len(h.rows)
+    other = o.numel() // held if held else 0
+    x = o.reshape(other, held) if h.columns else o.reshape(held, other)
+    sq = torch.linalg.vector_norm(x, dim=0 if h.columns else 1, dtype=torch.float32).square_()
+    total = h.cols if h.columns else h.num_matrices * h.matrix_rows
+    return _Piece(index), torch.zeros(total, dtype=torch.float32, device=o.device).index_add_(0, index, sq)
+
+
+def _piece_scales(piece: _Piece, sums: torch.Tensor, v: torch.Tensor, h: RowsHeld, group: dict) -> torch.Tensor:
+    """The scales of a piece's rows (columns) from every row's summed squares: the second moments
+    of every row, kept alike on each rank (``v`` holds them all), updated as on one process; the
+    norms of each matrix from every row; the piece's rows' entries of the result."""
+    vf = v.view(-1)
+    vf.lerp_(sums / (h.matrix_rows if h.columns else h.cols), 1 - group["normuon_beta2"])
+    inv = vf.sqrt().add_(EPS).reciprocal_()
+    rows = h.cols if h.columns else h.matrix_rows  # a stored (in, out) weight is one matrix
+    matrix = torch.arange(sums.numel(), device=sums.device) // rows
+    norms = torch.zeros(2, h.num_matrices, dtype=torch.float32, device=sums.device)
+    norms[0].index_add_(0, matrix, sums)
+    norms[1].index_add_(0, matrix, sums * inv.square())
+    scale = _kept_norm(group, norms[0].sqrt(), h) / norms[1].sqrt().add_(EPS)
+    mine = inv[piece.index] * scale[matrix[piece.index]]
+    return mine.view(1, -1) if h.columns else mine
+
+
 def _sums(spec) -> int:
     """The numbers ``normalize`` sends for a matrix whose rows lie on several ranks: two norms per
-    matrix, or a stored (in, out) matrix's out column sums."""
+    matrix, or a stored (in, out) matrix's out column sums; for a tensor-parallel piece, every
+    row's sum (column's, for a stored (in, out) one)."""
+    if spec.layout == "pieces" and spec.view != "transpose":
+        return spec.num_matrices * spec.matrix_shape[0]
     return spec.num_matrices * (spec.matrix_shape[1] if spec.view == "transpose" else 2)
 
 

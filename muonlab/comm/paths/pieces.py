@@ -1,0 +1,128 @@
+"""The ``pieces`` path: tensors sharded on several mesh axes (tensor parallel with FSDP2), each
+gathered whole on one owner rank of the flattened group and its update's pieces sent back.
+
+Each rank of the group (the sharding axes flattened, ``muonlab.comm.specs.flattened_key``) holds a
+block of each parameter, the product of index runs per dim (``MatrixSpec.pieces``: a rectangle, a
+strided row set, or nothing). A batch holds same-shape parameters, parameter k owned by rank o_k
+(balanced by FLOPs). Out: every rank sends its piece of each parameter to that parameter's owner,
+in one all_to_all_single with uneven split sizes (no padding travels; empty pieces send nothing).
+Each owner puts its parameters together, piece by piece where the pieces say, and orthogonalizes
+their matrices as one stack. Back: each owner sends every rank its piece of the results, in one
+more all_to_all_single.
+
+Order on the wire: a send buffer holds the owners' parameters owner by owner, each owner's in batch
+order (``all_to_all.owner_order``); a receive buffer holds the sources' pieces source by source, in
+the same order, so every rank finds each piece from the plan alone.
+
+Bytes: each parameter crosses the wire once out and once back, minus its owner's own piece: the
+least owner compute can move, when each owner is its parameter's largest holder (the planner
+prefers it among the least loaded ranks).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import torch
+
+from ..collectives import all_to_all, pack
+from ..specs import Piece, piece_numel
+from .all_to_all import owner_order
+from .base import CommPath
+
+
+def bytes_per_rank(held: Sequence[Sequence[int]], owners: Sequence[int], itemsize: int):
+    """(sent, recv) per group rank. ``held[k][q]``: elements rank q holds of parameter k, owned by
+    ``owners[k]``. Out: q sends its piece of each parameter it does not own; back: an owner sends
+    every other rank its piece. A rank receives the mirror image, so the lists are equal."""
+    sent = [0] * len(held[0]) if held else []
+    for numels, o in zip(held, owners):
+        for q, n in enumerate(numels):
+            if q != o and n:
+                sent[q] += n * itemsize
+                sent[o] += n * itemsize
+    return sent, list(sent)
+
+
+def _blocks(piece: Piece):
+    """(slices into the piece, slices into the whole tensor) of each block of a piece: one per
+    combination of its runs along each dim (one block for a rectangle)."""
+    per_dim = []
+    for runs in piece:
+        local, items = 0, []
+        for start, n in runs:
+            items.append((slice(local, local + n), slice(start, start + n)))
+            local += n
+        per_dim.append(items)
+    for combo in itertools.product(*per_dim):
+        yield tuple(c[0] for c in combo), tuple(c[1] for c in combo)
+
+
+def piece_shape(piece: Piece) -> tuple[int, ...]:
+    """The local tensor's shape of a piece."""
+    return tuple(sum(n for _, n in runs) for runs in piece)
+
+
+def put(whole: torch.Tensor, piece: Piece, values: torch.Tensor) -> None:
+    """Write a piece's values (flat or in its local shape) into the whole tensor."""
+    values = values.view(piece_shape(piece))
+    for local, glob in _blocks(piece):
+        whole[glob].copy_(values[local])
+
+
+def take(whole: torch.Tensor, piece: Piece) -> torch.Tensor:
+    """A piece of the whole tensor in its local shape (a view where it is one block)."""
+    blocks = list(_blocks(piece))
+    if len(blocks) == 1:
+        return whole[blocks[0][1]]
+    out = whole.new_empty(piece_shape(piece))
+    for local, glob in blocks:
+        out[local].copy_(whole[glob])
+    return out
+
+
+def run(batch, inputs, ctx):
+    me, pieces, owners = ctx.group_rank, batch.pieces, batch.owners
+    size = len(pieces[0])
+    numels = [[piece_numel(pc) for pc in per_rank] for per_rank in pieces]
+    order = owner_order(batch)
+    owned = [pos for pos, o in enumerate(owners) if o == me]
+    send = pack([inputs[pos] for pos in order], ctx.wire_dtype, like=inputs[0])
+    send_splits = [0] * size
+    for pos, o in enumerate(owners):
+        send_splits[o] += numels[pos][me]
+    recv_splits = [sum(numels[pos][q] for pos in owned) for q in range(size)]
+    flat = yield all_to_all(send, send_splits, recv_splits, group=ctx.group, group_rank=me, defer=ctx.defer)
+    mats = None
+    if owned:
+        wholes = [flat.new_empty(batch.param_shapes[pos]) for pos in owned]
+        offset = 0
+        for q in range(size):  # source by source, each source's pieces of my parameters in batch order
+            for whole, pos in zip(wholes, owned):
+                n = numels[pos][q]
+                if n:
+                    put(whole, pieces[pos][q], flat[offset:offset + n])
+                offset += n
+        del flat
+        shape = batch.matrix_shape
+        mats = torch.cat([w.view(-1, *shape) for w in wholes]) if len(wholes) > 1 else wholes[0].view(-1, *shape)
+    ortho = yield mats
+    back = []
+    if owned:
+        results, start = [], 0
+        for pos in owned:
+            count = batch.param_numels[pos] // (shape[0] * shape[1])
+            results.append(ortho[start:start + count].view(batch.param_shapes[pos]))
+            start += count
+        back = [take(r, pieces[pos][q]) for q in range(size) for r, pos in zip(results, owned)]
+    send = pack(back, ctx.wire_dtype, like=inputs[0])
+    returned = yield all_to_all(send, recv_splits, send_splits, group=ctx.group, group_rank=me, defer=ctx.defer)
+    slot, offset = {}, 0
+    for pos in order:  # owner by owner, each owner's in batch order: this rank's piece of each
+        slot[pos] = offset
+        offset += numels[pos][me]
+    return [returned[slot[pos]:slot[pos] + numels[pos][me]].view(x.shape) for pos, x in enumerate(inputs)]
+
+
+PATH = CommPath(name="pieces", collectives=2, out_share=0.5, color="#9467bd", run=run)

@@ -1,0 +1,244 @@
+"""Worker functions for the tensor-parallel tests (importable by spawned children).
+
+A tiny MLP under torch's ColwiseParallel / RowwiseParallel on the "tp" axis of a 2 x 2 ("dp", "tp")
+mesh, then ``fully_shard`` over "dp": its weights are DTensors with placements
+``(_StridedShard(0), Shard(0))`` (column-wise) and ``(Shard(0), Shard(1))`` (row-wise), with uneven
+and empty pieces. Each rank also steps a plain single-process copy on the same gradients, gathered
+whole outside the step, so the comparison is of the optimizer alone.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from muonlab import Muon, muon_param_groups
+from muonlab.comm.records import bytes_for_rank
+from muonlab.comm.specs import local_shard
+
+from ._common import SMALL_GPT, SMALL_MOE, build_gpt, build_moe_gpt, rank_rows, token_batches
+
+STEPS = 3
+HYPER = dict(lr=0.05, weight_decay=0.01, momentum=0.9, ns_dtype=torch.float32, comm_dtype=torch.float32)
+PAIRS = {  # column-wise layer -> the row-wise one after it: (in, hidden, out)
+    "up": ("down", (6, 10, 6)),  # (10, 6) rows 5 + 5 per tp rank, then 3 + 2 per dp rank: uneven
+    "sq_a": ("sq_b", (6, 6, 6)),  # two (6, 6) weights, one of each kind: one batch, two kinds of pieces
+    "narrow_up": ("narrow_down", (6, 2, 6)),  # (2, 6): one row per tp rank, so dp rank 1 holds none
+}
+
+
+class TinyMLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        for col, (row, (d_in, hidden, d_out)) in PAIRS.items():
+            setattr(self, col, torch.nn.Linear(d_in, hidden, bias=False))
+            setattr(self, row, torch.nn.Linear(hidden, d_out, bias=False))
+
+    def forward(self, x):
+        for col, (row, _) in PAIRS.items():
+            x = getattr(self, row)(torch.relu(getattr(self, col)(x)))
+        return x.square().mean()
+
+
+def tp_plan() -> dict:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plan = {}
+    for col, (row, _) in PAIRS.items():
+        plan[col], plan[row] = ColwiseParallel(), RowwiseParallel()
+    return plan
+
+
+def tp_model():
+    """(TinyMLP under TP x FSDP2 on a 2 x 2 mesh, its plain copy): both from seed 0."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    torch.manual_seed(0)
+    model = TinyMLP()
+    plain = TinyMLP()
+    plain.load_state_dict(model.state_dict())
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    parallelize_module(model, mesh["tp"], tp_plan())
+    fully_shard(model, mesh=mesh["dp"])
+    return model, plain
+
+
+def inputs(step: int) -> torch.Tensor:
+    return torch.randn(8, 6, generator=torch.Generator().manual_seed(100 + step))
+
+
+class FullGatherCount:
+    """Counts DTensor full gathers and redistributions (explicit, and implicit in a DTensor op)
+    while active."""
+
+    def __init__(self):
+        import torch.distributed.tensor._api as api
+        import torch.distributed.tensor._dispatch as dispatch
+        from torch.distributed.tensor import DTensor
+
+        self.calls = 0
+        self._sites = [(DTensor, "full_tensor"), (DTensor, "redistribute"), (api, "redistribute_local_tensor"),
+                       (dispatch, "redistribute_local_tensor")]
+        self._saved = []
+
+    def _counted(self, fn):
+        def wrapper(*args, **kwargs):
+            self.calls += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    def __enter__(self):
+        for owner, name in self._sites:
+            fn = getattr(owner, name)
+            self._saved.append((owner, name, fn))
+            setattr(owner, name, self._counted(fn))
+        return self
+
+    def __exit__(self, *exc):
+        for owner, name, fn in self._saved:
+            setattr(owner, name, fn)
+        self._saved.clear()
+
+
+def train_tp(rule: str) -> dict:
+    """3 steps of Muon with ``rule`` on the TP x FSDP2 MLP and on its plain copy, from the same
+    gradients; the full gathers counted in the steps after the first."""
+    torch.set_num_threads(1)
+    model, plain = tp_model()
+    opt = Muon(list(model.named_parameters()), update_rule=rule, **HYPER)
+    ref = Muon(list(plain.named_parameters()), update_rule=rule, **HYPER)
+    gathers = []
+    for step in range(STEPS):
+        model(inputs(step)).backward()
+        for (_, p), q in zip(model.named_parameters(), plain.parameters()):
+            q.grad = p.grad.full_tensor()  # outside the counted step
+        with FullGatherCount() as count:
+            opt.step()
+        gathers.append(count.calls)
+        ref.step()
+        opt.zero_grad()
+        ref.zero_grad()
+    rank = dist.get_rank()
+    plain_params = dict(plain.named_parameters())
+    errors = {}
+    for name, p in model.named_parameters():
+        want = plain_params[name].detach()
+        errors[name] = float((p.full_tensor() - want).abs().max() / want.abs().max())
+    variances = {}
+    if rule == "normuon":  # every row's second moment on every rank, as the one process has them
+        for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+            want = ref.state[q]["row_variance"]
+            variances[name] = float((local_shard(opt.state[p]["row_variance"]) - want).abs().max()
+                                    / want.abs().max())
+    stats = opt.last_step_stats()
+    planned_sent, planned_recv = bytes_for_rank(opt.plan(), rank)
+    # the rule's all-reduce as planned (a ring: 2 (W - 1) / W of its fp32 bytes, as counted)
+    planned_rule = sum(2 * (b.group.size - 1) * 4 * b.rule_sums // b.group.size for b in opt.plan() if b.rule_sums)
+    return dict(errors=errors, variances=variances, gathers=gathers[1:], sent=stats["bytes_sent"],
+                recv=stats["bytes_recv"], planned_sent=planned_sent, planned_recv=planned_recv,
+                planned_rule=planned_rule, counted_rule=stats["bytes_sent"].get(rule, 0),
+                plan=[(b.path, b.names, b.owners, b.bytes_sent, b.flops) for b in opt.plan()])
+
+
+def pieces_match() -> dict:
+    """Each weight's piece on this rank (the spec's, from global metadata) against the DTensor's
+    own local tensor, read out of its ``full_tensor()``; and the piece's shape and first offset
+    against torch's ``compute_local_shape_and_global_offset``."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    from muonlab.comm.paths.pieces import piece_shape, take
+    from muonlab.comm.specs import matrix_spec
+
+    model, _ = tp_model()
+    out = {}
+    for i, (name, p) in enumerate(model.named_parameters()):
+        spec = matrix_spec(i, name, p)
+        me = spec.group.local_ranks()[dist.get_rank()]
+        piece = spec.pieces[me]
+        shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+        first = tuple(runs[0][0] if runs else None for runs in piece)
+        local = p.to_local()
+        out[name] = dict(placements=str(tuple(p.placements)), layout=spec.layout, shape=tuple(local.shape),
+                         same_values=bool(torch.equal(take(p.full_tensor(), piece), local)),
+                         same_shape=piece_shape(piece) == tuple(shape) == tuple(local.shape),
+                         same_offset=all(f is None or f == o for f, o in zip(first, offset)))
+    return out
+
+
+def _step_counted(model, opt, batches) -> list[int]:
+    """Full gathers in each step after the first."""
+    counts = []
+    for x in batches:
+        model(x, x).backward()
+        with FullGatherCount() as count:
+            opt.step()
+        opt.zero_grad()
+        counts.append(count.calls)
+    return counts[1:]
+
+
+def layouts_gathers() -> dict:
+    """Full gathers in the hot step (after a warm-up step) on each layout Muon claims."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from muonlab.distributed import build_mesh, parallelize
+
+    torch.set_num_threads(1)
+    world = dist.get_world_size()
+    out = {}
+    batches = [rank_rows(x) for x in token_batches(7, world, SMALL_GPT["context"], 2)]
+    for mode in ("fsdp", "hsdp", "ddp"):
+        mesh = build_mesh(replicate=2) if mode == "hsdp" else None
+        model, inner, _ = parallelize(build_gpt(**SMALL_GPT), mode, mesh)
+        opt = Muon(muon_param_groups(inner), **HYPER)
+        out[mode] = dict(gathers=_step_counted(model, opt, batches), paths=sorted({b.path for b in opt.plan()}))
+    moe_batches = [rank_rows(x) for x in token_batches(7, world, SMALL_MOE["context"], 2)]
+    model, inner, _ = parallelize(build_moe_gpt(4, **SMALL_MOE), "ep", ep=2)
+    opt = Muon(muon_param_groups(inner), **HYPER)
+    out["ep"] = dict(gathers=_step_counted(model, opt, moe_batches), paths=sorted({b.path for b in opt.plan()}))
+    # uneven and empty row shards (2, 2, 2, 0 and 3, 3, 3, 1 rows on 4 ranks), explicit
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    params = [(f"w{k}", torch.nn.Parameter(distribute_tensor(torch.randn(shape, generator=torch.Generator()
+                                                                          .manual_seed(k)), mesh, [Shard(0)])))
+              for k, shape in enumerate([(6, 10), (10, 7)])]
+    opt = Muon(params, **HYPER)
+    counts = []
+    for step in range(2):
+        for _, p in params:
+            p.grad = distribute_tensor(torch.ones(p.shape) * (step + 1), mesh, [Shard(0)])
+        with FullGatherCount() as count:
+            opt.step()
+        counts.append(count.calls)
+    out["uneven"] = dict(gathers=counts[1:], paths=sorted({b.path for b in opt.plan()}),
+                         shards=[tuple(p.to_local().shape) for _, p in params])
+    return out
+
+
+def fallback_warning() -> list[str]:
+    """A row-wise weight on its own 1-D mesh (Shard(1)) goes to the padded full gather: the
+    warnings of two steps and a second optimizer in this process (one, the first time)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
+    w = torch.nn.Parameter(distribute_tensor(torch.randn(6, 8, generator=torch.Generator().manual_seed(1)),
+                                             mesh, [Shard(1)]))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            opt = Muon([("rowwise.weight", w)], **HYPER)
+            for _ in range(2):
+                w.grad = distribute_tensor(torch.ones(6, 8), mesh, [Shard(1)])
+                opt.step()
+    return [str(c.message) for c in caught if "full gather" in str(c.message)]
+
+
+def everything() -> dict:
+    """All the checks of one 4-rank launch."""
+    return dict(pieces=pieces_match(), muon=train_tp("muon"), normuon=train_tp("normuon"),
+                layouts=layouts_gathers(), warnings=fallback_warning())

@@ -1,0 +1,76 @@
+"""Muon on tensor parallel x FSDP2 (layout "pieces", path "pieces") equals one process, at the planned bytes.
+
+torch's ColwiseParallel / RowwiseParallel on a tiny MLP over the "tp" axis of a 2 x 2 gloo mesh, then
+``fully_shard`` over "dp" (tests/distributed/_workers_tp.py): uneven pieces and empty ones. One launch
+runs every check (worker start-up is the slow part); one thread per rank.
+"""
+
+import pytest
+
+from muonlab.distributed import launch
+
+from . import _workers_tp as W
+
+TOLERANCE = 1e-6
+"""fp32 everywhere (comm_dtype and ns_dtype): the pieces are put back exactly; NorMuon's row sums
+add the ranks' parts in another order than one process (1.2e-7 measured)."""
+
+
+@pytest.fixture(scope="module")
+def results():
+    return launch(W.everything, 4, timeout_s=400)
+
+
+@pytest.mark.timeout(600)
+def test_pieces_are_what_each_dtensor_holds(results):
+    """The spec's pieces, from global metadata only, are each rank's local tensor, read out of
+    ``full_tensor()``; shapes and first offsets agree with torch's own arithmetic."""
+    for rank, res in results.items():
+        kinds = set()
+        for name, got in res["pieces"].items():
+            assert got["layout"] == "pieces", (rank, name, got)
+            assert got["same_values"] and got["same_shape"] and got["same_offset"], (rank, name, got)
+            kinds.add(got["placements"])
+        assert kinds == {"(_StridedShard(dim=0, sf=2), Shard(dim=0))", "(Shard(dim=0), Shard(dim=1))"}, kinds
+    # uneven (3 + 2 rows) and empty (dp rank 1 of narrow_up) pieces are among them
+    assert results[0]["pieces"]["up.weight"]["shape"] == (3, 6) and results[2]["pieces"]["up.weight"]["shape"] == (2, 6)
+    assert results[2]["pieces"]["narrow_up.weight"]["shape"] == (0, 6)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("rule", ["muon", "normuon"])
+def test_tp_fsdp_equals_one_process_at_the_planned_bytes(results, rule):
+    for rank, res in results.items():
+        got = res[rule]
+        for name, err in got["errors"].items():
+            assert err <= TOLERANCE, (rule, rank, name, err)
+        for name, err in got["variances"].items():
+            assert err <= TOLERANCE, (rule, rank, name, err)
+        assert {row[0] for row in got["plan"]} == {"pieces"}, got["plan"]
+        assert got["plan"] == results[0][rule]["plan"]  # one plan on every rank
+        # the counters at the call equal the plan, per rank; nothing was gathered whole in the step
+        assert {"pieces": got["sent"]["pieces"]} == got["planned_sent"], (rank, got["sent"], got["planned_sent"])
+        assert {"pieces": got["recv"]["pieces"]} == got["planned_recv"], (rank, got["recv"], got["planned_recv"])
+        assert got["planned_rule"] == got["counted_rule"], (rank, got["planned_rule"], got["counted_rule"])
+        assert got["gathers"] == [0] * (W.STEPS - 1), got["gathers"]
+    assert (results[0][rule]["counted_rule"] > 0) == (rule == "normuon")
+
+
+@pytest.mark.timeout(600)
+def test_no_full_gather_in_the_hot_step_on_any_layout(results):
+    """DTensor.full_tensor / redistribute (explicit or inside a DTensor op) counted in each step
+    after the first: none on FSDP2, HSDP, EP x FSDP, DDP owner, uneven and empty shards (and the
+    tensor-parallel layout, above)."""
+    expected_paths = {"fsdp": "all_to_all", "hsdp": "all_to_all", "ddp": "owner", "ep": "local", "uneven": "all_to_all"}
+    for rank, res in results.items():
+        for layout, got in res["layouts"].items():
+            assert got["gathers"] == [0], (rank, layout, got)
+            assert expected_paths[layout] in got["paths"], (rank, layout, got["paths"])
+    assert results[3]["layouts"]["uneven"]["shards"] == [(0, 10), (1, 7)]  # an empty shard and a short one
+
+
+@pytest.mark.timeout(600)
+def test_the_padded_full_gather_warns_once_naming_the_parameter(results):
+    for rank, res in results.items():
+        (message,) = res["warnings"]
+        assert "'rowwise.weight'" in message and "(Shard(dim=1),)" in message and "gather_all" in message, message

@@ -1,0 +1,84 @@
+"""The "pieces" layout (tensor parallel x FSDP2) from global metadata: what each rank holds, and its plan.
+
+What a real DTensor holds is checked on 4 gloo ranks (tests/distributed/test_tensor_parallel.py);
+here every rank of bigger meshes is checked against torch's own sharding arithmetic, and the plan's
+owners and bytes against the path's definition.
+"""
+
+import math
+
+import pytest
+import torch
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from muonlab.comm.paths.pieces import piece_shape, put, take
+from muonlab.comm.planner import plan_batches
+from muonlab.comm.specs import GroupKey, MatrixSpec, group_pieces, piece_numel
+from muonlab.kernels.config import NSConfig
+
+CASES = [
+    # FSDP2 over a column-wise Linear, over a row-wise one; uneven and empty pieces
+    ((10, 6), (2, 2), (_StridedShard(0, split_factor=2), Shard(0))),
+    ((2, 6), (2, 2), (_StridedShard(0, split_factor=2), Shard(0))),
+    ((5, 10), (2, 2), (Shard(0), Shard(1))),
+    ((7, 9), (4, 2), (_StridedShard(0, split_factor=2), Shard(0))),
+    ((13, 8), (2, 4), (Shard(0), Shard(1))),
+    # HSDP x TP: a Replicate axis first
+    ((12, 6), (2, 2, 2), (Replicate(), _StridedShard(0, split_factor=2), Shard(0))),
+    ((6, 12), (2, 2, 2), (Replicate(), Shard(0), Shard(1))),
+    # an expert bank split on its experts and inside its matrices
+    ((4, 6, 5), (2, 2), (Shard(0), Shard(2))),
+]
+
+
+def _coordinates(mesh_shape, placements):
+    """Mesh coordinates of the flattened sharding axes' ranks, in their order (others at 0)."""
+    axes = [a for a, pl in enumerate(placements) if not isinstance(pl, Replicate)]
+    for flat in range(math.prod(mesh_shape[a] for a in axes)):
+        coord, rest = [0] * len(mesh_shape), flat
+        for a in reversed(axes):
+            coord[a], rest = rest % mesh_shape[a], rest // mesh_shape[a]
+        yield coord
+
+
+@pytest.mark.parametrize("shape, mesh_shape, placements", CASES)
+def test_pieces_agree_with_torch_and_cover_the_tensor_once(shape, mesh_shape, placements):
+    pieces = group_pieces(shape, mesh_shape, placements)
+    covered = torch.zeros(shape, dtype=torch.int64)
+    for coord, piece in zip(_coordinates(mesh_shape, placements), pieces, strict=True):
+        local, offset = _compute_local_shape_and_global_offset(shape, mesh_shape, coord, placements)
+        assert piece_shape(piece) == tuple(local), (coord, piece)
+        if piece_numel(piece):
+            assert tuple(runs[0][0] for runs in piece) == tuple(offset), (coord, piece)
+        put(covered, piece, take(covered, piece) + 1)
+    assert bool((covered == 1).all()), covered
+    # empty pieces: one row per tp rank over 2 dp ranks; 3 rows of a tp rank over 4 dp ranks
+    assert any(piece_numel(p) == 0 for p in pieces) == (shape in ((2, 6), (7, 9)))
+
+
+def _spec(i, name, shape, pieces, size):
+    key = GroupKey(mesh_ranks=tuple(range(size)), mesh_shape=(1, size), axis_name="dp+tp", axis_index=1)
+    return MatrixSpec(i, name, shape, "pieces", key, pieces=pieces)
+
+
+def test_plan_balances_owners_and_counts_each_piece_out_and_back():
+    col = group_pieces((8, 6), (2, 2), (_StridedShard(0, split_factor=2), Shard(0)))
+    row = group_pieces((8, 6), (2, 2), (Shard(0), Shard(1)))
+    uneven = group_pieces((10, 6), (2, 2), (_StridedShard(0, split_factor=2), Shard(0)))
+    specs = [_spec(0, "a", (8, 6), col, 4), _spec(1, "b", (8, 6), row, 4), _spec(2, "c", (8, 6), col, 4),
+             _spec(3, "d", (8, 6), row, 4)]
+    plan = plan_batches(specs, [NSConfig()] * len(specs), comm_itemsize=4)
+    assert [b.path for b in plan] == ["pieces"] and sorted(plan[0].owners) == [0, 1, 2, 3]  # one batch, one each
+    odd = plan_batches([_spec(0, "e", (10, 6), uneven, 4)], [NSConfig()], comm_itemsize=4)
+    for b in list(plan) + list(odd):
+        assert b.bytes_sent == b.bytes_recv
+        # each parameter's pieces other than its owner's travel out and back
+        moved = sum(2 * 4 * sum(piece_numel(pc) for q, pc in enumerate(pieces) if q != o)
+                    for pieces, o in zip(b.pieces, b.owners))
+        assert sum(b.bytes_sent) == moved
+    held = [piece_numel(pc) for pc in odd[0].pieces[0]]
+    assert held == [18, 18, 12, 12]  # of each tp rank's 5 rows, 3 on dp rank 0 and 2 on dp rank 1
+    assert held[odd[0].owners[0]] == max(held)  # ties in load go to the largest holder
+    assert "pieces" in plan.table()
