@@ -4,6 +4,7 @@ import importlib
 
 from .kernels import PRESETS, NSConfig, newton_schulz, ns_flops
 from .optim import Muon, RoutingWarning, attention_blocks, muon_param_groups
+from . import runs  # run records: muonlab.runs.list(), load(name)
 from .train import History, compare_optimizers, make_optimizer, train
 
 # Reachable as muonlab.<name> after a plain `import muonlab` (as the README writes them), but
@@ -32,6 +33,7 @@ __all__ = [
     "muon_param_groups",
     "newton_schulz",
     "ns_flops",
+    "runs",
     "train",
     *_LAZY_MODULES,
 ]

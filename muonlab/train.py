@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from . import runs
 from .bars import in_notebook_kernel, notebook_bar
 from .data import get_batch, load_corpus
 from .distributed.device import rank_device, wait_for
@@ -65,6 +67,8 @@ class History:
     qk_overshoot: list[float] = field(default_factory=list)
     """With ``qk_clip``: per step, the step's max logit over tau (``QKClipStep.overshoot``): above
     1 after a clip, the previous update's growth, which the clip does not bound; 0.0 at tau = inf."""
+    record: str | None = None
+    """The folder of this run's record (muonlab.runs), None when none was written."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -287,6 +291,7 @@ def train(
     batches: Any = None,
     val_batches: Any = None,
     qk_clip: float | QKClip | None = None,
+    record: bool | str = True,
 ) -> History:
     """Train for ``steps`` steps; returns the History.
 
@@ -310,6 +315,11 @@ def train(
     model's attention after every optimizer step, ``math.inf`` records the max logits without
     clipping, a QKClip of your own is attached for the run (and left open); ``History.max_logit``,
     ``History.qk_clipped`` and ``History.qk_overshoot`` say what it saw and did.
+
+    ``record``: True (default) keeps a run record (muonlab.runs) in a new folder
+    ``runs/train-<date>`` (``$MUONLAB_RUNS_DIR`` as launch's), a string names the folder, False
+    keeps none; ``History.record`` is the folder. It holds the model and optimizer as they were
+    before step 1, so ``muonlab.runs.load(name).rerun()`` runs it again.
     """
     if qk_clip is not None and not isinstance(qk_clip, QKClip):
         check_tau(qk_clip, "qk_clip (tau, or a QKClip)")
@@ -320,6 +330,8 @@ def train(
                                    ("batch_size", batch_size, 1, ""), ("context", context, 1, "")):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
             raise ValueError(f"{name} must be an integer >= {low}{what}, got {value!r}")
+    runs.check_record_arg(record)
+    given_loss = loss_fn
     loss_fn = resolve_loss(loss_fn)
     gen = torch.Generator().manual_seed(seed)
     if batches is None:
@@ -334,6 +346,8 @@ def train(
         data = _own_batches(batches, val_batches, batch_size=batch_size, eval_every=eval_every,
                             eval_batches=eval_batches, loss_fn=loss_fn, generator=gen)
     device = torch.device(device) if device is not None else default_device()
+    # before the model moves or trains: what a rerun starts from
+    initial, why = runs.snapshot(model, optimizer, scheduler) if record is not False else (None, "")
     model.to(device).train()
     hist = History(tokens_per_step=data.tokens_per_step)
     recorder = SpectralRecorder(optimizer, model, every=spectral_every) if spectral_every else None
@@ -354,14 +368,44 @@ def train(
             if clip is not qk_clip:
                 clip.close()
     if clip is not None:
-        for record in clip.history[first_record:]:
-            hist.max_logit.append(torch.nn.utils.rnn.pad_sequence(record.max_logit, batch_first=True,
+        for clip_step in clip.history[first_record:]:
+            hist.max_logit.append(torch.nn.utils.rnn.pad_sequence(clip_step.max_logit, batch_first=True,
                                                                   padding_value=float("nan")))
-            hist.qk_clipped.append(record.clipped_heads)
-            hist.qk_overshoot.append(record.overshoot)
+            hist.qk_clipped.append(clip_step.clipped_heads)
+            hist.qk_overshoot.append(clip_step.overshoot)
     resolved = getattr(optimizer, "resolved_choices", None)
     hist.ns_choices = resolved() if callable(resolved) else []
+    if record is not False:
+        args = dict(steps=steps, batch_size=batch_size, context=context, eval_every=eval_every,
+                    eval_batches=eval_batches, seed=seed, device=str(device), desc=desc, spectral_every=spectral_every,
+                    qk_clip=None if qk_clip is None else clip.tau)
+        _keep_record(hist, record, args, model=model, optimizer=optimizer, scheduler=scheduler, loss_fn=given_loss,
+                     batches=batches, val_batches=val_batches, initial=initial, why=why, device=device)
     return hist
+
+
+def _keep_record(hist: History, record: bool | str, args: dict, *, model, optimizer, scheduler, loss_fn, batches,
+                 val_batches, initial, why: str, device) -> None:
+    """Write ``train``'s run record (muonlab.runs); a failure to write warns and loses no result."""
+    described, data = {}, {}
+    for key, source in (("batches", batches), ("val_batches", val_batches)):
+        described[key], kept = runs.describe_batches(
+            source, batch_size=args["batch_size"] if key == "batches" or is_dataset(source) else None)
+        if kept is not None:
+            data[key] = kept
+    config = dict(train=runs.encode(args), model=runs.describe_model(model),
+                  optimizer=runs.describe_optimizer(optimizer),
+                  scheduler=None if scheduler is None else type(scheduler).__name__,
+                  loss_fn=runs.describe_loss(loss_fn), **described)
+    if initial is None:
+        config["initial_not_kept"] = why
+    files = dict(initial=initial, data=data or None, series=dict(max_logit=hist.max_logit) if hist.max_logit else None)
+    rec = runs.new_record("train", config=config, seeds=dict(batches=args["seed"]), device=device, history=hist,
+                          files={k: v for k, v in files.items() if v is not None})
+    try:
+        hist.record = runs.save(rec, runs.claim_folder("train", record if isinstance(record, str) else None))
+    except OSError as e:
+        warnings.warn(f"train: the run record was not written ({e}); the History is returned as usual", stacklevel=3)
 
 
 @dataclass
@@ -468,7 +512,10 @@ def compare_optimizers(model: GPTConfig | torch.nn.Module | Callable[[], torch.n
     model (called after ``torch.manual_seed(seed)``). The other keywords go to :func:`train`: a
     model of your own needs ``batches=`` and usually ``loss_fn=`` there. The global RNG is seeded
     with ``seed`` before each run, so a shuffling DataLoader gives every optimizer the same order.
+    Each run keeps its own record (``record``: a name becomes ``<name>-<optimizer>``).
     """
+    record = train_kwargs.pop("record", True)
+    runs.check_record_arg(record)
     if isinstance(names, str):
         raise TypeError(f"names must be a sequence of optimizer names, e.g. ({names!r},), not a str")
     names = tuple(names)
@@ -500,5 +547,6 @@ def compare_optimizers(model: GPTConfig | torch.nn.Module | Callable[[], torch.n
         if not isinstance(net, torch.nn.Module):
             raise TypeError(f"the model function returned {type(net).__name__}, not an nn.Module")
         opt = make_optimizer(name, net, **optimizer_kwargs.get(name, {}))
-        out[name] = train(net, opt, steps=steps, seed=seed, desc=name, **train_kwargs)
+        out[name] = train(net, opt, steps=steps, seed=seed, desc=name,
+                          record=f"{record}-{name}" if isinstance(record, str) else record, **train_kwargs)
     return out

@@ -22,6 +22,7 @@ of the rows, so the run follows the one-process run on the same batches (``train
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import asdict
 
 import torch
@@ -29,6 +30,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 
+from .. import runs
 from ..comm.records import table
 from ..distributed import build_mesh, parallelize
 from ..distributed.device import rank_device, wait_for
@@ -89,6 +91,7 @@ def train_model(
     replicate: int | None = None,
     block_attr: str | None = None,
     muon_kwargs: dict | None = None,
+    record: bool | str = True,
 ) -> dict:
     """Train ``model`` with Muon for ``steps`` steps under ``mode`` on every rank of the launch.
 
@@ -110,7 +113,12 @@ def train_model(
     spans: every rank's spans of the last step as dicts on rank 0 (``plot_timeline``), None on the
     other ranks, step_spans: the same for the last ``STEPS_KEPT`` steps, numbered
     (``muonlab.trace.StepRecorder``; ``plot_timeline(..., steps=k)``, ``trace.step_time``), and
-    span_clock: "gpu" or "host" (what the spans time).
+    span_clock: "gpu" or "host" (what the spans time), record: the folder of the run record rank 0
+    wrote (muonlab.runs; None on the other ranks).
+
+    ``record``: True (default) has rank 0 keep a run record (configuration, seeds, provenance, the
+    history, the plan table) in the launch's own folder ``runs/<launch name>/``, a string names a
+    folder of its own under ``runs/``, False keeps none.
 
     A ValueError or TypeError naming the argument before any model is parallelized: ``mode`` not in
     ``MODES``, ``steps`` not a whole number >= 1, an unknown loss name, a batch source of another
@@ -120,6 +128,7 @@ def train_model(
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     check_whole("steps", steps, 1)
+    runs.check_record_arg(record)
     if (replicate is None) == (mode == "hsdp"):
         raise ValueError("replicate (replica groups of build_mesh) is read in mode 'hsdp' only, and needed there; "
                          f"got replicate={replicate!r} with mode {mode!r}")
@@ -131,6 +140,7 @@ def train_model(
     device = rank_device()
 
     net = _build(model, seed)
+    described_model = runs.describe_model(net)  # before parallelize turns its parameters into shards
     mesh = build_mesh(replicate=replicate) if mode == "hsdp" else None
     net, inner, _ = parallelize(net, mode, mesh, block_attr=block_attr)
     units = [name for name, m in inner.named_modules() if name and isinstance(m, FSDPModule)]
@@ -166,10 +176,25 @@ def train_model(
     plan = opt.plan()
     spans = gather_spans(opt.last_step_spans())
     step_spans = recorder.gather()
+    plan_table = table(plan)
+    if record is not False and rank == 0:
+        args = dict(mode=mode, steps=steps, batch_size=batch_size, lr=lr, seed=seed, replicate=replicate,
+                    block_attr=block_attr, muon_kwargs=muon_kwargs or {}, world_size=world, units=units)
+        batches_described, _ = runs.describe_batches(batches, batch_size=batch_size)
+        config = dict(train_model=runs.encode(args), model=described_model, optimizer=runs.describe_optimizer(opt),
+                      loss_fn=runs.describe_loss(loss), batches=batches_described)
+        rec = runs.new_record("train_model", config=config, seeds=dict(model=seed, batches=seed), device=device,
+                              history=history, plan_table=plan_table)
+        folder = runs.launch_folder() if record is True else None
+        try:
+            history.record = runs.save(rec, folder or runs.claim_folder("train_model", None if record is True else
+                                                                         record))
+        except OSError as e:  # a full disk must not fail the run after its last step
+            warnings.warn(f"train_model: the run record was not written ({e})", stacklevel=2)
     return dict(
         rank=rank, world_size=world, mode=mode, losses=losses, mean_losses=list(history.train_loss),
         history=history, step_seconds=step_seconds, units=units, ns_choices=history.ns_choices,
-        plan=plan_rows(plan), plan_table=table(plan), stats=opt.last_step_stats(),
+        plan=plan_rows(plan), plan_table=plan_table, stats=opt.last_step_stats(),
         spans=None if spans is None else [asdict(s) for s in spans], step_spans=step_spans,
-        span_clock=recorder.clock,
+        span_clock=recorder.clock, record=history.record,
     )

@@ -21,6 +21,7 @@ from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
 from ..experiments.compare import Comparison, compare, describe_test, verdict_text
+from ..runs import RunRecord, as_comparison
 from .panel_output import check_range, show_figure
 
 __all__ = ["ComparePanel", "compare_panel", "comparison_html", "plot_comparison"]
@@ -122,9 +123,12 @@ def plot_comparison(result: Comparison, axes=None, *, title: str | None = None):
     dotted line. Right: each seed's final validation loss and the mean with its interval (diverged
     seeds as a red x at the top), the difference and its verdict in the title when there is one.
     The legend (each configuration with the Newton-Schulz form, dtype and backend that ran) sits
-    below the axes. ``axes``: None (a new figure) or a pair. Returns the pair."""
+    below the axes. ``result``: a Comparison or a saved one (``muonlab.runs.load``). ``axes``: None
+    (a new figure) or a pair. Returns the pair."""
+    result = as_comparison(result)
     if not isinstance(result, Comparison):
-        raise TypeError(f"result must be the Comparison that compare() returns, got {type(result).__name__}")
+        raise TypeError(f"result must be the Comparison that compare() returns or a saved one (a RunRecord), got "
+                        f"{type(result).__name__}")
     if axes is None:
         fig, axes = plt.subplots(1, 2, figsize=(12, 4.6), gridspec_kw=dict(width_ratios=(1.6, 1)))
     ax_curves, ax_finals = axes
@@ -145,8 +149,9 @@ def plot_comparison(result: Comparison, axes=None, *, title: str | None = None):
     return ax_curves, ax_finals
 
 
-def comparison_html(result: Comparison) -> str:
+def comparison_html(result: Comparison | RunRecord) -> str:
     """The summary table as HTML (the panel's), with the tests below it."""
+    result = as_comparison(result)
     pct = f"{100 * result.confidence:g}%"
     head = (f"<tr><th>configuration</th><th>Newton-Schulz (form, dtype, backend)</th>"
             f"<th>final val loss ({pct} CI)</th><th>steps to {result.target:.3f} ({pct} CI)</th>"

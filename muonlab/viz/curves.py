@@ -18,6 +18,7 @@ import numpy as np  # noqa: E402
 from matplotlib.axes import Axes  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
+from ..runs import RunRecord, as_history  # noqa: E402
 from ..trace.ns_choice import ns_choice_short  # noqa: E402
 
 __all__ = ["DIVERGED_FACTOR", "integer_steps", "ns_choice_short", "plot_loss_curves", "plot_singular_values",
@@ -123,16 +124,17 @@ def robust_ylim(axes, *, factor: float = DIVERGED_FACTOR) -> list[tuple[str, flo
 
 def _loss_runs(histories) -> list[tuple[str, list, list, list, list, str]]:
     """(name, steps, train losses, val steps, val losses, Newton-Schulz label) per run, from a
-    History, a sequence of losses, or a mapping of names to either."""
+    History, a saved run (a RunRecord), a sequence of losses, or a mapping of names to any."""
     if isinstance(histories, Mapping):
         items = list(histories.items())
-    elif hasattr(histories, "train_loss") or _is_losses(histories):
+    elif isinstance(histories, RunRecord) or hasattr(histories, "train_loss") or _is_losses(histories):
         items = [("", histories)]
     else:
-        raise TypeError(f"expected a History, a sequence of losses or a mapping {{name: History or losses}}, "
-                        f"got {type(histories).__name__}")
+        raise TypeError(f"expected a History, a sequence of losses or a mapping {{name: History or losses}} (a saved "
+                        f"run, muonlab.runs.load(name), counts as a History), got {type(histories).__name__}")
     runs = []
     for name, h in items:
+        h = as_history(h)
         if hasattr(h, "train_loss"):
             for xs, ys in (("steps", "train_loss"), ("val_steps", "val_loss")):
                 # matplotlib's own error names neither the run nor the lists
@@ -156,8 +158,8 @@ def plot_loss_curves(histories, *, ax=None, title: str = "loss", legend: str = "
     """Train (thin) and validation (markers) loss of each run, on one axis.
 
     ``histories``: a mapping ``{name: run}`` or one run, a run being a History (``train``,
-    ``compare_optimizers``) or a sequence of losses, one per step from 1 (a worker's
-    ``losses``). A run whose History says what Newton-Schulz ran (``History.ns_choices``) is
+    ``compare_optimizers``), a saved one (``muonlab.runs.load``) or a sequence of losses, one per
+    step from 1 (a worker's ``losses``). A run whose History says what Newton-Schulz ran (``History.ns_choices``) is
     labelled with it: "muon (bf16, plain, torch)". Steps tick at whole numbers; a diverged run is
     marked and leaves the y-axis to the others (:func:`robust_ylim`). ``legend``: "outside" (right
     of the axis, clear of the curves), "inside" (matplotlib's best place), or "none".

@@ -57,10 +57,11 @@ def test_a_real_difference_is_significant_and_identical_configurations_are_not(l
     assert twin.difference == 0.0 and twin.verdict() == "undecided" and not twin.significant()
     welch = lr_result.difference("lr 0.02 again", "lr 0.02", test="welch")
     assert welch.test == "Welch t" and welch.p_value == 1.0 and welch.verdict() == "not significant"
-    # the tests held by the result: each configuration against the first, on both metrics
+    # the tests held by the result: each configuration against the first, on every metric
     assert [(a, b, m) for a, b, m, _ in lr_result.tests] == [
         ("lr 1e-4", "lr 0.02", "final_val_loss"), ("lr 1e-4", "lr 0.02", "steps_to_target"),
-        ("lr 0.02 again", "lr 0.02", "final_val_loss"), ("lr 0.02 again", "lr 0.02", "steps_to_target")]
+        ("lr 1e-4", "lr 0.02", "seconds_to_target"), ("lr 0.02 again", "lr 0.02", "final_val_loss"),
+        ("lr 0.02 again", "lr 0.02", "steps_to_target"), ("lr 0.02 again", "lr 0.02", "seconds_to_target")]
 
 
 def test_summaries_intervals_and_the_table(lr_result):
@@ -90,7 +91,7 @@ def _made_up(finals: dict[str, list[float]], reach: dict[str, list[int]], steps:
     """A comparison of runs made up here: per configuration each seed's final validation loss and
     the step its training loss drops from 3 to 2 (the target)."""
     runs = [compare_mod.Run(config=name, seed=seed, final_val_loss=final, choices=[], init_digest="w",
-                            batch_digest=f"batches {seed}", seconds=0.0,
+                            batch_digest=f"batches {seed}", seconds=0.0, step_seconds=[0.5] * steps,
                             train_loss=[3.0 if i + 1 < reach[name][seed] else 2.0 for i in range(steps)])
             for name in finals for seed, final in enumerate(finals[name])]
     configs = {name: FP32 for name in finals}
@@ -110,10 +111,12 @@ def test_undecided_is_what_every_verdict_says_without_spread_or_with_one_seed(ca
         result, why = _made_up({"a": [4.0, 4.5], "b": [4.1, 4.6]}, {"a": [5, 7], "b": [7, 9]}), "no spread"
     else:
         result, why = _made_up({"a": [4.0], "b": [4.1]}, {"a": [5], "b": [7]}), "1 pair(s)"
-    assert [t.verdict() for _, _, _, t in result.tests] == ["undecided", "undecided"]
-    table = result.table()
+    assert [t.verdict() for _, _, _, t in result.tests] == ["undecided", "undecided", "undecided"]
+    table = result.table(seconds=True)
     assert "b - a, final val loss: +0.100, paired t: undecided (" + why in table
     assert "b - a, steps to target: +2.0, paired t: undecided (" + why in table
+    # steps of 0.5 s: the seconds follow the steps, 1 s later in every seed
+    assert "b - a, seconds to target: +1.000, paired t: undecided (" + why in table
     assert "significant" not in table and "significant" not in viz.comparison_html(result)
     _, ax_finals = viz.plot_comparison(result)
     try:
