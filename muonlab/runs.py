@@ -487,12 +487,14 @@ def as_comparison(value):
 
 def rerun(record: RunRecord, **overrides):
     """Run ``record``'s configuration again; returns what the run returns (a History for a train
-    record, a Comparison for a compare record; neither writes a record). On the CPU, at the record's
-    thread count (set for the rerun), the losses equal the record's bit for bit.
+    or train_model record, a Comparison for a compare record; none writes a record). On the CPU, at
+    the record's thread count (set for the rerun), the losses equal the record's bit for bit.
 
     A train record starts from its ``initial.pt`` (model, optimizer, scheduler and RNG states as they
     were before step 1) with its arguments (steps, seed, batch settings, loss); a compare record
-    runs every configuration again on its model, seeds and batches. ``overrides`` replace arguments
+    runs every configuration again on its model, seeds and batches; a train_model record launches
+    ``train_model`` again on as many ranks from its initial model (rank 0's History comes back;
+    ``device=`` and launch's other keywords go to the launch). ``overrides`` replace arguments
     the record could not keep (``batches=``, ``loss_fn=``, ``model=``, ...) or change one
     (``device=``)."""
     if not isinstance(record, RunRecord):
@@ -510,37 +512,48 @@ def rerun(record: RunRecord, **overrides):
             inputs = inputs_from_record(record, overrides)
             configs = {name: c.settings for name, c in record.comparison.configs.items()}
             return compare(configs, **inputs, progress=False, record=False)
-        raise ValueError(f"record {record.name!r} is a {record.kind} record: its run is a launch; launch "
-                         f"train_model again with its config ({sorted(record.config)})")
+        return _rerun_train_model(record, dict(overrides))
     finally:
         torch.set_num_threads(before)
+
+
+def kept_inputs(record: RunRecord, given, keys=("batches", "val_batches")) -> dict:
+    """The batch sources and the loss ``record`` kept (a dataset from data.pt, an importable
+    function, a loss's name), but for those in ``given``; a ValueError names one that was not kept."""
+    out, data = {}, None
+    for key in keys:
+        described = record.config.get(key)
+        if key in given or described is None:
+            continue
+        if described.get("kind") == "dataset" and described.get("kept"):
+            data = record.read("data") if data is None else data
+            out[key] = tuple(data[key])
+        elif described.get("kind") == "callable" and described.get("function"):
+            out[key] = import_ref(described["function"])
+        else:
+            raise ValueError(f"record {record.name!r}: its {key} ({described.get('kind')}) was not kept: "
+                             f"pass {key}=")
+    if "loss_fn" not in given:
+        loss = rebuild_loss(record.config.get("loss_fn"))
+        if unbuilt(loss):
+            raise ValueError(f"record {record.name!r}: its loss_fn ({loss['__repr__']}) was not kept: pass loss_fn=")
+        out["loss_fn"] = loss
+    return out
+
+
+def _kept_initial(record: RunRecord) -> dict:
+    initial = record.read("initial")
+    if initial is None:
+        raise ValueError(f"record {record.name!r} kept no initial model ("
+                         f"{record.config.get('initial_not_kept', 'not saved')}): pass model= to rerun it")
+    return initial
 
 
 def _rerun_train(record: RunRecord, overrides: dict):
     from .train import train
 
-    initial = record.read("initial")
-    if initial is None:
-        raise ValueError(f"record {record.name!r} kept no initial model and optimizer "
-                         f"({record.config.get('initial_not_kept', 'not saved')}): it cannot be rerun")
-    args = decode(record.config["train"])
-    args.pop("scheduler_given", None)
-    for key, described in (("batches", record.config.get("batches")), ("val_batches", record.config.get("val_batches"))):
-        if key in overrides or described is None:
-            continue
-        if described.get("kind") == "dataset" and described.get("kept"):
-            data = record.read("data") or {}
-            args[key] = tuple(data[key])
-        elif described.get("kind") == "callable" and described.get("function"):
-            args[key] = import_ref(described["function"])
-        else:
-            raise ValueError(f"record {record.name!r}: its {key} ({described.get('kind')}) was not kept: "
-                             f"pass {key}= to rerun")
-    loss = rebuild_loss(record.config.get("loss_fn"))
-    if "loss_fn" not in overrides and unbuilt(loss):
-        raise ValueError(f"record {record.name!r}: its loss_fn ({loss['__repr__']}) was not kept: pass loss_fn=")
-    args["loss_fn"] = loss
-    args.update(overrides)
+    initial = _kept_initial(record)
+    args = {**decode(record.config["train"]), **kept_inputs(record, overrides), **overrides}
     rng = initial["rng"]
     with torch.random.fork_rng(devices=[]), warnings.catch_warnings():  # the caller's RNG is left as it was
         # an unpickled scheduler no longer wraps its optimizer's step, which torch takes for an override
@@ -550,6 +563,27 @@ def _rerun_train(record: RunRecord, overrides: dict):
             torch.cuda.set_rng_state_all(rng["cuda"])
         return train(initial["model"], initial["optimizer"], scheduler=initial["scheduler"], progress=False,
                      record=False, **args)
+
+
+LAUNCH_KEYWORDS = ("backend", "device", "timeout_s", "startup_timeout_s", "name", "progress", "warm")
+"""launch()'s own keywords: a train_model rerun passes these to the launch, the rest to train_model."""
+
+
+def _rerun_train_model(record: RunRecord, overrides: dict):
+    from .distributed import launch
+    from .experiments.any_model import train_model
+
+    args = decode(record.config["train_model"])
+    world = args.pop("world_size")
+    args.pop("units", None)
+    launch_kwargs = {k: overrides.pop(k) for k in LAUNCH_KEYWORDS if k in overrides}
+    inputs = kept_inputs(record, overrides, keys=("batches",))
+    model = overrides.pop("model", None) or _kept_initial(record)["model"]
+    batches = overrides.pop("batches", None) or inputs["batches"]
+    loss = overrides.pop("loss_fn") if "loss_fn" in overrides else inputs["loss_fn"]
+    out = launch(train_model, world, model, loss, batches, **{**args, **overrides, "record": False},
+                 **{"progress": False, **launch_kwargs})
+    return out[0]["history"]
 
 
 # ---------------------------------------------------------------------------------- TensorBoard

@@ -140,7 +140,9 @@ def train_model(
     device = rank_device()
 
     net = _build(model, seed)
+    keep = record is not False and dist.get_rank() == 0
     described_model = runs.describe_model(net)  # before parallelize turns its parameters into shards
+    initial, why = runs.snapshot(net) if keep else (None, "")  # what a rerun launches again
     mesh = build_mesh(replicate=replicate) if mode == "hsdp" else None
     net, inner, _ = parallelize(net, mode, mesh, block_attr=block_attr)
     units = [name for name, m in inner.named_modules() if name and isinstance(m, FSDPModule)]
@@ -177,14 +179,18 @@ def train_model(
     spans = gather_spans(opt.last_step_spans())
     step_spans = recorder.gather()
     plan_table = table(plan)
-    if record is not False and rank == 0:
+    if keep:
         args = dict(mode=mode, steps=steps, batch_size=batch_size, lr=lr, seed=seed, replicate=replicate,
                     block_attr=block_attr, muon_kwargs=muon_kwargs or {}, world_size=world, units=units)
-        batches_described, _ = runs.describe_batches(batches, batch_size=batch_size)
+        batches_described, data = runs.describe_batches(batches, batch_size=batch_size)
         config = dict(train_model=runs.encode(args), model=described_model, optimizer=runs.describe_optimizer(opt),
                       loss_fn=runs.describe_loss(loss), batches=batches_described)
+        if initial is None:
+            config["initial_not_kept"] = why
+        files = {k: v for k, v in dict(initial=initial, data=None if data is None else dict(batches=data)).items()
+                 if v is not None}
         rec = runs.new_record("train_model", config=config, seeds=dict(model=seed, batches=seed), device=device,
-                              history=history, plan_table=plan_table)
+                              history=history, plan_table=plan_table, files=files)
         folder = runs.launch_folder() if record is True else None
         try:
             history.record = runs.save(rec, folder or runs.claim_folder("train_model", None if record is True else

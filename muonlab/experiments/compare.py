@@ -570,22 +570,7 @@ def inputs_from_record(record: run_records.RunRecord, given: Mapping) -> dict:
         else:
             raise ValueError(f"record {record.name!r}: its model was not kept ({described.get('why', described)}): "
                              f"pass model=")
-    data = None
-    for key in ("batches", "val_batches"):
-        d = config.get(key)
-        if key in given or d is None:
-            continue
-        if d.get("kind") == "dataset" and d.get("kept"):
-            data = record.read("data") if data is None else data
-            out[key] = tuple(data[key])
-        elif d.get("kind") == "callable" and d.get("function"):
-            out[key] = run_records.import_ref(d["function"])
-        else:
-            raise ValueError(f"record {record.name!r}: its {key} ({d.get('kind')}) was not kept: pass {key}=")
-    loss = run_records.rebuild_loss(config.get("loss_fn"))
-    if "loss_fn" not in given and run_records.unbuilt(loss):
-        raise ValueError(f"record {record.name!r}: its loss_fn ({loss['__repr__']}) was not kept: pass loss_fn=")
-    out["loss_fn"] = loss
+    out.update(run_records.kept_inputs(record, given))
     out.update(given)
     return out
 
