@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import math
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -21,7 +22,8 @@ import torch
 from .comm.cost import get_profile, step_seconds
 from .comm.planner import REFERENCE_STRATEGIES, plan_batches, reference_plan
 from .comm.records import Plan, per_rank
-from .comm.specs import GroupKey, MatrixSpec, check_view, chunk_sizes, default_view, fused_row_layout
+from .comm.specs import (GroupKey, MatrixSpec, check_view, chunk_sizes, default_view, fused_row_layout,
+                          group_pieces, piece_numel)
 from .comm.wire import wire_itemsizes
 from .distributed.mesh import MeshAxis
 from .kernels.config import NSConfig, ns_flops
@@ -33,6 +35,12 @@ from .optim.rules import RULES
 from .optim.validation import check_comm_dtype, check_workspace_bytes, checked_fused_banks, whole_number
 
 SIMULATED_STRATEGIES = ("muonlab",) + REFERENCE_STRATEGIES
+TP_STYLES = ("colwise", "rowwise")
+"""How tensor parallelism splits a Linear weight (out, in): "colwise" its out dim (torch's
+ColwiseParallel), "rowwise" its in dim (RowwiseParallel)."""
+ROWWISE_NAMES = ("o_proj", "down_proj", "out_proj", "c_proj", "proj", "out", "wo", "w2")
+"""Module names whose weight a TP plan splits row-wise by default (the output projections of
+attention and of the MLP in muonlab's GPT and the Llama/Qwen/GPT-2 families); others column-wise."""
 SIMULATED_BACKENDS = ("torch", "triton")
 """Newton-Schulz backends a simulation can size batches for (see ``simulate``'s ``ns_backend``)."""
 LAYOUTS = ("fsdp", "ddp")
@@ -83,6 +91,48 @@ def _named_shapes(params_or_shapes, matrix_views: dict[str, str] | None = None
     if views:
         raise ValueError(f"matrix_views names {sorted(views)}, which are not among the Muon parameters")
     return out
+
+
+def tp_style(name: str) -> str:
+    """The default TP style of parameter ``name``: "rowwise" where its module is named in
+    ``ROWWISE_NAMES``, else "colwise"."""
+    parts = name.split(".")
+    module = parts[-2] if len(parts) > 1 else parts[0]
+    return "rowwise" if module in ROWWISE_NAMES else "colwise"
+
+
+def tp_specs(named_shapes: Iterable[tuple], world: int, tp: int, tp_styles: dict[str, str] | None = None
+             ) -> list[MatrixSpec]:
+    """The MatrixSpecs of FSDP2 over tensor parallelism on a ("dp", "tp") mesh of ``world // tp`` x
+    ``tp`` ranks: a column-wise weight ``(_StridedShard(0, tp), Shard(0))``, a row-wise one
+    ``(Shard(0), Shard(1))``, as torch's TP and ``fully_shard`` place them; layout "pieces" over
+    the flattened mesh. ``tp_styles``: {name: style} overriding ``tp_style``."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    styles = dict(tp_styles or {})
+    for name, style in styles.items():
+        if style not in TP_STYLES:
+            raise ValueError(f"tp_styles[{name!r}] must be one of {TP_STYLES}, got {style!r}")
+    key = GroupKey(mesh_ranks=tuple(range(world)), mesh_shape=(1, world),
+                   axis_name=f"{MeshAxis.DP}+tp", axis_index=1)
+    placements = {"colwise": (_StridedShard(0, split_factor=tp), Shard(0)), "rowwise": (Shard(0), Shard(1))}
+    specs = []
+    for i, item in enumerate(named_shapes):
+        name, shape = item[0], tuple(item[1])
+        view = (item[2] if len(item) > 2 else "") or default_view(shape)
+        if view not in ("matrix", "transpose"):
+            raise ValueError(f"tp > 1 plans 2-D weights; '{name}' of shape {shape} has matrix view {view!r}")
+        style = styles.pop(name, None) or tp_style(name)
+        dim = 0 if style == "colwise" else 1
+        if shape[dim] % tp:
+            raise ValueError(f"'{name}' of shape {shape} is split {style} over tp={tp}: its dim {dim} "
+                             f"({shape[dim]}) must divide by tp")
+        pieces = group_pieces(shape, (world // tp, tp), placements[style])
+        specs.append(MatrixSpec(i, name, shape, "pieces", key, view=view, pieces=pieces))
+    if styles:
+        raise ValueError(f"tp_styles names {sorted(styles)}, which are not among the Muon parameters")
+    return specs
 
 
 def mesh_specs(named_shapes: Iterable[tuple], world: int, *, ep: int = 1,
@@ -157,6 +207,8 @@ def simulate(
     ns_backend: str = "torch",
     device: torch.device | str | None = None,
     update_rule: str = "muon",
+    tp: int = 1,
+    tp_styles: dict[str, str] | None = None,
 ) -> Plan:
     """The plan (records as ``Muon.plan()``) for these Muon matrices on a mesh.
 
@@ -192,6 +244,9 @@ def simulate(
             "normuon" adds, per batch whose matrices' rows lie on several ranks, the all-reduce of
             its norms (``BatchPlan.rule_sums``, priced by the cost model), and refuses the layouts
             a run refuses.
+        tp: tensor-parallel size: FSDP2 over TP on a (W // tp, tp) mesh, every 2-D weight split
+            column-wise or row-wise (``tp_specs``: layout "pieces"); 1: none.
+        tp_styles: {name: "colwise" or "rowwise"} overriding the style ``tp_style`` reads from a name.
     """
     if update_rule not in RULES:
         raise ValueError(f"unknown update_rule {update_rule!r}; choose one of {sorted(RULES)}")
@@ -218,8 +273,19 @@ def simulate(
             raise ValueError(f"mesh_shape must be W, (W,) or (fsdp, ep) like build_ep_mesh, got {tuple(mesh_shape)}")
         fsdp, ep = (_positive_int(d, f"mesh_shape {tuple(mesh_shape)}: its sizes") for d in mesh_shape)
         world = ep * fsdp
-    specs = mesh_specs(_named_shapes(params_or_shapes, matrix_views), world, ep=ep, layout=layout,
-                       expert_mesh=expert_mesh, fused_banks=fused_banks)
+    tp = _positive_int(tp, "tp")
+    if tp > 1:
+        if expert_mesh or layout != "fsdp" or fused_banks:
+            raise ValueError(f"tp={tp} plans FSDP2 over TP on a (W // tp, tp) mesh: pass an int world size, "
+                             f"layout 'fsdp' and no fused_banks (got mesh_shape {mesh_shape!r}, layout {layout!r})")
+        if world % tp:
+            raise ValueError(f"world size {world} must be a multiple of tp={tp}")
+        specs = tp_specs(_named_shapes(params_or_shapes, matrix_views), world, tp, tp_styles)
+    elif tp_styles:
+        raise ValueError("tp_styles is read with tp > 1 only")
+    else:
+        specs = mesh_specs(_named_shapes(params_or_shapes, matrix_views), world, ep=ep, layout=layout,
+                           expert_mesh=expert_mesh, fused_banks=fused_banks)
     if isinstance(params_or_shapes, torch.nn.Module):  # a run batches each dtype apart
         dtypes = {name: str(p.dtype) for name, p in params_or_shapes.named_parameters()}
         specs = [dataclasses.replace(s, dtype=dtypes[s.name]) for s in specs]
@@ -251,17 +317,27 @@ def lower_bound_bytes(plan: Plan, comm_itemsize: int | None = None) -> int:
     cheaper for a matrix of a fused bank that spans few ranks, all-gathered by the h ranks
     holding it, each orthogonalizing it, nothing sent back: h - 1 of its bytes
     (``_least_moved_share``). Replicated ones: one all-gather of the updates, (W-1)/W of their
-    bytes on each rank. Matrices already whole on a rank (experts in a bank) and on a one-rank
+    bytes on each rank. A tensor-parallel parameter (layout "pieces"): gathered whole on the rank
+    holding its largest piece and sent back, 2 (1 - largest/all) of its bytes (the bound of owner
+    compute). Matrices already whole on a rank (experts in a bank) and on a one-rank
     group count nothing: a plan that moves them (for balance) moves more than the bound.
     ``comm_itemsize``: bytes per element on the wire; None: each batch's own (the comm dtype its
     byte counts were made with, ``BatchPlan.comm_itemsize``), so a plan at the bound scores 1.0
     whatever its comm dtype."""
     total = 0.0
+    largest: dict[int, int] = {}  # a pieces parameter's largest piece, per pieces object (shared by shape)
     for b in plan:
         if b.group is None or b.group.size == 1 or b.sources:  # sources: whole matrices, in place
             continue
         W = b.group.size
         copies = len(b.group.mesh_ranks) // W  # an axis of a bigger mesh repeats per slice
+        if b.path == "pieces":  # gathered on the rank holding most of it, and back
+            for shape, pieces in zip(b.param_shapes, b.pieces):
+                if id(pieces) not in largest:
+                    largest[id(pieces)] = max(piece_numel(pc) for pc in pieces)
+                itemsize = b.comm_itemsize if comm_itemsize is None else comm_itemsize
+                total += copies * 2 * (math.prod(shape) - largest[id(pieces)]) * itemsize
+            continue
         for shape in b.param_shapes:
             nbytes = b.comm_itemsize if comm_itemsize is None else comm_itemsize
             for d in shape:

@@ -274,10 +274,33 @@ def held_piece(shape: tuple[int, ...], mesh_shape: tuple[int, ...], coordinate: 
     """What the rank at ``coordinate`` of a mesh holds of a tensor of global ``shape`` placed by
     ``placements``: per dim, the global indices it holds as runs, in its local tensor's order.
 
-    torch's own sharding arithmetic (``_get_shard_size_and_offsets``, what
-    ``compute_local_shape_and_global_offset`` is made of) applied mesh dim by mesh dim, keeping
-    every offset rather than the first, so strided (``_StridedShard``) and uneven shards come out
-    exactly as DTensor lays them out."""
+    A dim sharded by plain Shards, or by FSDP2's ``_StridedShard(d, sf)`` followed by the
+    ``Shard(d)`` of sf ranks it was made for (TP first, then FSDP within each TP chunk), holds one
+    run, computed here with ``torch.chunk``'s sizes; any other combination is read from torch's own
+    sharding arithmetic (``_torch_runs``). tests/unit/test_tp_pieces.py checks both against torch."""
+    out, slow = [], None
+    for d, size in enumerate(shape):
+        steps = [(a, pl) for a, pl in enumerate(placements) if not isinstance(pl, Replicate) and pl.dim == d]
+        if len(steps) == 2 and isinstance(steps[0][1], _StridedShard) and not isinstance(steps[1][1], _StridedShard) \
+                and steps[0][1].split_factor == mesh_shape[steps[1][0]]:
+            steps = [steps[1], steps[0]]  # the later Shard splits first, then the strided one within
+        elif any(isinstance(pl, _StridedShard) for _, pl in steps):
+            slow = slow or _torch_runs(shape, mesh_shape, coordinate, placements)
+            out.append(slow[d])
+            continue
+        start, n = 0, size
+        for a, _ in steps:
+            sizes = chunk_sizes(n, mesh_shape[a])
+            start, n = start + sum(sizes[:coordinate[a]]), sizes[coordinate[a]]
+        out.append(((start, n),) if n else ())
+    return tuple(out)
+
+
+def _torch_runs(shape: tuple[int, ...], mesh_shape: tuple[int, ...], coordinate: tuple[int, ...],
+                placements: tuple) -> Piece:
+    """``held_piece`` by torch's own sharding arithmetic (``_get_shard_size_and_offsets``, what
+    ``compute_local_shape_and_global_offset`` is made of), mesh dim by mesh dim, keeping every
+    offset rather than the first, so any strided or uneven shard comes out as DTensor lays it out."""
     from torch.distributed.tensor._utils import _get_shard_size_and_offsets
 
     sizes = list(shape)

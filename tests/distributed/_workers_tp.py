@@ -238,7 +238,37 @@ def fallback_warning() -> list[str]:
     return [str(c.message) for c in caught if "full gather" in str(c.message)]
 
 
+def replicated_slices() -> dict:
+    """HSDP x TP's shape on 4 ranks: a (replicate 2, dp 2, tp 1) mesh, weights sharded on dp and tp
+    and replicated across the first axis, so each replica's flattened (dp, tp) group is its own
+    process group ([0, 1] and [2, 3]); against one process, from the same gradients."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=("rep", "dp", "tp"))
+    kinds = {"col": (Replicate(), Shard(0), Shard(1)), "row": (Replicate(), Shard(1), Shard(0))}
+    shapes = {"col": (5, 4), "row": (4, 5)}  # uneven: 3 + 2 on the dp axis
+
+    def start(name):
+        return torch.randn(shapes[name], generator=torch.Generator().manual_seed(len(name)))
+
+    params = [(n, torch.nn.Parameter(distribute_tensor(start(n), mesh, pl))) for n, pl in kinds.items()]
+    plain = [(n, torch.nn.Parameter(start(n))) for n in kinds]
+    opt, ref = Muon(params, **HYPER), Muon(plain, **HYPER)
+    for step in range(STEPS):
+        for (n, p), (_, q) in zip(params, plain):
+            g = torch.randn(shapes[n], generator=torch.Generator().manual_seed(10 * step + len(n)))
+            p.grad, q.grad = distribute_tensor(g, mesh, kinds[n]), g
+        opt.step()
+        ref.step()
+    errors = {n: float((p.full_tensor() - q.detach()).abs().max() / q.detach().abs().max())
+              for (n, p), (_, q) in zip(params, plain)}
+    (group,) = {b.group for b in opt.plan()}
+    return dict(errors=errors, slices=group.axis_slices(), paths=sorted({b.path for b in opt.plan()}))
+
+
 def everything() -> dict:
     """All the checks of one 4-rank launch."""
     return dict(pieces=pieces_match(), muon=train_tp("muon"), normuon=train_tp("normuon"),
-                layouts=layouts_gathers(), warnings=fallback_warning())
+                layouts=layouts_gathers(), warnings=fallback_warning(), replicated=replicated_slices())

@@ -74,3 +74,14 @@ def test_the_padded_full_gather_warns_once_naming_the_parameter(results):
     for rank, res in results.items():
         (message,) = res["warnings"]
         assert "'rowwise.weight'" in message and "(Shard(dim=1),)" in message and "gather_all" in message, message
+
+
+@pytest.mark.timeout(600)
+def test_replicated_slices_each_run_their_own_group(results):
+    """HSDP x TP's shape (a Replicate axis, then two sharding axes): each replica's flattened group is
+    a process group of its own, and both equal one process."""
+    for rank, res in results.items():
+        got = res["replicated"]
+        assert got["slices"] == [[0, 1], [2, 3]] and got["paths"] == ["pieces"], got
+        for name, err in got["errors"].items():
+            assert err <= TOLERANCE, (rank, name, err)

@@ -15,7 +15,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from muonlab.comm.paths.pieces import piece_shape, put, take
 from muonlab.comm.planner import plan_batches
-from muonlab.comm.specs import GroupKey, MatrixSpec, group_pieces, piece_numel
+from muonlab.comm.specs import GroupKey, MatrixSpec, _torch_runs, group_pieces, piece_numel
 from muonlab.kernels.config import NSConfig
 
 CASES = [
@@ -30,6 +30,13 @@ CASES = [
     ((6, 12), (2, 2, 2), (Replicate(), Shard(0), Shard(1))),
     # an expert bank split on its experts and inside its matrices
     ((4, 6, 5), (2, 2), (Shard(0), Shard(2))),
+    # uneven strided shards; a strided dim 1 across a third axis; one dim split twice plainly
+    ((11, 4), (3, 2), (_StridedShard(0, split_factor=2), Shard(0))),
+    ((5, 3), (4, 2), (_StridedShard(0, split_factor=2), Shard(0))),
+    ((8, 13), (2, 2, 2), (_StridedShard(1, split_factor=2), Shard(0), Shard(1))),
+    ((9, 4), (2, 2), (Shard(0), Shard(0))),
+    # a split factor that is not the later axis' size: torch's arithmetic throughout
+    ((12, 4), (2, 3), (_StridedShard(0, split_factor=2), Shard(1))),
 ]
 
 
@@ -49,13 +56,15 @@ def test_pieces_agree_with_torch_and_cover_the_tensor_once(shape, mesh_shape, pl
     covered = torch.zeros(shape, dtype=torch.int64)
     for coord, piece in zip(_coordinates(mesh_shape, placements), pieces, strict=True):
         local, offset = _compute_local_shape_and_global_offset(shape, mesh_shape, coord, placements)
+        assert piece == _torch_runs(shape, mesh_shape, coord, placements), (coord, piece)  # every index
         assert piece_shape(piece) == tuple(local), (coord, piece)
         if piece_numel(piece):
             assert tuple(runs[0][0] for runs in piece) == tuple(offset), (coord, piece)
         put(covered, piece, take(covered, piece) + 1)
     assert bool((covered == 1).all()), covered
-    # empty pieces: one row per tp rank over 2 dp ranks; 3 rows of a tp rank over 4 dp ranks
-    assert any(piece_numel(p) == 0 for p in pieces) == (shape in ((2, 6), (7, 9)))
+    # empty pieces: one row per tp rank over 2 dp ranks; 3 (or 2) rows of a tp rank over 4 dp ranks;
+    # 4 columns over 3 ranks (whose rows are a strided set: two runs)
+    assert any(piece_numel(p) == 0 for p in pieces) == (shape in ((2, 6), (7, 9), (5, 3), (12, 4)))
 
 
 def _spec(i, name, shape, pieces, size):
@@ -82,3 +91,37 @@ def test_plan_balances_owners_and_counts_each_piece_out_and_back():
     assert held == [18, 18, 12, 12]  # of each tp rank's 5 rows, 3 on dp rank 0 and 2 on dp rank 1
     assert held[odd[0].owners[0]] == max(held)  # ties in load go to the largest holder
     assert "pieces" in plan.table()
+
+
+def _llama_like(layers: int, d: int, kv: int, ff: int) -> list:
+    out = []
+    for n in range(layers):
+        p = f"model.layers.{n}"
+        out += [(f"{p}.self_attn.q_proj.weight", (d, d)), (f"{p}.self_attn.k_proj.weight", (kv, d)),
+                (f"{p}.self_attn.v_proj.weight", (kv, d)), (f"{p}.self_attn.o_proj.weight", (d, d)),
+                (f"{p}.mlp.gate_proj.weight", (ff, d)), (f"{p}.mlp.up_proj.weight", (ff, d)),
+                (f"{p}.mlp.down_proj.weight", (d, ff))]
+    return out
+
+
+def test_simulate_plans_fsdp_over_tp_at_the_bound():
+    from muonlab.simulate import simulate, summarize, tp_style
+
+    assert [tp_style(n) for n, _ in _llama_like(1, 8, 4, 16)] == ["colwise"] * 3 + ["rowwise"] + ["colwise"] * 2 + [
+        "rowwise"]
+    # a Llama-70B-like model (80 layers, GQA) at 1024 ranks, tp=8: owner compute at its byte bound
+    plan = simulate(_llama_like(80, 8192, 1024, 28672), 1024, tp=8, profile="h100_node")
+    summary = summarize(plan, 1024, "h100_node")
+    assert summary["paths"] == ["pieces"] and summary["bytes_over_bound"] == 1.0, summary
+    assert summary["flop_imbalance"] < 1.01, summary
+    # uneven FSDP pieces on a small mesh: every row-wise weight's rows 3 + 2 over dp=2
+    small = simulate(_llama_like(2, 10, 4, 20), 4, tp=2, profile="cpu_gloo")
+    assert {b.path for b in small} == {"pieces"}
+    bound = sum(2 * (math.prod(shape) - max(map(piece_numel, pieces))) * b.comm_itemsize
+                for b in small for shape, pieces in zip(b.param_shapes, b.pieces))
+    assert summarize(small, 4, "cpu_gloo")["bound_bytes"] == bound
+    assert sum(sum(b.bytes_sent) for b in small) >= bound
+    with pytest.raises(ValueError, match="tp=3"):
+        simulate(_llama_like(1, 12, 6, 24), 8, tp=3)
+    with pytest.raises(ValueError, match="tp_styles"):
+        simulate(_llama_like(1, 12, 6, 24), 8, tp=2, tp_styles={"nope": "colwise"})

@@ -35,13 +35,22 @@ from .base import CommPath
 def bytes_per_rank(held: Sequence[Sequence[int]], owners: Sequence[int], itemsize: int):
     """(sent, recv) per group rank. ``held[k][q]``: elements rank q holds of parameter k, owned by
     ``owners[k]``. Out: q sends its piece of each parameter it does not own; back: an owner sends
-    every other rank its piece. A rank receives the mirror image, so the lists are equal."""
-    sent = [0] * len(held[0]) if held else []
+    every other rank its piece. A rank receives the mirror image, so the lists are equal.
+
+    Parameters of one placement share one ``held`` list (the same object): each is walked once
+    over the ranks, with its owners counted, so a batch of a 1024-rank plan costs O(W) per kind."""
+    size = len(held[0]) if held else 0
+    kinds: dict[int, tuple[Sequence[int], dict[int, int]]] = {}
     for numels, o in zip(held, owners):
-        for q, n in enumerate(numels):
-            if q != o and n:
-                sent[q] += n * itemsize
-                sent[o] += n * itemsize
+        counts = kinds.setdefault(id(numels), (numels, {}))[1]
+        counts[o] = counts.get(o, 0) + 1
+    sent = [0] * size
+    for numels, counts in kinds.values():
+        num_params, total = sum(counts.values()), sum(numels)
+        for q in range(size):  # out: its piece of each parameter it does not own
+            sent[q] += numels[q] * (num_params - counts.get(q, 0)) * itemsize
+        for o, m in counts.items():  # back: every other rank's piece of each parameter it owns
+            sent[o] += m * (total - numels[o]) * itemsize
     return sent, list(sent)
 
 

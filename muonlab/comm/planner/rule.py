@@ -47,7 +47,7 @@ class RulePlanner:
 
     def __init__(self, specs: Sequence[MatrixSpec], configs: Sequence[NSConfig], *, comm_itemsize: int | ItemsizeRule,
                  remainder_path: str, profile, row_assignment: str, rebalance: bool, max_local_matrices=None,
-                 sources: dict[int, list[int]] | None = None):
+                 sources: dict[int, list[int]] | None = None, pieces_plans: dict | None = None):
         self.specs, self.configs = list(specs), list(configs)
         self.remainder_path, self.profile = remainder_path, profile
         self._itemsize_rule, self._itemsizes = itemsize_rule(comm_itemsize), {}
@@ -59,6 +59,9 @@ class RulePlanner:
         # {parameter: matrix_sources()}, shared by the planners of one search (it depends on the
         # spec alone, and costs O(group size) per parameter)
         self._sources = {} if sources is None else sources
+        # {(group, parameters): (batches, load added per rank)} of the "pieces" layout, shared by the
+        # planners of one search: planned before any rule-dependent layout, so alike in all of them
+        self._pieces_plans = {} if pieces_plans is None else pieces_plans
 
     def flops_of(self, i: int) -> int:
         """Newton-Schulz FLOPs of ONE matrix of parameter i."""
@@ -111,10 +114,10 @@ class RulePlanner:
 
     def plan(self) -> Plan:
         row_sharded, whole, replicated, pieced = self._by_layout()
-        for group, items in row_sharded.items():
-            self._plan_row_sharded(group, items)
         for group, items in pieced.items():
             self._plan_pieces(group, items)
+        for group, items in row_sharded.items():
+            self._plan_row_sharded(group, items)
         for group, buckets in whole.items():
             self._plan_whole(group, buckets)
         for group, items in replicated.items():
@@ -258,13 +261,27 @@ class RulePlanner:
         move). Each (matrix shape, config, wire dtype) bucket travels as one batch, one
         all-to-all each way, cut where an owner's matrices exceed the workspace budget."""
         size, load = group.size, self.loads.view(group)
-        held = {i: [piece_numel(pc) for pc in self.specs[i].pieces] for i in items}
+        done = self._pieces_plans.get((group, tuple(items)))
+        if done is not None:  # the same as another rule's planner made (see __init__)
+            batches, added = done
+            for r, f in added.items():
+                load.add(r, f)
+            self.batches.extend(batches)
+            return
+        first, added = len(self.batches), {}
+        # parameters of one shape and placements share their pieces (one object): sized once
+        sizes: dict[int, list[int]] = {}
+        for i in items:
+            if id(self.specs[i].pieces) not in sizes:
+                sizes[id(self.specs[i].pieces)] = [piece_numel(pc) for pc in self.specs[i].pieces]
+        held = {i: sizes[id(self.specs[i].pieces)] for i in items}
         cost = {i: self.flops_of(i) * self.specs[i].num_matrices for i in items}
         owner_of = {}
         for i in sorted(items, key=lambda i: (-cost[i], i)):
             o = least_loaded(load, range(size), held[i])
             owner_of[i] = o
             load.add(o, cost[i])
+            added[o] = added.get(o, 0) + cost[i]
         buckets: dict[tuple, list[int]] = {}
         for i in items:
             buckets.setdefault(self._row_bucket(i), []).append(i)
@@ -281,6 +298,7 @@ class RulePlanner:
                 sent, recv = pieces.bytes_per_rank([held[i] for i in idx], owners, itemsize)
                 self.batches.append(self.make("pieces", idx, group, range(size), owners, sent, recv, flops,
                                               pieces=tuple(self.specs[i].pieces for i in idx)))
+        self._pieces_plans[(group, tuple(items))] = (self.batches[first:], added)
 
     # ------------------------------------------------------------------ row-sharded (FSDP2)
 

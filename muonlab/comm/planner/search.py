@@ -70,11 +70,13 @@ def plan_batches(
     profile = get_profile(profile or "cpu_gloo")
     planned_specs = [_redundant(s) for s in specs] if strategy == "redundant" else list(specs)
     sources: dict[int, list[int]] = {}
+    pieces_plans: dict = {}
 
     def plan_with(rule: str, move: bool) -> Plan:
         return RulePlanner(planned_specs, configs, comm_itemsize=comm_itemsize, remainder_path=remainder_path,
                            profile=profile, row_assignment=rule, rebalance=move,
-                           max_local_matrices=max_local_matrices, sources=sources).plan()
+                           max_local_matrices=max_local_matrices, sources=sources,
+                           pieces_plans=pieces_plans).plan()
 
     if row_assignment != "best":
         return coalesce(plan_with(row_assignment, rebalance is not False), profile)
