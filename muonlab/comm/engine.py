@@ -21,6 +21,8 @@ order: all its ways out in one collective, all its ways back in another.
 
 Times are the tracer's marks (muonlab.trace): wall clock on CPU, CUDA events on the compute stream
 on a GPU, so nothing here synchronises; ``phase_seconds(tracer)`` reads the totals after the step.
+Spans and tallies go straight into the tracer's ``log`` (appends, no call into the tracer), which
+the tracer folds when they are read.
 """
 
 from __future__ import annotations
@@ -75,14 +77,14 @@ class BatchRun:
         tracer = self._tracer
         self._start = tracer.mark()
         self._item = self._advance(None, "out")
-        tracer.tally(COMMUNICATION, self._start, tracer.mark())
+        tracer.log.append((COMMUNICATION, self._start, tracer.mark(), None))
 
     def _record_comm(self, direction: str, end) -> None:
         """The span of the way ``direction`` ("out" or "back"), from its issue to ``end``."""
         sent, recv = self._bytes[direction]
         start = self._start if direction == "out" else self._back_start
-        self._tracer.add(f"comm_{direction}", start, end, path=self.path, batch=self.index,
-                         bytes_sent=sent, bytes_recv=recv)
+        self._tracer.log.append((f"comm_{direction}", start, end, dict(path=self.path, batch=self.index,
+                                                                      bytes_sent=sent, bytes_recv=recv)))
 
     def compute(self) -> None:
         """Wait for the way out, orthogonalize, issue the way back (or apply, without one)."""
@@ -100,13 +102,13 @@ class BatchRun:
             ortho = self._orthogonalize(mats, self.batch.ns_config)
             del mats
             self._back_start = tracer.mark()
-            tracer.add("newton_schulz", t1, self._back_start, path=self.path, batch=self.index)
+            tracer.log.append(("newton_schulz", t1, self._back_start, dict(path=self.path, batch=self.index)))
         outputs = None
         try:
             self._item = self._advance(ortho, "back")
         except StopIteration as done:  # no way back: the outputs are ready
             outputs = done.value
-        tracer.tally(COMMUNICATION, *exposed, self._back_start, tracer.mark())
+        tracer.log.extend(((COMMUNICATION, *exposed, None), (COMMUNICATION, self._back_start, tracer.mark(), None)))
         if outputs is not None:
             self._apply_outputs(outputs)
 
@@ -130,7 +132,7 @@ class BatchRun:
             raise AssertionError(f"path {self.path!r} yielded after its way back")
         self._item = None
         t1 = tracer.mark()
-        tracer.tally(COMMUNICATION, t0, t1)
+        tracer.log.append((COMMUNICATION, t0, t1, None))
         self._record_comm("back", t1)
         self._apply_outputs(outputs)
 
@@ -152,7 +154,7 @@ class WaveRun:
         t0 = self._tracer.mark()
         Coalesced([run._item for run in self.runs], group=self._group, group_rank=self._group_rank)
         self._counter.add(self.path, 0, 0)
-        self._tracer.tally(COMMUNICATION, t0, self._tracer.mark())
+        self._tracer.log.append((COMMUNICATION, t0, self._tracer.mark(), None))
 
     def start(self) -> None:
         self.started = True
@@ -182,7 +184,7 @@ def phase_seconds(tracer: Tracer) -> dict[str, float]:
 def path_contexts(plan: Plan, groups: dict, device: torch.device | None = None) -> list[PathContext]:
     """Each batch's ``PathContext`` on this rank (its group, wire dtype and device): the same at
     every step of a plan, so a caller that runs one plan many times makes them once."""
-    return [PathContext(*groups[b.group], b.wire_dtype, device, defer=b.travels_with is not None) for b in plan]
+    return [PathContext(*groups[b.group], b.wire_dtype, device, defer=b.travels_with is not None) for b in plan.batches]
 
 
 def execute_plan(
@@ -212,7 +214,7 @@ def execute_plan(
     if contexts is None:
         contexts = path_contexts(plan, groups, device)
     runs: list[BatchRun | WaveRun] = []
-    for i, (batch, ctx) in enumerate(zip(plan, contexts)):
+    for i, (batch, ctx) in enumerate(zip(plan.batches, contexts)):  # the tuple: iterating a Plan is a call
         run = BatchRun(i, batch, ctx, prepare=prepare,
                        apply=apply, orthogonalize=orthogonalize, tracer=tracer, counter=counter)
         if ctx.defer and not batch.pays_latency:  # a later member of the wave just before it

@@ -27,9 +27,9 @@ import torch
 
 from .backends import AUTO, FALLBACK
 from .health import UpdateHealth
-from .batch_io import Overwrite, _joined, batch_pieces, load_pieces, store_pieces
+from .batch_io import Overwrite, batch_pieces
 from .config import NSConfig, form_for
-from .execute import ResolvedRun, resolve, run_resolved
+from .execute import ResolvedRun, joined, load_pieces, resolve, run_resolved, store_pieces
 from .newton_schulz import checked_form, compute_dtype, pick_backend, possible_backends, resolve_dtype, work_dtype
 from .workspace import Workspace, max_batch_matrices
 
@@ -111,6 +111,21 @@ def _chunks(pieces: list[torch.Tensor], size: int):
         yield start, chunk
 
 
+def _step_pieces(mats) -> list[torch.Tensor] | None:
+    """What ``batch_pieces`` makes of the batches a step's paths hand over, without its calls: a
+    (k, A, B) stack, or (k_i, A, B) pieces of one kind (device, dtype, matrix shape) with matrices,
+    joined where they lie back to back; None for anything else (``batch_pieces`` then checks it)."""
+    if type(mats) is torch.Tensor:
+        return [mats] if mats.ndim == 3 and mats.numel() else None
+    if type(mats) is not Overwrite and type(mats) is not list or not mats:
+        return None
+    kinds = {(type(p), p.ndim, p.shape[-2:], p.device, p.dtype, not p.numel()) if isinstance(p, torch.Tensor)
+             else None for p in mats}
+    if len(kinds) != 1 or kinds.pop() != (torch.Tensor, 3, mats[0].shape[-2:], mats[0].device, mats[0].dtype, False):
+        return None
+    return joined(mats)
+
+
 def _fixed(cfg: NSConfig, backends) -> dict[str, NSConfig]:
     """{backend: ``cfg`` running on it} for each of ``backends``."""
     return {b: cfg if b == cfg.backend else replace(cfg, backend=b) for b in set(backends)}
@@ -187,7 +202,9 @@ class NewtonSchulzRunner:
             with torch.no_grad():
                 return self(mats, cfg)
         overwrite = isinstance(mats, Overwrite)
-        pieces = batch_pieces(mats, "mats", writable=overwrite)  # (k, A, B) each, checked as newton_schulz does
+        pieces = _step_pieces(mats)
+        if pieces is None:  # anything else: checked (and reshaped) as newton_schulz does
+            pieces = batch_pieces(mats, "mats", writable=overwrite)
         first = pieces[0]
         shape = tuple(first.shape[-2:])
         # lists, not generators, here and per chunk: a generator is a Python call per item
@@ -213,7 +230,7 @@ class NewtonSchulzRunner:
             run = decided.runs[num]
             self.ran[shape] = decided.ran[num].copy()
             if not whole and len(chunk) > 1:  # as newton_schulz reads a list: pieces back to back as one
-                chunk = _joined(chunk)
+                chunk = joined(chunk)
             dest = chunk if out is None else out[start:start + num]
             if graphed:
                 self._graph_for(chunk, num, run, decided.dtype)(chunk, dest)

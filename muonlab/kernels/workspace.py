@@ -28,6 +28,9 @@ class Workspace:
 
     def __init__(self):
         self._arenas: dict[torch.device, torch.Tensor] = {}
+        self.carved: dict[tuple, list[torch.Tensor]] = {}
+        """``take``'s buffers per (device, *specs), kept by the executor (muonlab.kernels.execute)
+        while the arena holds them: the same views every step, carved once."""
 
     def take(self, device: torch.device, specs: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
         """One uninitialised buffer per (shape, dtype), disjoint from each other, valid until the
@@ -41,6 +44,7 @@ class Workspace:
         arena = self._arenas.get(device)
         if arena is None or arena.numel() < total:
             self._arenas.pop(device, None)  # free the smaller arena before allocating the larger
+            self.carved.clear()  # views of it would keep it alive
             arena = self._arenas[device] = torch.empty(total, dtype=torch.uint8, device=device)
         return [arena[o:o + nbytes].view(dtype).view(shape) for o, nbytes, (shape, dtype) in zip(offsets, sizes, specs)]
 
@@ -51,12 +55,13 @@ class Workspace:
 
     def release(self) -> None:
         self._arenas.clear()
+        self.carved.clear()
 
     def __getstate__(self):
         return {}  # buffers are scratch, not state: a copy starts empty
 
     def __setstate__(self, state):
-        self._arenas = {}
+        self.__init__()
 
 
 def batch_bytes_per_matrix(m: int, n: int, itemsize: int, reuses_input: bool = False, form: str = "plain",

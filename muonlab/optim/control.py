@@ -34,7 +34,8 @@ def control(prepared: PreparedStep, settings: tuple, options, agreement, names: 
     replicas = prepared.replicas if checking else ()
     values: list[int] = []  # the replicas' fingerprints, read with the flag
     flagged = checking and nonfinite.found([p.grad for p in prepared.checked],
-                                           fingerprints([p.grad for p in replicas]) if replicas else None, values)
+                                           fingerprints([p.grad for p in replicas]) if replicas else None, values,
+                                           prepared.plain)
     t1 = time.perf_counter()
     group = prepared.check_group
     if group is not None:

@@ -29,7 +29,7 @@ from .arguments import ARGS
 from .momentum_homes import MomentumHomes
 from .offload import StateStores
 from .control import control
-from .group_steps import adamw_group, muon_batches
+from .group_steps import adamw_group
 from .pickled import brought_up_to_date, copied_state
 from .step_inputs import check_settings, collect, graph_key, new_prepared_step, step_description
 from .planning import Planned, new_runner, ns_config, plan_for, replicate_group, resolved_choices, why_captured_again
@@ -236,12 +236,13 @@ class Muon(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         prepared = self._prepared_step()  # raises before any state changes
-        self._offload.check()  # an offload file truncated or replaced: raise before any read
+        if self._offload.place == "disk":  # the file truncated or replaced: raise before any read
+            self._offload.check()
         graph = self._step_graph
         mode = "eager" if graph is None else graph.mode(graph_key(prepared, self._settings_checked), why_captured_again)
         # a graph records no spans: capturing, the tracer keeps host time (CUDA events can't be recorded)
         record = self._record
-        record.begin(self._trace_device() if mode == "eager" else torch.device("cpu"))
+        record.begin(prepared.clock if mode == "eager" else torch.device("cpu"))
         counter = CommCounter()
         seconds: dict[str, float] = {}  # the check's host seconds: its pass, and the exchange
         bad_ranks, bad_names = control(prepared, self._settings_checked, self.options, self._agreement,
@@ -266,22 +267,21 @@ class Muon(Optimizer):
     def _hot_step(self, prepared: PreparedStep, counter: CommCounter, seconds: dict) -> None:
         """After the control exchange: device work only once the plan is made (what ``capture_after`` captures)."""
         # decided on the device: one async all-reduce of the flags, after the control exchange
-        gate = (StepGate.decide([p.grad for p in prepared.checked], self._trace_device(),
-                                prepared.check_group) if self.nonfinite_decision == "device" else None)
+        gate = (StepGate.decide([p.grad for p in prepared.checked], prepared.clock, prepared.check_group,
+                                prepared.plain) if self.options.nonfinite_decision == "device" else None)
         planned = self._planned_for(prepared)
-        if planned is not None:  # count this step's unhealthy updates, on the device (see last_step_stats)
-            self._ns_runner().health.begin_step()
         if planned and (planned.owners or self._homes.home):  # where momentum lives follows the plan
             self._homes.follow(planned, self._muon_entries(), self.state, self._offload, self._record.tracer, counter)
-        with self._record.tracer.span("adamw"):
+        tracer, on_device = self._record.tracer, gate is not None or self._step_graph is not None
+        start = tracer.mark()  # the "adamw" span, into the tracer's log (muonlab.trace.Tracer.log)
+        try:
             for group, params in prepared.work["adamw"]:
-                adamw_group(group, params, self.state, self._offload, gate,
-                            gate is not None or self._step_graph is not None)
+                adamw_group(group, params, self.state, self._offload, gate, on_device)
+        finally:
+            tracer.log.append(("adamw", start, tracer.mark(), {}))
         if planned is not None:
-            entries = self._muon_entries()
-            muon_batches(planned, self._program_for(planned), self.param_groups, entries, self.state, self._offload,
-                         self._params.view_of, self._record.tracer, self._ns_runner(), local_shard(entries[0][1]).device,
-                         counter, gate, self._optimizer_spectral_observer)
+            self._program_for(planned).run(self.state, self._ns_runner(), tracer, counter, gate,
+                                           self._optimizer_spectral_observer)
         self._record.record(counter, seconds, False if gate is None else None, self._runner, gate, prepared.checked)
 
     def _trace_device(self) -> torch.device:
@@ -357,7 +357,7 @@ class Muon(Optimizer):
         prepared = self._prepared
         if prepared is None or prepared.key != key:
             self._prepared = prepared = new_prepared_step(key, self._collect(), self._muon_entries(), replicate_group(
-                self.process_group), lambda work: self._step_description(work, settings=False))
+                self.process_group), lambda work: self._step_description(work, settings=False), self._trace_device())
         self._settings_checked = settings
         return prepared
 
@@ -474,7 +474,8 @@ class Muon(Optimizer):
         if prepared.program is not None and prepared.program[0] is planned:
             return prepared.program[1]
         program = StepProgram(planned.plan, self._muon_entries(), planned.specs, planned.owners, planned.groups,
-                              self._device())
+                              self._device(), param_groups=self.param_groups, offload=self._offload,
+                              view_of=self._params.view_of)
         if prepared.planned is planned:
             self._prepared = dataclasses.replace(prepared, program=(planned, program))
         return program

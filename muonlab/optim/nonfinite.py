@@ -30,11 +30,11 @@ def _flag_into(found: torch.Tensor, grads: list[torch.Tensor], one: torch.Tensor
         found += torch.stack([torch.isfinite(g).all() for g in grads]).logical_not().any().float()
 
 
-def _flags_by_device(grads: Sequence[torch.Tensor]) -> dict[torch.device, torch.Tensor]:
-    """Per device of ``grads`` (plain tensors or DTensors: their local shards), a one-element fp32
-    flag, raised by one fused pass per dtype: nothing read."""
+def _flags_by_device(grads: Sequence[torch.Tensor], plain: bool = False) -> dict[torch.device, torch.Tensor]:
+    """Per device of ``grads`` (plain tensors or DTensors: their local shards; ``plain``: none is a
+    DTensor), a one-element fp32 flag, raised by one fused pass per dtype: nothing read."""
     by_device: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = {}
-    for g in local_shards(grads):
+    for g in grads if plain else local_shards(grads):
         by_device.setdefault(g.device, {}).setdefault(g.dtype, []).append(g)
     flags = {}
     for dev, by_dtype in by_device.items():
@@ -46,12 +46,14 @@ def _flags_by_device(grads: Sequence[torch.Tensor]) -> dict[torch.device, torch.
     return flags
 
 
-def found(grads: Sequence[torch.Tensor], also: torch.Tensor | None = None, also_read: list | None = None) -> bool:
+def found(grads: Sequence[torch.Tensor], also: torch.Tensor | None = None, also_read: list | None = None,
+          plain: bool = False) -> bool:
     """Whether any of ``grads`` (plain tensors or DTensors: their local shards) holds an inf or
     NaN: one fused pass per (device, dtype), then one read of the flag per device. ``also`` (a 1-D
     integer tensor: the replicas' gradient fingerprints, muonlab.optim.replicas) is read in the
-    same read as its device's flag, its values put in ``also_read``: no synchronisation of its own."""
-    flags = _flags_by_device(grads)
+    same read as its device's flag, its values put in ``also_read``: no synchronisation of its own.
+    ``plain``: no grad is a DTensor (their local shards need no look-up)."""
+    flags = _flags_by_device(grads, plain)
     if also is not None:
         flag = flags.pop(also.device, None)
         head = torch.zeros(1, dtype=also.dtype, device=also.device) if flag is None else (flag > 0).to(also.dtype)
@@ -62,11 +64,11 @@ def found(grads: Sequence[torch.Tensor], also: torch.Tensor | None = None, also_
     return any(flag.item() > 0 for flag in flags.values())
 
 
-def flag_on(grads: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+def flag_on(grads: Sequence[torch.Tensor], device: torch.device, plain: bool = False) -> torch.Tensor:
     """``found`` without the read: a 0-dim fp32 tensor on ``device``, above 0 when a grad holds an
     inf or NaN (muonlab.optim.step_gate decides the step on the device with it)."""
     total = torch.zeros((), dtype=torch.float32, device=device)
-    for flag in _flags_by_device(grads).values():
+    for flag in _flags_by_device(grads, plain).values():
         total += flag.to(device, non_blocking=True).view(())
     return total
 

@@ -108,6 +108,10 @@ class PreparedStep:
     check_group: Any
     """The process group whose ranks take the step together (None: this process alone, or a group
     of one rank: nothing to exchange)."""
+    clock: Any = None
+    """Where the step's work runs, for the tracer's clock (muonlab.optim.step_stats.clock_device)."""
+    plain: bool = True
+    """No parameter in ``checked`` is a DTensor: their grads are their own local shards."""
     planned: Any = None
     """The plan with what it needs (Muon's ``_Planned``), once made and checked across ranks."""
     program: Any = None

@@ -50,10 +50,11 @@ class StepGate:
         self._go: torch.Tensor | None = None
 
     @classmethod
-    def decide(cls, grads, device: torch.device, group=None) -> StepGate:
-        """This rank's flag over ``grads`` (plain tensors or DTensors), shared with ``group``'s
-        ranks (None: this process alone) in one async all-reduce of one slot per rank."""
-        flag = nonfinite.flag_on(grads, device)
+    def decide(cls, grads, device: torch.device, group=None, plain: bool = False) -> StepGate:
+        """This rank's flag over ``grads`` (plain tensors or DTensors; ``plain``: none is a
+        DTensor), shared with ``group``'s ranks (None: this process alone) in one async all-reduce
+        of one slot per rank."""
+        flag = nonfinite.flag_on(grads, device, plain)
         if group is None:
             return cls(flag.view(1), [rank_or_zero()])
         ranks = dist.get_process_group_ranks(group)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..comm.specs import local_shard
+from ..comm.specs import DTensor, local_shard
 from .agreement import digest
 from .prepared import PreparedStep
 from .saved_state import rule_shapes
@@ -115,16 +115,17 @@ def step_description(work: dict[str, list], param_groups: list[dict], names: dic
     return items
 
 
-def new_prepared_step(key: tuple, work: dict[str, list], entries: list, group, describe) -> PreparedStep:
+def new_prepared_step(key: tuple, work: dict[str, list], entries: list, group, describe, clock) -> PreparedStep:
     """A prepared step of ``work`` (``collect``'s) under ``key``; ``group``: the one whose ranks take
     the step together (a group of one rank has nothing to agree on); ``describe(work)``: the step's
     description without its per-step settings (``step_description``), digested only where other
-    ranks take the step."""
+    ranks take the step; ``clock``: the tracer's device (``clock_device``)."""
     together = group is not None and dist.get_world_size(group) > 1
+    checked = tuple(p for kind in ("muon", "adamw") for _, ps in work[kind] for p in ps)
     return PreparedStep(
-        key=key, work=work, indices=muon_indices(work["muon"], entries),
-        checked=tuple(p for kind in ("muon", "adamw") for _, ps in work[kind] for p in ps),
-        static_digest=digest(describe(work)) if together else 0, check_group=group if together else None)
+        key=key, work=work, indices=muon_indices(work["muon"], entries), checked=checked,
+        static_digest=digest(describe(work)) if together else 0, check_group=group if together else None,
+        clock=clock, plain=DTensor is None or not any(isinstance(p, DTensor) for p in checked))
 
 
 def graph_key(prepared: PreparedStep, settings: tuple) -> tuple:

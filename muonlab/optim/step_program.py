@@ -12,19 +12,26 @@ a state dict replaces), the settings once per run (a scheduler moves them betwee
 Where that can't hold, a batch takes the per-matrix way: a bank cut into parts (each matrix
 through ``part_of``), momentum offloaded to the host or a file (fetched one matrix ahead), a
 momentum buffer not made yet (``state_for`` makes it).
+
+What a step would otherwise look up each time it is made from settings fixed with the plan (where
+momentum lives, whether an update rule transforms updates, the device) is decided when the program
+is made, and the step's spans go straight into its tracer's log (muonlab.trace.Tracer.log): a
+step makes no call to read them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
 
 import torch
 
-from ..comm.engine import path_contexts
+from ..comm.collectives import CommCounter
+from ..comm.engine import execute_plan, path_contexts
 from ..comm.records import BatchPlan, part_range
 from ..comm.specs import DTensor, MatrixSpec, local_shards
 from . import functional as F
+from .rule_step import RuleStage, ensure_rule_state, rule_of
+from .saved_state import state_for
 from .validation import fmt_shape
 
 
@@ -116,56 +123,67 @@ def batch_program(batch: BatchPlan, entries: list[tuple[dict, torch.Tensor]], sp
                        for i, h in zip(indices, here)))
 
 
-@dataclass
-class StepContext:
-    """What one step hands the program: the optimizer's state, where momentum lives, and the step's
-    gate, tracer, observer and rule stage."""
-
-    state: Any
-    """The optimizer's ``state`` (parameter -> dict)."""
-    state_for: Callable[[torch.Tensor, dict], dict]
-    """Makes a parameter's missing Muon state (zeros, where its store keeps them) and returns it."""
-    offload: Any
-    """The optimizer's ``StateStores``: hands out momentum kept off the device, one matrix at a time."""
-    tracer: Any
-    gate: Any = None
-    observer: Callable | None = None
-    stage: Any = None
-    """The update rule's stage (``RuleStage``) where a group has a rule that transforms updates."""
-
-
 class StepProgram:
     """Every batch of a plan (``BatchProgram``), and the two stages the engine calls per batch:
     ``prepare`` (momentum, the Newton-Schulz inputs) and ``apply`` (the observer, then the update
-    rule or the update). ``begin(context)`` hands each step its context."""
+    rule or the update). ``run`` runs one step's batches.
 
-    def __init__(self, plan, entries, specs, owners, groups, device):
-        self.batches = [batch_program(b, entries, specs, owners) for b in plan]
+    ``param_groups``, ``offload`` (the optimizer's ``StateStores``) and ``view_of`` (a parameter's
+    matrix view) are read once, here: the settings they give (the update rule, where momentum
+    lives) are fixed while the plan is (muonlab.optim.prepared.PLAN_SETTINGS)."""
+
+    def __init__(self, plan, entries, specs, owners, groups, device, *, param_groups: list[dict], offload, view_of):
+        self.plan, self.entries, self.specs, self.groups, self.device = plan, entries, specs, groups, device
+        self.batches = [batch_program(b, entries, specs, owners) for b in plan.batches]
         self._states: list[tuple | None] = [None] * len(self.batches)
         """Per batch, (the state table, its version, the state dict of each of ``mine_params``) as
         last looked up (muonlab.optim.state_table)."""
         self.contexts = path_contexts(plan, groups, device)
         """Each batch's ``PathContext`` (muonlab.comm.engine), for the engine."""
-        self._ctx: StepContext | None = None
-        self._resident = True
+        self.ruled = any(rule_of(g).transform is not None for g in param_groups if g["algorithm"] == "muon")
+        """Whether an update rule transforms updates: then a step runs a ``RuleStage``."""
+        self._offload, self._view_of = offload, view_of
+        self._resident = offload.place_of("momentum_buffer") is None
+        # the step's parts (``run``): the optimizer's state, the tracer, the gate, the spectral
+        # observer and the rule's stage
+        self._state = self._tracer = self._gate = self._observer = self._stage = None
 
-    def begin(self, ctx: StepContext) -> None:
-        self._ctx = ctx
-        self._resident = ctx.offload.place_of("momentum_buffer") is None
+    def run(self, state, runner, tracer, counter: CommCounter, gate, observer) -> None:
+        """One step's Muon batches (see muonlab.comm.engine): momentum on the local shards, move,
+        orthogonalize (``runner``), move back, update; only the batches in flight hold inputs and
+        outputs. ``state``: the optimizer's; ``gate``: the step's ``StepGate`` (a decision on the
+        device) or None; ``observer``: the spectral observer of this step, or None."""
+        runner.health.begin_step()  # this step's unhealthy updates, counted on the device (Muon's last_step_stats)
+        stage = None
+        if self.ruled:
+            stage = RuleStage(entries=self.entries, specs=self.specs, groups=self.groups, state_of=self._rule_state,
+                              counter=counter, apply_update=self.ruled_update, gate=gate)
+        self._state, self._tracer, self._gate, self._observer, self._stage = state, tracer, gate, observer, stage
+        execute_plan(self.plan, self.groups, prepare=self.prepare, apply=self.apply, orthogonalize=runner,
+                     tracer=tracer, counter=counter, device=self.device, contexts=self.contexts)
+        if stage is not None:
+            stage.flush()  # the last batch whose rule's sums travelled
+
+    def _rule_state(self, i: int) -> dict:
+        p = self.entries[i][1]
+        entry = self._state[p]  # a replica's rule state lives on every rank (muonlab.optim.rule_step)
+        ensure_rule_state(entry, self.entries[i][0], p, self._view_of(p))
+        return entry
 
     # -------------------------------------------------------------------- 1. momentum
 
     def prepare(self, batch: BatchPlan) -> list[torch.Tensor | None]:
         """This rank's Newton-Schulz input per parameter of ``batch`` (None where another rank
         takes its momentum), its momentum updated."""
-        ctx, prog = self._ctx, self.batches[batch.index]
-        with ctx.tracer.span("momentum", batch=batch.index):
+        prog, tracer = self.batches[batch.index], self._tracer
+        start = tracer.mark()
+        try:
             mine = prog.mine_params
             bufs = None
             if self._resident and batch.part is None:
                 # the momentum buffers, from the state dicts kept while the state table is unchanged
                 # (a lookup hashes each tensor: a Python call; a table without a version: every step)
-                table = ctx.state
+                table = self._state
                 version = getattr(table, "version", None)
                 kept = self._states[batch.index]
                 if kept is None or kept[0] is not table or kept[1] != version or version is None:
@@ -190,7 +208,7 @@ class StepProgram:
                     got = F.muon_momentum_(grads if run.whole else [grads[k] for k in ks],
                                            bufs if run.whole else [bufs[k] for k in ks],
                                            momentum=group["momentum"], nesterov=group["nesterov"],
-                                           form=group["momentum_form"], gate=ctx.gate)
+                                           form=group["momentum_form"], gate=self._gate)
                     if run.whole:
                         outs = got
                     else:
@@ -202,19 +220,22 @@ class StepProgram:
             for k, out in zip(prog.mine, outs):
                 inputs[k] = out
             return inputs
+        finally:  # recorded however it is left, as a span context would
+            tracer.log.append(("momentum", start, tracer.mark(), {"batch": batch.index}))
 
     def _momentum_each(self, prog: BatchProgram, mine: list[torch.Tensor]) -> list[torch.Tensor]:
         """The momentum one matrix at a time: a batch holding a part of a bank, momentum kept off
         the device (the store fetches the next matrix's while this one computes) or not made yet."""
-        ctx, batch = self._ctx, prog.batch
+        batch, state = prog.batch, self._state
         group_of = {k: run.group for run in prog.momentum_runs for k in run.positions}
-        items = [(k, p, ctx.state_for(p, group_of[k])) for k, p in enumerate(mine)]
+        items = [(k, p, state_for(state, p, "muon", self._offload, group_of[k], self._view_of))
+                 for k, p in enumerate(mine)]
         outs: list = [None] * len(mine)
-        for k, (buf,) in ctx.offload.each(items, ("momentum_buffer",), view=lambda t: part_of(batch, t)):
+        for k, (buf,) in self._offload.each(items, ("momentum_buffer",), view=lambda t: part_of(batch, t)):
             group = group_of[k]
             grad = part_of(batch, local_shards([mine[k].grad])[0], read_only=True)
             outs[k], = F.muon_momentum_([grad], [buf], momentum=group["momentum"], nesterov=group["nesterov"],
-                                        form=group["momentum_form"], gate=ctx.gate)
+                                        form=group["momentum_form"], gate=self._gate)
         return outs
 
     # -------------------------------------------------------------------- 3. update
@@ -222,21 +243,24 @@ class StepProgram:
     def apply(self, batch: BatchPlan, outputs: list[torch.Tensor]) -> None:
         """The Newton-Schulz outputs to the spectral observer (a recording step), then to the
         update rule's stage (which applies the batch once its sums are back) or the update."""
-        ctx, prog = self._ctx, self.batches[batch.index]
-        with ctx.tracer.span("update", batch=batch.index):
-            if ctx.observer is not None:
+        prog, tracer, stage = self.batches[batch.index], self._tracer, self._stage
+        start = tracer.mark()
+        try:
+            if self._observer is not None:
                 for p, out, here in zip(prog.params, outputs, prog.ran_here):
-                    ctx.observer(p, out, here)
-            if ctx.stage is None:
+                    self._observer(p, out, here)
+            if stage is None:
                 self.update(batch, outputs)
                 return
-            ctx.stage.start(batch, list(zip(batch.param_indices, outputs)))
-        ctx.stage.finish_due()  # each batch applied in an "update" span of its own
+            stage.start(batch, list(zip(batch.param_indices, outputs)))
+        finally:
+            tracer.log.append(("update", start, tracer.mark(), {"batch": batch.index}))
+        stage.finish_due()  # each batch applied in an "update" span of its own
 
     def update(self, batch: BatchPlan, outputs: list[torch.Tensor], scales: list | None = None) -> None:
         """Decay and update each parameter's local shard (of a bank in parts, the part), with its
         lr ratio and, when the update rule gave them, its row scales; one call per run."""
-        ctx, prog = self._ctx, self.batches[batch.index]
+        prog = self.batches[batch.index]
         params = prog.params if prog.plain else local_shards(prog.params)
         if batch.part is not None:
             params = [part_of(batch, t) for t in params]
@@ -247,9 +271,13 @@ class StepProgram:
                           outputs if run.whole else [outputs[k] for k in ks],
                           lr=lr if isinstance(lr, torch.Tensor) else float(lr), weight_decay=group["weight_decay"],
                           ratios=run.ratios, row_scales=None if scales is None else [scales[k] for k in ks],
-                          gate=ctx.gate)
+                          gate=self._gate)
 
     def ruled_update(self, batch: BatchPlan, pairs: list[tuple[int, torch.Tensor]], scales: list) -> None:
         """The update of a batch whose rule's sums came back (``RuleStage``'s ``apply_update``)."""
-        with self._ctx.tracer.span("update", batch=batch.index):
+        tracer = self._tracer
+        start = tracer.mark()
+        try:
             self.update(batch, [out for _, out in pairs], scales)
+        finally:
+            tracer.log.append(("update", start, tracer.mark(), {"batch": batch.index}))

@@ -64,8 +64,12 @@ class StepRecord:
         synchronise inside the step), reset for ``device``'s clock."""
         if self.tracer is self.stats_tracer:
             self.tracer, self.spare_tracer = self.spare_tracer, self.tracer
-        self.tracer.reset(device)
-        return self.tracer
+        tracer = self.tracer
+        if tracer.clock == device and device.type == "cpu":  # the same clock: a new log is a reset
+            tracer.log = []
+        else:
+            tracer.reset(device)
+        return tracer
 
     @property
     def skipped_steps(self) -> int:

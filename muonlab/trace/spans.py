@@ -87,6 +87,13 @@ class Tracer:
 
     def __init__(self, rank: int = 0, device: torch.device | str | None = None):
         self.rank = rank
+        self.log: list[tuple] = []
+        """The hot step's record, appended to as it runs (a list append, no Python call: the step
+        records a dozen marks a batch), folded into spans and totals when read: per span
+        ``(name, start mark, end mark, fields)``, per tally ``(key, start mark, end mark, None)``.
+        On the CPU a new list starts a new step on the same clock (``reset`` also sets the clock;
+        on CUDA it recycles the step's events too)."""
+        self._seen, self._read = self.log, 0  # the log folded so far, and how much of it
         self._spans: list[Span] = []
         self._totals: dict[str, float] = {}
         self._pending: list[tuple[Span | str, Mark, Mark]] = []
@@ -95,6 +102,7 @@ class Tracer:
 
     @property
     def device(self) -> torch.device | None:
+        """The clock's device (``clock`` is the same, a plain attribute the step reads)."""
         return self._device
 
     @device.setter
@@ -104,7 +112,7 @@ class Tracer:
             device = torch.device("cuda", torch.cuda.current_device())
         if device != getattr(self, "_device", None):
             self._pool = []  # an event belongs to the device it was first recorded on
-        self._device = device
+        self._device = self.clock = device
         self._gpu = device is not None and device.type == "cuda"
         # on the CPU a mark is the wall clock itself, a C call: a step marks about ten times a batch
         if self._gpu:
@@ -126,6 +134,10 @@ class Tracer:
     def add(self, name: str, start: Mark, end: Mark, **fields) -> Span:
         """A span between two marks (or wall-clock floats). On CUDA its times are the marks' host
         times until ``resolve()``."""
+        self._fold()  # after what the log holds: spans stay in recording order
+        return self._add(name, start, end, fields)
+
+    def _add(self, name: str, start: Mark, end: Mark, fields: dict) -> Span:
         record = Span(name, start.host if type(start) is GpuMark else start,
                       end.host if type(end) is GpuMark else end, rank=self.rank, **fields)
         self._spans.append(record)
@@ -142,7 +154,10 @@ class Tracer:
     def tally(self, key: str, start: Mark, end: Mark, *more: Mark) -> None:
         """Add the seconds between two marks to the total ``key`` (time that is no span of its own,
         e.g. the engine's exposed communication); ``more``: further (start, end) pairs, added too."""
-        marks = (start, end, *more)
+        self._fold()
+        self._tally(key, (start, end, *more))
+
+    def _tally(self, key: str, marks: tuple) -> None:
         for i in range(0, len(marks), 2):
             start, end = marks[i], marks[i + 1]
             if type(start) is GpuMark or type(end) is GpuMark:
@@ -167,6 +182,7 @@ class Tracer:
     def resolve(self) -> None:
         """Give every span and total its GPU time on the host clock: one device synchronisation,
         then an anchor event read against ``time.time()``. A no-op on CPU or when resolved."""
+        self._fold()
         if not self._pending:
             return
         torch.cuda.synchronize(self._device)
@@ -194,13 +210,32 @@ class Tracer:
         """Start a new step (on ``device``, if given). Unread spans are dropped, never synchronised."""
         self._recycle()
         self._spans, self._totals = [], {}
+        self.log = []
+        self._seen, self._read = self.log, 0
         if device is not ...:
             self.device = device
 
+    def _fold(self) -> None:
+        """The log's entries not yet read, as spans and totals (a new log: a new step)."""
+        log = self.log
+        if log is not self._seen:
+            self._recycle()
+            self._spans, self._totals, self._seen, self._read = [], {}, log, 0
+        if self._read < len(log):
+            entries, self._read = log[self._read:], len(log)
+            for name, start, end, fields in entries:
+                if fields is None:
+                    self._tally(name, (start, end))
+                else:
+                    self._add(name, start, end, fields)
+
     def _recycle(self) -> None:
         # once per event: a mark often ends one span and starts the next (two marks sharing an
-        # event would overwrite each other's time); recording an event again overwrites its state
-        events = {id(m.event): m.event for _, *marks in self._pending for m in marks if isinstance(m, GpuMark)}
+        # event would overwrite each other's time); recording an event again overwrites its state.
+        # The pending marks, and those of log entries never read (a step whose spans were not read)
+        unread = self._seen[self._read:]
+        events = {id(m.event): m.event for _, *marks in (*self._pending, *unread) for m in marks
+                  if isinstance(m, GpuMark)}
         self._pool.extend(events.values())
         self._pending = []
 
@@ -234,6 +269,7 @@ class _OpenSpan:
     def __exit__(self, *exc) -> bool:
         tracer, record = self._tracer, self._record
         end = tracer.mark()
+        tracer._fold()
         record.end = end.host if type(end) is GpuMark else end
         tracer._spans.append(record)
         if type(end) is GpuMark:

@@ -48,6 +48,27 @@ def test_workspace_reuses_one_arena_and_grows_when_needed():
     assert ws.nbytes >= 8000 > held and big.shape == (1000,)
 
 
+def test_a_chunks_buffers_are_carved_once_and_dropped_when_the_arena_grows():
+    """The executor keeps each chunk shape's buffers (``Workspace.carved``): the same views at every
+    call, and none left pointing into an arena the workspace replaced."""
+    runner = NewtonSchulzRunner(2**30)
+    cfg = NSConfig(dtype=torch.float32, form="plain", backend="torch")
+    small = Overwrite([torch.randn(3, 8, 16)])
+    runner(small, cfg)
+    (carved,) = runner.workspace.carved.values()
+    runner(Overwrite([torch.randn(3, 8, 16)]), cfg)
+    assert [b.data_ptr() for b in next(iter(runner.workspace.carved.values()))] == [b.data_ptr() for b in carved]
+    assert all(a is b for a, b in zip(next(iter(runner.workspace.carved.values())), carved))  # kept, not carved again
+    runner(Overwrite([torch.randn(5, 32, 64)]), cfg)  # a larger chunk: a new arena
+    arena = runner.workspace._arenas[torch.device("cpu")]
+    assert all(b.untyped_storage().data_ptr() == arena.untyped_storage().data_ptr()
+               for bufs in runner.workspace.carved.values() for b in bufs)
+    expected = newton_schulz(torch.randn(3, 8, 16, generator=torch.Generator().manual_seed(1)), cfg)
+    again = Overwrite([torch.randn(3, 8, 16, generator=torch.Generator().manual_seed(1))])
+    runner(again, cfg)  # carved anew in the new arena, the same bits as a one-shot call
+    assert torch.equal(again[0], expected)
+
+
 def test_out_is_checked():
     G = torch.randn(2, 8, 12)
     for wrong in (torch.empty(3, 8, 12), torch.empty(2, 12, 8), [torch.empty(1, 8, 12)], torch.empty(2, 8, 12).long()):
@@ -310,7 +331,7 @@ def test_graphed_and_auto_optimizer_steps_match_eager_torch():
 
 
 def test_pieces_back_to_back_in_one_buffer_are_read_as_one_tensor():
-    from muonlab.kernels.batch_io import _joined
+    from muonlab.kernels.execute import joined as _joined
 
     flat = torch.randn(6 * 4 * 5)
     pieces = [flat[:40].view(2, 4, 5), flat[40:40].view(0, 4, 5), flat[40:].view(4, 4, 5)]

@@ -341,7 +341,7 @@ def test_fp16_normalisation_copies_nothing_and_stays_within_fp16_rounding():
     and the fp32 division each made one (2.2x the runner's workspace budget); now only the
     per-matrix scalars are allocated. The result stays within fp16 rounding of the division in
     fp32, from tiny entries to norms past 65504, in place too."""
-    from muonlab.kernels.batch_io import normalise_into as _normalise_into
+    from muonlab.kernels.execute import normalise_into as _normalise_into
 
     gen = torch.Generator().manual_seed(0)
     scales = torch.tensor([1e-4, 1.0, 600.0, 3e4]).view(4, 1, 1)  # 3e4: entries up to fp16's largest
@@ -362,7 +362,7 @@ def test_fp16_normalisation_copies_nothing_and_stays_within_fp16_rounding():
 def test_fp32_and_bf16_normalisation_keep_their_bits():
     """Only fp16 takes the two-pass division: fp32 and bf16 divide once by the norm in their own
     dtype, torch.optim.Muon's ``X / X.norm()``."""
-    from muonlab.kernels.batch_io import normalise_into as _normalise_into
+    from muonlab.kernels.execute import normalise_into as _normalise_into
 
     G = 5 * torch.randn(3, 24, 40, generator=torch.Generator().manual_seed(1))
     for dtype in (torch.float32, torch.bfloat16):

@@ -33,6 +33,29 @@ def test_tracer_records_spans_in_order():
     assert t.spans == []
 
 
+def test_the_log_folds_into_the_spans_and_tallies_add_and_tally_make_in_recording_order():
+    """What the hot step appends to ``Tracer.log`` reads back as ``add`` and ``tally`` record it,
+    interleaved with them in recording order; a new log list starts a new step."""
+    direct, logged = Tracer(rank=1), Tracer(rank=1)
+    direct.add("momentum", 0.0, 1.0, batch=0)
+    direct.tally("communication", 1.0, 1.5, 2.0, 2.25)
+    direct.add("newton_schulz", 1.5, 2.0, path="local", batch=0)
+    with direct.span("update", batch=0):
+        pass
+    logged.log.append(("momentum", 0.0, 1.0, {"batch": 0}))
+    logged.log.extend((("communication", 1.0, 1.5, None), ("communication", 2.0, 2.25, None)))
+    assert [s.name for s in logged.spans] == ["momentum"]  # read halfway: the rest folds later, after it
+    logged.log.append(("newton_schulz", 1.5, 2.0, {"path": "local", "batch": 0}))
+    with logged.span("update", batch=0):
+        pass
+    assert [(s.name, s.start, s.end, s.rank, s.path, s.batch) for s in logged.spans][:2] == \
+        [(s.name, s.start, s.end, s.rank, s.path, s.batch) for s in direct.spans][:2]  # (then a wall-clock span)
+    assert [s.name for s in logged.spans] == ["momentum", "newton_schulz", "update"]
+    assert logged.tallies() == direct.tallies() == {"communication": 0.75}
+    logged.log = []  # a new step on the same clock
+    assert logged.spans == [] and logged.tallies() == {}
+
+
 # ---------------------------------------------------------------- the clock: wall clock on CPU, events on CUDA
 
 import copy  # noqa: E402
