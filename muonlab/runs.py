@@ -48,7 +48,7 @@ INITIAL_FILE = "initial.pt"
 DATA_FILE = "data.pt"
 SERIES_FILE = "series.pt"
 FORMAT = 1
-KINDS = ("train", "train_model", "compare")
+KINDS = ("train", "train_model", "train_worker", "compare")
 KEEP_MAX_BYTES = 256 * 2 ** 20
 """The most bytes of tensors ``initial.pt`` or ``data.pt`` keep: a larger model or dataset is
 described in the record but not kept (a record per run must not fill a disk)."""
@@ -489,6 +489,7 @@ def rerun(record: RunRecord, **overrides):
     """Run ``record``'s configuration again; returns what the run returns (a History for a train
     or train_model record, a Comparison for a compare record; none writes a record). On the CPU, at
     the record's thread count (set for the rerun), the losses equal the record's bit for bit.
+    A train_worker record launches ``train_worker`` again with its arguments.
 
     A train record starts from its ``initial.pt`` (model, optimizer, scheduler and RNG states as they
     were before step 1) with its arguments (steps, seed, batch settings, loss); a compare record
@@ -512,6 +513,8 @@ def rerun(record: RunRecord, **overrides):
             inputs = inputs_from_record(record, overrides)
             configs = {name: c.settings for name, c in record.comparison.configs.items()}
             return compare(configs, **inputs, progress=False, record=False)
+        if record.kind == "train_worker":
+            return _rerun_train_worker(record, dict(overrides))
         return _rerun_train_model(record, dict(overrides))
     finally:
         torch.set_num_threads(before)
@@ -584,6 +587,21 @@ def _rerun_train_model(record: RunRecord, overrides: dict):
     out = launch(train_model, world, model, loss, batches, **{**args, **overrides, "record": False},
                  **{"progress": False, **launch_kwargs})
     return out[0]["history"]
+
+
+def _rerun_train_worker(record: RunRecord, overrides: dict):
+    """``train_worker`` launched again with the record's arguments (its GPT is built from the seed);
+    a History of the mean losses and optimizer step seconds, as the record keeps them."""
+    from .distributed import launch
+    from .experiments.train import train_worker
+    from .train import History
+
+    args = decode(record.config["train_worker"])
+    world = args.pop("world_size")
+    launch_kwargs = {k: overrides.pop(k) for k in LAUNCH_KEYWORDS if k in overrides}
+    out = launch(train_worker, world, **{**args, **overrides, "record": False}, **{"progress": False, **launch_kwargs})
+    return History(steps=[*range(1, len(out[0]["mean_losses"]) + 1)], train_loss=out[0]["mean_losses"],
+                   opt_time_s=out[0]["step_seconds"], ns_choices=out[0]["ns_choices"])
 
 
 # ---------------------------------------------------------------------------------- TensorBoard

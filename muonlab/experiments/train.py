@@ -19,10 +19,12 @@ from __future__ import annotations
 import time
 import warnings
 from dataclasses import asdict
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from .. import runs
 from ..comm.records import bytes_for_rank, table
 from ..data import get_batch, load_corpus
 from ..distributed.device import rank_device, wait_for
@@ -77,6 +79,7 @@ def train_worker(
     seed: int = 0,
     ep: int = 2,
     num_experts: int = 4,
+    record: bool | str = True,
 ) -> dict:
     """Train for ``steps`` steps on this rank's slice of each global batch; return what happened.
 
@@ -98,9 +101,15 @@ def train_worker(
     devices (``tensor_devices``: where the parameters and optimizer state ended up), spans: every
     rank's spans of the last step as dicts on rank 0, None on the other ranks, step_spans: the same
     for the last ``STEPS_KEPT`` steps, numbered (``muonlab.trace.StepRecorder``), span_clock: "gpu"
-    or "host" (what the spans time), and ns_choices (``Muon.resolved_choices()``). Per-rank
-    entries of a plan row are group-local (a batch of expert banks in "ep" mode is planned over the
-    ``MeshAxis.FSDP`` axis only).
+    or "host" (what the spans time), ns_choices (``Muon.resolved_choices()``) and record: the
+    folder of the run record rank 0 wrote (None on the other ranks). Per-rank entries of a plan row
+    are group-local (a batch of expert banks in "ep" mode is planned over the ``MeshAxis.FSDP`` axis
+    only).
+
+    ``record``: True (default) has rank 0 keep a run record (muonlab.runs: the arguments, seeds,
+    provenance, the mean losses and optimizer step seconds as a History, the plan table) in the
+    launch's own folder ``runs/<launch name>/``, a string names a folder of its own under
+    ``runs/``, False keeps none; ``muonlab.runs.load(name).rerun()`` launches it again.
 
     A ValueError naming the parameter, before any model is built: ``mode`` not in ``MODES``,
     ``steps``, ``batch_per_rank`` (or, in "ep" mode, ``ep``) not a whole number >= 1, in "ep"
@@ -109,6 +118,10 @@ def train_worker(
     """
     _check_train_args(mode, steps=steps, batch_per_rank=batch_per_rank, seed=seed, ep=ep, num_experts=num_experts,
                       dtype_names={"comm_dtype_name": comm_dtype_name, "ns_dtype_name": ns_dtype_name})
+    runs.check_record_arg(record)
+    args = dict(mode=mode, steps=steps, d_model=d_model, n_layers=n_layers, n_heads=n_heads, context=context,
+                batch_per_rank=batch_per_rank, lr=lr, adamw_lr=adamw_lr, comm_dtype_name=comm_dtype_name,
+                ns_dtype_name=ns_dtype_name, remainder_path=remainder_path, seed=seed, ep=ep, num_experts=num_experts)
     world, rank = dist.get_world_size(), dist.get_rank()
 
     model, inner = _parallel_gpt(mode, seed=seed, ep=ep, num_experts=num_experts, d_model=d_model,
@@ -126,14 +139,38 @@ def train_worker(
     plan_sent, plan_recv = bytes_for_rank(plan, rank)
     spans = gather_spans(opt.last_step_spans())
     step_spans = recorder.gather()
+    folder = None
+    if record is not False and rank == 0:
+        folder = _keep_record(record, args, opt, mean_losses=mean_losses, step_seconds=step_seconds, world=world,
+                              plan_table=table(plan))
     return dict(
-        rank=rank, world_size=world, mode=mode, losses=losses, mean_losses=mean_losses,
+        rank=rank, world_size=world, mode=mode, losses=losses, mean_losses=mean_losses, record=folder,
         step_seconds=step_seconds, plan=plan_rows(plan), plan_table=table(plan),
         plan_bytes_sent=plan_sent, plan_bytes_recv=plan_recv, stats=opt.last_step_stats(),
         plan_batches=list(plan), device=str(rank_device()), devices=tensor_devices(inner, opt),
         spans=None if spans is None else [asdict(s) for s in spans], step_spans=step_spans,
         span_clock=recorder.clock, ns_choices=opt.resolved_choices(),
     )
+
+
+def _keep_record(record: bool | str, args: dict[str, Any], opt, *, mean_losses: list, step_seconds: list,
+                 world: int, plan_table: str) -> str | None:
+    """Rank 0's run record of ``train_worker`` (muonlab.runs), in the launch's folder unless named;
+    a failure to write warns and fails no run. Returns the folder."""
+    from ..train import History
+
+    history = History(steps=list(range(1, len(mean_losses) + 1)), train_loss=list(mean_losses),
+                      opt_time_s=list(step_seconds), ns_choices=opt.resolved_choices(),
+                      tokens_per_step=args["batch_per_rank"] * world * args["context"])
+    config = dict(train_worker=runs.encode(dict(args, world_size=world)), optimizer=runs.describe_optimizer(opt))
+    rec = runs.new_record("train_worker", config=config, seeds=dict(model=args["seed"], batches=args["seed"]),
+                          device=rank_device(), history=history, plan_table=plan_table)
+    folder = runs.launch_folder() if record is True else None
+    try:
+        history.record = runs.save(rec, folder or runs.claim_folder("train_worker", None if record is True else record))
+    except OSError as e:
+        warnings.warn(f"train_worker: the run record was not written ({e})", stacklevel=2)
+    return history.record
 
 
 def _check_train_args(mode: str, *, steps, batch_per_rank, seed, ep, num_experts, dtype_names: dict) -> None:
