@@ -141,7 +141,7 @@ def train_tp(rule: str) -> dict:
     return dict(errors=errors, variances=variances, gathers=gathers[1:], sent=stats["bytes_sent"],
                 recv=stats["bytes_recv"], planned_sent=planned_sent, planned_recv=planned_recv,
                 planned_rule=planned_rule, counted_rule=stats["bytes_sent"].get(rule, 0),
-                plan=[(b.path, b.names, b.owners, b.bytes_sent, b.flops) for b in opt.plan()])
+                plan=[(b.path, b.names, b.owners, b.bytes_sent, b.flops, b.travels_with) for b in opt.plan()])
 
 
 def pieces_match() -> dict:

@@ -54,6 +54,8 @@ def test_tp_fsdp_equals_one_process_at_the_planned_bytes(results, rule):
         assert got["planned_rule"] == got["counted_rule"], (rank, got["planned_rule"], got["counted_rule"])
         assert got["gathers"] == [0] * (W.STEPS - 1), got["gathers"]
     assert (results[0][rule]["counted_rule"] > 0) == (rule == "normuon")
+    # the tiny batches are latency-bound: some travel together in a wave (one collective each way)
+    assert any(row[5] is not None for row in results[0][rule]["plan"]), results[0][rule]["plan"]
 
 
 @pytest.mark.timeout(600)

@@ -94,13 +94,15 @@ def take(whole: torch.Tensor, piece: Piece) -> torch.Tensor:
 def run(batch, inputs, ctx):
     me, pieces, owners = ctx.group_rank, batch.pieces, batch.owners
     size = len(pieces[0])
-    numels = [[piece_numel(pc) for pc in per_rank] for per_rank in pieces]
+    mine = [x.numel() for x in inputs]  # this rank's piece of each parameter is its local tensor
     order = owner_order(batch)
     owned = [pos for pos, o in enumerate(owners) if o == me]
+    # every rank's piece sizes of the parameters this rank owns only: O(W) per owned parameter
+    numels = {pos: [piece_numel(pc) for pc in pieces[pos]] for pos in owned}
     send = pack([inputs[pos] for pos in order], ctx.wire_dtype, like=inputs[0])
     send_splits = [0] * size
     for pos, o in enumerate(owners):
-        send_splits[o] += numels[pos][me]
+        send_splits[o] += mine[pos]
     recv_splits = [sum(numels[pos][q] for pos in owned) for q in range(size)]
     flat = yield all_to_all(send, send_splits, recv_splits, group=ctx.group, group_rank=me, defer=ctx.defer)
     mats = None
@@ -130,8 +132,8 @@ def run(batch, inputs, ctx):
     slot, offset = {}, 0
     for pos in order:  # owner by owner, each owner's in batch order: this rank's piece of each
         slot[pos] = offset
-        offset += numels[pos][me]
-    return [returned[slot[pos]:slot[pos] + numels[pos][me]].view(x.shape) for pos, x in enumerate(inputs)]
+        offset += mine[pos]
+    return [returned[slot[pos]:slot[pos] + mine[pos]].view(x.shape) for pos, x in enumerate(inputs)]
 
 
 PATH = CommPath(name="pieces", collectives=2, out_share=0.5, color="#9467bd", run=run)

@@ -2,10 +2,11 @@
 
 A batch whose transfer and Newton-Schulz each take less time than a collective's fixed cost (the
 profile's latency) is latency-bound: many small matrices of different shapes (a narrow model,
-small adapters) would otherwise pay one collective pair per shape. Consecutive such
-batches of the ``all_to_all`` path on the same process group form a wave: every rank packs the
-wave's send buffers into one all_to_all_single out and one back (``muonlab.comm.collectives.
-Coalesced``), so the step's collective count follows its large batches, not its shapes. A wave
+small adapters) would otherwise pay one collective pair per shape. Consecutive such batches of
+one path (``WAVE_PATHS``: ``all_to_all``, ``pieces``) on the same process group form a wave:
+every rank packs the wave's send buffers into one all_to_all_single out and one back
+(``muonlab.comm.collectives.Coalesced``), so the step's collective count follows its large
+batches, not its shapes. A wave
 gives up the pipeline inside it (its batches' transfers no longer hide behind each other's
 Newton-Schulz), which is why only batches whose work is shorter than the latency they save join.
 
@@ -21,8 +22,9 @@ from ..cost import HardwareProfile, comm_seconds, compute_seconds
 from ..paths import PATHS
 from ..records import BatchPlan, Plan
 
-WAVE_PATHS = ("all_to_all",)
-"""Paths whose collectives a wave can merge: both ways are one all_to_all_single with split sizes."""
+WAVE_PATHS = ("all_to_all", "pieces")
+"""Paths whose collectives a wave can merge: both ways are one all_to_all_single with split sizes
+(a wave holds batches of one path and group)."""
 
 
 def latency_bound(batch: BatchPlan, profile: HardwareProfile) -> bool:
@@ -35,8 +37,8 @@ def latency_bound(batch: BatchPlan, profile: HardwareProfile) -> bool:
 
 
 def coalesce(plan: Plan, profile: HardwareProfile) -> Plan:
-    """``plan`` with each run of two or more consecutive latency-bound batches on one group and
-    wire dtype made a wave (``BatchPlan.travels_with``: the index of the run's first batch); other
+    """``plan`` with each run of two or more consecutive latency-bound batches on one path, group
+    and wire dtype made a wave (``BatchPlan.travels_with``: the index of the run's first batch); other
     batches unchanged."""
     batches = list(plan)
     runs: list[list[int]] = []
@@ -44,7 +46,7 @@ def coalesce(plan: Plan, profile: HardwareProfile) -> Plan:
         if not latency_bound(b, profile):
             continue
         # one collective carries one dtype: a batch on another wire dtype starts another wave
-        joins = runs and runs[-1][-1] == i - 1 and batches[i - 1].group == b.group
+        joins = runs and runs[-1][-1] == i - 1 and batches[i - 1].group == b.group and batches[i - 1].path == b.path
         if joins and batches[i - 1].comm_itemsize == b.comm_itemsize:
             runs[-1].append(i)
         else:
