@@ -9,14 +9,14 @@ later notebook can plot it beside a live run, compare against it, or run it agai
     plot_loss_curves({"saved": rec, "now": hist})
     again = rec.rerun()                          # the same losses, bit for bit on the same CPU
 
-``train``, ``muonlab.experiments.any_model.train_model`` (rank 0, into the launch's own folder) and
-``muonlab.experiments.compare.compare`` write one by default (``record=False`` does not, a string
-names it). A folder holds ``record.json`` (configuration, seeds, provenance, the history's series,
-the plan table; floats written exactly), ``series.pt`` (tensor series: QK-clip's max logits),
-``initial.pt`` (a train run's model, optimizer, scheduler and RNG state before its first step:
-what ``rerun`` starts from) and ``data.pt`` (a batch source that is a dataset of tensors); the last
-two are left out above ``KEEP_MAX_BYTES`` (the record says so, and ``rerun`` then takes them as
-arguments).
+``train``, ``muonlab.experiments.compare.compare`` and the launched ``train_model`` and
+``train_worker`` (rank 0, into the launch's own folder) write one by default (``record=False``
+does not, a string names it). A folder holds ``record.json`` (configuration, seeds, provenance, the
+history's series, the plan table; floats written exactly), ``series.pt`` (tensor series: QK-clip's
+max logits), ``initial.pt`` (the model before its first step, with train's optimizer, scheduler
+and RNG state: what ``rerun`` starts from) and ``data.pt`` (a batch source that is a dataset of
+tensors); the last two are left out above ``KEEP_MAX_BYTES`` (the record says so, and ``rerun``
+then takes them as arguments).
 """
 
 from __future__ import annotations
@@ -42,7 +42,9 @@ import torch
 __all__ = ["KEEP_MAX_BYTES", "RunRecord", "export_tensorboard", "list", "load", "provenance", "rerun", "runs_dir",
            "save"]
 
-RUNS_DIR_ENV = "MUONLAB_RUNS_DIR"  # the launcher's (muonlab.distributed.launch.RUNS_DIR_ENV)
+# The launcher's variable (muonlab.distributed.launch.RUNS_DIR_ENV), named here too: importing the
+# launcher to read it would make every train() import torch.distributed's elastic agent.
+RUNS_DIR_ENV = "MUONLAB_RUNS_DIR"
 RECORD_FILE = "record.json"
 INITIAL_FILE = "initial.pt"
 DATA_FILE = "data.pt"

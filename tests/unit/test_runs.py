@@ -93,6 +93,14 @@ def test_record_false_keeps_none_and_a_bad_name_is_refused_before_training(tmp_p
         runs.load("nope")
 
 
+def test_compare_optimizers_keeps_a_record_per_optimizer_under_the_name_given():
+    x, y = _data(64)
+    out = muonlab.compare_optimizers(_mlp(), steps=1, loss_fn="cross_entropy", batches=(x, y), batch_size=8,
+                                     progress=False, record="pair")
+    assert sorted(n for n, *_ in runs.list()) == ["pair-adamw", "pair-muon"]
+    assert runs.load("pair-adamw").history.train_loss == out["adamw"].train_loss
+
+
 RESEARCHER = """\
 from muonlab import runs
 from muonlab.experiments.compare import compare
