@@ -32,11 +32,16 @@ from .device import collective_device, to_rank_device
 from .expert_parallel import apply_ep, build_ep_mesh, check_ep, fsdp_module_in
 from .mesh import build_mesh
 
-__all__ = ["AUTO", "MIN_UNIT_PARAMS", "MODES", "Parallelized", "apply_ddp", "apply_fsdp", "find_blocks",
-           "fsdp_units", "parallelize"]
+__all__ = ["AUTO", "MIN_UNIT_PARAMS", "MODES", "Parallelized", "apply_ddp", "apply_fsdp", "apply_tp",
+           "default_tp_plan", "find_blocks", "fsdp_units", "parallelize"]
 
-MODES = ("fsdp", "hsdp", "ddp", "ep")
+MODES = ("fsdp", "hsdp", "ddp", "ep", "fsdp+tp")
 """The modes of :func:`parallelize`."""
+COLWISE_NAMES = ("fc", "q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+ROWWISE_NAMES = ("out", "o_proj", "down_proj")
+"""Linear modules :func:`default_tp_plan` splits column-wise (their output features) and row-wise
+(their input features): muonlab's GPT's MLP (fc, out) and a Llama/Qwen-style decoder's attention
+and MLP projections. A column-wise layer must feed a row-wise one, as each pair here does."""
 AUTO = "auto"
 """``block_attr=AUTO``: find the repeated blocks (:func:`find_blocks`)."""
 MIN_UNIT_PARAMS = 100_000_000
@@ -250,6 +255,40 @@ def apply_ddp(
     return DistributedDataParallel(model, process_group=process_group)
 
 
+def default_tp_plan(model: nn.Module) -> dict:
+    """{module name: ColwiseParallel or RowwiseParallel} for the nn.Linear modules of ``model``
+    whose last name is in ``COLWISE_NAMES`` / ``ROWWISE_NAMES``. In muonlab's GPT that is its MLPs:
+    its attention's fused qkv (rows q | k | v) stays whole over the TP axis, since a column-wise
+    split would give a rank the queries of every head and no keys."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plan = {}
+    for name, module in model.named_modules():
+        last = name.rsplit(".", 1)[-1]
+        if isinstance(module, nn.Linear) and last in COLWISE_NAMES:
+            plan[name] = ColwiseParallel()
+        elif isinstance(module, nn.Linear) and last in ROWWISE_NAMES:
+            plan[name] = RowwiseParallel()
+    return plan
+
+
+def apply_tp(model: nn.Module, mesh: DeviceMesh, parallelize_plan: dict | None = None) -> nn.Module:
+    """Tensor parallelism over the 1-D ``mesh`` (a TP axis, ``mesh["tp"]``): torch's
+    ``parallelize_module`` with ``parallelize_plan`` (default :func:`default_tp_plan`). The ranks
+    of ``mesh`` must be fed the same inputs."""
+    check_model(model, "apply_tp")
+    check_mesh(mesh, "apply_tp")
+    if mesh.ndim != 1:
+        raise ValueError(f"apply_tp needs a 1-D mesh (the TP axis), got shape {tuple(mesh.shape)}")
+    plan = default_tp_plan(model) if parallelize_plan is None else parallelize_plan
+    if not plan:
+        raise ValueError(f"apply_tp found no Linear module named in {COLWISE_NAMES + ROWWISE_NAMES} in "
+                         f"{type(model).__name__}; pass parallelize_plan={{module name: ParallelStyle}}")
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    return parallelize_module(model, mesh, plan)
+
+
 class Parallelized(NamedTuple):
     """What :func:`parallelize` returns; unpacks as ``model, inner, mesh``."""
 
@@ -285,6 +324,8 @@ def parallelize(
     min_unit_params: int | None = None,
     reshard_after_forward: bool | None = None,
     mp_policy: MixedPrecisionPolicy | None = None,
+    tp_axis: str | None = None,
+    parallelize_plan: dict | None = None,
 ) -> Parallelized:
     """Apply the parallelism ``mode`` to ``model`` in place; the one place the apply_* meet.
 
@@ -295,7 +336,12 @@ def parallelize(
       must be given (``build_mesh(replicate=R)``): there is no default split of the world;
     * "ddp": :func:`apply_ddp` over ``mesh`` (1-D) or, by default, the whole default group;
     * "ep": :func:`apply_ep` on a (``MeshAxis.FSDP``, ``MeshAxis.EP``) mesh, default
-      ``build_ep_mesh(ep)``; ``model`` must be the MoE GPT, built from the same seed on every rank.
+      ``build_ep_mesh(ep)``; ``model`` must be the MoE GPT, built from the same seed on every rank;
+    * "fsdp+tp": :func:`apply_tp` over ``mesh[tp_axis]`` (``parallelize_plan``, default
+      :func:`default_tp_plan`), then :func:`apply_fsdp` over the mesh's other axis. ``mesh`` (2-D,
+      e.g. ``init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))``) and ``tp_axis``
+      must be given; the ranks of one TP group must be fed the same batch. Muon takes the weights
+      TP and FSDP2 leave sharded on both axes as they are (layout "pieces").
 
     Every argument is checked first (the default mesh is built then, which checks ``ep``); only
     then is a model on the CPU moved to this rank's device (``cuda:LOCAL_RANK`` for a CUDA rank;
@@ -334,6 +380,9 @@ def parallelize(
     for name, value in (("mp_policy", mp_policy), ("min_unit_params", min_unit_params)):
         if value is not None and mode not in ("fsdp", "hsdp"):
             raise ValueError(f"{name} is read in 'fsdp' and 'hsdp' modes only, got mode {mode!r}")
+    for name, value in (("tp_axis", tp_axis), ("parallelize_plan", parallelize_plan)):
+        if value is not None and mode != "fsdp+tp":
+            raise ValueError(f"{name} is read in 'fsdp+tp' mode only, got mode {mode!r}")
     if mode == "ddp":
         for name, value in (("block_attr", block_attr), ("reshard_after_forward", reshard_after_forward)):
             if value is not None:
@@ -346,6 +395,16 @@ def parallelize(
 
     # The mesh (given, or the default one) is checked before the model moves: a refused call leaves
     # the caller's model where it was.
+    if mode == "fsdp+tp":
+        names = tuple(mesh.mesh_dim_names or ()) if mesh is not None else ()
+        if mesh is None or mesh.ndim != 2 or tp_axis not in names:
+            raise ValueError(f"mode 'fsdp+tp' needs a 2-D mesh with named axes and tp_axis naming one of them, "
+                             f"got tp_axis={tp_axis!r} and axes {list(names)}")
+        dp_axis = names[1 - names.index(tp_axis)]
+        model = apply_tp(to_rank_device(model), mesh[tp_axis], parallelize_plan)
+        units = fsdp_units(model, block_attr, min_unit_params=MIN_UNIT_PARAMS)
+        model = _shard(model, units, mesh[dp_axis], reshard_after_forward=reshard_after_forward, mp_policy=None)
+        return Parallelized(model, model, mesh)
     if mode in ("fsdp", "hsdp"):
         if mesh is None:
             if mode == "hsdp":

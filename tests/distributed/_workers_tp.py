@@ -268,7 +268,34 @@ def replicated_slices() -> dict:
     return dict(errors=errors, slices=group.axis_slices(), paths=sorted({b.path for b in opt.plan()}))
 
 
+def gpt_fsdp_tp() -> dict:
+    """muonlab's GPT under ``parallelize(model, "fsdp+tp", mesh, tp_axis="tp")`` on a 2 x 2 mesh and
+    a plain copy, each stepped by Muon on the same token batches (fed to every rank)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from muonlab.distributed import parallelize
+
+    from ._common import cloned, rel_displacement
+
+    torch.set_num_threads(1)
+    model, plain = build_gpt(**SMALL_GPT), build_gpt(**SMALL_GPT)
+    start = cloned(plain.named_parameters())
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model, inner, _ = parallelize(model, "fsdp+tp", mesh, tp_axis="tp")
+    opt, ref = Muon(muon_param_groups(inner), **HYPER), Muon(muon_param_groups(plain), **HYPER)
+    for x in token_batches(9, 1, SMALL_GPT["context"], STEPS):
+        for m, o in ((model, opt), (plain, ref)):
+            m(x, x).backward()
+            o.step()
+            o.zero_grad()
+    got = {n: p.full_tensor().detach() for n, p in inner.named_parameters()}
+    return dict(displacement=rel_displacement(got, cloned(plain.named_parameters()), start),
+                placements={n: str(tuple(p.placements)) for n, p in inner.named_parameters() if "mlp" in n},
+                paths=sorted({b.path for b in opt.plan()}))
+
+
 def everything() -> dict:
     """All the checks of one 4-rank launch."""
     return dict(pieces=pieces_match(), muon=train_tp("muon"), normuon=train_tp("normuon"),
-                layouts=layouts_gathers(), warnings=fallback_warning(), replicated=replicated_slices())
+                layouts=layouts_gathers(), warnings=fallback_warning(), replicated=replicated_slices(),
+                gpt=gpt_fsdp_tp())

@@ -125,3 +125,18 @@ def test_simulate_plans_fsdp_over_tp_at_the_bound():
         simulate(_llama_like(1, 12, 6, 24), 8, tp=3)
     with pytest.raises(ValueError, match="tp_styles"):
         simulate(_llama_like(1, 12, 6, 24), 8, tp=2, tp_styles={"nope": "colwise"})
+
+
+def test_parallelize_fsdp_tp_refuses_what_it_cannot_place():
+    from muonlab.distributed import parallelize
+    from muonlab.distributed.parallelize import default_tp_plan
+    from muonlab.models import GPT, GPTConfig
+
+    gpt = GPT(GPTConfig(d_model=8, n_layers=2, n_heads=2, context=4))
+    assert {n: type(s).__name__ for n, s in default_tp_plan(gpt).items()} == {
+        "blocks.0.mlp.fc": "ColwiseParallel", "blocks.0.mlp.out": "RowwiseParallel",
+        "blocks.1.mlp.fc": "ColwiseParallel", "blocks.1.mlp.out": "RowwiseParallel"}
+    with pytest.raises(ValueError, match="'fsdp\\+tp' needs a 2-D mesh .* tp_axis=None"):
+        parallelize(gpt, "fsdp+tp")
+    with pytest.raises(ValueError, match="tp_axis is read in 'fsdp\\+tp' mode only"):
+        parallelize(gpt, "fsdp", tp_axis="tp")
