@@ -136,4 +136,4 @@ def run(batch, inputs, ctx):
     return [returned[slot[pos]:slot[pos] + mine[pos]].view(x.shape) for pos, x in enumerate(inputs)]
 
 
-PATH = CommPath(name="pieces", collectives=2, out_share=0.5, color="#9467bd", run=run)
+PATH = CommPath(name="pieces", collectives=2, out_share=0.5, color="#c49c94", run=run)
