@@ -82,7 +82,7 @@ ARGS = """
             counted in ``skipped_steps`` and ``last_step_stats()``), "raise" a ValueError naming
             the parameter and rank, or is "ignore"d. The flags travel in the step's one control
             exchange with the ranks' agreement digest, before anything is written or moved
-            (see muonlab.optim.control); on a GPU reading this rank's flag synchronises once per step.
+            (see muonlab.optim.nonfinite); on a GPU reading this rank's flag synchronises once per step.
         nonfinite_decision: where "skip" is decided: "host" (above: a skipped step runs nothing)
             or "device" (nothing read: the flags are added on the device in one all-reduce of W
             numbers on the step's group, the step runs whole and writes only if no rank

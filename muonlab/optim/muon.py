@@ -28,7 +28,7 @@ from .agreement import Agreement
 from .arguments import ARGS
 from .momentum_homes import MomentumHomes
 from .offload import StateStores
-from .control import control
+from .nonfinite import control
 from .group_steps import adamw_group
 from .pickled import brought_up_to_date, copied_state
 from .step_inputs import check_settings, collect, graph_key, new_prepared_step, step_description
@@ -225,7 +225,7 @@ class Muon(Optimizer):
     def step(self, closure=None):
         """One step, in the order it runs: 1. the prepared step (``_prepared_step``: validation, the
         step's description, the work lists), reused while nothing it depends on changed
-        (muonlab.optim.prepared); 2. the control exchange (muonlab.optim.control): every rank about to
+        (muonlab.optim.prepared); 2. the control exchange (muonlab.optim.nonfinite): every rank about to
         take the same step, and no gradient non-finite on any rank, decided before anything is
         written; 3. the plan (muonlab.optim.planning, cached; checked across ranks when new); 4. the
         hot step (``_hot_step``): the gate where the decision is on the device, momentum moved to
@@ -267,8 +267,8 @@ class Muon(Optimizer):
     def _hot_step(self, prepared: PreparedStep, counter: CommCounter, seconds: dict) -> None:
         """After the control exchange: device work only once the plan is made (what ``capture_after`` captures)."""
         # decided on the device: one async all-reduce of the flags, after the control exchange
-        gate = (StepGate.decide([p.grad for p in prepared.checked], prepared.clock, prepared.check_group,
-                                prepared.plain) if self.options.nonfinite_decision == "device" else None)
+        gate = (StepGate.decide([p.grad for p in prepared.checked], prepared.clock, prepared.check_group, prepared.plain,
+                                prepared.rank) if self.options.nonfinite_decision == "device" else None)
         planned = self._planned_for(prepared)
         if planned and (planned.owners or self._homes.home):  # where momentum lives follows the plan
             self._homes.follow(planned, self._muon_entries(), self.state, self._offload, self._record.tracer, counter)

@@ -8,15 +8,24 @@ anything is written. Names of the culprits (``culprits``) are looked for only wh
 so the common path does no per-gradient work beyond grouping and the fused call. ``flag_on`` is
 the same pass without the read, for the decision on the device (muonlab.optim.step_gate).
 ``found`` reads the replicas' gradient fingerprints with the flag, in the same read.
+
+``control`` is a Muon step's commit decision, taken before anything is written: this check and
+the ranks' agreement in one exchange (the module a step calls for both, once).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 
 import torch
 
+from ..comm.collectives import rank_or_zero
 from ..comm.specs import local_shard, local_shards
+from .prepared import PreparedStep, step_digest
+from .replicas import fingerprints, fold, name_the_difference
+from .step_inputs import plan_names
+from .validation import fmt_shape
 
 
 def _flag_into(found: torch.Tensor, grads: list[torch.Tensor], one: torch.Tensor) -> None:
@@ -81,3 +90,51 @@ def culprits(grads: Sequence[torch.Tensor], name_of: Callable[[int], str] | None
     if name_of is None:
         name_of = lambda i: f"grad {i} of shape {tuple(local[i].shape)}"  # noqa: E731
     return [name_of(i) for i, g in enumerate(local) if not torch.isfinite(g).all()]
+
+
+def named_culprits(checked: tuple, names: dict) -> list[str]:
+    """The parameters among ``checked`` whose grad holds an inf or NaN, by name (or shape)."""
+    return culprits([p.grad for p in checked], lambda i: names.get(
+        checked[i], f"of shape {fmt_shape(checked[i].shape)}"))
+
+
+def control(prepared: PreparedStep, settings: tuple, options, agreement, names: dict, describe,
+            seconds: dict) -> tuple[list[int], list[str]]:
+    """The step's commit decision, before anything is written: the non-finite check's flag of
+    this rank (one fused pass over the grads) and the fingerprint of its replicated gradients
+    (read with the flag), then one exchange with the other ranks of the step's group carrying
+    them and the step's digest (``agreement.check``, an ``Agreement``: a rank that disagrees, or
+    replicas whose gradients differ, make every rank raise the same error; ``describe()`` says what
+    this rank is about to do, where ranks disagree). Returns the global ranks with a non-finite
+    gradient (the same on every rank) and this rank's culprits (``names``: parameter -> name);
+    raises under ``nonfinite="raise"``. ``settings``: the groups' settings as checked this step;
+    ``seconds``: "check" (the pass) and "wait" (the exchange), host seconds, when the check is on.
+
+    The fingerprint rides on the host's read of the flag: with ``nonfinite="ignore"`` or
+    ``nonfinite_decision="device"`` (and so captured steps) no flag is read, and reading one
+    would synchronise a GPU step that otherwise does not; there the replicas' gradients are
+    compared when a plan is made only (muonlab.optim.replicas.check_ranks_agree)."""
+    checking = options.nonfinite != "ignore" and options.nonfinite_decision == "host"  # else: the StepGate
+    t0 = time.perf_counter()
+    replicas = prepared.replicas if checking else ()
+    values: list[int] = []  # the replicas' fingerprints, read with the flag
+    flagged = checking and found([p.grad for p in prepared.checked],
+                                 fingerprints([p.grad for p in replicas]) if replicas else None, values, prepared.plain)
+    t1 = time.perf_counter()
+    group = prepared.check_group
+    if group is not None:
+        bad_ranks = agreement.check(
+            group, step_digest(prepared, settings), flagged, describe, fold(values) if replicas else 0,
+            lambda side: name_the_difference(side, plan_names(prepared.checked, prepared.indices, replicas, names),
+                                             replicas, values))
+    else:
+        bad_ranks = [rank_or_zero()] if flagged else []
+    if checking:
+        seconds.update(check=t1 - t0, wait=time.perf_counter() - t1)
+    if not bad_ranks:
+        return [], []
+    named = named_culprits(prepared.checked, names) if flagged else []
+    if options.nonfinite == "raise":
+        mine = f"; here: {', '.join(named)}" if named else ""
+        raise ValueError(f"non-finite gradient on rank(s) {bad_ranks}{mine}")
+    return bad_ranks, named

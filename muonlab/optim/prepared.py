@@ -112,6 +112,8 @@ class PreparedStep:
     """Where the step's work runs, for the tracer's clock (muonlab.optim.step_stats.clock_device)."""
     plain: bool = True
     """No parameter in ``checked`` is a DTensor: their grads are their own local shards."""
+    rank: int = 0
+    """This process's global rank (0 when not distributed)."""
     planned: Any = None
     """The plan with what it needs (Muon's ``_Planned``), once made and checked across ranks."""
     program: Any = None

@@ -50,13 +50,13 @@ class StepGate:
         self._go: torch.Tensor | None = None
 
     @classmethod
-    def decide(cls, grads, device: torch.device, group=None, plain: bool = False) -> StepGate:
+    def decide(cls, grads, device: torch.device, group=None, plain: bool = False, rank: int | None = None) -> StepGate:
         """This rank's flag over ``grads`` (plain tensors or DTensors; ``plain``: none is a
-        DTensor), shared with ``group``'s ranks (None: this process alone) in one async all-reduce
-        of one slot per rank."""
+        DTensor), shared with ``group``'s ranks (None: this process alone, global rank ``rank``,
+        None: looked up) in one async all-reduce of one slot per rank."""
         flag = nonfinite.flag_on(grads, device, plain)
         if group is None:
-            return cls(flag.view(1), [rank_or_zero()])
+            return cls(flag.view(1), [rank_or_zero() if rank is None else rank])
         ranks = dist.get_process_group_ranks(group)
         flags = torch.zeros(len(ranks), dtype=torch.float32, device=device)
         flags[dist.get_rank(group)] = flag  # a device copy: no host read

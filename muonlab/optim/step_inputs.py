@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..comm.collectives import rank_or_zero
 from ..comm.specs import DTensor, local_shard
 from .agreement import digest
 from .prepared import PreparedStep
@@ -125,7 +126,7 @@ def new_prepared_step(key: tuple, work: dict[str, list], entries: list, group, d
     return PreparedStep(
         key=key, work=work, indices=muon_indices(work["muon"], entries), checked=checked,
         static_digest=digest(describe(work)) if together else 0, check_group=group if together else None,
-        clock=clock, plain=DTensor is None or not any(isinstance(p, DTensor) for p in checked))
+        clock=clock, plain=DTensor is None or not any(isinstance(p, DTensor) for p in checked), rank=rank_or_zero())
 
 
 def graph_key(prepared: PreparedStep, settings: tuple) -> tuple:

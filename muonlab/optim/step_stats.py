@@ -20,7 +20,6 @@ from ..comm.specs import local_shard
 from ..trace import Span, Tracer
 from . import nonfinite
 from .step_gate import StepGate
-from .validation import fmt_shape
 
 
 def clock_device(param_groups: list[dict]) -> torch.device:
@@ -34,12 +33,6 @@ def clock_device(param_groups: list[dict]) -> torch.device:
             first = p if first is None else first
             break
     return torch.device("cpu") if first is None else local_shard(first).device
-
-
-def culprits(checked: tuple, names: dict) -> list[str]:
-    """The parameters among ``checked`` whose grad holds an inf or NaN, by name (or shape)."""
-    return nonfinite.culprits([p.grad for p in checked], lambda i: names.get(
-        checked[i], f"of shape {fmt_shape(checked[i].shape)}"))
 
 
 class StepRecord:
@@ -167,7 +160,7 @@ class StepRecord:
             return dict(skipped=False, skipped_steps=self.skipped_steps)
         found: list[str] | None = []
         if rank_or_zero() in ranks:
-            found = None if any(p.grad is None for p in checked) else culprits(checked, names)
+            found = None if any(p.grad is None for p in checked) else nonfinite.named_culprits(checked, names)
         return dict(skipped=True, nonfinite_ranks=ranks, nonfinite_params=found, skipped_steps=self.skipped_steps)
 
     def _phase_seconds(self) -> dict[str, float]:
