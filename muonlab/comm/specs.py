@@ -16,12 +16,13 @@ between ranks: the global shape, how it is laid out over which group of ranks, a
   sent back (muonlab.comm.paths.blocks).
 * ``pieces``: a DTensor sharded on two or more mesh axes, as tensor parallelism composed with FSDP2
   makes it (a column-wise Linear ``(_StridedShard(0), Shard(0))``, a row-wise one ``(Shard(0),
-  Shard(1))``, HSDP x TP with a Replicate axis more): each rank of the sharding axes, flattened into
-  one group, holds an arbitrary block of each tensor, a product of index runs per dim
+  Shard(1))``, HSDP x TP with a Replicate axis more), or on one axis by anything but Shard(0) (a
+  row-wise Linear alone, ``Shard(1)``: each rank a column block): each rank of the sharding axes,
+  flattened into one group, holds an arbitrary block of each tensor, a product of index runs per dim
   (``MatrixSpec.pieces``; uneven and empty ones included). Each parameter is gathered whole on one
   owner and its update's pieces sent back (muonlab.comm.paths.pieces).
-* ``gather_all``: a single ``Shard(dim)`` with dim > 0 on one axis (a row-wise Linear on its own
-  mesh); handled by a padded full gather (the fallback), with a warning the first time.
+* ``gather_all``: no placement takes it; the planner's "redundant" strategy (the baseline) puts
+  row-sharded matrices on it, every rank gathering each whole (muonlab.comm.paths.gather_all).
 
 A parameter's MATRIX VIEW says how its tensor is read as matrices (``VIEWS``); the data is always
 moved and orthogonalized as stored, so only the lr ratio needs the (out, in) orientation:
@@ -40,7 +41,6 @@ import bisect
 import functools
 import itertools
 import math
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -180,7 +180,7 @@ class MatrixSpec:
     rows: tuple[int, ...] = ()
     """Entries of the sharded dim held by each group-local rank (torch.chunk sizes)."""
     shard_dim: int = 0
-    """The tensor dim the group shards (gather_all may shard any dim)."""
+    """The tensor dim the group shards: 0 for every single-axis layout (any other dim takes "pieces")."""
     num_fused: int = 1
     """Matrices stacked along dim 0 of a 2-D parameter (a fused expert bank (E*M, N)), else 1."""
     view: str = ""
@@ -407,21 +407,6 @@ def flattened_group(key: GroupKey, create: bool = True) -> tuple[object, int]:
     return _FLAT_GROUPS[key][me]
 
 
-_WARNED: set[tuple[str, str]] = set()
-
-
-def warn_full_gather(name: str, shape: tuple[int, ...], placements: tuple, mesh_shape: tuple[int, ...]) -> None:
-    """Warn, once per parameter and placements in this process, that the padded full gather
-    handles it: every rank gathers the whole tensor and orthogonalizes all of it."""
-    key = (name, str(tuple(placements)))
-    if key in _WARNED:
-        return
-    _WARNED.add(key)
-    warnings.warn(f"Muon parameter '{name}' of shape {shape} with placements {tuple(placements)} on mesh "
-                  f"{mesh_shape} goes to the padded full gather (path gather_all): every rank gathers it whole "
-                  "and orthogonalizes all of it", stacklevel=3)
-
-
 def fused_row_layout(num_rows: int, num_fused: int, size: int) -> str:
     """How a fused bank of ``num_fused`` matrices stacked on dim 0 falls on ``size`` row shards.
 
@@ -454,25 +439,32 @@ def matrix_spec(index: int, name: str, p: torch.Tensor, replicate_group=None, nu
     shape = tuple(p.shape)
     view = view or default_view(shape)
     check_view(name, shape, view, num_fused)
-    if DTensor is not None and isinstance(p, DTensor) and is_pieces_placement(p.placements):
-        # sharded on several mesh axes (tensor parallel with FSDP2): what every rank holds, from
-        # the global shape and placements alone
+    if DTensor is not None and isinstance(p, DTensor) and is_pieces_placement(p.placements) \
+            and not _one_rank_axis(p):
+        # sharded on several mesh axes (tensor parallel with FSDP2), or by columns on one: what every
+        # rank holds, from the global shape and placements alone
         key = flattened_key(p.device_mesh, p.placements)
         pieces = group_pieces(shape, tuple(p.device_mesh.mesh.shape), tuple(p.placements))
         return MatrixSpec(index, name, shape, "pieces", key, (), 0, num_fused, view, str(p.dtype), pieces)
     layout, group, rows, shard_dim = _layout(name, p, shape, replicate_group, num_fused, view)
-    if layout == "gather_all":
-        warn_full_gather(name, shape, p.placements, tuple(p.device_mesh.mesh.shape))
     return MatrixSpec(index, name, shape, layout, group, rows, shard_dim, num_fused, view, str(p.dtype))
 
 
 def is_pieces_placement(placements) -> bool:
-    """Whether placements take layout "pieces": two or more sharding axes (Shard or _StridedShard,
-    the rest Replicate), or one _StridedShard."""
+    """Whether placements take layout "pieces": Shards or _StridedShards (the rest Replicate) on two or
+    more mesh axes, or on one axis anything but Shard(0) (a row-wise Linear alone holds a column
+    block per rank; owner compute moves it at the bound, where a padded full gather moved it whole to
+    every rank). A one-rank axis leaves it whole (``matrix_spec``)."""
     sharded = [pl for pl in placements if not isinstance(pl, Replicate)]
     if not all(isinstance(pl, (Shard, _StridedShard)) for pl in sharded):
         return False  # Partial: refused by _layout
-    return len(sharded) >= 2 or (len(sharded) == 1 and isinstance(sharded[0], _StridedShard))
+    return len(sharded) >= 2 or (len(sharded) == 1 and (isinstance(sharded[0], _StridedShard) or sharded[0].dim > 0))
+
+
+def _one_rank_axis(p) -> bool:
+    """Whether ``p`` is sharded by one Shard on a single mesh axis of one rank (which holds it whole)."""
+    axes = [a for a, pl in enumerate(p.placements) if not isinstance(pl, Replicate)]
+    return len(axes) == 1 and isinstance(p.placements[axes[0]], Shard) and p.device_mesh.mesh.shape[axes[0]] == 1
 
 
 def _layout(name: str, p: torch.Tensor, shape: tuple[int, ...], replicate_group, num_fused: int,
@@ -491,14 +483,13 @@ def _layout(name: str, p: torch.Tensor, shape: tuple[int, ...], replicate_group,
                 # on a bigger mesh (experts on a (1, ep) mesh) its group still says which ranks
                 # hold such a matrix, each its own (all of them, not rank 0 alone, do its work)
                 return "whole", (None if len(key.mesh_ranks) == 1 else key), (), 0
-            rows = chunk_sizes(shape[dim], key.size)
-            if dim == 0 and num_fused > 1:
+            assert dim == 0, "a single Shard(dim > 0) on a bigger axis takes layout pieces (matrix_spec)"
+            rows = chunk_sizes(shape[0], key.size)
+            if num_fused > 1:
                 return fused_row_layout(shape[0], num_fused, key.size), key, rows, 0
-            if dim == 0:
-                # a bank's dim 0 indexes whole matrices (experts); any other view's dim 0 is rows
-                # of its one matrix, a flattened conv kernel's included
-                return ("whole" if view == "bank" else "row_shard"), key, rows, 0
-            return "gather_all", key, rows, dim
+            # a bank's dim 0 indexes whole matrices (experts); any other view's dim 0 is rows of its
+            # one matrix, a flattened conv kernel's included
+            return ("whole" if view == "bank" else "row_shard"), key, rows, 0
         raise ValueError(
             f"Muon parameter '{name}' of shape {shape} has placements {tuple(placements)} on mesh "
             f"{tuple(mesh.mesh.shape)}; supported: Shard(dim) or _StridedShard(dim) on one or more mesh "

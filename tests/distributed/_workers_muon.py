@@ -64,7 +64,7 @@ def path_params(world: int):
     specs += [("experts", (5, 6, 8), "shard0")]  # whole experts: 2,2,1,0 on 4 -> local
     # two banks of 2 large experts: on 4 ranks they sit on ranks 0, 1 only -> rebalance
     specs += [("bank_a", (2, 24, 32), "shard0"), ("bank_b", (2, 24, 32), "shard0")]
-    specs += [("cols", (8, 6), "shard1")]  # no fast path -> gather_all fallback
+    specs += [("cols", (8, 6), "shard1")]  # a column block per rank (2,2,2,0 on 4) -> pieces
     specs += [(f"replicated{i}", (12, 5), "replicate") for i in range(3)]  # plain tensors -> owner
     # fused expert banks (E*M, N): on 4 ranks, 2 experts of 8 rows -> sub-groups of 2 ranks;
     # 8 experts of 3 rows -> 2 whole experts per rank

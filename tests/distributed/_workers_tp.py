@@ -219,23 +219,39 @@ def layouts_gathers() -> dict:
     return out
 
 
-def fallback_warning() -> list[str]:
-    """A row-wise weight on its own 1-D mesh (Shard(1)) goes to the padded full gather: the
-    warnings of two steps and a second optimizer in this process (one, the first time)."""
+def rowwise_alone() -> dict:
+    """A row-wise weight with no FSDP2: one Shard(1) on a 1-D mesh of 4 (6 columns: 2, 2, 2, 0) and
+    beside a Replicate axis on the 2 x 2 mesh (7 columns: 4, 3), against one process over 3 steps
+    from the same gradients; the paths, the full gathers in the hot steps, any warning."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
-    w = torch.nn.Parameter(distribute_tensor(torch.randn(6, 8, generator=torch.Generator().manual_seed(1)),
-                                             mesh, [Shard(1)]))
+    torch.set_num_threads(1)
+    meshes = {"alone": init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",)),
+              "replicated": init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))}
+    kinds = {"alone": ((6, 6), [Shard(1)]), "replicated": ((5, 7), [Replicate(), Shard(1)])}
+
+    def start(name):
+        return torch.randn(kinds[name][0], generator=torch.Generator().manual_seed(len(name)))
+
+    params = [(n, torch.nn.Parameter(distribute_tensor(start(n), meshes[n], kinds[n][1]))) for n in kinds]
+    plain = [(n, torch.nn.Parameter(start(n))) for n in kinds]
+    gathers = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for _ in range(2):
-            opt = Muon([("rowwise.weight", w)], **HYPER)
-            for _ in range(2):
-                w.grad = distribute_tensor(torch.ones(6, 8), mesh, [Shard(1)])
+        opt, ref = Muon(params, **HYPER), Muon(plain, **HYPER)
+        for step in range(STEPS):
+            for (n, p), (_, q) in zip(params, plain):
+                g = torch.randn(kinds[n][0], generator=torch.Generator().manual_seed(10 * step + len(n)))
+                p.grad, q.grad = distribute_tensor(g, meshes[n], kinds[n][1]), g
+            with FullGatherCount() as count:
                 opt.step()
-    return [str(c.message) for c in caught if "full gather" in str(c.message)]
+            gathers.append(count.calls)
+            ref.step()
+    errors = {n: float((p.full_tensor() - q.detach()).abs().max() / q.detach().abs().max())
+              for (n, p), (_, q) in zip(params, plain)}
+    return dict(errors=errors, gathers=gathers[1:], plan=[(b.path, b.names) for b in opt.plan()],
+                warnings=[str(c.message) for c in caught if "gather" in str(c.message)])
 
 
 def replicated_slices() -> dict:
@@ -297,5 +313,5 @@ def gpt_fsdp_tp() -> dict:
 def everything() -> dict:
     """All the checks of one 4-rank launch."""
     return dict(pieces=pieces_match(), muon=train_tp("muon"), normuon=train_tp("normuon"),
-                layouts=layouts_gathers(), warnings=fallback_warning(), replicated=replicated_slices(),
+                layouts=layouts_gathers(), rowwise=rowwise_alone(), replicated=replicated_slices(),
                 gpt=gpt_fsdp_tp())

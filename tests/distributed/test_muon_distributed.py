@@ -106,16 +106,17 @@ def test_paths_taken_bytes_counted_and_momentum_on_owner_only(world_results):
         if world == 1:
             assert paths == {"local"}
             continue
-        assert {"owner", "gather_all"} <= paths and paths & {"local", "rebalance"}, paths
+        assert {"owner", "pieces"} <= paths and paths & {"local", "rebalance"}, paths
         if remainder == "all_to_all":
             assert "all_to_all" in paths and "agrs" not in paths, paths
         if remainder == "agrs":
             assert "agrs" in paths, paths
         assert ("rebalance" in paths) == (world >= 3), paths
-        # the fallback only where nothing else applies: a column shard; fused banks whose
-        # experts straddle ranks unevenly (3 ranks) gather each expert on one rank instead
-        fallback = {name for row in rows[0]["plan"] if row[0] == "gather_all" for name in row[1]}
-        assert fallback == {"cols"}, fallback
+        # nothing takes the padded full gather: the column shard goes to one owner in pieces; fused
+        # banks whose experts straddle ranks unevenly (3 ranks) gather each expert on one rank
+        assert "gather_all" not in paths, paths
+        pieced = {name for row in rows[0]["plan"] if row[0] == "pieces" for name in row[1]}
+        assert pieced == {"cols"}, pieced
         cut = {name for row in rows[0]["plan"] if row[0] == "blocks" for name in row[1]}
         assert cut == ({"fused_pair", "fused_eight"} if world == 3 else set()), cut
         assert ("subgroup" in paths) == (world == 4), paths

@@ -72,10 +72,16 @@ def test_no_full_gather_in_the_hot_step_on_any_layout(results):
 
 
 @pytest.mark.timeout(600)
-def test_the_padded_full_gather_warns_once_naming_the_parameter(results):
+def test_a_rowwise_weight_alone_takes_pieces_and_equals_one_process(results):
+    """One Shard(1) on a 1-D mesh (an empty column block among them) and beside a Replicate axis:
+    owner compute over the sharding axis, no full gather, no warning; within 1e-6 of one process."""
     for rank, res in results.items():
-        (message,) = res["warnings"]
-        assert "'rowwise.weight'" in message and "(Shard(dim=1),)" in message and "gather_all" in message, message
+        got = res["rowwise"]
+        assert sorted(name for path, names in got["plan"] if path == "pieces" for name in names) == \
+            ["alone", "replicated"], got["plan"]
+        assert got["gathers"] == [0] * (W.STEPS - 1) and got["warnings"] == [], got
+        for name, err in got["errors"].items():
+            assert err <= TOLERANCE, (rank, name, err)
 
 
 @pytest.mark.timeout(600)

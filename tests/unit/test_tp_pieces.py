@@ -37,6 +37,9 @@ CASES = [
     ((9, 4), (2, 2), (Shard(0), Shard(0))),
     # a split factor that is not the later axis' size: torch's arithmetic throughout
     ((12, 4), (2, 3), (_StridedShard(0, split_factor=2), Shard(1))),
+    # a row-wise Linear alone: one Shard(1) on a 1-D mesh (an empty column block), and beside a Replicate axis
+    ((6, 6), (4,), (Shard(1),)),
+    ((5, 7), (2, 2), (Replicate(), Shard(1))),
 ]
 
 
@@ -63,8 +66,8 @@ def test_pieces_agree_with_torch_and_cover_the_tensor_once(shape, mesh_shape, pl
         put(covered, piece, take(covered, piece) + 1)
     assert bool((covered == 1).all()), covered
     # empty pieces: one row per tp rank over 2 dp ranks; 3 (or 2) rows of a tp rank over 4 dp ranks;
-    # 4 columns over 3 ranks (whose rows are a strided set: two runs)
-    assert any(piece_numel(p) == 0 for p in pieces) == (shape in ((2, 6), (7, 9), (5, 3), (12, 4)))
+    # 4 columns over 3 ranks (whose rows are a strided set: two runs); 6 columns over 4 ranks
+    assert any(piece_numel(p) == 0 for p in pieces) == (shape in ((2, 6), (7, 9), (5, 3), (12, 4), (6, 6)))
 
 
 def _spec(i, name, shape, pieces, size):

@@ -1,8 +1,10 @@
-"""The ``gather_all`` fallback: any single Shard(dim) layout, by a padded all-gather.
+"""The ``gather_all`` path: a single-axis shard gathered whole on every rank, by a padded all-gather.
 
-Used only where no other path applies (a matrix sharded on a dim other than 0). Every rank pads its
-shard to the largest chunk, all-gathers, trims, orthogonalizes the WHOLE matrix (redundantly), and
-keeps its own slice. The plan reports it as a fallback so it is never taken silently.
+No placement takes it any more (a Shard(dim > 0) on one axis, a row-wise Linear alone, takes
+``pieces``: owner compute at the byte bound). It serves the planner's "redundant" strategy, the
+baseline every distributed Muon is measured against, which sends row-sharded matrices here. Every
+rank pads its shard to the largest chunk, all-gathers, trims, orthogonalizes the WHOLE matrix
+(redundantly), and keeps its own slice.
 """
 
 from __future__ import annotations

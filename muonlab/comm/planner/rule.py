@@ -251,7 +251,7 @@ class RulePlanner:
             self.batches.append(self.make(
                 "gather_all", [i], group, range(size), sent=sent, recv=recv,
                 flops=[self.flops_of(i) * spec.num_matrices] * size,
-                notes=f"fallback for Shard({spec.shard_dim}): padded all-gather, every rank computes it"))
+                notes=f"redundant, Shard({spec.shard_dim}): padded all-gather, every rank computes it"))
 
     # ------------------------------------------------------------------ pieces (tensor parallel x FSDP2)
 
