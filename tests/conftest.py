@@ -6,7 +6,10 @@ muonlab never picks the interpreter by itself (backend="auto" needs CUDA for Tri
 """
 
 import contextlib
+import json
 import os
+import resource
+import time
 
 import pytest
 import torch
@@ -59,3 +62,28 @@ def pytest_terminal_summary(terminalreporter):
     reasons = sorted({r.longrepr[2].removeprefix("Skipped: ") for r in skipped if isinstance(r.longrepr, tuple)})
     terminalreporter.write_sep("-", "browser tests not run")
     terminalreporter.write_line(f"{len(skipped)} test(s) in tests/browser skipped: {'; '.join(reasons)}")
+
+
+CPU_LOG_ENV = "MUONLAB_TEST_CPU_LOG"
+"""A file path: each test's CPU seconds (this process and the children it waited for) and wall
+seconds are appended to it as JSON lines, one per test, from every xdist worker. What `make test`'s
+time is spent on; processes that outlive their test (a warm pool) count where they end."""
+
+
+def _cpu_seconds() -> float:
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    log = os.environ.get(CPU_LOG_ENV)
+    if not log:
+        yield
+        return
+    cpu, wall = _cpu_seconds(), time.monotonic()
+    yield
+    line = json.dumps({"test": item.nodeid, "cpu_s": round(_cpu_seconds() - cpu, 2),
+                       "wall_s": round(time.monotonic() - wall, 2)})
+    with open(log, "a") as f:  # one short line per write: appends from several workers do not interleave
+        f.write(line + "\n")

@@ -42,8 +42,11 @@ def test_auto_never_picks_the_interpreter_on_cpu():
     assert pick_backend("auto", "cpu", (1, 2, 8), torch.float32, NSConfig(form="gram")) == "torch"
 
 
-@pytest.mark.parametrize("preset", ["keller", "polar_express"])
-@pytest.mark.parametrize("restarts, steps", [((2,), 5), ((), 5), ((0, 1, 2, 3), 5), ((2,), 1), ((2,), 3)])
+# the restart patterns on one schedule, the other schedule once: the kernels read a step's
+# coefficients as numbers, so the schedule changes no code path (some 7 s a case on the interpreter)
+@pytest.mark.parametrize("preset, restarts, steps", [
+    ("keller", (2,), 5), ("keller", (), 5), ("keller", (0, 1, 2, 3), 5), ("keller", (2,), 1), ("keller", (2,), 3),
+    ("polar_express", (2,), 5)])
 def test_triton_gram_form_equals_torch_gram_form_fp32(preset, restarts, steps):
     # the gram form's products on the Triton kernels (X X^T and b R + c R^2 on upper tiles only)
     # against the same iteration on bmm / baddbmm; wide, tall and batched
