@@ -219,8 +219,8 @@ def layouts_gathers() -> dict:
     return out
 
 
-def rowwise_alone() -> dict:
-    """A row-wise weight with no FSDP2: one Shard(1) on a 1-D mesh of 4 (6 columns: 2, 2, 2, 0) and
+def rowwise_alone(rule: str) -> dict:
+    """Muon with ``rule`` on a row-wise weight with no FSDP2: one Shard(1) on a 1-D mesh of 4 (6 columns: 2, 2, 2, 0) and
     beside a Replicate axis on the 2 x 2 mesh (7 columns: 4, 3), against one process over 3 steps
     from the same gradients; the paths, the full gathers in the hot steps, any warning."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -239,7 +239,7 @@ def rowwise_alone() -> dict:
     gathers = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        opt, ref = Muon(params, **HYPER), Muon(plain, **HYPER)
+        opt, ref = Muon(params, update_rule=rule, **HYPER), Muon(plain, update_rule=rule, **HYPER)
         for step in range(STEPS):
             for (n, p), (_, q) in zip(params, plain):
                 g = torch.randn(kinds[n][0], generator=torch.Generator().manual_seed(10 * step + len(n)))
@@ -250,6 +250,11 @@ def rowwise_alone() -> dict:
             ref.step()
     errors = {n: float((p.full_tensor() - q.detach()).abs().max() / q.detach().abs().max())
               for (n, p), (_, q) in zip(params, plain)}
+    if rule == "normuon":  # every row's second moment on every rank, as the one process has them
+        for (n, p), (_, q) in zip(params, plain):
+            want = ref.state[q]["row_variance"]
+            errors[f"{n} row_variance"] = float((local_shard(opt.state[p]["row_variance"]) - want).abs().max()
+                                                / want.abs().max())
     return dict(errors=errors, gathers=gathers[1:], plan=[(b.path, b.names) for b in opt.plan()],
                 warnings=[str(c.message) for c in caught if "gather" in str(c.message)])
 
@@ -313,5 +318,5 @@ def gpt_fsdp_tp() -> dict:
 def everything() -> dict:
     """All the checks of one 4-rank launch."""
     return dict(pieces=pieces_match(), muon=train_tp("muon"), normuon=train_tp("normuon"),
-                layouts=layouts_gathers(), rowwise=rowwise_alone(), replicated=replicated_slices(),
+                layouts=layouts_gathers(), rowwise={rule: rowwise_alone(rule) for rule in ("muon", "normuon")}, replicated=replicated_slices(),
                 gpt=gpt_fsdp_tp())

@@ -72,16 +72,19 @@ def test_no_full_gather_in_the_hot_step_on_any_layout(results):
 
 
 @pytest.mark.timeout(600)
-def test_a_rowwise_weight_alone_takes_pieces_and_equals_one_process(results):
+@pytest.mark.parametrize("rule", ["muon", "normuon"])
+def test_a_rowwise_weight_alone_takes_pieces_and_equals_one_process(results, rule):
     """One Shard(1) on a 1-D mesh (an empty column block among them) and beside a Replicate axis:
-    owner compute over the sharding axis, no full gather, no warning; within 1e-6 of one process."""
+    owner compute over the sharding axis, no full gather, no warning; within 1e-6 of one process
+    (NorMuon's row variances too)."""
     for rank, res in results.items():
-        got = res["rowwise"]
+        got = res["rowwise"][rule]
         assert sorted(name for path, names in got["plan"] if path == "pieces" for name in names) == \
             ["alone", "replicated"], got["plan"]
         assert got["gathers"] == [0] * (W.STEPS - 1) and got["warnings"] == [], got
+        assert len(got["errors"]) == (4 if rule == "normuon" else 2), got["errors"]
         for name, err in got["errors"].items():
-            assert err <= TOLERANCE, (rank, name, err)
+            assert err <= TOLERANCE, (rule, rank, name, err)
 
 
 @pytest.mark.timeout(600)
