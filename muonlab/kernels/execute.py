@@ -150,7 +150,6 @@ def _normalise_half_into(out: torch.Tensor, X: torch.Tensor, eps: float, scale: 
     return out.div_(divisor.to(X.dtype))
 
 
-
 def load_pieces(stack: torch.Tensor, pieces: list[torch.Tensor]) -> None:
     """Copy (and cast) the (k_i, A, B) pieces into consecutive matrices of ``stack``, in order."""
     torch._foreach_copy_(list(stack.split([p.shape[0] for p in pieces])), pieces)
@@ -159,7 +158,6 @@ def load_pieces(stack: torch.Tensor, pieces: list[torch.Tensor]) -> None:
 def store_pieces(stack: torch.Tensor, pieces: list[torch.Tensor]) -> None:
     """Copy (and cast) consecutive matrices of ``stack`` into the (k_i, A, B) pieces, in order."""
     torch._foreach_copy_(pieces, list(stack.split([p.shape[0] for p in pieces])))
-
 
 
 def joined(pieces: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -177,7 +175,6 @@ def joined(pieces: list[torch.Tensor]) -> list[torch.Tensor]:
         num += p.shape[0]
     rows, cols = first.shape[-2:]
     return [first.as_strided((num, rows, cols), (rows * cols, cols, 1))]
-
 
 
 def load_normalised(X: torch.Tensor, pieces: list[torch.Tensor], eps: float, scale: float) -> None:
