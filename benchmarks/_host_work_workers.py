@@ -33,7 +33,9 @@ MUONLAB_KINDS = {
     "muonlab-offload": dict(state_offload="cpu"),
     "muonlab-normuon": dict(update_rule="normuon"),
 }
-KINDS = [*MUONLAB_KINDS, "torch", "dion"]
+# on CUDA only: the whole step captured in one CUDA graph after its first step (lr a device tensor)
+CUDA_KINDS = {"muonlab-captured": dict(capture_after=1)}
+KINDS = [*MUONLAB_KINDS, *CUDA_KINDS, "torch", "dion"]
 WARMUP = 3
 
 
@@ -84,6 +86,9 @@ def count_step(step: Callable[[], None]) -> tuple[int, int, int, int]:
 def _optimizer(kind: str, named: list[tuple[str, torch.nn.Parameter]], mesh):
     if kind in MUONLAB_KINDS:
         return Muon(named, lr=LR, momentum=MOMENTUM, eps=EPS, **MUONLAB_KINDS[kind])
+    if kind in CUDA_KINDS:
+        lr = torch.tensor(LR, device=named[0][1].device)
+        return Muon(named, lr=lr, momentum=MOMENTUM, eps=EPS, **CUDA_KINDS[kind])
     params = [p for _, p in named]
     if kind == "torch":
         return torch.optim.Muon(params, lr=LR, momentum=MOMENTUM, eps=EPS)
@@ -94,10 +99,11 @@ def _optimizer(kind: str, named: list[tuple[str, torch.nn.Parameter]], mesh):
                adjust_lr="rms_norm", newton_schulz_func=keller_ns, use_polar_express=False)
 
 
-def host_work_worker(kinds: list[str], sizes: list[int]) -> dict:
+def host_work_worker(kinds: list[str], sizes: list[int], device: str = "cpu") -> dict:
     """Per kind and number of matrices, rank 0's (Python calls, aten ops) in a steady step after
-    ``WARMUP`` steps. One process: plain tensors; several: FSDP2-style Shard(0) DTensors on a 1-D
-    gloo mesh (torch.optim.Muon, single-device, only in one process)."""
+    ``WARMUP`` steps. One process: plain tensors on ``device``; several: FSDP2-style Shard(0)
+    DTensors on a 1-D gloo mesh (torch.optim.Muon, single-device, only in one process). The
+    CUDA-only kinds are left out elsewhere."""
     torch.set_num_threads(1)
     # Dion decorates its math with torch.compile(fullgraph=True): eager here, like muonlab
     os.environ["TORCHDYNAMO_DISABLE"] = "1"
@@ -109,13 +115,14 @@ def host_work_worker(kinds: list[str], sizes: list[int]) -> dict:
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=(MeshAxis.DP.value,))
     out: dict = {}
     for kind in kinds:
-        if kind == "torch" and world > 1:
+        if (kind == "torch" and world > 1) or (kind in CUDA_KINDS and device != "cuda"):
             continue
         for n in sizes:
             named, grads = [], []
             for seed, (name, shape) in enumerate(shapes(n)):
                 gen = torch.Generator().manual_seed(seed)
                 full, grad = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+                full, grad = full.to(device), grad.to(device)
                 if mesh is not None:
                     from torch.distributed.tensor import Shard, distribute_tensor
                     full, grad = distribute_tensor(full, mesh, [Shard(0)]), distribute_tensor(grad, mesh, [Shard(0)])
@@ -128,6 +135,8 @@ def host_work_worker(kinds: list[str], sizes: list[int]) -> dict:
                 p.grad = g
             for _ in range(WARMUP):
                 opt.step()
+            if device == "cuda":
+                torch.cuda.synchronize()
             if mesh is not None:
                 dist.barrier()
             out[(kind, n)] = count_step(opt.step)

@@ -1,6 +1,7 @@
 """Host work per steady optimizer step: Python calls and aten ops, counted, per added matrix.
 
     .venv/bin/python benchmarks/bench_host_work.py [--sizes 24 48 96] [--world 1 2] [--kinds K ...]
+    python3 benchmarks/bench_host_work.py --device cuda --world 1 --out $OUT/host_work_cuda.md   # on a GPU
 
 On a GPU the kernels of a step of small matrices are asynchronous and the host's work is the step,
 so host work is counted here (see benchmarks/_host_work_workers.py): in one steady step after three
@@ -55,8 +56,12 @@ def main(argv=None):
     ap.add_argument("--sizes", type=int, nargs="+", default=[24, 48, 96])
     ap.add_argument("--world", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--kinds", nargs="+", choices=KINDS, default=KINDS)
-    ap.add_argument("--out", default=None, help="default: results/host_work.md")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="where one process's tensors live (cuda: --world 1 only, adds muonlab-captured)")
+    ap.add_argument("--out", default=None, help="default: results/host_work.md (cuda: results/host_work_cuda.md)")
     args = ap.parse_args(argv)
+    if args.device == "cuda" and args.world != [1]:
+        ap.error("--device cuda: --world 1 only (the distributed rows run on gloo)")
     if any(n % 4 for n in args.sizes) or len(set(args.sizes)) < 2:
         ap.error("--sizes: at least two different multiples of 4 (4 matrices per layer)")
     os.environ["TORCHDYNAMO_DISABLE"] = "1"
@@ -69,23 +74,25 @@ def main(argv=None):
     sections = []
     for world in args.world:
         if world == 1:
-            counts = host_work_worker(kinds, args.sizes)
+            counts = host_work_worker(kinds, args.sizes, args.device)
         else:
             counts = launch(host_work_worker, world, kinds, args.sizes, device="cpu", timeout_s=900)[0]
         dion = {n: counts[("dion", n)] for n in args.sizes} if ("dion", args.sizes[0]) in counts else None
         header, rows = rows_for(counts, kinds, sorted(args.sizes), dion)
-        where = "one process" if world == 1 else f"rank 0 of {world} gloo ranks (FSDP2 Shard(0))"
+        where = (f"one process ({args.device})" if world == 1
+                 else f"rank 0 of {world} gloo ranks (FSDP2 Shard(0))")
         print(f"\n{where}\n" + text_table(header, rows), flush=True)
         sections.append(f"## {where[0].upper()}{where[1:]}\n\n" + md_table(header, rows))
     body = "\n\n".join([
         "Python calls (`sys.setprofile` call events) and aten ops (a `TorchDispatchMode`), each counted in a steady step of "
         "rank 0, after 3 warm-up steps, on GPT-2-small's hidden matrices at 1/8 scale; see the script's docstring. "
         "muonlab kinds: the defaults, `nonfinite_decision=\"device\"`, `state_offload=\"cpu\"`, "
-        "`update_rule=\"normuon\"`. Goal (issue 40): at most 5 Python calls per added matrix and at most 1.2x "
+        "`update_rule=\"normuon\"`; on CUDA also `capture_after=1` with a device-tensor lr (the replayed graph). Goal (issue 40): at most 5 Python calls per added matrix and at most 1.2x "
         "Dion's calls at 96 matrices, one process and rank 0 of 2. The files walked: the muonlab modules whose functions "
         "the step called at the largest size (in brackets, those in kernels/); goal: at most 12 (3).",
         *sections, *notes])
-    write_report(args.out or results_path("host_work"), "Host work per optimizer step: Python calls and aten ops",
+    default_out = "host_work" if args.device == "cpu" else "host_work_cuda"
+    write_report(args.out or results_path(default_out), "Host work per optimizer step: Python calls and aten ops",
                  body, script=__file__, argv=argv,
                  machine_note=f"Load average {load_before} before, {load()} after (counts do not depend on it).")
 

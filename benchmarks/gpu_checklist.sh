@@ -1,61 +1,101 @@
 #!/usr/bin/env bash
-# The checks that need a GPU, in stages that each fit one 10-minute command on a lent GPU machine
-# (python3 with torch + CUDA, triton, pytest; no ipywidgets or nbval: those tests skip).
-# Run from the repository root, one stage per call:
+# Everything that needs a GPU, in one call of about 8 minutes on a lent GPU machine (python3 with
+# torch + CUDA, triton, pytest, pytest-xdist; no Jupyter packages). From the repository root:
 #
-#   bash benchmarks/gpu_checklist.sh tests    # versions; kernel tests from a cold Triton cache
-#                                             # (timed: the goal is < 2 min); unit tests with the
-#                                             # CUDA-only ones (GPU spans vs torch.profiler); the
-#                                             # worker modes on one GPU over NCCL
-#   bash benchmarks/gpu_checklist.sh step     # benchmarks/bench_gpu_step.py (the GPU table, Dion eager and
-#                                             # under its CudaGraphOptimizer, the first-step table)
-#   bash benchmarks/gpu_checklist.sh triton   # benchmarks/bench_newton_schulz_triton.py
+#   bash benchmarks/gpu_checklist.sh            # all stages below, in order
+#   bash benchmarks/gpu_checklist.sh STAGE...   # only those (a rerun of what failed)
 #
-# Dion's rows need benchmarks/_peers/dion, which is gitignored and which the GPU machine cannot fetch
-# (no mirror there): run `PYTHONPATH=. python benchmarks/bench_peers.py --fetch-only` here first, and
-# name benchmarks/_peers in the device call's carry list; without it the rows are skipped with a line
-# saying so.
+# Stages:
+#   tests      the CUDA tests (kernels from a cold Triton cache, unit tests with the CUDA-only ones:
+#              whole-step graph, host synchronisation, variants, offload; worker modes over NCCL), on
+#              4 xdist workers; beside them, on the CPU cores, the notebooks under strict nbval when
+#              the wheels of nbval, ipykernel and ipywidgets were carried in .whl/ (see below)
+#   spans      GPU spans against torch.profiler (alone: other processes' kernels would inflate them)
+#   step       benchmarks/bench_gpu_step.py per set: the step table (defaults, device decision,
+#              whole step captured, plain/gram x torch/Triton, torch.optim.Muon, Dion eager and under
+#              its CudaGraphOptimizer, peak memory) and the first step
+#   host       benchmarks/bench_host_work.py --device cuda: Python calls and aten ops per step
+#   plan       benchmarks/bench_plan_vs_run.py --device cuda: the cost model against the step's spans
 #
-# Logs and results go to $OUT (the device tool's folder that comes back; ./gpu_out elsewhere), a
-# few files per stage. A stage goes on past a failing step, so one call shows everything.
+# The device call carries benchmarks/_peers (Dion, gitignored; `bench_peers.py --fetch-only` here
+# first), data/cache (the notebooks' corpus) and .whl (the notebooks' packages for python3.12:
+# README "On a GPU" says how they are downloaded). Missing ones skip their rows with a line saying so.
+#
+# Everything comes back in two files under $OUT (./gpu_out elsewhere): summary.txt (versions, each
+# stage's rc and seconds, the result tables) and logs.tar.gz (every log and report).
 set -uo pipefail
 out=${OUT:-gpu_out}
+work=$(mktemp -d)
 mkdir -p "$out"
-export PYTHONPATH=$PWD
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TORCHDYNAMO_DISABLE=1
 PY=${PY:-python3}
+summary=$out/summary.txt
 
-timed() {  # timed NAME SECONDS CMD...: the command's output and its wall time in $out/NAME.log
+timed() {  # timed NAME SECONDS CMD...: the command's output in $work/NAME.log, its rc and wall time in the summary
     local name=$1 limit=$2
     shift 2
     local t0=$SECONDS
-    timeout "$limit" "$@" >"$out/$name.log" 2>&1
+    timeout -k 10 "$limit" "$@" >"$work/$name.log" 2>&1
     local rc=$?
-    echo "== $name: rc $rc, $((SECONDS - t0)) s: $*" | tee -a "$out/$name.log" >>"$out/summary.txt"
+    { echo "== $name: rc $rc, $((SECONDS - t0)) s: $*"; tail -n 4 "$work/$name.log" | sed 's/^/   | /'; } >>"$summary"
 }
 
-case ${1:-} in
-tests)
-    { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-      $PY -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
-    } >"$out/summary.txt" 2>&1
-    # kernels first, on a cold cache: their wall time is the cold-start figure
+stage_tests() {
+    local nb_pid=""
+    if ls .whl/*.whl >/dev/null 2>&1; then
+        # the notebooks on the CPU cores while the CUDA tests hold the GPU
+        (
+            $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$work/site" \
+                .whl/*.whl >"$work/wheels.log" 2>&1 || { echo "== notebooks: wheels did not install" >>"$summary"; exit; }
+            PYTHONPATH=$PWD:$work/site CI=1 OMP_NUM_THREADS=2 timed notebooks 200 $PY -m pytest -q -p no:cacheprovider \
+                -n 6 --dist loadscope --nbval --nbval-sanitize-with notebooks/nbval_sanitize.cfg notebooks
+        ) &
+        nb_pid=$!
+    else
+        echo "== notebooks: no .whl/ carried (nbval, ipykernel, ipywidgets): not run" >>"$summary"
+    fi
     rm -rf ~/.triton/cache
-    timed kernels 300 $PY -m pytest -q -p no:cacheprovider -rs --durations=15 tests/kernels
-    timed unit 240 $PY -m pytest -q -p no:cacheprovider -rs -s tests/unit
-    timed workers 120 $PY -m pytest -q -p no:cacheprovider -rs tests/distributed/test_workers_cuda.py \
-        tests/distributed/test_device.py
-    ;;
-step)
-    timed step 570 $PY benchmarks/bench_gpu_step.py --repeats 8
-    cp benchmarks/results/gpu_step.md "$out/"
-    ;;
-triton)
-    timed triton 570 $PY benchmarks/bench_newton_schulz_triton.py
-    cp benchmarks/results/newton_schulz_triton.md "$out/"
-    ;;
-*)
-    echo "usage: bash benchmarks/gpu_checklist.sh tests|step|triton" >&2
-    exit 2
-    ;;
-esac
-cat "$out/summary.txt"
+    timed cuda_tests 200 $PY -m pytest -q -p no:cacheprovider -n 4 -rs --durations=15 \
+        tests/kernels tests/unit tests/distributed/test_workers_cuda.py tests/distributed/test_device.py \
+        --ignore=tests/unit/test_gpu_spans.py
+    [ -n "$nb_pid" ] && wait "$nb_pid"
+}
+
+stage_spans() {
+    timed spans 60 $PY -m pytest -q -p no:cacheprovider -rs tests/unit/test_gpu_spans.py
+}
+
+stage_step() {
+    timed step_gpt2 100 $PY benchmarks/bench_gpu_step.py --sets gpt2 --first-step-sets gpt2 --repeats 10 \
+        --out "$work/gpu_step_gpt2.md"
+    timed step_1b 150 $PY benchmarks/bench_gpu_step.py --sets 1b --first-step-sets 1b --repeats 6 \
+        --out "$work/gpu_step_1b.md"
+}
+
+stage_host() {
+    timed host 45 $PY benchmarks/bench_host_work.py --device cuda --world 1 --out "$work/host_work_cuda.md"
+}
+
+stage_plan() {
+    if [ -f benchmarks/bench_plan_vs_run.py ]; then
+        timed plan 45 $PY benchmarks/bench_plan_vs_run.py --device cuda --out "$work/plan_vs_run_cuda.md"
+    else
+        echo "== plan: benchmarks/bench_plan_vs_run.py is not in this tree: not run" >>"$summary"
+    fi
+}
+
+{ date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  $PY -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
+  nproc; } >"$summary" 2>&1
+stages=("$@")
+[ ${#stages[@]} -eq 0 ] && stages=(tests spans step host plan)
+for s in "${stages[@]}"; do
+    case $s in
+    tests | spans | step | host | plan) "stage_$s" ;;
+    *) echo "unknown stage '$s' (tests, spans, step, host, plan)" >&2; exit 2 ;;
+    esac
+done
+# the result tables into the summary, everything into one archive
+for f in "$work"/*.md; do [ -f "$f" ] && { echo; echo "### $(basename "$f")"; sed -n '/^|/p' "$f"; } >>"$summary"; done
+tar -czf "$out/logs.tar.gz" -C "$work" --exclude=site .
+cat "$summary"
