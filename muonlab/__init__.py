@@ -4,6 +4,7 @@ import importlib
 
 from .kernels import PRESETS, NSConfig, newton_schulz, ns_flops
 from .optim import Muon, RoutingWarning, attention_blocks, muon_param_groups
+from .comm.calibration import calibrate  # a HardwareProfile measured here: muonlab.calibrate()
 from . import runs  # run records: muonlab.runs.list(), load(name)
 from .train import History, compare_optimizers, make_optimizer, train
 
@@ -27,6 +28,7 @@ __all__ = [
     "Muon",
     "RoutingWarning",
     "attention_blocks",
+    "calibrate",
     "compare_optimizers",
     "launch",
     "make_optimizer",

@@ -26,6 +26,13 @@ from .records import BatchPlan, group_rank_maps
 from .specs import GroupKey
 
 
+PHASES = ("momentum", "comm", "newton_schulz", "update", "rule")
+"""The phases of a batch the model prices (``predict_phases``), in the order a step runs them."""
+HOST_PHASES = ("momentum", "newton_schulz", "update", "between")
+"""Phases with a host cost (``HardwareProfile.host_s``); "between": a batch's host work outside its
+phases' spans (taking its inputs, stacking, packing for its path), priced in the step alone."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class HardwareProfile:
     """Link and compute rates of one rank."""
@@ -44,6 +51,18 @@ class HardwareProfile:
     """Dense matmul rate (FLOP/s) in the Newton-Schulz dtype."""
     source: str = ""
     """Where the numbers come from."""
+    date: str = ""
+    """When they were measured (ISO 8601; empty for datasheet figures)."""
+    mem_bw: float = 10e9
+    """Bytes/s of the elementwise phases (momentum, update) on one rank."""
+    matmul_rates: tuple[tuple[str, str, float], ...] = ()
+    """Measured matmul rates ``(dtype, shape class, FLOP/s)`` (``shape_class``); a pair not listed
+    falls back to ``matmul_flops``."""
+    host_s: tuple[tuple[str, float, float], ...] = ()
+    """Host cost of each phase of a batch, ``(phase, seconds per batch, seconds per matrix)``
+    (dispatching its tensor operations: what a phase of small matrices costs); none listed: 0."""
+    host_s_per_call: float = 0.0
+    """Host cost of issuing one collective call, beyond ``latency_s``."""
 
     def __post_init__(self):
         # a zero rate divided by later, a negative latency gave negative modelled seconds
@@ -56,6 +75,16 @@ class HardwareProfile:
                 raise ValueError(f"HardwareProfile {self.name!r}: {field} must be > 0, got {value!r}")
         if self.latency_s < 0:
             raise ValueError(f"HardwareProfile {self.name!r}: latency_s must be >= 0, got {self.latency_s!r}")
+        for field, value in (("mem_bw", self.mem_bw), *((f"matmul_rates[{d}, {c}]", r) for d, c, r in self.matmul_rates)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or not math.isfinite(value):
+                raise ValueError(f"HardwareProfile {self.name!r}: {field} must be a finite number > 0, got {value!r}")
+        for field, value in (("host_s_per_call", self.host_s_per_call),
+                             *((f"host_s[{p}]", v) for p, *vs in self.host_s for v in vs)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 or not math.isfinite(value):
+                raise ValueError(f"HardwareProfile {self.name!r}: {field} must be a finite number >= 0, got {value!r}")
+        unknown = sorted({p for p, *_ in self.host_s} - set(HOST_PHASES))
+        if unknown:
+            raise ValueError(f"HardwareProfile {self.name!r}: host_s names phases {unknown}; they are {list(HOST_PHASES)}")
         if isinstance(self.ranks_per_node, bool) or not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1:
             raise ValueError(f"HardwareProfile {self.name!r}: ranks_per_node must be an int >= 1, "
                              f"got {self.ranks_per_node!r}")
@@ -67,15 +96,18 @@ PROFILES = {
     # datasheet). Latency ~15 us per NCCL collective is an order of magnitude, not a measurement.
     "h100_node": HardwareProfile(
         name="h100_node", intra_bw=450e9, inter_bw=50e9, ranks_per_node=8, latency_s=15e-6,
-        matmul_flops=989e12 * 0.6,
-        source="H100 SXM datasheet: NVLink4 450 GB/s/direction, NDR IB 50 GB/s, 989 TFLOP/s bf16 (x0.6 achievable)",
+        matmul_flops=989e12 * 0.6, mem_bw=3.35e12 * 0.7,
+        source="H100 SXM datasheet: NVLink4 450 GB/s/direction, NDR IB 50 GB/s, 989 TFLOP/s bf16 (x0.6 achievable), "
+               "HBM3 3.35 TB/s (x0.7 achievable)",
     ),
     # This project's 2-core CPU machines with gloo over loopback, measured by
     # benchmarks/bench_planner.py --measure (see benchmarks/results/planner.md).
     "cpu_gloo": HardwareProfile(
         name="cpu_gloo", intra_bw=1.0e9, inter_bw=1.0e9, ranks_per_node=64, latency_s=200e-6,
         matmul_flops=40e9,
-        source="measured on the 2-core CPU machine: gloo all_to_all_single bf16 ~1 GB/s, bf16 matmul ~40 GFLOP/s",
+        source="measured on the 2-core CPU machine: gloo all_to_all_single bf16 ~1 GB/s, bf16 matmul ~40 GFLOP/s "
+               "(elementwise 10 GB/s and no host cost: orders of magnitude, not measurements; muonlab.calibrate "
+               "measures all of them)",
     ),
 }
 
@@ -198,27 +230,150 @@ def step_seconds(plan: Iterable[BatchPlan], profile: HardwareProfile) -> float:
         arrive(i) = max over ranks of done_r(i-2) + out(i)
         done_r(i) = max(done_r(i-1), arrive(i)) + compute_r(i)
     and the step ends when the last rank is done and the last way back has landed, but never
-    before the links could carry all of the bytes.
+    before the links could carry all of the bytes. Compute here is Newton-Schulz alone (what the
+    planner trades against bytes); ``predict_phases`` replays every phase.
     """
     batches = list(plan)
     if not batches:
         return 0.0
     index = group_rank_maps(batches)
     world = max((max(m) + 1 for m in index.values() if m), default=1)
+    return _replay(batches, profile, index, world, lambda b: [f / profile.matmul_flops for f in b.flops])[0]
+
+
+def _replay(batches: list[BatchPlan], profile: HardwareProfile, index: dict, world: int, work_of,
+            comm_of=None) -> tuple[float, list[list[float]]]:
+    """``step_seconds``'s pipeline with each batch's per group-local rank compute ``work_of(batch)``
+    and communication ``comm_of(batch)`` (default ``comm_seconds``): (the step's end, per batch
+    the seconds each global rank waited for the batch's data, the exposed communication)."""
     done = [[0.0] * world, [0.0] * world]  # done after batch i-2, after batch i-1
     total_comm = 0.0
     last_back = 0.0
+    waits = []
     for b in batches:
-        comm = comm_seconds(b, profile)
+        comm = comm_seconds(b, profile) if comm_of is None else comm_of(b)
         total_comm += comm
         share = PATHS[b.path].out_share
         arrive = max(done[0]) + share * comm
         local = index[b.group]
         # each group-local rank's compute once, then per global rank (thousands in a simulation)
-        per_local = [f / profile.matmul_flops for f in b.flops]
+        per_local = work_of(b)
         work = [per_local[r] if r is not None and r < len(per_local) else 0.0 for r in map(local.get, range(world))]
+        waits.append([max(0.0, arrive - d) for d in done[1]])
         now = [max(d, arrive) + w for d, w in zip(done[1], work)]
         done = [done[1], now]
         last_back = (1 - share) * comm
-    return max(max(done[1]) + last_back, total_comm)
+    if waits:  # the last way back is waited for after everything else
+        waits[-1] = [w + last_back for w in waits[-1]]
+    return max(max(done[1]) + last_back, total_comm), waits
 
+
+# ---------------------------------------------------------------- every phase of a batch
+
+MOMENTUM_PASSES = 5
+"""fp32 passes over a rank's elements in the momentum (read gradient and buffer, write the buffer,
+read it again and write the Nesterov output)."""
+UPDATE_PASSES = 3
+"""Passes in the update (read the parameter and the orthogonalized matrix, write the parameter)."""
+SHAPE_CLASSES = ((64, "small"), (512, "medium"), (math.inf, "large"))
+"""A matrix's class by its smaller side: at most 64, at most 512, larger (matmul rates differ by
+an order of magnitude between them, kernel launches dominating the small ones)."""
+
+
+def shape_class(shape: tuple[int, int]) -> str:
+    """``SHAPE_CLASSES``'s name for a matrix of this shape."""
+    side = min(shape)
+    return next(name for bound, name in SHAPE_CLASSES if side <= bound)
+
+
+def matmul_rate(profile: HardwareProfile, dtype: str | None, shape: tuple[int, int]) -> float:
+    """FLOP/s of Newton-Schulz on ``shape`` in ``dtype`` ("float32", "bfloat16", ...): the measured
+    rate where the profile has one (``matmul_rates``), else ``matmul_flops``."""
+    cls = shape_class(shape)
+    for d, c, rate in profile.matmul_rates:
+        if d == dtype and c == cls:
+            return rate
+    return profile.matmul_flops
+
+
+def host_seconds(profile: HardwareProfile, phase: str, num_matrices: int) -> float:
+    """The profile's host cost of ``phase`` on a batch of ``num_matrices`` matrices (``host_s``)."""
+    for p, per_batch, per_matrix in profile.host_s:
+        if p == phase:
+            return per_batch + per_matrix * num_matrices
+    return 0.0
+
+
+def held_elements(batch: BatchPlan, rank: int) -> tuple[int, int]:
+    """(elements, matrices) of the batch's parameters that group-local ``rank`` holds (what its
+    momentum and update touch)."""
+    shapes = batch.param_shapes or ((batch.num_matrices, *batch.matrix_shape),)
+    mat = math.prod(batch.matrix_shape)
+    if batch.group is None or batch.group.size <= 1:
+        n = sum(math.prod(s) for s in shapes)
+    elif batch.rows and rank < len(batch.rows):
+        n = sum(batch.rows[rank] * math.prod(s) // max(1, s[batch.shard_dim]) for s in shapes if len(s) > batch.shard_dim)
+    elif batch.sources:
+        n = mat * sum(src.count(rank) for src in batch.sources)
+    else:
+        n = sum(math.prod(s) for s in shapes) // batch.group.size
+    return n, -(-n // mat) if mat else 0
+
+
+def predict_phases(plan: Iterable[BatchPlan], profile: HardwareProfile, rank: int = 0,
+                   ns_dtypes: dict[int, str] | None = None) -> list[dict]:
+    """The model's seconds of every phase of each batch on global ``rank``: one dict per batch with
+    ``batch``, ``path``, ``momentum``, ``comm`` (its path's collectives: ``comm_seconds`` without the
+    rule's, plus ``host_s_per_call`` per collective), ``newton_schulz``, ``update``, ``rule`` (the
+    update rule's all-reduce, ``rule_seconds``), ``exposed_comm`` (what the engine's pipeline leaves
+    of the communication uncovered on this rank: ``step_seconds``'s replay with every phase as
+    compute) and ``step`` (that replay's end, the same in every row). Phases are 0.0 where the
+    batch has none on this rank. ``ns_dtypes``: batch index -> the Newton-Schulz dtype that runs
+    (``Muon.resolved_choices()``), for the profile's measured rates; default ``matmul_flops``."""
+    batches = list(plan)
+    if not batches:
+        return []
+    ns_dtypes = ns_dtypes or {}
+    index = group_rank_maps(batches)
+    world = max((max(m) + 1 for m in index.values() if m), default=1)
+    if not 0 <= rank < world:
+        raise ValueError(f"rank={rank} is outside the plan's ranks 0..{world - 1}")
+
+    def comm_of(b: BatchPlan) -> float:
+        paths = _paths_seconds(b, profile)
+        calls = PATHS[b.path].collectives if paths and b.pays_latency else 0
+        return paths + calls * profile.host_s_per_call
+
+    def phases_of(b: BatchPlan, r: int | None) -> dict:
+        if r is None:  # not in the batch's group
+            return dict.fromkeys(PHASES, 0.0)
+        elems, mats = held_elements(b, r)
+        flops = b.flops[r] if r < len(b.flops) else 0
+        shape = b.matrix_shape
+        out = dict(momentum=0.0, comm=comm_of(b), newton_schulz=0.0, update=0.0, rule=rule_seconds(b, profile))
+        if elems:
+            out["momentum"] = host_seconds(profile, "momentum", mats) + MOMENTUM_PASSES * 4 * elems / profile.mem_bw
+            out["update"] = host_seconds(profile, "update", mats) + UPDATE_PASSES * 4 * elems / profile.mem_bw
+        if flops:
+            per_matrix = sum(b.flops) / max(1, b.num_matrices)  # every matrix orthogonalized once
+            owned = max(1, round(flops / per_matrix))
+            out["newton_schulz"] = (host_seconds(profile, "newton_schulz", owned)
+                                    + flops / matmul_rate(profile, ns_dtypes.get(b.index), shape))
+        return out
+
+    # per batch (by identity: the replay hands batches back) and group-local rank
+    per_batch = {id(b): {r: phases_of(b, r) for r in set(index[b.group].values())} for b in batches}
+
+    def work_of(b: BatchPlan) -> list[float]:
+        ph = per_batch[id(b)]
+        between = host_seconds(profile, "between", b.num_matrices)
+        return [ph[r]["momentum"] + ph[r]["newton_schulz"] + ph[r]["update"] + between if r in ph else 0.0
+                for r in range(max(ph) + 1)]
+
+    step, waits = _replay(batches, profile, index, world, work_of, comm_of=lambda b: comm_of(b) + rule_seconds(b, profile))
+    rows = []
+    for i, b in enumerate(batches):
+        local = index[b.group].get(rank)
+        phases = per_batch[id(b)][local] if local is not None else phases_of(b, None)
+        rows.append(dict(batch=b.index, path=b.path, **phases, exposed_comm=waits[i][rank], step=step))
+    return rows

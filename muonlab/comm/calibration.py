@@ -1,0 +1,267 @@
+"""Measure a ``HardwareProfile`` on the machine it runs on, and keep it in a JSON file.
+
+``calibrate()`` times what the cost model (``muonlab.comm.cost``) prices, with muonlab's own step
+wherever it can, so the figures carry the host work the model's terms stand for:
+
+- host cost per batch and per matrix of each phase (momentum, Newton-Schulz, update): Muon steps on
+  tiny matrices in batches of 1, 4 and 12, read from the step's spans, a line fitted per phase;
+- Newton-Schulz rate per dtype and shape class (``cost.SHAPE_CLASSES``): Muon steps on a stack of
+  each class, the batch's planned FLOPs over its span less the host cost above;
+- elementwise bandwidth (momentum and update): the largest stack's spans less their host cost;
+- over a process group of two or more ranks: ``all_to_all_single`` at several sizes, a line fitted
+  to the slowest rank's medians (latency, bandwidth), and the host cost of issuing one call.
+  Without one, the links come from the shipped profile of this device's kind (named in ``source``).
+
+Every rank of a group measures its own device, then takes the group's slowest figure of each (one
+all-reduce), so every rank holds the same profile and plans alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import math
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ..kernels.newton_schulz import cpu_has_native_bf16
+from .collectives import dist_on
+from .cost import MOMENTUM_PASSES, PROFILES, UPDATE_PASSES, HardwareProfile, shape_class
+
+__all__ = ["calibrate", "load_profile", "save_profile"]
+
+_COMPUTE = ("momentum", "newton_schulz", "update")
+_HOST_SHAPES = ((8, 8, 1), (8, 12, 4), (8, 16, 12))
+"""(rows, cols, matrices): tiny batches of 1, 4 and 12 matrices (no shape the transpose of another: each is a batch of its own)."""
+
+
+def _class_shapes(device: torch.device) -> list[tuple[int, int, int]]:
+    """A stack per shape class, sized to take a few tens of milliseconds a step here."""
+    large = (2048, 2048, 4) if device.type == "cuda" else (544, 544, 1)
+    return [(48, 48, 16), (256, 256, 4), large]
+
+
+def _linear_fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least squares ``y = a + b x``: (a, b)."""
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
+    return my - b * mx, b
+
+
+def _muon_spans(shapes, device: torch.device, ns_dtype, group, steps: int) -> tuple[list, dict, list[dict]]:
+    """Step a local Muon on random matrices of ``shapes``; (plan, {batch: dtype}, per step {batch:
+    {phase: seconds}}, per step its span) over the last ``steps`` steps (the first two build the
+    plan and warm up)."""
+    from ..optim import Muon
+    from ..trace.plan_vs_run import measured_phases
+    from ..trace.steps import StepRecorder
+
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(r, c, generator=gen).to(device))
+              for r, c, n in shapes for _ in range(n)]
+    opt = Muon(params, lr=1e-3, ns_dtype=getattr(torch, ns_dtype), process_group=group)
+    rec = StepRecorder(opt, keep=steps)
+    for _ in range(2 + steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen).to(device)
+        opt.step()
+    per_step, spanned = measured_phases(rec.spans(), rank=rec.spans()[0].rank)
+    return opt.plan(), {c["batch"]: c["dtype"] for c in opt.resolved_choices()}, per_step, spanned
+
+
+def _median_phase(per_step: list[dict], batch: int, phase: str) -> float:
+    return statistics.median(s.get(batch, {}).get(phase, 0.0) for s in per_step)
+
+
+def _device_figures(device: torch.device, group, steps: int) -> dict:
+    """Host costs, Newton-Schulz rates and elementwise bandwidth of this rank's device."""
+    # tiny steps (a few milliseconds): three times as many, as host time is the noisier figure
+    plan, _, per_step, spanned = _muon_spans(_HOST_SHAPES, device, "float32", group, 3 * steps)
+    host = []
+    xs = [b.num_matrices for b in plan]
+    for phase in ("momentum", "newton_schulz", "update"):
+        a, b = _linear_fit(xs, [_median_phase(per_step, b.index, phase) for b in plan])
+        host.append((phase, max(0.0, a), max(0.0, b)))
+    # what the step's span holds beyond its phases, shared out per batch
+    outside = statistics.median(total - sum(t for ph in s.values() for p, t in ph.items() if p in _COMPUTE)
+                                for s, total in zip(per_step, spanned))
+    host.append(("between", max(0.0, outside / len(plan)), 0.0))
+    host_of = {p: (a, b) for p, a, b in host}
+
+    def host_s(phase: str, n: int) -> float:
+        a, b = host_of[phase]
+        return a + b * n
+
+    # bf16 where it can be chosen (ns_dtype="auto": a GPU, or a CPU with native bf16 matmul); emulated
+    # bf16 runs at a tenth of fp32's rate, which would take most of the time and price nothing run
+    dtypes = ["float32"] + (["bfloat16"] if device.type == "cuda" or cpu_has_native_bf16() else [])
+    rates, bw = [], []
+    for dtype in dtypes:
+        plan, ran, per_step, _ = _muon_spans(_class_shapes(device), device, dtype, group, steps)
+        for b in plan:
+            ns = _median_phase(per_step, b.index, "newton_schulz") - host_s("newton_schulz", b.num_matrices)
+            if ns > 0 and ran.get(b.index) == dtype:
+                rates.append((dtype, shape_class(b.matrix_shape), sum(b.flops) / ns))
+            if dtype == "float32" and shape_class(b.matrix_shape) == "large":
+                elems = b.num_matrices * math.prod(b.matrix_shape)
+                t = sum(_median_phase(per_step, b.index, p) - host_s(p, b.num_matrices) for p in ("momentum", "update"))
+                if t > 0:
+                    bw.append((MOMENTUM_PASSES + UPDATE_PASSES) * 4 * elems / t)
+    return dict(host=host, rates=rates, mem_bw=bw[0] if bw else None)
+
+
+def _link_figures(group, device: torch.device, reps: int) -> dict:
+    """all_to_all_single over ``group`` at several sizes: latency, bandwidth and host cost per call
+    from the slowest rank's medians."""
+    world = dist.get_world_size(group)
+    sizes = [world * 256, world * 65536, world * 1048576]  # bf16 elements in, per rank
+    times = []
+    for numel in sizes:
+        send = torch.ones(numel, dtype=torch.bfloat16, device=device)
+        recv = torch.empty_like(send)
+        samples = []
+        for _ in range(reps + 1):  # the first call warms the connection up
+            dist.barrier(group=group)
+            t0 = time.perf_counter()
+            dist.all_to_all_single(recv, send, group=group)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            samples.append(time.perf_counter() - t0)
+        times.append(statistics.median(samples[1:]))
+    issue = []
+    tiny = torch.ones(world, dtype=torch.bfloat16, device=device)
+    out = torch.empty_like(tiny)
+    for _ in range(reps):
+        dist.barrier(group=group)
+        t0 = time.perf_counter()
+        work = dist.all_to_all_single(out, tiny, group=group, async_op=True)
+        issue.append(time.perf_counter() - t0)
+        work.wait()
+    slowest = _max_over(group, [*times, statistics.median(issue)])
+    times, per_call = slowest[:-1], slowest[-1]
+    sent = [2 * n * (world - 1) / world for n in sizes]  # bytes leaving a rank (bf16)
+    latency, per_byte = _linear_fit(sent, times)
+    return dict(latency_s=max(0.0, latency - per_call), bw=1 / per_byte if per_byte > 0 else None,
+                host_s_per_call=per_call, world=world, points=list(zip(sizes, times)))
+
+
+def _max_over(group, values: list[float]) -> list[float]:
+    """Each value's maximum over the group's ranks (NCCL reduces CUDA tensors, gloo CPU ones)."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t.tolist()
+
+
+def _agree(figures: dict, group) -> dict:
+    """Every rank's slowest figure of each (seconds up, rates down), so all ranks plan alike."""
+    host = figures["host"]
+    rates = sorted(figures["rates"])
+    vec = [v for _, a, b in host for v in (a, b)] + [1 / r for *_, r in rates] + [1 / (figures["mem_bw"] or math.inf)]
+    sizes = _max_over(group, [len(vec), -len(vec)])
+    if sizes != [len(vec), -len(vec)]:
+        raise RuntimeError(f"ranks measured {-sizes[1]} to {sizes[0]} figures: their devices differ, so no "
+                           "one profile describes the group")
+    vals = _max_over(group, vec)
+    host = [(p, vals[2 * i], vals[2 * i + 1]) for i, (p, _, _) in enumerate(host)]
+    k = 2 * len(host)
+    rates = [(d, c, 1 / vals[k + i]) for i, (d, c, _) in enumerate(rates)]
+    inv_bw = vals[-1]
+    return dict(host=host, rates=rates, mem_bw=1 / inv_bw if inv_bw > 0 else None)
+
+
+def calibrate(process_group=None, *, device: torch.device | str | None = None, steps: int = 5,
+              name: str | None = None) -> HardwareProfile:
+    """A ``HardwareProfile`` measured here (see the module docstring); a few seconds.
+
+    ``process_group``: the group whose collectives to measure (collective: every rank of it
+    calls); None: the default group where torch.distributed is up with two or more ranks, else no
+    links are measured. ``device``: where to measure (default: this rank's device, as muonlab's
+    workers choose it). ``steps``: timed Muon steps per measurement."""
+    from ..distributed.device import rank_device
+
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be an int >= 1, got {steps!r}")
+    if process_group is not None:
+        if not dist_on():
+            raise ValueError("process_group was given but torch.distributed is not initialized: "
+                             "call dist.init_process_group first (or pass process_group=None)")
+        if process_group is dist.GroupMember.NON_GROUP_MEMBER or (
+                isinstance(process_group, dist.ProcessGroup) and dist.get_rank(process_group) < 0):
+            raise ValueError(f"process_group does not hold this rank (global rank {dist.get_rank()}): "
+                             "calibrate is called by the members of the group it measures")
+        if not isinstance(process_group, dist.ProcessGroup):
+            raise TypeError(f"process_group must be a torch.distributed ProcessGroup or None, "
+                            f"got {type(process_group).__name__}")
+    group = process_group
+    if group is None and dist_on() and dist.get_world_size() > 1:
+        group = dist.group.WORLD
+    device = torch.device(device) if device is not None else rank_device()
+    on_group = group is not None and dist.get_world_size(group) > 1
+    # the device part runs on this rank alone: a group of one makes Muon's plan local
+    alone = dist.new_group([dist.get_rank()], use_local_synchronization=True) if dist_on() else None
+    figures = _device_figures(device, alone, steps)
+    if on_group:
+        figures = _agree(figures, group)
+    base = PROFILES["h100_node" if device.type == "cuda" else "cpu_gloo"]
+    fields = dict(matmul_flops=max((r for *_, r in figures["rates"]), default=base.matmul_flops),
+                  matmul_rates=tuple(sorted(figures["rates"])), host_s=tuple(figures["host"]),
+                  mem_bw=figures["mem_bw"] or base.mem_bw)
+    what = (f"Muon steps on {device.type} (host cost per phase, Newton-Schulz rate per dtype and shape "
+            f"class, elementwise bandwidth)")
+    if on_group:
+        links = _link_figures(group, device, reps=max(3, steps))
+        world = links["world"]
+        bw = links["bw"] or base.intra_bw
+        fields.update(intra_bw=bw, inter_bw=bw, ranks_per_node=world, latency_s=links["latency_s"],
+                      host_s_per_call=links["host_s_per_call"])
+        what += (f"; {dist.get_backend(group)} all_to_all_single over {world} ranks on one node "
+                 f"(latency and bandwidth fitted at {len(links['points'])} sizes, slowest rank)")
+    else:
+        fields.update(intra_bw=base.intra_bw, inter_bw=base.inter_bw, ranks_per_node=base.ranks_per_node,
+                      latency_s=base.latency_s)
+        what += f"; links from the shipped profile {base.name!r} (no group of two or more ranks to measure)"
+    now = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat()
+    return HardwareProfile(name=name or f"calibrated_{device.type}", source=f"muonlab.calibrate: {what}",
+                           date=now, **fields)
+
+
+# ---------------------------------------------------------------- files
+
+def save_profile(profile: HardwareProfile, path: str | Path) -> None:
+    """``profile`` as JSON at ``path``."""
+    if not isinstance(profile, HardwareProfile):
+        raise TypeError(f"profile must be a HardwareProfile, got {type(profile).__name__}")
+    text = json.dumps(dataclasses.asdict(profile), indent=1, allow_nan=False)
+    Path(path).write_text(text + "\n")
+
+
+def load_profile(path: str | Path) -> HardwareProfile:
+    """The ``HardwareProfile`` saved at ``path`` (``save_profile``); a ValueError names the file and
+    what is wrong with it (not JSON, fields missing or unknown, a value out of range)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"hardware profile file {str(path)!r} is not JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"hardware profile file {str(path)!r} holds a {type(data).__name__}, not an object of fields")
+    known = {f.name: f for f in dataclasses.fields(HardwareProfile)}
+    unknown = sorted(set(data) - set(known))
+    missing = sorted(n for n, f in known.items() if n not in data and f.default is dataclasses.MISSING)
+    if unknown or missing:
+        raise ValueError(f"hardware profile file {str(path)!r}: fields {missing} missing, {unknown} unknown "
+                         f"(a HardwareProfile has {sorted(known)})")
+    try:
+        # JSON has lists where the profile keeps tuples (hashable, frozen)
+        for key in ("matmul_rates", "host_s"):
+            if key in data:
+                data[key] = tuple(tuple(row) for row in data[key])
+        return HardwareProfile(**data)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"hardware profile file {str(path)!r}: {e}") from None
