@@ -3,8 +3,9 @@
 Every mesh axis name is a member of :class:`MeshAxis`, the one place they are spelled. A 1-D mesh
 has the axis ``MeshAxis.DP`` (plain FSDP or DDP); a 2-D mesh has the axes ``(MeshAxis.REPLICATE,
 MeshAxis.SHARD)`` (HSDP: FSDP within a shard group, replicas across); the expert-parallel mesh
-(:func:`muonlab.distributed.build_ep_mesh`) has ``(MeshAxis.FSDP, MeshAxis.EP)``. Code asks for an
-axis by name through :func:`mesh_axis_group`, never by position.
+(:func:`muonlab.distributed.build_ep_mesh`) has ``(MeshAxis.FSDP, MeshAxis.EP)``; the tensor-parallel
+mesh (``build_mesh(tp=T)``) ``(MeshAxis.DP, MeshAxis.TP)``. Code asks for an axis by name through
+:func:`mesh_axis_group`, never by position.
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ class MeshAxis(str, Enum):
     """The outer axis of the expert-parallel mesh: ranks holding the same experts, sharded."""
     EP = "ep"
     """The inner axis of the expert-parallel mesh: ranks holding different experts."""
+    TP = "tp"
+    """The inner axis of the tensor-parallel mesh (``build_mesh(tp=T)``, after ``DP``): ranks holding
+    different columns or rows of the same weights, fed the same batch."""
 
     __str__ = str.__str__
     __format__ = str.__format__
@@ -70,6 +74,7 @@ def build_mesh(
     *,
     replicate: int = 1,
     shard: int | None = None,
+    tp: int | None = None,
     device_type: str | None = None,
 ) -> DeviceMesh:
     """Build a mesh over all ranks of the default process group.
@@ -78,6 +83,8 @@ def build_mesh(
     ``build_mesh(replicate=R, shard=S)``: 2-D (R x S), axes ``(MeshAxis.REPLICATE, MeshAxis.SHARD)``;
     ranks that differ only in their shard coordinate are consecutive. ``shard`` defaults to
     ``world_size // replicate``.
+    ``build_mesh(tp=T)``: 2-D (world_size / T x T), axes ``(MeshAxis.DP, MeshAxis.TP)``; the ranks of
+    one TP group are consecutive (on a GPU node, inside it).
 
     ``device_type``: default this rank's device type (:func:`muonlab.distributed.device.rank_device`:
     "cuda" for a CUDA rank, else "cpu"). Every rank must call this with the same arguments (it
@@ -85,7 +92,8 @@ def build_mesh(
 
     Raises:
         ValueError: sizes that are not whole numbers >= 1 (ints or numpy ints), ``dp`` together with
-            ``replicate``/``shard``, or sizes whose product is not the world size.
+            ``replicate``/``shard``, ``tp`` together with any other size, ``tp`` not dividing the world
+            size, or sizes whose product is not the world size.
     """
     if not dist_on():
         raise RuntimeError("build_mesh needs an initialised default process group (see launch())")
@@ -94,8 +102,18 @@ def build_mesh(
     dp = None if dp is None else _check_size("dp", dp)
     replicate = _check_size("replicate", replicate)
     shard = None if shard is None else _check_size("shard", shard)
+    tp = None if tp is None else _check_size("tp", tp)
     if device_type is None:
         device_type = _default_device_type()
+
+    if tp is not None:
+        if dp is not None or replicate != 1 or shard is not None:
+            raise ValueError(f"pass tp alone (the data-parallel size is world size / tp), got tp={tp} with "
+                             f"dp={dp}, replicate={replicate}, shard={shard}")
+        if world_size % tp:
+            raise ValueError(f"tp={tp} does not divide the world size {world_size}")
+        return match_default_timeout(init_device_mesh(
+            device_type, (world_size // tp, tp), mesh_dim_names=(MeshAxis.DP.value, MeshAxis.TP.value)))
 
     if shard is None and replicate == 1:
         num_dp = world_size if dp is None else dp

@@ -255,38 +255,97 @@ def apply_ddp(
     return DistributedDataParallel(model, process_group=process_group)
 
 
-def default_tp_plan(model: nn.Module) -> dict:
-    """{module name: ColwiseParallel or RowwiseParallel} for the nn.Linear modules of ``model``
-    whose last name is in ``COLWISE_NAMES`` / ``ROWWISE_NAMES``. In muonlab's GPT that is its MLPs:
-    its attention's fused qkv (rows q | k | v) stays whole over the TP axis, since a column-wise
-    split would give a rank the queries of every head and no keys."""
+def default_tp_plan(model: nn.Module, tp: int | None = None) -> dict:
+    """{module name: ParallelStyle}: the TP plan of a model muonlab knows, {} for any other.
+
+    * muonlab's GPT: each MLP's fc column-wise and out row-wise; each attention's proj row-wise from
+      a replicated input (each TP rank multiplies its block of the heads' outputs, one all-reduce
+      after). Its fused qkv (rows q | k | v) stays whole over the TP axis: the attention splits the
+      qkv output into q, k and v by the model's full width, so a column block (a contiguous run of
+      rows: all of q and part of k on rank 0 of 2) would give a rank queries without their keys,
+      and the interleaved placement that would keep each rank's q, k and v heads together
+      (``_StridedShard(0, 3)``) is not one FSDP2 shards back correctly (its ``full_tensor()`` after
+      ``fully_shard`` is not the weight: checked with torch 2.13).
+    * Anything else: its nn.Linear modules whose last name is in ``COLWISE_NAMES`` (column-wise) or
+      ``ROWWISE_NAMES`` (row-wise): a Llama/Qwen/Mistral-style decoder's q/k/v/gate/up and o/down.
+      Each rank then holds whole heads, as the attention reads them (view(..., -1, head_dim)), when
+      ``tp`` divides the query and the key/value heads; given ``tp``, that is checked.
+
+    Raises:
+        ValueError: ``tp`` does not divide an attention's query or key/value heads, naming it.
+    """
+    from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from ..models.gpt import GPT, Attention
+    from ..optim.heads import _head_dim, _separate_projections
 
     plan = {}
     for name, module in model.named_modules():
+        prefix = f"{name}." if name else ""
         last = name.rsplit(".", 1)[-1]
-        if isinstance(module, nn.Linear) and last in COLWISE_NAMES:
+        if isinstance(module, Attention) and isinstance(model, GPT):
+            plan[f"{prefix}proj"] = RowwiseParallel(input_layouts=Replicate())
+        elif isinstance(module, nn.Linear) and last in COLWISE_NAMES:
             plan[name] = ColwiseParallel()
         elif isinstance(module, nn.Linear) and last in ROWWISE_NAMES:
             plan[name] = RowwiseParallel()
+        elif tp is not None and (projections := _separate_projections(module)):
+            d = _head_dim(module)
+            heads = [getattr(module, proj).weight.shape[0] // d for proj in projections]
+            if any(h % tp for h in heads):
+                raise ValueError(f"tp={tp} must divide the heads of attention {name!r} ({heads[0]} query, "
+                                 f"{heads[1]} key/value heads): a TP rank holds whole heads")
     return plan
 
 
 def apply_tp(model: nn.Module, mesh: DeviceMesh, parallelize_plan: dict | None = None) -> nn.Module:
     """Tensor parallelism over the 1-D ``mesh`` (a TP axis, ``mesh["tp"]``): torch's
     ``parallelize_module`` with ``parallelize_plan`` (default :func:`default_tp_plan`). The ranks
-    of ``mesh`` must be fed the same inputs."""
+    of ``mesh`` must be fed the same inputs.
+
+    Raises:
+        ValueError: ``mesh`` is not 1-D; no ``parallelize_plan`` and no default plan for ``model``
+            (naming its type); the default plan's head checks (:func:`default_tp_plan`).
+    """
     check_model(model, "apply_tp")
     check_mesh(mesh, "apply_tp")
     if mesh.ndim != 1:
         raise ValueError(f"apply_tp needs a 1-D mesh (the TP axis), got shape {tuple(mesh.shape)}")
-    plan = default_tp_plan(model) if parallelize_plan is None else parallelize_plan
+    plan = default_tp_plan(model, mesh.size()) if parallelize_plan is None else parallelize_plan
     if not plan:
-        raise ValueError(f"apply_tp found no Linear module named in {COLWISE_NAMES + ROWWISE_NAMES} in "
-                         f"{type(model).__name__}; pass parallelize_plan={{module name: ParallelStyle}}")
+        raise ValueError(f"no TP plan known for {type(model).__name__} (muonlab's GPT, or nn.Linear modules named "
+                         f"{COLWISE_NAMES + ROWWISE_NAMES}); pass parallelize_plan={{module name: ParallelStyle}}")
     from torch.distributed.tensor.parallel import parallelize_module
 
     return parallelize_module(model, mesh, plan)
+
+
+def _tp_mesh_of(model: nn.Module) -> DeviceMesh | None:
+    """The mesh of a model that tensor parallelism and FSDP2 have both sharded already (torchtitan's
+    style: a parameter on a mesh of 2+ dims, an FSDP module), None for a plain model.
+
+    Raises:
+        ValueError: a model distributed in part (DTensor parameters but no FSDP module, or FSDP
+            without a 2-D parameter), naming the parameter or module.
+    """
+    from torch.distributed.tensor import DTensor
+
+    sharded = fsdp_module_in(model)
+    dtensors = [(n, p) for n, p in model.named_parameters() if isinstance(p, DTensor)]
+    multi = next(((n, p) for n, p in dtensors if p.device_mesh.ndim >= 2), None)
+    if sharded is not None and multi is not None:
+        return multi[1].device_mesh
+    if sharded is not None:
+        raise ValueError(f"parallelize(mode 'fsdp+tp') got a model that is already FSDP-sharded ({sharded!r} is an "
+                         f"FSDP module) with no parameter on a 2-D mesh; pass the full model, or one with TP and "
+                         f"FSDP2 both applied")
+    if dtensors:
+        name, p = dtensors[0]
+        raise ValueError(f"parallelize(mode 'fsdp+tp') got a model with DTensor parameter {name!r} (placements "
+                         f"{tuple(p.placements)}) and no FSDP module; pass the full model, or one with TP and FSDP2 "
+                         f"both applied")
+    return None
 
 
 class Parallelized(NamedTuple):
@@ -324,6 +383,7 @@ def parallelize(
     min_unit_params: int | None = None,
     reshard_after_forward: bool | None = None,
     mp_policy: MixedPrecisionPolicy | None = None,
+    tp: int | None = None,
     tp_axis: str | None = None,
     parallelize_plan: dict | None = None,
 ) -> Parallelized:
@@ -338,10 +398,12 @@ def parallelize(
     * "ep": :func:`apply_ep` on a (``MeshAxis.FSDP``, ``MeshAxis.EP``) mesh, default
       ``build_ep_mesh(ep)``; ``model`` must be the MoE GPT, built from the same seed on every rank;
     * "fsdp+tp": :func:`apply_tp` over ``mesh[tp_axis]`` (``parallelize_plan``, default
-      :func:`default_tp_plan`), then :func:`apply_fsdp` over the mesh's other axis. ``mesh`` (2-D,
-      e.g. ``init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))``) and ``tp_axis``
-      must be given; the ranks of one TP group must be fed the same batch. Muon takes the weights
-      TP and FSDP2 leave sharded on both axes as they are (layout "pieces").
+      :func:`default_tp_plan`: muonlab's GPT, a Llama/Qwen-style decoder), then :func:`apply_fsdp`
+      over the mesh's other axis. The mesh: ``tp=T`` builds ``build_mesh(tp=T)`` (world size / T x T,
+      axes ``MeshAxis.DP``, ``MeshAxis.TP``), or pass a 2-D ``mesh`` (``tp_axis`` default
+      ``MeshAxis.TP``). The ranks of one TP group must be fed the same batch. A model that TP and
+      FSDP2 have already sharded (torchtitan's style) is returned as it is, on its parameters' mesh.
+      Muon takes the weights TP and FSDP2 leave sharded on both axes as they are (layout "pieces").
 
     Every argument is checked first (the default mesh is built then, which checks ``ep``); only
     then is a model on the CPU moved to this rank's device (``cuda:LOCAL_RANK`` for a CUDA rank;
@@ -364,8 +426,10 @@ def parallelize(
     Raises:
         TypeError: ``model`` is not an nn.Module, or ``mesh`` not a DeviceMesh, naming its type.
         ValueError: an unknown mode, an option the mode does not read, a model that is already
-            parallelized (wrapped in DDP, or FSDP-sharded anywhere, e.g. by a previous call), or a
-            mesh of the wrong dimension for the mode (apply_ddp and apply_ep check theirs too), each
+            parallelized (wrapped in DDP, or FSDP-sharded anywhere, e.g. by a previous call; in
+            "fsdp+tp" one that TP and FSDP2 have both sharded passes), a mesh of the wrong dimension
+            for the mode (apply_ddp and apply_ep check theirs too), ``tp`` not dividing the world size
+            or a model's heads, or a model with no known TP plan and no ``parallelize_plan``, each
             naming the value.
         TypeError: ``model.<block_attr>`` is not an nn.ModuleList or nn.Sequential ("fsdp", "hsdp"; an
             nn.ModuleList in "ep"), saying what to pass.
@@ -380,7 +444,7 @@ def parallelize(
     for name, value in (("mp_policy", mp_policy), ("min_unit_params", min_unit_params)):
         if value is not None and mode not in ("fsdp", "hsdp"):
             raise ValueError(f"{name} is read in 'fsdp' and 'hsdp' modes only, got mode {mode!r}")
-    for name, value in (("tp_axis", tp_axis), ("parallelize_plan", parallelize_plan)):
+    for name, value in (("tp", tp), ("tp_axis", tp_axis), ("parallelize_plan", parallelize_plan)):
         if value is not None and mode != "fsdp+tp":
             raise ValueError(f"{name} is read in 'fsdp+tp' mode only, got mode {mode!r}")
     if mode == "ddp":
@@ -388,6 +452,8 @@ def parallelize(
             if value is not None:
                 raise ValueError(f"{name} is read in 'fsdp', 'hsdp' and 'ep' modes only, got {name}={value!r} "
                                  f"with mode 'ddp'")
+    if mode == "fsdp+tp":
+        return _parallelize_tp(model, mesh, tp, tp_axis, parallelize_plan, block_attr, reshard_after_forward)
     _check_not_parallelized(model, mode)
     if block_attr is None:
         block_attr = "blocks" if mode == "ep" else AUTO
@@ -395,16 +461,6 @@ def parallelize(
 
     # The mesh (given, or the default one) is checked before the model moves: a refused call leaves
     # the caller's model where it was.
-    if mode == "fsdp+tp":
-        names = tuple(mesh.mesh_dim_names or ()) if mesh is not None else ()
-        if mesh is None or mesh.ndim != 2 or tp_axis not in names:
-            raise ValueError(f"mode 'fsdp+tp' needs a 2-D mesh with named axes and tp_axis naming one of them, "
-                             f"got tp_axis={tp_axis!r} and axes {list(names)}")
-        dp_axis = names[1 - names.index(tp_axis)]
-        model = apply_tp(to_rank_device(model), mesh[tp_axis], parallelize_plan)
-        units = fsdp_units(model, block_attr, min_unit_params=MIN_UNIT_PARAMS)
-        model = _shard(model, units, mesh[dp_axis], reshard_after_forward=reshard_after_forward, mp_policy=None)
-        return Parallelized(model, model, mesh)
     if mode in ("fsdp", "hsdp"):
         if mesh is None:
             if mode == "hsdp":
@@ -439,4 +495,51 @@ def parallelize(
                          f"of shape {tuple(mesh.shape)})")
     check_ep(model, mesh, block_attr=block_attr)
     model = apply_ep(to_rank_device(model), mesh, block_attr=block_attr, reshard_after_forward=reshard_after_forward)
+    return Parallelized(model, model, mesh)
+
+
+def _parallelize_tp(model: nn.Module, mesh: DeviceMesh | None, tp, tp_axis: str | None, parallelize_plan: dict | None,
+                    block_attr: str | None, reshard_after_forward: bool | None) -> Parallelized:
+    """:func:`parallelize`'s "fsdp+tp" mode (its arguments already checked against the mode)."""
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    from .mesh import MeshAxis
+
+    if isinstance(model, DistributedDataParallel):
+        raise ValueError("parallelize(mode 'fsdp+tp') got a model that is already wrapped in DistributedDataParallel; "
+                         "pass the full model (its .module, or a fresh one)")
+    done = _tp_mesh_of(model)
+    if done is not None:  # torchtitan's style: TP and FSDP2 applied by the caller
+        given = [n for n, v in (("mesh", mesh), ("tp", tp), ("tp_axis", tp_axis), ("parallelize_plan", parallelize_plan),
+                                ("block_attr", block_attr)) if v is not None]
+        if given:
+            raise ValueError(f"parallelize(mode 'fsdp+tp') got a model that TP and FSDP2 have already sharded (on a "
+                             f"mesh of shape {tuple(done.shape)}): it passes as it is, so {given[0]} is not read")
+        return Parallelized(model, model, done)
+    if parallelize_plan is not None and not (isinstance(parallelize_plan, dict) and all(
+            isinstance(k, str) and isinstance(v, ParallelStyle) for k, v in parallelize_plan.items())):
+        raise TypeError(f"parallelize_plan must be a dict {{module name: ParallelStyle}}, got {parallelize_plan!r}")
+    if mesh is None:
+        if tp is None:
+            raise ValueError("mode 'fsdp+tp' needs tp (the tensor-parallel size) or a 2-D mesh and tp_axis")
+        if tp_axis is not None:
+            raise ValueError(f"tp_axis names an axis of a given mesh; with tp={tp!r} the mesh's TP axis is "
+                             f"{MeshAxis.TP.value!r}, got tp_axis={tp_axis!r}")
+        mesh = build_mesh(tp=tp)  # checks tp: a whole number dividing the world size
+    elif tp is not None:
+        raise ValueError(f"pass either tp or mesh in mode 'fsdp+tp', not both (got tp={tp!r} and a mesh of shape "
+                         f"{tuple(mesh.shape)})")
+    names = tuple(mesh.mesh_dim_names or ())
+    tp_axis = MeshAxis.TP.value if tp_axis is None else tp_axis
+    if mesh.ndim != 2 or tp_axis not in names:
+        raise ValueError(f"mode 'fsdp+tp' needs a 2-D mesh with named axes and tp_axis naming one of them, "
+                         f"got tp_axis={tp_axis!r} and axes {list(names)}")
+    dp_axis = names[1 - names.index(tp_axis)]
+    if parallelize_plan is None and not default_tp_plan(model, mesh[tp_axis].size()):
+        raise ValueError(f"no TP plan known for {type(model).__name__} (muonlab's GPT, or nn.Linear modules named "
+                         f"{COLWISE_NAMES + ROWWISE_NAMES}); pass parallelize_plan={{module name: ParallelStyle}}")
+    model = apply_tp(to_rank_device(model), mesh[tp_axis], parallelize_plan)
+    units = fsdp_units(model, AUTO if block_attr is None else block_attr, min_unit_params=MIN_UNIT_PARAMS)
+    model = _shard(model, units, mesh[dp_axis], reshard_after_forward=True if reshard_after_forward is None
+                   else reshard_after_forward, mp_policy=None)
     return Parallelized(model, model, mesh)

@@ -289,34 +289,153 @@ def replicated_slices() -> dict:
     return dict(errors=errors, slices=group.axis_slices(), paths=sorted({b.path for b in opt.plan()}))
 
 
+def _llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)  # the same random weights on every rank
+    return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, head_dim=4,
+                                        max_position_embeddings=16))
+
+
+def _against_one_process(make, loss, batches, **parallel) -> dict:
+    """``make()`` under ``parallelize(model, "fsdp+tp", **parallel)`` and a plain copy, each stepped
+    by Muon on the same batches (fed to every rank): the relative displacement, the placements, the
+    plan's paths."""
+    from muonlab.distributed import parallelize
+
+    from ._common import cloned, rel_displacement
+
+    model, plain = make(), make()
+    start = cloned(plain.named_parameters())
+    model, inner, mesh = parallelize(model, "fsdp+tp", **parallel)
+    opt, ref = Muon(muon_param_groups(inner), **HYPER), Muon(muon_param_groups(plain), **HYPER)
+    for x in batches:
+        for m, o in ((model, opt), (plain, ref)):
+            loss(m, x).backward()
+            o.step()
+            o.zero_grad()
+    got = {n: p.full_tensor().detach() for n, p in inner.named_parameters()}
+    return dict(displacement=rel_displacement(got, cloned(plain.named_parameters()), start),
+                placements={n: str(tuple(p.placements)) for n, p in inner.named_parameters()},
+                paths=sorted({b.path for b in opt.plan()}), mesh=(tuple(mesh.mesh_dim_names), tuple(mesh.shape)))
+
+
 def gpt_fsdp_tp() -> dict:
     """muonlab's GPT under ``parallelize(model, "fsdp+tp", mesh, tp_axis="tp")`` on a 2 x 2 mesh and
     a plain copy, each stepped by Muon on the same token batches (fed to every rank)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from muonlab.distributed import parallelize
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    return _against_one_process(lambda: build_gpt(**SMALL_GPT), lambda m, x: m(x, x),
+                                token_batches(9, 1, SMALL_GPT["context"], STEPS), mesh=mesh, tp_axis="tp")
 
-    from ._common import cloned, rel_displacement
+
+def fsdp_tp_default_mesh() -> dict:
+    """``parallelize(model, "fsdp+tp", tp=2)``: the mesh made by muonlab, on a tiny Hugging Face Llama
+    (GQA: 4 query, 2 key/value heads) and muonlab's GPT; a model TP and FSDP2 already sharded passes as
+    it is; the refusals that need a process group."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from muonlab.distributed import build_mesh, parallelize
+    from muonlab.distributed.parallelize import default_tp_plan
 
     torch.set_num_threads(1)
-    model, plain = build_gpt(**SMALL_GPT), build_gpt(**SMALL_GPT)
-    start = cloned(plain.named_parameters())
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    model, inner, _ = parallelize(model, "fsdp+tp", mesh, tp_axis="tp")
-    opt, ref = Muon(muon_param_groups(inner), **HYPER), Muon(muon_param_groups(plain), **HYPER)
-    for x in token_batches(9, 1, SMALL_GPT["context"], STEPS):
-        for m, o in ((model, opt), (plain, ref)):
-            m(x, x).backward()
-            o.step()
-            o.zero_grad()
-    got = {n: p.full_tensor().detach() for n, p in inner.named_parameters()}
-    return dict(displacement=rel_displacement(got, cloned(plain.named_parameters()), start),
-                placements={n: str(tuple(p.placements)) for n, p in inner.named_parameters() if "mlp" in n},
-                paths=sorted({b.path for b in opt.plan()}))
+    batches = [torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(s)) for s in range(STEPS)]
+    out = dict(llama=_against_one_process(_llama, lambda m, x: m(input_ids=x, labels=x).loss, batches, tp=2),
+               gpt=_against_one_process(lambda: build_gpt(**SMALL_GPT), lambda m, x: m(x, x),
+                                        token_batches(9, 1, SMALL_GPT["context"], STEPS), tp=2))
+    # torchtitan's style: the caller applied TP and FSDP2; parallelize hands the model back as it is
+    mesh = build_mesh(tp=2)
+    model = _llama()
+    parallelize_module(model, mesh["tp"], default_tp_plan(model, 2))
+    fully_shard(model, mesh=mesh["dp"])
+    before = {n: (str(tuple(p.placements)), p.to_local().clone()) for n, p in model.named_parameters()}
+    again, inner, got_mesh = parallelize(model, "fsdp+tp")
+    out["passed"] = dict(same=again is model and inner is model and all(
+        str(tuple(p.placements)) == before[n][0] and torch.equal(p.to_local(), before[n][1])
+        for n, p in model.named_parameters()), mesh=(tuple(got_mesh.mesh_dim_names), got_mesh.mesh.tolist()))
+    errors = {}
+    for what, call in (("tp=3", lambda: parallelize(_llama(), "fsdp+tp", tp=3)),
+                       ("no plan", lambda: parallelize(torch.nn.Sequential(torch.nn.Linear(4, 4)), "fsdp+tp", tp=2)),
+                       ("heads", lambda: parallelize(_llama(), "fsdp+tp", tp=4)),
+                       ("again with tp", lambda: parallelize(model, "fsdp+tp", tp=2))):
+        try:
+            call()
+            errors[what] = None
+        except ValueError as e:
+            errors[what] = str(e)
+    out["errors"] = errors
+    return out
 
 
-def everything() -> dict:
-    """All the checks of one 4-rank launch."""
+def checkpoint_across_tp(folder: str) -> dict:
+    """DCP across TP sizes: muonlab's GPT on (dp 2, tp 2) after 2 Muon steps saved, loaded on (dp 4,
+    tp 1), saved again and loaded back on (dp 2, tp 2): every parameter and every Muon state tensor,
+    read whole, equal bit for bit to the first model's at each load; one more step from each load
+    equals the step the first model takes."""
+    import os
+
+    from muonlab import checkpoint
+    from muonlab.distributed import parallelize
+
+    torch.set_num_threads(1)
+    batches = token_batches(11, 1, SMALL_GPT["context"], 3)
+
+    def run(tp, steps=()):
+        model, inner, _ = parallelize(build_gpt(**SMALL_GPT), "fsdp+tp", tp=tp)
+        opt = Muon(muon_param_groups(inner), **HYPER)
+        for x in steps:
+            model(x, x).backward()
+            opt.step()
+            opt.zero_grad()
+        return model, opt
+
+    def whole(model, opt):
+        out = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
+        params = dict(model.named_parameters())
+        for n, p in params.items():
+            for key, t in opt.state.get(p, {}).items():
+                if torch.is_tensor(t) and t.ndim:
+                    out[f"{n}.{key}"] = t.full_tensor().clone() if hasattr(t, "full_tensor") else t.clone()
+        return out
+
+    def one_more(model, opt):
+        model(batches[2], batches[2]).backward()
+        opt.step()
+        return {n: p.full_tensor().clone() for n, p in model.named_parameters()}
+
+    first, first_opt = run(2, batches[:2])
+    saved = whole(first, first_opt)
+    checkpoint.save(os.path.join(folder, "tp2"), first, first_opt, step=2)
+    wide, wide_opt = run(1)
+    step_wide = checkpoint.load(os.path.join(folder, "tp2"), wide, wide_opt)
+    on_wide = whole(wide, wide_opt)
+    checkpoint.save(os.path.join(folder, "tp1"), wide, wide_opt, step=step_wide)
+    back, back_opt = run(2)
+    step_back = checkpoint.load(os.path.join(folder, "tp1"), back, back_opt)
+    on_back = whole(back, back_opt)
+    want = one_more(first, first_opt)
+
+    def diffs(got):
+        return {k: (None if k not in got else float((got[k] - v).abs().max()) if v.numel() else 0.0)
+                for k, v in saved.items()}
+
+    def step_diff(got):
+        return max(float((got[n] - w).abs().max()) for n, w in want.items())
+
+    return dict(steps=(step_wide, step_back), keys=len(saved), extra=sorted(set(on_wide) - set(saved)),
+                wide=diffs(on_wide), back=diffs(on_back), state_keys=sorted({k.rsplit(".", 1)[-1] for k in saved if
+                                                                             k.endswith(("momentum_buffer", "momentum"))}),
+                placements={n: (str(tuple(p.placements)), str(tuple(q.placements))) for (n, p), (_, q) in
+                            zip(first.named_parameters(), wide.named_parameters()) if "mlp" in n},
+                next_wide=step_diff(one_more(wide, wide_opt)), next_back=step_diff(one_more(back, back_opt)))
+
+
+def everything(folder: str) -> dict:
+    """All the checks of one 4-rank launch (``folder``: shared by the ranks, for the checkpoints)."""
     return dict(pieces=pieces_match(), muon=train_tp("muon"), normuon=train_tp("normuon"),
                 layouts=layouts_gathers(), rowwise={rule: rowwise_alone(rule) for rule in ("muon", "normuon")}, replicated=replicated_slices(),
-                gpt=gpt_fsdp_tp())
+                gpt=gpt_fsdp_tp(), default_mesh=fsdp_tp_default_mesh(), checkpoint=checkpoint_across_tp(folder))

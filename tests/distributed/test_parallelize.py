@@ -33,7 +33,7 @@ def reference_losses():
 
 
 def test_mesh_axis_is_its_string():
-    assert [a.value for a in MeshAxis] == ["dp", "replicate", "shard", "fsdp", "ep"]
+    assert [a.value for a in MeshAxis] == ["dp", "replicate", "shard", "fsdp", "ep", "tp"]
     assert MeshAxis.EP == "ep" and isinstance(MeshAxis.FSDP, str)
     assert str(MeshAxis.SHARD) == "shard" and f"{MeshAxis.DP}" == "dp"
     assert {"ep": 1}[MeshAxis.EP] == 1 and MeshAxis("fsdp") is MeshAxis.FSDP

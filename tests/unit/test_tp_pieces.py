@@ -137,9 +137,10 @@ def test_parallelize_fsdp_tp_refuses_what_it_cannot_place():
 
     gpt = GPT(GPTConfig(d_model=8, n_layers=2, n_heads=2, context=4))
     assert {n: type(s).__name__ for n, s in default_tp_plan(gpt).items()} == {
+        "blocks.0.attn.proj": "RowwiseParallel", "blocks.1.attn.proj": "RowwiseParallel",
         "blocks.0.mlp.fc": "ColwiseParallel", "blocks.0.mlp.out": "RowwiseParallel",
         "blocks.1.mlp.fc": "ColwiseParallel", "blocks.1.mlp.out": "RowwiseParallel"}
-    with pytest.raises(ValueError, match="'fsdp\\+tp' needs a 2-D mesh .* tp_axis=None"):
+    with pytest.raises(ValueError, match="'fsdp\\+tp' needs tp .* or a 2-D mesh"):
         parallelize(gpt, "fsdp+tp")
     with pytest.raises(ValueError, match="tp_axis is read in 'fsdp\\+tp' mode only"):
         parallelize(gpt, "fsdp", tp_axis="tp")
