@@ -230,42 +230,31 @@ def step_seconds(plan: Iterable[BatchPlan], profile: HardwareProfile) -> float:
         arrive(i) = max over ranks of done_r(i-2) + out(i)
         done_r(i) = max(done_r(i-1), arrive(i)) + compute_r(i)
     and the step ends when the last rank is done and the last way back has landed, but never
-    before the links could carry all of the bytes. Compute here is Newton-Schulz alone (what the
-    planner trades against bytes); ``predict_phases`` replays every phase.
+    before the links could carry all of the bytes. Newton-Schulz is the only compute here: the
+    planner's view, which trades bytes against FLOPs; ``predict_phases`` replays every phase of the
+    engine's schedule.
     """
     batches = list(plan)
     if not batches:
         return 0.0
     index = group_rank_maps(batches)
     world = max((max(m) + 1 for m in index.values() if m), default=1)
-    return _replay(batches, profile, index, world, lambda b: [f / profile.matmul_flops for f in b.flops])[0]
-
-
-def _replay(batches: list[BatchPlan], profile: HardwareProfile, index: dict, world: int, work_of,
-            comm_of=None) -> tuple[float, list[list[float]]]:
-    """``step_seconds``'s pipeline with each batch's per group-local rank compute ``work_of(batch)``
-    and communication ``comm_of(batch)`` (default ``comm_seconds``): (the step's end, per batch
-    the seconds each global rank waited for the batch's data, the exposed communication)."""
     done = [[0.0] * world, [0.0] * world]  # done after batch i-2, after batch i-1
     total_comm = 0.0
     last_back = 0.0
-    waits = []
     for b in batches:
-        comm = comm_seconds(b, profile) if comm_of is None else comm_of(b)
+        comm = comm_seconds(b, profile)
         total_comm += comm
         share = PATHS[b.path].out_share
         arrive = max(done[0]) + share * comm
         local = index[b.group]
         # each group-local rank's compute once, then per global rank (thousands in a simulation)
-        per_local = work_of(b)
+        per_local = [f / profile.matmul_flops for f in b.flops]
         work = [per_local[r] if r is not None and r < len(per_local) else 0.0 for r in map(local.get, range(world))]
-        waits.append([max(0.0, arrive - d) for d in done[1]])
         now = [max(d, arrive) + w for d, w in zip(done[1], work)]
         done = [done[1], now]
         last_back = (1 - share) * comm
-    if waits:  # the last way back is waited for after everything else
-        waits[-1] = [w + last_back for w in waits[-1]]
-    return max(max(done[1]) + last_back, total_comm), waits
+    return max(max(done[1]) + last_back, total_comm)
 
 
 # ---------------------------------------------------------------- every phase of a batch
@@ -322,14 +311,15 @@ def held_elements(batch: BatchPlan, rank: int) -> tuple[int, int]:
 
 def predict_phases(plan: Iterable[BatchPlan], profile: HardwareProfile, rank: int = 0,
                    ns_dtypes: dict[int, str] | None = None) -> list[dict]:
-    """The model's seconds of every phase of each batch on global ``rank``: one dict per batch with
-    ``batch``, ``path``, ``momentum``, ``comm`` (its path's collectives: ``comm_seconds`` without the
-    rule's, plus ``host_s_per_call`` per collective), ``newton_schulz``, ``update``, ``rule`` (the
-    update rule's all-reduce, ``rule_seconds``), ``exposed_comm`` (what the engine's pipeline leaves
-    of the communication uncovered on this rank: ``step_seconds``'s replay with every phase as
-    compute) and ``step`` (that replay's end, the same in every row). Phases are 0.0 where the
-    batch has none on this rank. ``ns_dtypes``: batch index -> the Newton-Schulz dtype that runs
-    (``Muon.resolved_choices()``), for the profile's measured rates; default ``matmul_flops``."""
+    """The model's seconds of every phase of each batch on global ``rank``, as the step's spans
+    measure them: one dict per batch with ``batch``, ``path``, ``momentum``, ``newton_schulz``,
+    ``update`` (host cost, plus elements over ``mem_bw`` or FLOPs over ``matmul_rate``), ``transfer``
+    (``comm_seconds``: the links' time), ``comm`` (the time its collectives are in flight, from
+    issue to the end of the wait, as its comm spans run), ``exposed_comm`` (the part of that in
+    which the rank computes nothing), ``rule`` (``rule_seconds``) and ``step`` (the timeline's end
+    on the slowest rank, the same in every row). Phases are 0.0 where the batch has none on this
+    rank. ``ns_dtypes``: batch index -> the Newton-Schulz dtype that runs (``Muon.resolved_choices()``),
+    for the profile's measured rates; default ``matmul_flops``. See ``_timeline`` for the schedule."""
     batches = list(plan)
     if not batches:
         return []
@@ -339,41 +329,150 @@ def predict_phases(plan: Iterable[BatchPlan], profile: HardwareProfile, rank: in
     if not 0 <= rank < world:
         raise ValueError(f"rank={rank} is outside the plan's ranks 0..{world - 1}")
 
-    def comm_of(b: BatchPlan) -> float:
-        paths = _paths_seconds(b, profile)
-        calls = PATHS[b.path].collectives if paths and b.pays_latency else 0
-        return paths + calls * profile.host_s_per_call
-
-    def phases_of(b: BatchPlan, r: int | None) -> dict:
-        if r is None:  # not in the batch's group
-            return dict.fromkeys(PHASES, 0.0)
+    def phases_of(b: BatchPlan, r: int) -> dict:
         elems, mats = held_elements(b, r)
         flops = b.flops[r] if r < len(b.flops) else 0
-        shape = b.matrix_shape
-        out = dict(momentum=0.0, comm=comm_of(b), newton_schulz=0.0, update=0.0, rule=rule_seconds(b, profile))
+        out = dict(momentum=0.0, newton_schulz=0.0, update=0.0)
         if elems:
             out["momentum"] = host_seconds(profile, "momentum", mats) + MOMENTUM_PASSES * 4 * elems / profile.mem_bw
             out["update"] = host_seconds(profile, "update", mats) + UPDATE_PASSES * 4 * elems / profile.mem_bw
         if flops:
             per_matrix = sum(b.flops) / max(1, b.num_matrices)  # every matrix orthogonalized once
-            owned = max(1, round(flops / per_matrix))
-            out["newton_schulz"] = (host_seconds(profile, "newton_schulz", owned)
-                                    + flops / matmul_rate(profile, ns_dtypes.get(b.index), shape))
+            out["newton_schulz"] = (host_seconds(profile, "newton_schulz", max(1, round(flops / per_matrix)))
+                                    + flops / matmul_rate(profile, ns_dtypes.get(b.index), b.matrix_shape))
         return out
 
-    # per batch (by identity: the replay hands batches back) and group-local rank
-    per_batch = {id(b): {r: phases_of(b, r) for r in set(index[b.group].values())} for b in batches}
-
-    def work_of(b: BatchPlan) -> list[float]:
-        ph = per_batch[id(b)]
-        between = host_seconds(profile, "between", b.num_matrices)
-        return [ph[r]["momentum"] + ph[r]["newton_schulz"] + ph[r]["update"] + between if r in ph else 0.0
-                for r in range(max(ph) + 1)]
-
-    step, waits = _replay(batches, profile, index, world, work_of, comm_of=lambda b: comm_of(b) + rule_seconds(b, profile))
+    # per batch (by identity) and group-local rank: a plan has few groups and ranks per batch
+    phases = {id(b): {r: phases_of(b, r) for r in set(index[b.group].values())} for b in batches}
+    step, comm, exposed = _timeline(batches, profile, index, world, phases)
     rows = []
-    for i, b in enumerate(batches):
-        local = index[b.group].get(rank)
-        phases = per_batch[id(b)][local] if local is not None else phases_of(b, None)
-        rows.append(dict(batch=b.index, path=b.path, **phases, exposed_comm=waits[i][rank], step=step))
+    for b in batches:
+        local = _local(index, b, rank)
+        mine = phases[id(b)][local] if local is not None else dict(momentum=0.0, newton_schulz=0.0, update=0.0)
+        rows.append(dict(batch=b.index, path=b.path, **mine, transfer=comm_seconds(b, profile),
+                         comm=comm[id(b)][rank], exposed_comm=exposed[id(b)][rank], rule=rule_seconds(b, profile),
+                         step=step))
     return rows
+
+
+def _local(index: dict, b: BatchPlan, g: int) -> int | None:
+    """Global rank ``g``'s index in the batch's group; a batch of no group runs on every rank alone."""
+    return 0 if b.group is None else index[b.group].get(g)
+
+
+def _timeline(batches: list[BatchPlan], profile: HardwareProfile, index: dict, world: int, phases: dict
+              ) -> tuple[float, dict, dict]:
+    """Every rank's step replayed in the engine's order (``muonlab.comm.engine.execute_plan``):
+
+        start(0); for each run i: start(i+1) if its path sends out first; compute(i); finish(i-1);
+        start(i+1) if not yet; then finish(last)
+
+    A run is a batch, or the batches of one wave (``BatchPlan.travels_with``). start: each batch's
+    momentum, its host work outside the phases (``host_s`` "between") and the issue of its way out
+    (``host_s_per_call`` per collective). compute: wait for the way out, Newton-Schulz, issue the
+    way back (or update, on a path without one). finish: wait for the way back (and the rule's
+    all-reduce), update. A way lands when the last rank of the batch's group has issued it plus
+    its share (``out_share``) of the transfer (``comm_seconds``; a wave's add up).
+
+    Returns (the latest rank's end, {id(batch): [seconds in flight per global rank]}, {id(batch):
+    [seconds of that no compute covers]}): what ``muonlab.trace.plan_vs_run`` measures from spans.
+    """
+    from ..trace.step_time import intersection, merge, total  # the measured side's own interval arithmetic
+
+    runs: list[list[BatchPlan]] = []
+    for b in batches:
+        if b.travels_with is not None and not b.pays_latency and runs:
+            runs[-1].append(b)
+        else:
+            runs.append([b])
+    clock = [0.0] * world
+    compute: list[list[tuple[float, float]]] = [[] for _ in range(world)]
+    flight = {id(b): [[] for _ in range(world)] for b in batches}  # (issue, end of wait) per rank
+    issued: dict = {}  # (id(batch), "out" | "back", rank) -> issue time
+
+    def members(run):
+        return [g for g in range(world) if _local(index, run[0], g) is not None]
+
+    def work(b, g, phase) -> float:
+        return phases[id(b)][_local(index, b, g)][phase]
+
+    def run_phase(b, g, phase) -> None:
+        t = work(b, g, phase)
+        if t:
+            compute[g].append((clock[g], clock[g] + t))
+            clock[g] += t
+
+    def issue(run, way: str) -> None:
+        # one collective a way (a wave's members share it); a path without a way out issues none there
+        calls = 1 if (way == "back" or PATHS[run[0].path].out_share > 0) and PATHS[run[0].path].collectives else 0
+        for g in members(run):
+            clock[g] += calls * profile.host_s_per_call
+            for b in run:
+                issued[(id(b), way, g)] = clock[g]
+
+    def land(run, way: str) -> None:
+        ranks = members(run)
+        share = PATHS[run[0].path].out_share
+        transfer = sum((share if way == "out" else 1 - share) * comm_seconds(b, profile) for b in run)
+        if way == "back":
+            transfer += max(rule_seconds(b, profile) for b in run)
+        at = max(issued[(id(run[0]), way, g)] for g in ranks) + transfer
+        for g in ranks:
+            clock[g] = max(clock[g], at)
+            for b in run:
+                flight[id(b)][g].append((issued[(id(b), way, g)], clock[g]))
+
+    def has_back(run) -> bool:
+        path = PATHS[run[0].path]
+        return path.collectives > 0 and path.out_share < 1
+
+    started, done = set(), set()
+
+    def start(k: int) -> None:
+        started.add(k)
+        for g in members(runs[k]):
+            for b in runs[k]:
+                run_phase(b, g, "momentum")
+                clock[g] += host_seconds(profile, "between", b.num_matrices)
+                issued[(id(b), "out", g)] = clock[g]
+        issue(runs[k], "out")
+
+    def compute_run(k: int) -> None:
+        run = runs[k]
+        land(run, "out")
+        for g in members(run):
+            for b in run:
+                run_phase(b, g, "newton_schulz")
+        if has_back(run):
+            issue(run, "back")
+        else:
+            for g in members(run):
+                for b in run:
+                    run_phase(b, g, "update")
+            done.add(k)
+
+    def finish(k: int) -> None:
+        if k in done:
+            return
+        land(runs[k], "back")
+        for g in members(runs[k]):
+            for b in runs[k]:
+                run_phase(b, g, "update")
+        done.add(k)
+
+    start(0)
+    for k in range(len(runs)):
+        following = k + 1 if k + 1 < len(runs) else None
+        if following is not None and PATHS[runs[following][0].path].out_share > 0:
+            start(following)
+        compute_run(k)
+        if k >= 1:
+            finish(k - 1)
+        if following is not None and following not in started:
+            start(following)
+    finish(len(runs) - 1)
+    busy = [merge(c) for c in compute]
+    comm = {key: [total(merge(iv)) for iv in per_rank] for key, per_rank in flight.items()}
+    exposed = {key: [total(merge(iv)) - intersection(merge(iv), busy[g]) for g, iv in enumerate(per_rank)]
+               for key, per_rank in flight.items()}
+    return max(clock), comm, exposed

@@ -45,11 +45,12 @@ def test_predicted_phases_follow_the_model_term_by_term():
     rows = predict_phases(plan, HOSTED, rank=1, ns_dtypes={b.index: "float32" for b in plan})
     assert [r["batch"] for r in rows] == [b.index for b in plan]
     for b, r in zip(plan, rows):
-        assert set(r) == {"batch", "path", *PHASES, "exposed_comm", "step"}
+        assert set(r) == {"batch", "path", *PHASES, "transfer", "exposed_comm", "step"}
         local = b.group.local_ranks()[1]
-        assert r["comm"] == pytest.approx(comm_seconds(b, HOSTED) + (HOSTED.host_s_per_call * 2 if b.pays_latency else 0))
+        assert r["transfer"] == comm_seconds(b, HOSTED) > 0
         assert r["rule"] == rule_seconds(b, HOSTED) == 0.0
-        assert 0.0 <= r["exposed_comm"] <= r["step"]
+        # in flight at least the transfer (issue to the end of the wait); exposed no more than in flight
+        assert r["transfer"] <= r["comm"] and 0.0 <= r["exposed_comm"] <= r["comm"] <= r["step"]
         if b.flops[local]:
             owned = round(b.flops[local] / (sum(b.flops) / b.num_matrices))
             assert r["newton_schulz"] == pytest.approx(
@@ -63,6 +64,23 @@ def test_predicted_phases_follow_the_model_term_by_term():
     assert rows[0]["step"] >= step_seconds(plan, HOSTED)
     with pytest.raises(ValueError, match="rank=4"):
         predict_phases(plan, HOSTED, rank=4)
+
+
+def test_timeline_of_one_batch_adds_its_phases_and_both_ways():
+    """One all_to_all batch on 2 ranks, no host cost: momentum, the way out (half the transfer),
+    Newton-Schulz (on the matrix's owner), the way back, update. Each way lands once the later
+    rank has issued it, so a rank's time in flight is the transfer plus its waits for the other."""
+    profile = dataclasses.replace(PROFILES["cpu_gloo"], mem_bw=1e9)
+    plan = simulate([("w", (64, 32))], 2)
+    assert [b.path for b in plan] == ["all_to_all"]
+    rows = [predict_phases(plan, profile, rank=rank)[0] for rank in (0, 1)]
+    assert sorted(r["newton_schulz"] > 0 for r in rows) == [False, True]  # one owner
+    m, n = max(r["momentum"] for r in rows), max(r["newton_schulz"] for r in rows)
+    for r in rows:
+        assert r["momentum"] > 0 and r["update"] > 0
+        waits = r["transfer"] + (m - r["momentum"]) + (n - r["newton_schulz"])
+        assert r["comm"] == pytest.approx(waits) and r["exposed_comm"] == pytest.approx(waits)
+        assert r["step"] == pytest.approx(m + r["transfer"] + n + max(x["update"] for x in rows))
 
 
 def test_plan_vs_run_on_one_process_reads_every_phase_from_the_spans():
