@@ -41,9 +41,10 @@ _HOST_SHAPES = ((8, 8, 1), (8, 12, 4), (8, 16, 12))
 
 
 def _class_shapes(device: torch.device) -> list[tuple[int, int, int]]:
-    """A stack per shape class, sized to take a few tens of milliseconds a step here."""
-    large = (2048, 2048, 4) if device.type == "cuda" else (544, 544, 1)
-    return [(48, 48, 16), (256, 256, 4), large]
+    """A stack per shape class, square (the plain form) and 1 x 4 (the gram form where "auto" takes
+    it), sized to take a few tens of milliseconds a step here."""
+    large = [(2048, 2048, 4), (2048, 8192, 1)] if device.type == "cuda" else [(520, 520, 1), (520, 1040, 1)]
+    return [(48, 48, 16), (32, 128, 16), (256, 256, 4), (256, 1024, 2), *large]
 
 
 def _linear_fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
@@ -55,7 +56,7 @@ def _linear_fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
 
 
 def _muon_spans(shapes, device: torch.device, ns_dtype, group, steps: int) -> tuple[list, dict, list[dict]]:
-    """Step a local Muon on random matrices of ``shapes``; (plan, {batch: dtype}, per step {batch:
+    """Step a local Muon on random matrices of ``shapes``; (plan, {batch: resolved choice}, per step {batch:
     {phase: seconds}}, per step its span) over the last ``steps`` steps (the first two build the
     plan and warm up)."""
     from ..optim import Muon
@@ -72,7 +73,7 @@ def _muon_spans(shapes, device: torch.device, ns_dtype, group, steps: int) -> tu
             p.grad = torch.randn(p.shape, generator=gen).to(device)
         opt.step()
     per_step, spanned = measured_phases(rec.spans(), rank=rec.spans()[0].rank)
-    return opt.plan(), {c["batch"]: c["dtype"] for c in opt.resolved_choices()}, per_step, spanned
+    return opt.plan(), {c["batch"]: c for c in opt.resolved_choices()}, per_step, spanned
 
 
 def _median_phase(per_step: list[dict], batch: int, phase: str) -> float:
@@ -106,13 +107,17 @@ def _device_figures(device: torch.device, group, steps: int) -> dict:
         plan, ran, per_step, _ = _muon_spans(_class_shapes(device), device, dtype, group, steps)
         for b in plan:
             ns = _median_phase(per_step, b.index, "newton_schulz") - host_s("newton_schulz", b.num_matrices)
-            if ns > 0 and ran.get(b.index) == dtype:
-                rates.append((dtype, shape_class(b.matrix_shape), sum(b.flops) / ns))
-            if dtype == "float32" and shape_class(b.matrix_shape) == "large":
+            if ns > 0 and ran[b.index]["dtype"] == dtype:
+                rates.append((dtype, shape_class(b.matrix_shape, ran[b.index]["form"]), sum(b.flops) / ns))
+            if dtype == "float32" and shape_class(b.matrix_shape) == "large" and b.matrix_shape[0] == b.matrix_shape[1]:
                 elems = b.num_matrices * math.prod(b.matrix_shape)
                 t = sum(_median_phase(per_step, b.index, p) - host_s(p, b.num_matrices) for p in ("momentum", "update"))
                 if t > 0:
                     bw.append((MOMENTUM_PASSES + UPDATE_PASSES) * 4 * elems / t)
+    by_class: dict[tuple[str, str], list[float]] = {}  # two stacks may fall in one class (both plain)
+    for d, c, r in rates:
+        by_class.setdefault((d, c), []).append(r)
+    rates = [(d, c, statistics.median(r)) for (d, c), r in sorted(by_class.items())]
     return dict(host=host, rates=rates, mem_bw=bw[0] if bw else None)
 
 

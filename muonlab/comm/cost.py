@@ -56,8 +56,8 @@ class HardwareProfile:
     mem_bw: float = 10e9
     """Bytes/s of the elementwise phases (momentum, update) on one rank."""
     matmul_rates: tuple[tuple[str, str, float], ...] = ()
-    """Measured matmul rates ``(dtype, shape class, FLOP/s)`` (``shape_class``); a pair not listed
-    falls back to ``matmul_flops``."""
+    """Measured Newton-Schulz rates ``(dtype, shape class, FLOP/s)`` (``shape_class``: size and
+    form); a pair not listed falls back to the size alone, then to ``matmul_flops``."""
     host_s: tuple[tuple[str, float, float], ...] = ()
     """Host cost of each phase of a batch, ``(phase, seconds per batch, seconds per matrix)``
     (dispatching its tensor operations: what a phase of small matrices costs); none listed: 0."""
@@ -269,20 +269,20 @@ SHAPE_CLASSES = ((64, "small"), (512, "medium"), (math.inf, "large"))
 an order of magnitude between them, kernel launches dominating the small ones)."""
 
 
-def shape_class(shape: tuple[int, int]) -> str:
-    """``SHAPE_CLASSES``'s name for a matrix of this shape."""
+def shape_class(shape: tuple[int, int], form: str | None = None) -> str:
+    """``SHAPE_CLASSES``'s name for a matrix of this shape, with "/<form>" for a Newton-Schulz form
+    other than plain (the gram form's products have other shapes, so another rate)."""
     side = min(shape)
-    return next(name for bound, name in SHAPE_CLASSES if side <= bound)
+    size = next(name for bound, name in SHAPE_CLASSES if side <= bound)
+    return size if form in (None, "plain") else f"{size}/{form}"
 
 
-def matmul_rate(profile: HardwareProfile, dtype: str | None, shape: tuple[int, int]) -> float:
-    """FLOP/s of Newton-Schulz on ``shape`` in ``dtype`` ("float32", "bfloat16", ...): the measured
-    rate where the profile has one (``matmul_rates``), else ``matmul_flops``."""
-    cls = shape_class(shape)
-    for d, c, rate in profile.matmul_rates:
-        if d == dtype and c == cls:
-            return rate
-    return profile.matmul_flops
+def matmul_rate(profile: HardwareProfile, dtype: str | None, shape: tuple[int, int], form: str | None = None) -> float:
+    """FLOP/s of Newton-Schulz on ``shape`` in ``dtype`` ("float32", "bfloat16", ...) and ``form``:
+    the profile's measured rate of that class (``matmul_rates``), else of its size in the plain
+    form, else ``matmul_flops``."""
+    rates = {(d, c): rate for d, c, rate in profile.matmul_rates}
+    return rates.get((dtype, shape_class(shape, form)), rates.get((dtype, shape_class(shape)), profile.matmul_flops))
 
 
 def host_seconds(profile: HardwareProfile, phase: str, num_matrices: int) -> float:
@@ -310,7 +310,7 @@ def held_elements(batch: BatchPlan, rank: int) -> tuple[int, int]:
 
 
 def predict_phases(plan: Iterable[BatchPlan], profile: HardwareProfile, rank: int = 0,
-                   ns_dtypes: dict[int, str] | None = None) -> list[dict]:
+                   ns_choices: dict[int, dict] | None = None) -> list[dict]:
     """The model's seconds of every phase of each batch on global ``rank``, as the step's spans
     measure them: one dict per batch with ``batch``, ``path``, ``momentum``, ``newton_schulz``,
     ``update`` (host cost, plus elements over ``mem_bw`` or FLOPs over ``matmul_rate``), ``transfer``
@@ -318,12 +318,13 @@ def predict_phases(plan: Iterable[BatchPlan], profile: HardwareProfile, rank: in
     issue to the end of the wait, as its comm spans run), ``exposed_comm`` (the part of that in
     which the rank computes nothing), ``rule`` (``rule_seconds``) and ``step`` (the timeline's end
     on the slowest rank, the same in every row). Phases are 0.0 where the batch has none on this
-    rank. ``ns_dtypes``: batch index -> the Newton-Schulz dtype that runs (``Muon.resolved_choices()``),
-    for the profile's measured rates; default ``matmul_flops``. See ``_timeline`` for the schedule."""
+    rank. ``ns_choices``: batch index -> the Newton-Schulz "dtype" and "form" that run (the rows of
+    ``Muon.resolved_choices()``), for the profile's measured rates; without them ``matmul_flops``.
+    See ``_timeline`` for the schedule."""
     batches = list(plan)
     if not batches:
         return []
-    ns_dtypes = ns_dtypes or {}
+    ns_choices = ns_choices or {}
     index = group_rank_maps(batches)
     world = max((max(m) + 1 for m in index.values() if m), default=1)
     if not 0 <= rank < world:
@@ -339,7 +340,7 @@ def predict_phases(plan: Iterable[BatchPlan], profile: HardwareProfile, rank: in
         if flops:
             per_matrix = sum(b.flops) / max(1, b.num_matrices)  # every matrix orthogonalized once
             out["newton_schulz"] = (host_seconds(profile, "newton_schulz", max(1, round(flops / per_matrix)))
-                                    + flops / matmul_rate(profile, ns_dtypes.get(b.index), b.matrix_shape))
+                                    + flops / matmul_rate(profile, *_dtype_form(ns_choices, b)))
         return out
 
     # per batch (by identity) and group-local rank: a plan has few groups and ranks per batch
@@ -353,6 +354,11 @@ def predict_phases(plan: Iterable[BatchPlan], profile: HardwareProfile, rank: in
                          comm=comm[id(b)][rank], exposed_comm=exposed[id(b)][rank], rule=rule_seconds(b, profile),
                          step=step))
     return rows
+
+
+def _dtype_form(ns_choices: dict, b: BatchPlan) -> tuple:
+    choice = ns_choices.get(b.index, {})
+    return choice.get("dtype"), b.matrix_shape, choice.get("form")
 
 
 def _local(index: dict, b: BatchPlan, g: int) -> int | None:

@@ -142,8 +142,8 @@ def plan_vs_run(opt, recorder=None, *, profile: HardwareProfile | str | None = N
         raise ValueError(f"rank={rank} has no spans; the spans hold ranks {ranks}")
     profile = get_profile(profile if profile is not None else opt.options.hardware_profile)
     plan = opt.plan()
-    ns_dtypes = {c["batch"]: c["dtype"] for c in opt.resolved_choices()}
-    predicted = predict_phases(plan, profile, rank=rank, ns_dtypes=ns_dtypes)
+    choices = {c["batch"]: c for c in opt.resolved_choices()}  # the dtype and form each batch ran in
+    predicted = predict_phases(plan, profile, rank=rank, ns_choices=choices)
     per_step, spanned = measured_phases(rows, rank)
 
     def median_of(batch: int, phase: str) -> float:

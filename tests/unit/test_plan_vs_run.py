@@ -42,7 +42,7 @@ def test_predicted_phases_follow_the_model_term_by_term():
     """Each row's phases are the profile's terms: host cost plus elements or FLOPs over the rates;
     communication is comm_seconds' (plus host per call) and the step the pipeline's end."""
     plan = simulate(SHAPES, 4)  # all_to_all over 4 ranks: every phase but the rule's
-    rows = predict_phases(plan, HOSTED, rank=1, ns_dtypes={b.index: "float32" for b in plan})
+    rows = predict_phases(plan, HOSTED, rank=1, ns_choices={b.index: dict(dtype="float32", form="plain") for b in plan})
     assert [r["batch"] for r in rows] == [b.index for b in plan]
     for b, r in zip(plan, rows):
         assert set(r) == {"batch", "path", *PHASES, "transfer", "exposed_comm", "step"}
@@ -54,7 +54,7 @@ def test_predicted_phases_follow_the_model_term_by_term():
         if b.flops[local]:
             owned = round(b.flops[local] / (sum(b.flops) / b.num_matrices))
             assert r["newton_schulz"] == pytest.approx(
-                3e-4 + 1e-5 * owned + b.flops[local] / matmul_rate(HOSTED, "float32", b.matrix_shape))
+                3e-4 + 1e-5 * owned + b.flops[local] / matmul_rate(HOSTED, "float32", b.matrix_shape, "plain"))
         held = b.rows[local] * sum(s[1] for s in b.param_shapes)
         mats = -(-held // (b.matrix_shape[0] * b.matrix_shape[1]))
         assert r["momentum"] == pytest.approx(1e-4 + 2e-5 * mats + MOMENTUM_PASSES * 4 * held / 5e9)
@@ -100,8 +100,8 @@ def test_plan_vs_run_on_one_process_reads_every_phase_from_the_spans():
     step = statistics.median(max(s.end for s in spans if s.step == k and s.batch >= 0)
                              - min(s.start for s in spans if s.step == k and s.batch >= 0) for k in rec.steps)
     assert res.step_measured_s == pytest.approx(step)
-    ran = {c["batch"]: c["dtype"] for c in opt.resolved_choices()}  # the dtype each batch ran in, for its rate
-    assert res.step_predicted_s == predict_phases(plan, HOSTED, ns_dtypes=ran)[0]["step"]
+    ran = {c["batch"]: c for c in opt.resolved_choices()}  # the dtype and form each batch ran in, for its rate
+    assert res.step_predicted_s == predict_phases(plan, HOSTED, ns_choices=ran)[0]["step"]
     assert res.median_abs_error == pytest.approx(statistics.median(abs(r["error"]) for r in res.rows))
     assert set(res.median_abs_error_by_phase()) == {"momentum", "newton_schulz", "update"}
     assert "step" in res.table()
