@@ -127,7 +127,8 @@ def test_calibrated_profile_round_trips_through_json(tmp_path):
     profile = calibrate(steps=1)
     assert profile.source.startswith("muonlab.calibrate") and profile.date
     assert {p for p, *_ in profile.host_s} == {"momentum", "newton_schulz", "update", "between"}
-    assert {(d, c) for d, c, _ in profile.matmul_rates} >= {("float32", "small"), ("float32", "medium")}
+    assert ("float32", "medium") in {(d, c) for d, c, _ in profile.matmul_rates}  # flops, not host, decide there
+    assert all(r > 0 for *_, r in profile.matmul_rates) and profile.mem_bw > 0
     path = tmp_path / "here.json"
     save_profile(profile, path)
     assert load_profile(path) == profile
