@@ -65,14 +65,76 @@ def pytest_terminal_summary(terminalreporter):
 
 
 CPU_LOG_ENV = "MUONLAB_TEST_CPU_LOG"
-"""A file path: each test's CPU seconds (this process and the children it waited for) and wall
+"""A file path: each test's CPU seconds (this process and every process under it) and wall
 seconds are appended to it as JSON lines, one per test, from every xdist worker. What `make test`'s
-time is spent on; processes that outlive their test (a warm pool) count where they end."""
+time is spent on; processes that outlive their test (a warm pool) count as they run."""
+
+
+class _ProcessTreeCPU:
+    """CPU seconds of this process and of every process under it, each counted by its own time.
+
+    The children's rusage counts only children this process waited for, and launch()'s workers are
+    children of a forkserver (a notebook's, of a kernel's forkserver) that this process never waits
+    for. So the processes under this one are read from /proc every ``EVERY_S`` and each keeps the
+    last CPU time seen (keyed by pid and start time: pids are reused); what a process spends in
+    its last ``EVERY_S``, or a process that lives less than that, is missed (a fraction of a second
+    per process)."""
+
+    EVERY_S = 0.2
+
+    def __init__(self) -> None:
+        import threading
+
+        self.tick = os.sysconf("SC_CLK_TCK")
+        self.last: dict[tuple[int, str], float] = {}
+        self.lock = threading.Lock()
+        threading.Thread(target=self._run, daemon=True, name="test-cpu-sampler").start()
+
+    def _children(self, pid: int) -> list[int]:
+        out = []
+        try:
+            for task in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{task}/children") as f:
+                    out.extend(map(int, f.read().split()))
+        except OSError:  # ended meanwhile
+            pass
+        return out
+
+    def sample(self) -> None:
+        todo, seen = self._children(os.getpid()), {}
+        while todo:
+            pid = todo.pop()
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            # utime, stime (the process's own, not its waited children's: those are counted themselves)
+            seen[(pid, fields[19])] = (int(fields[11]) + int(fields[12])) / self.tick
+            todo.extend(self._children(pid))
+        with self.lock:
+            self.last.update(seen)
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(self.EVERY_S)
+            self.sample()
+
+    def seconds(self) -> float:
+        self.sample()
+        own = resource.getrusage(resource.RUSAGE_SELF)
+        with self.lock:
+            return own.ru_utime + own.ru_stime + sum(self.last.values())
+
+
+_TREE: _ProcessTreeCPU | None = None
 
 
 def _cpu_seconds() -> float:
-    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+    global _TREE
+    if _TREE is None:
+        _TREE = _ProcessTreeCPU()
+    return _TREE.seconds()
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -8,7 +8,8 @@ One machine, from a notebook or a script::
     results = launch(train, 4, steps=100)      # {rank: return value of train on that rank}
 
 ``launch`` starts ``nprocs`` processes through torch.distributed's own elastic launcher
-(``elastic_launch``, start method "spawn", a static rendezvous on a free port of 127.0.0.1),
+(``elastic_launch``, a static rendezvous on a free port of 127.0.0.1; start method "forkserver"
+where the platform has it, else "spawn", see ``start_method``),
 initialises the default process group in each by the rule of :mod:`muonlab.distributed.device`
 (rank ``r`` on ``cuda:r`` with NCCL when CUDA has a GPU per process, else gloo on the CPU;
 ``device="cpu"`` or ``$MUONLAB_DEVICE=cpu`` keeps CPU workers on a GPU node),
@@ -24,8 +25,9 @@ launch on the same ranks (warm workers, :mod:`muonlab.distributed.warm`; ``warm=
 :func:`shutdown_workers`). The worker function must live in a module the children can
 import: a function defined in a notebook cell (module ``__main__``), a lambda or a nested function
 is refused before anything starts. The children get the caller's ``sys.path``, so a ``.py`` file
-next to the notebook is found. Spawned children re-run the caller's main script before they start:
-in a script, call ``launch`` under ``if __name__ == "__main__":`` (launch says so if it is not).
+next to the notebook is found, and its ``os.environ`` as it is at the launch. The children re-run the
+caller's main script before they start (either start method): in a script, call ``launch`` under
+``if __name__ == "__main__":`` (launch says so if it is not).
 
 Several nodes (GPUs), with the same worker functions, under torchrun::
 
@@ -44,6 +46,7 @@ recorded with torch.distributed.elastic's ``record``, so torchrun's summary show
 from __future__ import annotations
 
 import argparse
+import atexit
 import functools
 import gc
 import glob
@@ -193,14 +196,20 @@ def _call_in_process_group(
 
 
 def _die_with_parent(launcher_pid: int | None = None) -> None:
-    """Linux: SIGKILL this process when its launcher dies; exit now if it died already.
+    """SIGKILL this process when its launcher dies; exit now if it died already.
 
     If the launching process is killed outright (a notebook kernel restart), its workers would
-    otherwise live on. The death signal only covers deaths after it is set, and a worker gets
-    here only after spawn's bootstrapping (which imports torch, seconds or minutes under load),
-    so a launcher that died meanwhile is caught by comparing the parent's pid.
+    otherwise live on. A spawned worker is the launcher's child: Linux's parent-death signal ends
+    it, and since that covers only deaths after it is set (spawn's bootstrapping imports torch
+    first, seconds or minutes under load), a launcher that died meanwhile is caught by comparing the
+    parent's pid. A forkserver's worker is the forkserver's child, and the forkserver outlives the
+    launcher while any of its children runs: a thread waits on the launcher's end of the pipe
+    multiprocessing keeps open to each child (``parent_process().sentinel``), at EOF from the
+    launcher's death on, so a death before this call is caught too.
     """
-    if sys.platform.startswith("linux"):
+    if launcher_pid is None:  # not started by launch(): nothing to watch
+        return
+    if os.getppid() == launcher_pid and sys.platform.startswith("linux"):
         try:
             import ctypes
 
@@ -209,8 +218,49 @@ def _die_with_parent(launcher_pid: int | None = None) -> None:
             libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
         except Exception:
             pass
-    if launcher_pid is not None and os.getppid() != launcher_pid:
+    parent = multiprocessing.parent_process()
+    if parent is None or parent.pid != launcher_pid:  # not the launcher's: an orphan already
         os._exit(1)
+    if os.getppid() != launcher_pid:  # a forkserver's child (or a spawned one whose launcher died)
+        threading.Thread(target=_exit_when_gone, args=(parent.sentinel,), name="muonlab-launcher-watch",
+                         daemon=True).start()
+
+
+def _run_atexit_handlers_at_exit() -> None:
+    """A forkserver's worker ends with ``os._exit``, which skips what code registered with
+    :mod:`atexit` (the worker's function, a library); a spawned worker runs it as its interpreter
+    exits. Here multiprocessing runs it as it finishes the process, after elastic has taken the
+    result, as a spawned worker would."""
+    if multiprocessing.get_start_method(allow_none=True) != "forkserver":
+        return
+    from multiprocessing import util
+
+    # the handlers run once: running them empties the list (the interpreter's own exit finds none)
+    util.Finalize(None, atexit._run_exitfuncs, exitpriority=-1)
+
+
+def _exit_when_gone(sentinel: int) -> None:
+    from multiprocessing.connection import wait
+
+    wait([sentinel])  # returns at EOF: the launcher's end is closed, so the launcher is gone
+    os.kill(os.getpid(), signal.SIGKILL)  # as the parent-death signal would: no cleanup to hang in
+
+
+_ENV_NAMES = "MUONLAB_LAUNCH_ENV_NAMES"
+"""A worker's variable (while it starts) listing the names of the environment launch() gave it."""
+
+
+def _take_launch_env() -> None:
+    """Make this worker's environment the one launch() handed it (see :class:`_RunLogs`): a
+    forkserver's worker also holds the variables of the caller's environment when the forkserver
+    started, which the caller may since have removed."""
+    names = os.environ.pop(_ENV_NAMES, None)
+    if names is None:  # not started by launch()
+        return
+    keep = set(names.split("\n"))
+    for key in list(os.environ):
+        if key not in keep:
+            del os.environ[key]
 
 
 def _lead_own_process_group() -> None:
@@ -270,8 +320,10 @@ def _worker_entry(
     goes to this rank's stderr log there (elastic records it only in error.json). The worker leads a process group of its
     own, which the launcher ends with the launch (:func:`_lead_own_process_group`).
     """
+    _take_launch_env()
     _lead_own_process_group()
     _die_with_parent(launcher_pid)
+    _run_atexit_handlers_at_exit()
     rank = int(os.environ["RANK"])
     _write_status(status_dir, rank, "pid", str(os.getpid()))
     _progress._open_stream(os.path.join(_rank_dir(run_dir, rank), _progress.PROGRESS_FILE), rank)
@@ -464,7 +516,9 @@ class _SharedSettings:
             if not self._status_dirs:
                 self._saved = ({key: os.environ.get(key) for key in _LAUNCH_ENV}, [lg.propagate for lg in loggers])
             self._status_dirs.append(status_dir)
-            # spawned children inherit it while they bootstrap, before elastic hands them anything
+            # children inherit it while they bootstrap (re-running the main script), before elastic
+            # hands them anything. A forkserver's children inherit the value of the launch that
+            # started the forkserver, the first: its children re-run the main script as any later one's.
             os.environ[_STATUS_DIR_ENV] = status_dir
             for logger in loggers:
                 logger.addHandler(handler)
@@ -725,7 +779,7 @@ def _stop_workers(pids_of: Callable[[], set[int]], agent_done: threading.Event, 
 def _signal_worker(pid: int, sig: int) -> None:
     """``sig`` to worker ``pid`` and to the processes it started (its process group)."""
     _signal_group(pid, sig)
-    if _child_of_this_process(pid):  # not reaped yet, so the pid is still the worker's
+    if _started_here(pid):  # not reaped yet, so the pid is still the worker's
         try:
             os.kill(pid, sig)
         except ProcessLookupError:
@@ -768,6 +822,7 @@ def launch(
     name: str | None = None,
     progress: bool | None = None,
     warm: bool | None = None,
+    start_method: str | None = None,
     **kwargs: Any,
 ) -> dict[int, Any]:
     """Run ``fn(*args, **kwargs)`` in ``nprocs`` new local processes; return ``{rank: result}``.
@@ -838,10 +893,23 @@ def launch(
     and again on the same ranks is the common case and the kernel's life bounds the workers'.
     A launch on another thread while the warm workers are busy runs cold.
 
+    ``start_method``: how the worker processes start. None (default) means "forkserver" where the
+    platform has it (Linux), else "spawn". A spawned worker is a fresh interpreter that imports
+    torch itself (seconds of CPU per worker, minutes on a loaded machine); a forkserver's worker is
+    forked from multiprocessing's forkserver, one per launching process, started at its first
+    forkserver launch, which imports torch and torch.distributed once
+    (:data:`FORKSERVER_PRELOAD`): its workers are up in about a second. Both kinds import muonlab,
+    ``fn``'s module and the caller's main script afresh, from disk, and get the caller's
+    ``sys.path``, working directory and ``os.environ`` as they are at the launch; both end when the
+    caller dies. (Variables torch reads while it is imported take the values the forkserver
+    started with: to change those, launch with "spawn".) A warm pool serves launches of its own
+    start method only.
+
     Raises:
         ValueError: ``fn`` is not importable by the children (defined in ``__main__``, e.g. a
             notebook cell, a lambda, or a nested function), ``nprocs < 1``, ``warm`` not None/True/False
-            (or, for None, ``$MUONLAB_WARM_WORKERS`` set to other than "0" or "1"), a timeout is not a
+            (or, for None, ``$MUONLAB_WARM_WORKERS`` set to other than "0" or "1"), ``start_method`` not
+            None, "forkserver" or "spawn" (or not available here), a timeout is not a
             positive number of seconds up to ``MAX_TIMEOUT_S``, ``backend`` is not None, "gloo" or
             "nccl", ``device`` is not "auto"/"cpu"/"cuda", ``device="cuda"`` with fewer GPUs than
             ``nprocs``, ``backend="nccl"`` for CPU workers, or ``name`` is in use by a launch still
@@ -866,6 +934,7 @@ def launch(
         raise ValueError(f"warm must be None (${WARM_ENV}, else warm in a notebook kernel and cold "
                          f"elsewhere), True or False, got {warm!r}")
     warm = _warm_by_default() if warm is None else warm
+    start_method = _start_method(start_method)
     # Decided here, once, so a bad choice fails before anything starts and every rank agrees;
     # each worker then takes cuda:LOCAL_RANK (or the CPU) by the same rule.
     chosen = choose_device(device, local_rank=0, local_world_size=nprocs).type
@@ -879,7 +948,7 @@ def launch(
     try:
         return _launch_in(run_dir, fn, nprocs, payload, (chosen, backend),
                           (float(timeout_s), float(startup_timeout_s)), name or _short_name(fn), progress,
-                          warm)
+                          warm, start_method)
     finally:
         lock.close()  # the run directory is free for the next launch under its name
 
@@ -928,7 +997,8 @@ def _check_launch_args(nprocs: int, backend: str | None, timeouts: dict[str, flo
 
 
 def _launch_in(run_dir: str, fn: Callable[..., Any], nprocs: int, payload: bytes, device_backend: tuple,
-               limits: tuple[float, float], label: str, progress: bool | None, warm: bool) -> dict[int, Any]:
+               limits: tuple[float, float], label: str, progress: bool | None, warm: bool,
+               start_method: str) -> dict[int, Any]:
     """launch()'s run in its claimed run directory: run the workers (fresh ones, or the warm pool's),
     wait, hand back their results or the error; whatever happened, end what the workers started,
     record where the time went (``launch.json``) and drop the status files."""
@@ -943,10 +1013,10 @@ def _launch_in(run_dir: str, fn: Callable[..., Any], nprocs: int, payload: bytes
         if warm:
             workers = "warm"  # until _run_warm says which
             outcome, workers = _run_warm(nprocs, payload, device_backend, limits, (run_dir, status_dir),
-                                         sys_path, monitor.poll, up_already)
+                                         sys_path, monitor.poll, up_already, start_method)
         else:
             outcome = _run_cold(nprocs, payload, device_backend, limits, (run_dir, status_dir), sys_path,
-                                monitor.poll)
+                                monitor.poll, start_method)
         results = _results(fn, nprocs, limits, outcome, (run_dir, status_dir))
         failed = False
         return results
@@ -961,11 +1031,12 @@ def _launch_in(run_dir: str, fn: Callable[..., Any], nprocs: int, payload: bytes
 
 
 def _run_cold(nprocs: int, payload: bytes, device_backend: tuple, limits: tuple[float, float],
-              dirs: tuple[str, str], sys_path: list[str], tick: Callable[[], None]) -> dict[str, Any]:
+              dirs: tuple[str, str], sys_path: list[str], tick: Callable[[], None],
+              start_method: str) -> dict[str, Any]:
     """Fresh workers for this launch alone, through elastic's agent; every process they started
     ended before it returns."""
     run_dir, status_dir = dirs
-    config = _launch_config(nprocs, limits[1], run_dir)
+    config = _launch_config(nprocs, limits[1], run_dir, start_method)
     entry_args = (payload, *device_backend, limits, sys_path, status_dir, os.getpid(), os.path.abspath(run_dir))
     _WORKER_STARTS.watch(config.run_id)
     try:
@@ -978,23 +1049,23 @@ def _run_cold(nprocs: int, payload: bytes, device_backend: tuple, limits: tuple[
 
 def _run_warm(nprocs: int, payload: bytes, device_backend: tuple, limits: tuple[float, float],
               dirs: tuple[str, str], sys_path: list[str], tick: Callable[[], None],
-              up_already: list[int]) -> tuple[dict[str, Any], str]:
+              up_already: list[int], start_method: str) -> tuple[dict[str, Any], str]:
     """This launch as a task of the warm pool (:mod:`muonlab.distributed.warm`): the idle pool on
     the same ranks, device, backend and environment, else a new one. Returns the outcome and what
     ran it ("reused warm", "new warm" or, while another thread's launch holds the pool, "cold")."""
     from . import warm as _warm
 
     run_dir, status_dir = dirs
-    key = _warm.pool_key(nprocs, *device_backend)
+    key = _warm.pool_key(nprocs, *device_backend, start_method)
     pool, why_new = _warm.take_pool(key)
     if why_new == "busy":  # one pool at a time: a concurrent launch runs as a cold one
-        return _run_cold(nprocs, payload, device_backend, limits, dirs, sys_path, tick), "cold"
+        return _run_cold(nprocs, payload, device_backend, limits, dirs, sys_path, tick, start_method), "cold"
     task = _warm.Task(payload, limits, tuple(sys_path), status_dir, os.path.abspath(run_dir), os.getcwd())
     reused = pool is not None
     up_already[0] = nprocs if reused else 0
     if pool is None:
         try:
-            pool = _warm.WorkerPool(key, _launch_config(nprocs, limits[1], run_dir), device_backend)
+            pool = _warm.WorkerPool(key, _launch_config(nprocs, limits[1], run_dir, start_method), device_backend)
         finally:
             if pool is None:
                 _warm.unreserve()
@@ -1186,7 +1257,10 @@ def _lock_run_dir(run_dir: str, name: str | None) -> Any:
 
 class _RunLogs(LogsSpecs):
     """Each rank's stdout, stderr and error file in ``<run_dir>/rank<r>/``, never on the console:
-    a notebook shows launch's own report, not the workers' log lines."""
+    a notebook shows launch's own report, not the workers' log lines. And each rank's environment:
+    the caller's ``os.environ`` as the workers start (what a spawned worker inherits) under
+    elastic's per-rank variables, with the list of its names, by which a forkserver's worker drops
+    what it inherited from the forkserver (:func:`_take_launch_env`)."""
 
     def __init__(self, run_dir: str):
         super().__init__(log_dir=run_dir, redirects=Std.ALL, tee=Std.NONE)
@@ -1198,12 +1272,17 @@ class _RunLogs(LogsSpecs):
 
     def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
         dest = LogsDest()
+        caller = dict(os.environ)  # elastic calls this on its agent's thread as it starts the workers
         for local_rank in range(len(envs)):
-            rank_dir = _rank_dir(self.run_dir, local_rank)  # made by _make_run_dir
+            rank_dir = _rank_dir(self.run_dir, local_rank)  # made by _claim_run_dir
             dest.stdouts[local_rank] = os.path.join(rank_dir, "stdout.log")
             dest.stderrs[local_rank] = os.path.join(rank_dir, "stderr.log")
             dest.error_files[local_rank] = os.path.join(rank_dir, "error.json")
-            envs[local_rank]["TORCHELASTIC_ERROR_FILE"] = dest.error_files[local_rank]
+            env = envs[local_rank]  # elastic's own: updated in place, it applies what is here
+            env["TORCHELASTIC_ERROR_FILE"] = dest.error_files[local_rank]
+            for key, value in caller.items():
+                env.setdefault(key, value)
+            env[_ENV_NAMES] = "\n".join(env)
         dest.filtered_stdout = os.path.join(self.run_dir, "filtered_stdout.log")
         dest.filtered_stderr = os.path.join(self.run_dir, "filtered_stderr.log")
         return dest
@@ -1264,9 +1343,45 @@ def _refuse_in_spawn_bootstrap() -> None:
     raise RuntimeError(message)
 
 
-def _launch_config(nprocs: int, startup_timeout_s: float, run_dir: str) -> LaunchConfig:
-    """One node, ``nprocs`` spawned workers, a static rendezvous on a free local port; the run id
-    is the launch's own (its agent's thread and its workers' start events carry it)."""
+START_METHODS = ("forkserver", "spawn")
+"""The ``start_method`` names launch() takes (None: "forkserver" where the platform has it)."""
+FORKSERVER_PRELOAD = ("torch", "torch.distributed", "torch.distributed.tensor")
+"""What the forkserver imports once, so each worker forked from it starts with torch imported.
+Never muonlab or the caller's modules: each worker imports those itself, as they are on disk now."""
+
+
+def _start_method(start_method: str | None) -> str:
+    """launch()'s ``start_method``, checked (before anything starts) and resolved."""
+    available = multiprocessing.get_all_start_methods()
+    if start_method is None:
+        # Linux only: elsewhere (macOS) forkserver exists, but its workers were never tried here
+        return "forkserver" if "forkserver" in available and sys.platform.startswith("linux") else "spawn"
+    if start_method not in START_METHODS:
+        raise ValueError(f"start_method must be None (forkserver where the platform has it, else spawn), "
+                         f"'forkserver' or 'spawn', got {start_method!r}")
+    if start_method not in available:
+        raise ValueError(f"start_method={start_method!r} is not available on this platform "
+                         f"({sys.platform}: {', '.join(available)}); use 'spawn' or None")
+    return start_method
+
+
+def _forkserver_pid() -> int | None:
+    """The pid of this process's forkserver, None if it has none running. (multiprocessing keeps it
+    in a private attribute: read defensively.)"""
+    server = getattr(sys.modules.get("multiprocessing.forkserver"), "_forkserver", None)
+    return getattr(server, "_forkserver_pid", None)
+
+
+def _launch_config(nprocs: int, startup_timeout_s: float, run_dir: str, start_method: str) -> LaunchConfig:
+    """One node, ``nprocs`` workers, a static rendezvous on a free local port; the run id
+    is the launch's own (its agent's thread and its workers' start events carry it).
+
+    With "forkserver", multiprocessing's one forkserver of this process is told to preload
+    :data:`FORKSERVER_PRELOAD` (which takes effect when it starts: at this process's first
+    forkserver launch). Its workers would inherit the forkserver's environment, from when it
+    started; :class:`_RunLogs` hands each the caller's as it is now."""
+    if start_method == "forkserver":
+        multiprocessing.get_context("forkserver").set_forkserver_preload(list(FORKSERVER_PRELOAD))
     return LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -1277,7 +1392,7 @@ def _launch_config(nprocs: int, startup_timeout_s: float, run_dir: str) -> Launc
         rdzv_configs={"rank": 0, "timeout": max(60, int(startup_timeout_s))},
         max_restarts=0,
         monitor_interval=0.1,
-        start_method="spawn",
+        start_method=start_method,
         local_addr="127.0.0.1",
         logs_specs=_RunLogs(run_dir),
     )
@@ -1306,12 +1421,13 @@ def _process_gone(pid: int) -> bool:
     return False
 
 
-def _child_of_this_process(pid: int) -> bool:
-    """``pid`` is a child of this process, not yet reaped (without /proc: assumed so)."""
+def _started_here(pid: int) -> bool:
+    """``pid`` is a child of this process or of its forkserver (which reaps the workers it forks),
+    not yet reaped (without /proc: assumed so)."""
     if not _HAS_PROC:
         return True
     fields = proc_stat(pid)
-    return fields is not None and int(fields[1]) == os.getpid()
+    return fields is not None and int(fields[1]) in (os.getpid(), _forkserver_pid())
 
 
 def _group_running(pgid: int) -> bool:

@@ -1,11 +1,11 @@
 """Warm workers: one pool of running worker processes that :func:`~muonlab.distributed.launch`
 reuses for the next launch on the same ranks.
 
-A cold launch spends seconds before its first step (spawned processes import torch, connect a
-process group) and after its last (processes exit, elastic's agent notices). Within one notebook
-kernel a researcher launches again and again on the same ranks, so :func:`launch` keeps the
-workers of a finished launch running, each waiting for its next task, with the process group
-connected:
+A cold launch spends time before its first step (new processes start, import muonlab, connect a
+process group; spawned ones import torch too) and after its last (processes exit, elastic's agent
+notices). Within one notebook kernel a researcher launches again and again on the same ranks, so
+:func:`launch` keeps the workers of a finished launch running, each waiting for its next task, with
+the process group connected:
 
 - a task is what a cold launch hands its workers (``fn`` and its arguments pickled, the run
   directory, the clocks), sent down a pipe per rank; each task gets its own run directory,
@@ -248,8 +248,10 @@ def _pool_worker_entry(first_task: Task, device: str, backend: str | None, launc
                        inboxes: list[Connection]) -> None:
     """What each process of a pool runs: the first task, then each task its pipe brings, until
     the pipe says stop (None) or closes (the launcher is gone)."""
+    _launch._take_launch_env()
     _launch._lead_own_process_group()
     _launch._die_with_parent(launcher_pid)
+    _launch._run_atexit_handlers_at_exit()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     inbox = inboxes[rank]
     for other in inboxes:
@@ -284,15 +286,16 @@ def _pool_worker_entry(first_task: Task, device: str, backend: str | None, launc
 # In the launcher
 
 
-def pool_key(nprocs: int, device: str, backend: str | None) -> tuple:
-    """What a pool must match to run a launch: ranks, device, backend, and the environment the
-    workers were started with (what they read at import, e.g. $MUONLAB_DEVICE or thread counts).
+def pool_key(nprocs: int, device: str, backend: str | None, start_method: str) -> tuple:
+    """What a pool must match to run a launch: ranks, device, backend, the environment the
+    workers were started with (what they read at import, e.g. $MUONLAB_DEVICE or thread counts)
+    and the start method (a launch asking for spawned workers gets them).
     Variables elastic and launch set while a launch runs are left out, and pytest's
     PYTEST_CURRENT_TEST, which it rewrites for every test (a suite's launches share a pool)."""
     left_out = (*_launch._LAUNCH_ENV, "PYTEST_CURRENT_TEST")
     env = sorted((k, v) for k, v in os.environ.items() if not k.startswith("TORCHELASTIC_") and k not in left_out)
     digest = hashlib.sha1(repr(env).encode()).hexdigest()
-    return (nprocs, device, backend, digest)
+    return (nprocs, device, backend, digest, start_method)
 
 
 class WorkerPool:
@@ -478,7 +481,7 @@ def take_pool(key: tuple) -> tuple[WorkerPool | None, str]:
                       f"this launch starts new workers", RuntimeWarning, stacklevel=5)
         return None, reason
     reason = "the pool's workers had ended" if pool.agent_done.is_set() or not pool.alive else (
-        "other ranks, device, backend or environment" if pool.key != key else pool.stale())
+        "other ranks, device, backend, environment or start method" if pool.key != key else pool.stale())
     return None, reason
 
 

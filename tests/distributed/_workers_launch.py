@@ -44,6 +44,11 @@ def rank_info(*args, **kwargs):
     }
 
 
+def environment_and_parent(names: list[str]) -> dict:
+    """The variables ``names`` as this worker sees them (None: unset), its pid and its parent's."""
+    return {"env": {name: os.environ.get(name) for name in names}, "pid": os.getpid(), "ppid": os.getppid()}
+
+
 def raise_on_rank(failing_rank: int, message: str) -> int:
     if dist.get_rank() == failing_rank:
         raise ValueError(message)

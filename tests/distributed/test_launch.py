@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import glob
 import importlib
+import json
 import multiprocessing
 import os
 import subprocess
@@ -140,22 +141,32 @@ class _ChildPidSampler:
 
 
 def _child_pids() -> set[int]:
-    return _spawned_children(os.getpid())
+    return _worker_processes(os.getpid())
 
 
-def _spawned_children(parent: int) -> set[int]:
-    """Spawned children of ``parent`` (not multiprocessing's long-lived resource tracker)."""
-    pids = set()
+def _children(parent: int) -> dict[int, bytes]:
+    """{pid: command line} of ``parent``'s children."""
+    out = {}
     for path in glob.glob(f"/proc/{parent}/task/*/children"):
         try:
             with open(path) as f:
-                children = [int(pid) for pid in f.read().split()]
-            for pid in children:
-                with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    if b"spawn_main" in f.read():
-                        pids.add(pid)
+                for pid in map(int, f.read().split()):
+                    with open(f"/proc/{pid}/cmdline", "rb") as f:
+                        out[pid] = f.read()
         except OSError:
             pass
+    return out
+
+
+def _worker_processes(launcher: int) -> set[int]:
+    """The worker processes ``launcher`` started: its spawned children and its forkserver's
+    children (not multiprocessing's resource tracker, nor the forkserver itself)."""
+    pids = set()
+    for pid, cmdline in _children(launcher).items():
+        if b"spawn_main" in cmdline:
+            pids.add(pid)
+        elif b"multiprocessing.forkserver" in cmdline:
+            pids |= set(_children(pid))
     return pids
 
 
@@ -287,6 +298,37 @@ def test_script_without_main_guard_gets_an_error_naming_the_fix(tmp_path):
     assert 'under `if __name__ == "__main__":`' in caught[0] and "launcher.py" in caught[0], out
 
 
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="forkserver by default on Linux only")
+def test_workers_get_the_callers_environment_as_it_is_at_each_launch(tmp_path):
+    # A forkserver's workers would inherit the environment the forkserver started with (at the
+    # first launch), so a later launch must hand its own: changed, removed and added variables.
+    proc = _run_script(tmp_path, """
+        import json, os
+        from muonlab.distributed.launch import _forkserver_pid
+        if __name__ == "__main__":
+            names = ["T_CHANGED", "T_REMOVED", "T_ADDED"]
+            os.environ.update(T_CHANGED="before", T_REMOVED="before")
+            out = {"first": launch(workers.environment_and_parent, 2, names, warm=False)}
+            os.environ.update(T_CHANGED="after", T_ADDED="after")
+            del os.environ["T_REMOVED"]
+            out["second"] = launch(workers.environment_and_parent, 2, names, warm=False)
+            out["spawned"] = launch(workers.environment_and_parent, 1, names, warm=False, start_method="spawn")
+            print(json.dumps(dict(out, launcher=os.getpid(), forkserver=_forkserver_pid())))
+    """, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = proc.communicate(timeout=220)
+    assert proc.returncode == 0, err
+    seen = json.loads(out.splitlines()[-1])
+    before = {"T_CHANGED": "before", "T_REMOVED": "before", "T_ADDED": None}
+    after = {"T_CHANGED": "after", "T_REMOVED": None, "T_ADDED": "after"}
+    assert seen["forkserver"] not in (None, seen["launcher"])
+    for launch_name, env, parent in [("first", before, seen["forkserver"]), ("second", after, seen["forkserver"]),
+                                     ("spawned", after, seen["launcher"])]:
+        for rank, info in seen[launch_name].items():
+            assert info["env"] == env, (launch_name, rank, info)
+            assert info["ppid"] == parent, (launch_name, rank, info, seen)
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -312,7 +354,7 @@ def test_killing_the_launcher_while_workers_start_leaves_no_worker(tmp_path):
     try:
         deadline = time.monotonic() + 120
         while len(workers_seen) < 2 and time.monotonic() < deadline:
-            workers_seen |= _spawned_children(proc.pid)
+            workers_seen |= _worker_processes(proc.pid)
             time.sleep(0.02)
         assert len(workers_seen) == 2, "the launcher started no workers"
         proc.kill()  # while the workers are still bootstrapping (importing torch)
@@ -369,6 +411,9 @@ def test_unknown_backends_and_timeouts_past_the_cap_are_refused_before_starting(
     for bad in ("glo", "mpi", 123):
         with pytest.raises(ValueError, match=r"^backend must be None .* 'gloo' or 'nccl', got"):
             launch(workers.rank_info, 1, backend=bad)
+    for bad in ("fork", "Spawn", 1):
+        with pytest.raises(ValueError, match=r"^start_method must be None .* 'forkserver' or 'spawn', got"):
+            launch(workers.rank_info, 1, start_method=bad)
     for name in ("timeout_s", "startup_timeout_s"):
         # 1e14 s is past what the workers' timedelta holds
         with pytest.raises(ValueError, match=rf"^{name}=1e\+14 s is longer than launch\(\) waits"):
