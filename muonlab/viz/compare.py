@@ -22,6 +22,7 @@ from matplotlib.ticker import MaxNLocator
 
 from ..experiments.compare import Comparison, compare, describe_test, verdict_text
 from ..runs import RunRecord, as_comparison
+from .busy import say_when_busy
 from .panel_output import check_range, show_figure
 
 __all__ = ["ComparePanel", "compare_panel", "comparison_html", "plot_comparison"]
@@ -210,6 +211,7 @@ class ComparePanel:
         self.output = w.Output()  # the figure (show_figure)
         self.progress_area = w.Output()  # the runs' bar, apart from the figure (see TrainingPanel)
         self.button.on_click(self.update)
+        say_when_busy(self.button)
         controls = w.VBox([self.choice, self.seeds, self.steps, w.HBox([self.button, self.status])])
         self.widget = w.VBox([controls, self.progress_area, self.table, self.output])
 

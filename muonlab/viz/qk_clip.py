@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 import matplotlib.pyplot as plt
 
 from ..train import History
+from .busy import say_when_busy
 from .curves import integer_steps, plot_loss_curves
 from .panel_output import check_choice, check_range, show_figure
 
@@ -96,6 +97,7 @@ class VariantPanel:
         self.status = w.Label("")
         self.output = w.Output()
         self.button.on_click(lambda _: self.update())
+        say_when_busy(self.button)
         self.widget = w.VBox([w.HBox([self.variant, self.tau, self.button]), self.status, self.output])
 
     def label(self, variant: str, tau: float) -> str:

@@ -14,6 +14,7 @@ from ..kernels.coefficients import PRESETS
 from ..models import GPT, GPTConfig
 from ..train import History, make_optimizer, train
 from .curves import ns_choice_short, plot_loss_curves, robust_ylim
+from .busy import say_when_busy
 from .panel_output import check_range, show_figure
 
 
@@ -124,6 +125,7 @@ class TrainingPanel:
         self.progress_area = w.Output()
         self.button.on_click(self.update)
         self.clear.on_click(self._clear)
+        say_when_busy(self.button, self.clear)
         controls = w.VBox([self.lr, self.momentum, self.ns_steps, self.preset,
                            w.HBox([self.button, self.clear, self.status])])
         self.widget = w.VBox([controls, self.progress_area, self.output])

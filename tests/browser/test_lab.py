@@ -4,7 +4,8 @@ JupyterLab starts as `make lab` starts it, with CI=1 and on a copy of the notebo
 never touches the repository). Each test runs every cell from the Run menu. Notebook 01: the
 training panel renders as ipywidgets (not a text repr); the test picks other coefficients in its
 dropdown, clicks "train", and checks the click reached the kernel: the status label, the drawn image
-and the panel's kept runs (one curve each in the figure) all change. Notebook 07: the comparison
+and the panel's kept runs (one curve each in the figure) all change. While Run All is still going,
+the panel's button says the kernel is busy and takes no click. Notebook 07: the comparison
 panel; the test ticks other configurations, clicks "run" and reads the new table. Both skip where
 no Chromium is installed, and the run's summary says so (tests/conftest.py), which the last test checks.
 """
@@ -128,9 +129,11 @@ def lab(tmp_path):
         assert not leftover, f"processes left behind by JupyterLab: {leftover}"
 
 
-def _run_all_cells(page, timeout_ms: int) -> None:
+def _run_all_cells(page, timeout_ms: int, during=None) -> None:
     page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
     page.locator(".lm-Menu-itemLabel", has_text="Run All Cells").first.click()
+    if during is not None:  # what a user does while the cells run
+        during(page)
     # The run is over when every code cell shows a number and the numbers follow one another, as
     # one Run All gives (the stored counts have gaps where ignored cells store none), or at an error.
     page.wait_for_function(
@@ -148,13 +151,23 @@ def _cell_output(page, first_line: str):
     return cell.locator(".jp-OutputArea")
 
 
-def _open_and_run_all(page, url: str, token: str, notebook: str, timeout_ms: int) -> None:
+def _open_and_run_all(page, url: str, token: str, notebook: str, timeout_ms: int, during=None) -> None:
     page.goto(f"{url}/lab/tree/{notebook}?token={token}")
     page.wait_for_selector(".jp-NotebookPanel .jp-CodeCell", timeout=60_000)
     page.wait_for_function(  # the kernel is up and connected (a Run All sent earlier can be lost)
         "() => [...document.querySelectorAll('.jp-StatusBar-TextItem')]"
         "      .some(e => e.textContent.includes('| Idle'))", timeout=60_000)
-    _run_all_cells(page, timeout_ms=timeout_ms)
+    _run_all_cells(page, timeout_ms=timeout_ms, during=during)
+
+
+def _click_the_busy_panel(page) -> None:
+    """While Run All is still going (the last cell trains through the panel), the panel's train
+    button says the kernel is busy and is disabled; a click on it is taken by nothing."""
+    busy = page.locator(".jupyter-widgets.widget-button", has_text="(kernel busy)").first
+    busy.wait_for(timeout=240_000)
+    assert busy.is_disabled()
+    assert busy.get_attribute("title").startswith("The kernel is running cells")
+    busy.click(force=True, timeout=10_000)
 
 
 @contextlib.contextmanager
@@ -179,12 +192,12 @@ def _lab_page(tmp_path: Path):
 
 
 @needs_chromium
-@pytest.mark.timeout(420)  # a stuck page still ends in the fixture's shutdown
+@pytest.mark.timeout(480)  # a stuck page still ends in the fixture's shutdown
 def test_notebook_01_panel_renders_and_trains_on_click(lab, tmp_path):
     url, token = lab
     with _lab_page(tmp_path) as page:
         # Run All's budget: it ran past 120 s on the 2 cores at a load of 9
-        _open_and_run_all(page, url, token, NOTEBOOK, timeout_ms=240_000)
+        _open_and_run_all(page, url, token, NOTEBOOK, timeout_ms=240_000, during=_click_the_busy_panel)
 
         errors = page.locator(ERROR_OUTPUT, has_text="Traceback")
         assert errors.count() == 0, errors.first.inner_text()
@@ -192,6 +205,9 @@ def test_notebook_01_panel_renders_and_trains_on_click(lab, tmp_path):
         panel = page.locator(".jp-OutputArea-output .jupyter-widgets.widget-vbox").first
         panel.wait_for(timeout=30_000)
         assert panel.locator(".widget-button").count() == 2  # train, clear runs
+        # the cells are done: the buttons are as they were
+        assert panel.locator(".widget-button", has_text="kernel busy").count() == 0
+        assert panel.locator(".widget-button", has_text="train").is_enabled()
         assert panel.locator(".widget-slider, .widget-hslider").count() >= 3
         notebook_text = page.locator(".jp-Notebook").inner_text()
         assert "VBox(children" not in notebook_text and "TrainingPanel(" not in notebook_text
