@@ -20,7 +20,9 @@ between ranks: the global shape, how it is laid out over which group of ranks, a
   row-wise Linear alone, ``Shard(1)``: each rank a column block): each rank of the sharding axes,
   flattened into one group, holds an arbitrary block of each tensor, a product of index runs per dim
   (``MatrixSpec.pieces``; uneven and empty ones included). Each parameter is gathered whole on one
-  owner and its update's pieces sent back (muonlab.comm.paths.pieces).
+  owner and its update's pieces sent back (muonlab.comm.paths.pieces). A fused bank (heads, with
+  ``split_heads``) split column-wise with whole blocks per TP rank is not "pieces": its TP slice is a
+  fused bank row-sharded over the FSDP axis alone (``tp_whole_blocks``), no TP peer involved.
 * ``gather_all``: no placement takes it; the planner's "redundant" strategy (the baseline) puts
   row-sharded matrices on it, every rank gathering each whole (muonlab.comm.paths.gather_all).
 
@@ -439,6 +441,14 @@ def matrix_spec(index: int, name: str, p: torch.Tensor, replicate_group=None, nu
     shape = tuple(p.shape)
     view = view or default_view(shape)
     check_view(name, shape, view, num_fused)
+    within = tp_whole_blocks(p, num_fused)
+    if within is not None:
+        # each TP rank holds whole blocks (heads): its TP slice is a fused bank row-sharded over the
+        # FSDP axis alone, planned as FSDP2's fused banks are (the TP ranks run alike, on other heads)
+        fsdp_axis, tp = within
+        shape = (shape[0] // tp, shape[1])
+        layout, group, rows, _ = _row_layout(group_key_for_mesh(p.device_mesh, fsdp_axis), shape, num_fused // tp, view)
+        return MatrixSpec(index, name, shape, layout, group, rows, 0, num_fused // tp, view, str(p.dtype))
     if DTensor is not None and isinstance(p, DTensor) and is_pieces_placement(p.placements) \
             and not _one_rank_axis(p):
         # sharded on several mesh axes (tensor parallel with FSDP2), or by columns on one: what every
@@ -448,6 +458,42 @@ def matrix_spec(index: int, name: str, p: torch.Tensor, replicate_group=None, nu
         return MatrixSpec(index, name, shape, "pieces", key, (), 0, num_fused, view, str(p.dtype), pieces)
     layout, group, rows, shard_dim = _layout(name, p, shape, replicate_group, num_fused, view)
     return MatrixSpec(index, name, shape, layout, group, rows, shard_dim, num_fused, view, str(p.dtype))
+
+
+def tp_whole_blocks(p: torch.Tensor, num_fused: int) -> tuple[int, int] | None:
+    """(FSDP2's mesh axis, the TP size) of a fused bank (``num_fused`` blocks of rows: heads, with
+    ``split_heads``) that tensor parallelism splits column-wise into whole blocks per TP rank and FSDP2
+    then shards within each TP slice: placements ``(_StridedShard(0, T), Shard(0))`` (other axes
+    Replicate) with T dividing ``num_fused``. Else None.
+
+    Such a rank's rows all belong to its TP slice's blocks, so those blocks' Newton-Schulz needs the
+    FSDP axis only (``matrix_spec`` gives the slice's layout over it), never a TP peer."""
+    if DTensor is None or not isinstance(p, DTensor) or num_fused < 2 or p.ndim != 2:
+        return None
+    sharded = [(a, pl) for a, pl in enumerate(p.placements) if not isinstance(pl, Replicate)]
+    if len(sharded) != 2:
+        return None
+    (fsdp_axis, strided), (tp_axis, tp_shard) = sharded
+    tp = p.device_mesh.mesh.shape[tp_axis]
+    if not (isinstance(strided, _StridedShard) and strided.dim == 0 and strided.split_factor == tp
+            and isinstance(tp_shard, Shard) and tp_shard.dim == 0 and num_fused % tp == 0):
+        return None
+    return fsdp_axis, tp
+
+
+def _row_layout(key: GroupKey, shape: tuple[int, ...], num_fused: int,
+                view: str) -> tuple[str, GroupKey | None, tuple[int, ...], int]:
+    """(layout, group, rows, shard dim) of a tensor of ``shape`` sharded ``Shard(0)`` over the axis ``key``."""
+    if key.size == 1:  # a one-rank axis holds everything: nothing to move
+        # on a bigger mesh (experts on a (1, ep) mesh) its group still says which ranks
+        # hold such a matrix, each its own (all of them, not rank 0 alone, do its work)
+        return "whole", (None if len(key.mesh_ranks) == 1 else key), (), 0
+    rows = chunk_sizes(shape[0], key.size)
+    if num_fused > 1:
+        return fused_row_layout(shape[0], num_fused, key.size), key, rows, 0
+    # a bank's dim 0 indexes whole matrices (experts); any other view's dim 0 is rows of its
+    # one matrix, a flattened conv kernel's included
+    return ("whole" if view == "bank" else "row_shard"), key, rows, 0
 
 
 def is_pieces_placement(placements) -> bool:
@@ -479,17 +525,8 @@ def _layout(name: str, p: torch.Tensor, shape: tuple[int, ...], replicate_group,
         if len(sharded) == 1 and isinstance(sharded[0][1], Shard):
             mesh_dim, dim = sharded[0][0], sharded[0][1].dim
             key = group_key_for_mesh(mesh, mesh_dim)
-            if key.size == 1:  # a one-rank axis holds everything: nothing to move
-                # on a bigger mesh (experts on a (1, ep) mesh) its group still says which ranks
-                # hold such a matrix, each its own (all of them, not rank 0 alone, do its work)
-                return "whole", (None if len(key.mesh_ranks) == 1 else key), (), 0
-            assert dim == 0, "a single Shard(dim > 0) on a bigger axis takes layout pieces (matrix_spec)"
-            rows = chunk_sizes(shape[0], key.size)
-            if num_fused > 1:
-                return fused_row_layout(shape[0], num_fused, key.size), key, rows, 0
-            # a bank's dim 0 indexes whole matrices (experts); any other view's dim 0 is rows of its
-            # one matrix, a flattened conv kernel's included
-            return ("whole" if view == "bank" else "row_shard"), key, rows, 0
+            assert dim == 0 or key.size == 1, "a single Shard(dim > 0) on a bigger axis takes layout pieces (matrix_spec)"
+            return _row_layout(key, shape, num_fused, view)
         raise ValueError(
             f"Muon parameter '{name}' of shape {shape} has placements {tuple(placements)} on mesh "
             f"{tuple(mesh.mesh.shape)}; supported: Shard(dim) or _StridedShard(dim) on one or more mesh "

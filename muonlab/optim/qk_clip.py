@@ -42,7 +42,11 @@ Distributed: the max per head is reduced with MAX over ``group`` (default: all r
 differ under FSDP2, HSDP, DDP and expert parallelism), so every rank takes the same decision; the
 row scaling then touches each rank's own rows only: a DTensor sharded ``Shard(0)`` (FSDP2, the
 dense parameters under muonlab's EP) scales the rows of its local shard, which may cut through a
-head or be empty, a replicated weight (DDP) all its rows.
+head or be empty, a replicated weight (DDP) all its rows. Under tensor parallelism (q/k split
+column-wise, whole heads per TP rank, then FSDP2: ``(_StridedShard(0), Shard(0))``) each TP rank's
+forward sees its own heads only: their maxima go to their places among all the heads (the others
+-inf) before the MAX over every rank, so each head's max is the max over the data-parallel ranks of
+the TP rank that holds it, and every rank scales the rows it holds of each head.
 """
 
 from __future__ import annotations
@@ -230,31 +234,56 @@ def _hf_record_hook(module, args, kwargs, output):
 # ---------------------------------------------------------------------------------- rows
 
 
-def _row_span(t: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """(this rank's rows of ``t`` as a plain tensor, index of its first row in the full tensor).
+def _tp_first_head(h: QKHeads, recorded: torch.Tensor) -> int:
+    """The first query head of a max logit that recorded fewer heads than the module has: tensor
+    parallelism gave this rank's forward a contiguous run of them (its column-wise q rows: a TP axis
+    of ``n_heads / recorded`` ranks sharding the q weight ``Shard(0)``).
 
-    A DTensor must be sharded on dim 0 at most once (FSDP2 ``Shard(0)``, HSDP ``(Replicate(),
-    Shard(0))``); its local rows follow ``torch.chunk``, so a trailing rank may hold none."""
+    Raises:
+        ValueError: no such TP axis explains the shape, naming the module and the shapes."""
+    weight = h.q[0][0] if h.q else getattr(getattr(h.module, "q_proj", None), "weight", None)
+    count = recorded.numel()
+    if recorded.dim() == 1 and count and h.n_heads % count == 0 and hasattr(weight, "placements"):
+        from torch.distributed.tensor import Shard
+
+        tp = h.n_heads // count
+        mesh = weight.device_mesh
+        axes = [a for a, pl in enumerate(weight.placements)
+                if type(pl) is Shard and pl.dim == 0 and mesh.size(a) == tp]  # FSDP2's is a _StridedShard
+        if len(axes) == 1:
+            return mesh.get_coordinate()[axes[0]] * count
+    raise ValueError(f"{h.name!r} recorded a max logit of shape {tuple(recorded.shape)}, expected ({h.n_heads},), or "
+                     f"one tensor-parallel rank's heads of a q weight split Shard(0) over a TP axis")
+
+
+def _row_runs(t: torch.Tensor) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
+    """(this rank's rows of ``t`` as a plain tensor, its runs of rows: (first local row, first full
+    row, rows) each).
+
+    A DTensor may be sharded on dim 0 only, by any Shards and _StridedShards: FSDP2 ``Shard(0)``,
+    HSDP ``(Replicate(), Shard(0))``, tensor parallel and FSDP2 ``(_StridedShard(0), Shard(0))``;
+    its local rows follow ``torch.chunk`` (muonlab.comm.specs.held_piece), so a rank may hold none."""
     if not hasattr(t, "to_local"):
-        return t, 0
-    from torch.distributed.tensor import Replicate, Shard
+        return t, [(0, 0, t.shape[0])]
+    from torch.distributed.tensor import Replicate
+
+    from ..comm.specs import held_piece
 
     local = t.to_local()
-    start = 0
-    sharded = [(i, p) for i, p in enumerate(t.placements) if not isinstance(p, Replicate)]
-    if len(sharded) > 1 or any(not (isinstance(p, Shard) and p.dim == 0) for _, p in sharded):
-        raise ValueError(f"QKClip scales rows of tensors sharded on dim 0 once (FSDP2's Shard(0)), got placements "
-                         f"{list(t.placements)} on a tensor of shape {tuple(t.shape)}")
-    if sharded:
-        mesh_dim = sharded[0][0]
-        parts, coord = t.device_mesh.size(mesh_dim), t.device_mesh.get_coordinate()[mesh_dim]
-        chunk = -(-t.shape[0] // parts)
-        start = min(coord * chunk, t.shape[0])
-        expected = max(0, min(chunk, t.shape[0] - start))
-        if local.shape[0] != expected:
-            raise ValueError(f"QKClip expected {expected} local rows (torch.chunk of {t.shape[0]} over {parts}) on "
-                             f"shard {coord}, got {local.shape[0]}")
-    return local, start
+    sharded = [p for p in t.placements if not isinstance(p, Replicate)]
+    if any(getattr(p, "dim", None) != 0 for p in sharded):
+        raise ValueError(f"QKClip scales rows of tensors sharded on dim 0 only (FSDP2's Shard(0), tensor parallel's "
+                         f"column-wise split), got placements {list(t.placements)} on a tensor of shape {tuple(t.shape)}")
+    piece = held_piece(tuple(t.shape), tuple(t.device_mesh.mesh.shape), tuple(t.device_mesh.get_coordinate()),
+                       tuple(t.placements))
+    runs, at = [], 0
+    for start, n in piece[0]:
+        runs.append((at, start, n))
+        at += n
+    if at != local.shape[0]:
+        raise ValueError(f"QKClip expected {at} local rows of {tuple(t.shape)} placed {list(t.placements)}, got "
+                         f"{local.shape[0]}")
+    return local, runs
 
 
 def _scale_rows_(t: torch.Tensor, first: int, factors: torch.Tensor, rows_per_factor: int) -> None:
@@ -262,12 +291,14 @@ def _scale_rows_(t: torch.Tensor, first: int, factors: torch.Tensor, rows_per_fa
     only. Every such row is multiplied, whatever its factor: x * 1.0 is x bit for bit, so the rows
     of heads under tau come out unchanged, and no factor is read on the host (on a GPU that read
     would wait for the step)."""
-    local, start = _row_span(t)
-    lo, hi = max(first, start), min(first + factors.numel() * rows_per_factor, start + local.shape[0])
-    if lo >= hi:
-        return
-    mine = factors.repeat_interleave(rows_per_factor)[lo - first:hi - first]
-    local[lo - start:hi - start].mul_(mine.to(local.device, local.dtype).view(-1, *([1] * (local.dim() - 1))))
+    local, runs = _row_runs(t)
+    end = first + factors.numel() * rows_per_factor
+    for at, start, n in runs:
+        lo, hi = max(first, start), min(end, start + n)
+        if lo >= hi:
+            continue
+        mine = factors.repeat_interleave(rows_per_factor)[lo - first:hi - first]
+        local[at + lo - start:at + hi - start].mul_(mine.to(local.device, local.dtype).view(-1, *([1] * (local.dim() - 1))))
 
 
 # ---------------------------------------------------------------------------------- QKClip
@@ -342,9 +373,12 @@ class QKClip:
         for h, m in zip(self.heads, recorded):
             if m is None:
                 m = torch.full((h.n_heads,), float("-inf"), device=device)
-            if m.shape != (h.n_heads,):
-                raise ValueError(f"{h.name!r} recorded a max logit of shape {tuple(m.shape)}, expected ({h.n_heads},)")
-            seen.append(m.detach().float().to(device))
+            m = m.detach().float().to(device)
+            if m.shape != (h.n_heads,):  # a TP rank's own heads: in their places, -inf elsewhere
+                first = _tp_first_head(h, m)
+                m = torch.full((h.n_heads,), float("-inf"), device=device).index_copy_(
+                    0, torch.arange(first, first + m.numel(), device=device), m)
+            seen.append(m)
         flat = torch.cat(seen)
         if dist_on() and dist.get_world_size(self.group) > 1:
             from ..distributed.device import collective_device

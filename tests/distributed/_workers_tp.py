@@ -434,8 +434,98 @@ def checkpoint_across_tp(folder: str) -> dict:
                 next_wide=step_diff(one_more(wide, wide_opt)), next_back=step_diff(one_more(back, back_opt)))
 
 
+
+
+def heads_under_tp(rule: str) -> dict:
+    """Muon with ``rule`` and ``split_heads`` on the tiny Llama under ``parallelize(.., "fsdp+tp", tp=2)``
+    and on its plain copy, from the same gradients (gathered whole outside the step), 3 steps: the
+    errors per parameter, the plan (path, group axis, names, bytes) and the bytes counted."""
+    from muonlab.distributed import parallelize
+
+    torch.set_num_threads(1)
+    model, plain = _llama(), _llama()
+    model, inner, _ = parallelize(model, "fsdp+tp", tp=2)
+    opt = Muon(muon_param_groups(inner, split_heads=True), update_rule=rule, **HYPER)
+    ref = Muon(muon_param_groups(plain, split_heads=True), update_rule=rule, **HYPER)
+    named = dict(inner.named_parameters())
+    for step in range(STEPS):
+        x = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(step))
+        model(input_ids=x, labels=x).loss.backward()
+        for n, q in plain.named_parameters():
+            q.grad = named[n].grad.full_tensor()
+        opt.step()
+        ref.step()
+        opt.zero_grad()
+        ref.zero_grad()
+    errors = {}
+    for n, q in plain.named_parameters():
+        if n.endswith("proj.weight"):
+            want = q.detach()
+            errors[n] = float((named[n].full_tensor() - want).abs().max() / want.abs().max())
+    stats = opt.last_step_stats()
+    planned_sent, _ = bytes_for_rank(opt.plan(), dist.get_rank())
+    return dict(errors=errors, sent=stats["bytes_sent"], planned_sent=planned_sent,
+                plan=[(b.path, b.group.axis_name if b.group else None, b.names, b.num_matrices, b.matrix_shape,
+                       sum(b.bytes_sent)) for b in opt.plan()])
+
+
+QK_TAU = 27.0
+"""Layer 0's heads read 43.6, 26.9, 27.5 and 28.6 on the first batch: heads on both TP ranks clipped,
+head 1 not, in a clipped kv group (heads 0 and 1 share one)."""
+
+
+def qk_clip_under_tp() -> dict:
+    """QK-clip on the real-model tests' tiny Llama (4 heads, 2 kv heads of 8; q/k of layer 0 boosted)
+    under ``parallelize(.., "fsdp+tp", tp=2)``, each dp rank its rows of the global batches (a TP group
+    the same), against one process on the whole batches: one forward then ``apply()`` at ``QK_TAU`` (the max logit
+    and gamma per head, every parameter whole after the clip); and 3 SGD steps with the clip attached
+    (``_workers_qk_clip.single_process_hf``)."""
+    from muonlab.distributed import parallelize
+    from muonlab.optim.qk_clip import QKClip
+    from tests.real_models._workers import rows
+
+    from ._workers_qk_clip import HF_TAU, _records, _train_hf, build_llama, hf_batches, single_process_hf
+
+    torch.set_num_threads(1)
+
+    def relative(got: dict, want: dict) -> dict:
+        return {n: float((got[n] - w).abs().max() / w.abs().max()) for n, w in want.items()}
+
+    def flat(records):
+        return [[g for layer in s["gamma"] for g in layer] for s in records]
+
+    def logit_errors(got, want):
+        return max(abs(a - b) / abs(b) for s, t in zip(got, want) for g, w in zip(s["max_logit"], t["max_logit"])
+                   for a, b in zip(g, w))
+
+    x = hf_batches(2)[0]
+    plain = build_llama()
+    one = QKClip(plain, tau=QK_TAU)
+    plain(input_ids=x, labels=x)
+    one.apply()
+    model, inner, mesh = parallelize(build_llama(), "fsdp+tp", tp=2)
+    dp = mesh.get_local_rank("dp")
+    clip = QKClip(inner, tau=QK_TAU)
+    with torch.no_grad():
+        model(input_ids=rows(x, dp), labels=rows(x, dp))
+    clip.apply()
+    whole = {n: p.full_tensor().detach() for n, p in inner.named_parameters()}
+    once = dict(errors=relative(whole, {n: p.detach() for n, p in plain.named_parameters()}),
+                logit_error=logit_errors(_records(clip), _records(one)), gammas=flat(_records(clip)),
+                want_gammas=flat(_records(one)))
+    model, inner, mesh = parallelize(build_llama(), "fsdp+tp", tp=2)
+    steps = _train_hf(model, [rows(b, dp) for b in hf_batches(2)], HF_TAU)
+    want = single_process_hf(2)
+    whole = {n: p.full_tensor().detach() for n, p in inner.named_parameters()}
+    return dict(once=once, steps=dict(errors=relative(whole, want["params"]),
+                                      logit_error=logit_errors(_records(steps), want["clip"]),
+                                      gammas=flat(_records(steps)), want_gammas=flat(want["clip"])),
+                q_placements=str(tuple(inner.model.layers[0].self_attn.q_proj.weight.placements)))
+
+
 def everything(folder: str) -> dict:
     """All the checks of one 4-rank launch (``folder``: shared by the ranks, for the checkpoints)."""
     return dict(pieces=pieces_match(), muon=train_tp("muon"), normuon=train_tp("normuon"),
                 layouts=layouts_gathers(), rowwise={rule: rowwise_alone(rule) for rule in ("muon", "normuon")}, replicated=replicated_slices(),
-                gpt=gpt_fsdp_tp(), default_mesh=fsdp_tp_default_mesh(), checkpoint=checkpoint_across_tp(folder))
+                gpt=gpt_fsdp_tp(), default_mesh=fsdp_tp_default_mesh(), checkpoint=checkpoint_across_tp(folder),
+                heads=heads_under_tp("muon"), qk_clip=qk_clip_under_tp())

@@ -156,3 +156,51 @@ def test_checkpoint_reshards_across_tp_sizes_bit_for_bit(results):
         assert got["placements"]["blocks.0.mlp.fc.weight"] == ("(_StridedShard(dim=0, sf=2), Shard(dim=0))",
                                                               "(Shard(dim=0), Shard(dim=0))"), got["placements"]
         assert got["next_back"] == 0.0 and got["next_wide"] <= 1e-6, got
+
+
+@pytest.mark.timeout(600)
+def test_split_heads_under_tp_need_the_fsdp_axis_only(results):
+    """split_heads on the tiny Llama under (dp 2, tp 2): each TP rank holds whole heads of q, k and v,
+    so their Newton-Schulz is planned over "dp" alone (q: one whole head per rank, no bytes at all;
+    k/v: a head's rows on both dp ranks, FSDP2's all_to_all within the TP slice), the rest over the
+    flattened "dp+tp" group; bytes counted = planned; fp32 Muon within 1e-6 of one process over 3
+    steps from the same gradients (0 measured)."""
+    for rank, res in results.items():
+        got = res["heads"]
+        for name, err in got["errors"].items():
+            assert err <= TOLERANCE, (rank, name, err)
+        assert got["sent"] == got["planned_sent"], (rank, got["sent"], got["planned_sent"])
+        by_kind = {}
+        for path, axis, names, num_matrices, shape, sent in got["plan"]:
+            for name in names:
+                by_kind.setdefault(name.split(".")[-2], set()).add((path, axis, num_matrices, shape, sent))
+        # q: 4 heads of (4, 16), 2 per TP slice, 1 per rank: each orthogonalized where it lies
+        assert by_kind["q_proj"] == {("local", "dp", 4, (4, 16), 0)}, by_kind
+        # k, v: 2 kv heads, 1 per TP slice, its 4 rows on 2 dp ranks: moved within the slice only
+        assert {k[:4] for kind in ("k_proj", "v_proj") for k in by_kind[kind]} == {("all_to_all", "dp", 4, (4, 16))}
+        for kind in ("o_proj", "gate_proj", "up_proj", "down_proj"):
+            assert {k[:2] for k in by_kind[kind]} == {("pieces", "dp+tp")}, by_kind[kind]
+
+
+@pytest.mark.timeout(600)
+def test_qk_clip_under_tp_takes_each_head_where_it_lives(results):
+    """QK-clip on the tiny Llama (4 heads, 2 kv heads) under (dp 2, tp 2): each TP rank records its
+    own heads, the max is global over the data-parallel ranks; one forward and a clip at tau 27 (heads
+    on both TP ranks clipped, one not) equal one process: gamma within 1e-6, every weight whole within
+    1e-6 (0 measured), max logits within 2e-6 (3.8e-7 measured, layer 1's logits of 0.05 after the
+    TP forward's row-wise sums). 3 SGD steps with the clip attached: within 1e-4 (1.0e-5 measured; FSDP2
+    alone is held to 1e-5 in test_qk_clip_distributed, and the TP forward adds its sums)."""
+    for rank, res in results.items():
+        got = res["qk_clip"]
+        assert got["q_placements"] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))"
+        once = got["once"]
+        assert once["gammas"][0] == pytest.approx(once["want_gammas"][0], rel=1e-6), (rank, once)
+        assert sum(g < 1 for g in once["want_gammas"][0][:4]) == 3, once["want_gammas"]  # heads 0, 2, 3
+        assert once["logit_error"] <= 2e-6, (rank, once["logit_error"])
+        for name, err in once["errors"].items():
+            assert err <= TOLERANCE, (rank, name, err)
+        steps = got["steps"]
+        assert sum(steps["gammas"], []) == pytest.approx(sum(steps["want_gammas"], []), rel=1e-4), (rank, steps)
+        assert steps["logit_error"] <= 1e-4, (rank, steps["logit_error"])
+        for name, err in steps["errors"].items():
+            assert err <= 1e-4, (rank, name, err)
