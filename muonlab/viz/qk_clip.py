@@ -32,6 +32,14 @@ def max_logit_per_layer(history: History) -> list[list[float]]:
             for layer in range(layers)]
 
 
+def _tau_label(tau: float, run: str | None) -> str:
+    """The threshold line's legend entry: "tau 30", "tau 30 (MuonClip)", or, for a run whose label
+    already gives its tau ("MuonClip (tau 5.01)"), "tau of MuonClip (tau 5.01)"."""
+    if run is None:
+        return f"tau {tau:.3g}"
+    return f"tau of {run}" if "tau" in run else f"tau {tau:.3g} ({run})"
+
+
 def plot_max_logits(runs: Mapping[str, History], *, tau: float | Mapping[str, float] | None = None, ax=None,
                     title: str = "max attention logit per layer", legend: bool = True):
     """Each run's max attention logit per layer and step (a colour per run, a line style per
@@ -50,7 +58,7 @@ def plot_max_logits(runs: Mapping[str, History], *, tau: float | Mapping[str, fl
         run_tau = tau.get(label) if isinstance(tau, Mapping) else tau
         if run_tau is not None and math.isfinite(run_tau):
             ax.axhline(run_tau, color=f"C{i}" if isinstance(tau, Mapping) else "black", ls=":", lw=1,
-                       label=f"tau = {run_tau:g}" + (f" ({label})" if isinstance(tau, Mapping) else ""))
+                       label=_tau_label(run_tau, label if isinstance(tau, Mapping) else None))
     ax.set_yscale("log")
     ax.set_xlabel("step")
     ax.set_ylabel("max logit (before the clip)")

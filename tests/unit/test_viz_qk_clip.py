@@ -28,8 +28,13 @@ def test_max_logit_per_layer_and_the_plot_read_the_history():
     ax = plot_max_logits({"Muon": h, "MuonClip": _history([[1.0, 1.0]] * 3)}, tau={"MuonClip": 30.0})
     lines = {line.get_label(): line for line in ax.lines}
     assert list(lines["Muon, layer 1"].get_ydata()) == [3.0, 40.0, 30.0]
-    assert list(lines["tau = 30 (MuonClip)"].get_ydata()) == [30.0, 30.0]
+    assert list(lines["tau 30 (MuonClip)"].get_ydata()) == [30.0, 30.0]
     assert ax.get_yscale() == "log"
+    # a run labelled with its tau (the panel's labels) is not given a second one; one tau for all
+    ax = plot_max_logits({"MuonClip (tau 5.01)": h}, tau={"MuonClip (tau 5.01)": 5.01187})
+    assert "tau of MuonClip (tau 5.01)" in [line.get_label() for line in ax.lines]
+    ax = plot_max_logits({"Muon": h}, tau=5.01187)
+    assert "tau 5.01" in [line.get_label() for line in ax.lines]
     plt.close("all")
 
 
