@@ -33,7 +33,7 @@ from ..models import GPT, GPTConfig
 from ..models.gpt import moe_config
 from ..optim import Muon, muon_param_groups
 from ..optim.validation import check_whole
-from ..trace import StepRecorder, gather_spans
+from ..trace import StepRecorder, WholeStepRecorder, gather_spans
 
 __all__ = ["COMM_DTYPES", "MODES", "plan_rows", "tensor_devices", "train_worker"]
 
@@ -80,6 +80,7 @@ def train_worker(
     ep: int = 2,
     num_experts: int = 4,
     record: bool | str = True,
+    whole_step_timeline: int = 0,
 ) -> dict:
     """Train for ``steps`` steps on this rank's slice of each global batch; return what happened.
 
@@ -102,7 +103,8 @@ def train_worker(
     rank's spans of the last step as dicts on rank 0, None on the other ranks, step_spans: the same
     for the last ``STEPS_KEPT`` steps, numbered (``muonlab.trace.StepRecorder``), span_clock: "gpu"
     or "host" (what the spans time), ns_choices (``Muon.resolved_choices()``) and record: the
-    folder of the run record rank 0 wrote (None on the other ranks). Per-rank entries of a plan row
+    folder of the run record rank 0 wrote (None on the other ranks), whole_step_spans (see
+    ``whole_step_timeline``). Per-rank entries of a plan row
     are group-local (a batch of expert banks in "ep" mode is planned over the ``MeshAxis.FSDP`` axis
     only).
 
@@ -111,14 +113,24 @@ def train_worker(
     launch's own folder ``runs/<launch name>/``, a string names a folder of its own under
     ``runs/``, False keeps none; ``muonlab.runs.load(name).rerun()`` launches it again.
 
+    ``whole_step_timeline``: N > 0 records the last N steps whole (``muonlab.trace.WholeStepRecorder``:
+    forward, backward, FSDP2's all-gathers and reduce-scatters, the optimizer's spans, under
+    torch.profiler for those steps only) and returns every rank's spans on rank 0 as
+    ``whole_step_spans`` (None on the other ranks, and when N is 0); CPU workers only.
+
     A ValueError naming the parameter, before any model is built: ``mode`` not in ``MODES``,
     ``steps``, ``batch_per_rank`` (or, in "ep" mode, ``ep``) not a whole number >= 1, in "ep"
     mode ``num_experts`` not one >= 2 (each token is routed to its top 2 experts), ``seed`` not
-    one >= 0, a dtype name not in ``COMM_DTYPES``.
+    one >= 0, a dtype name not in ``COMM_DTYPES``, ``whole_step_timeline`` not a whole number from 0
+    to ``steps``.
     """
     _check_train_args(mode, steps=steps, batch_per_rank=batch_per_rank, seed=seed, ep=ep, num_experts=num_experts,
                       dtype_names={"comm_dtype_name": comm_dtype_name, "ns_dtype_name": ns_dtype_name})
     runs.check_record_arg(record)
+    check_whole("whole_step_timeline", whole_step_timeline, 0)
+    if whole_step_timeline > steps:
+        raise ValueError(f"whole_step_timeline must be at most steps={steps} (the last steps are recorded), "
+                         f"got {whole_step_timeline!r}")
     args = dict(mode=mode, steps=steps, d_model=d_model, n_layers=n_layers, n_heads=n_heads, context=context,
                 batch_per_rank=batch_per_rank, lr=lr, adamw_lr=adamw_lr, comm_dtype_name=comm_dtype_name,
                 ns_dtype_name=ns_dtype_name, remainder_path=remainder_path, seed=seed, ep=ep, num_experts=num_experts)
@@ -130,7 +142,12 @@ def train_worker(
     opt = Muon(muon_param_groups(inner), lr=lr, adamw_lr=adamw_lr, comm_dtype=COMM_DTYPES[comm_dtype_name],
                ns_dtype=COMM_DTYPES[ns_dtype_name], **extra)
     recorder = StepRecorder(opt, keep=STEPS_KEPT)
+    whole = None
+    if whole_step_timeline:
+        whole = WholeStepRecorder(model, opt, steps=whole_step_timeline, skip=steps - whole_step_timeline)
     losses, mean_losses, step_seconds = _train(model, opt, steps, batch_per_rank, context, seed)
+    if whole is not None:
+        whole.detach()
 
     plan = opt.plan()
     # Per-rank entries of a batch are indexed by this rank's place in the batch's group (the global
@@ -139,6 +156,7 @@ def train_worker(
     plan_sent, plan_recv = bytes_for_rank(plan, rank)
     spans = gather_spans(opt.last_step_spans())
     step_spans = recorder.gather()
+    whole_step_spans = None if whole is None else whole.gather()
     folder = None
     if record is not False and rank == 0:
         folder = _keep_record(record, args, opt, mean_losses=mean_losses, step_seconds=step_seconds, world=world,
@@ -149,7 +167,7 @@ def train_worker(
         plan_bytes_sent=plan_sent, plan_bytes_recv=plan_recv, stats=opt.last_step_stats(),
         plan_batches=list(plan), device=str(rank_device()), devices=tensor_devices(inner, opt),
         spans=None if spans is None else [asdict(s) for s in spans], step_spans=step_spans,
-        span_clock=recorder.clock, ns_choices=opt.resolved_choices(),
+        span_clock=recorder.clock, ns_choices=opt.resolved_choices(), whole_step_spans=whole_step_spans,
     )
 
 

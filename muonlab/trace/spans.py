@@ -42,7 +42,13 @@ from ..kernels.precision import is_number
 
 # Which timeline row a phase belongs to.
 LANES = {"momentum": "compute", "newton_schulz": "compute", "update": "compute", "adamw": "compute",
-         "comm": "comm", "comm_out": "comm", "comm_back": "comm"}
+         "comm": "comm", "comm_out": "comm", "comm_back": "comm",
+         # whole training steps (muonlab.trace.whole_step): the model's phases and FSDP2's collectives
+         "forward": "compute", "backward": "compute", "optimizer": "compute",
+         "all_gather": "comm", "reduce_scatter": "comm"}
+
+OPTIMIZER_COMM = ("comm", "comm_out", "comm_back")
+"""The optimizer's communication phases: each batch's own, with the bytes counted at its collectives."""
 
 
 @dataclass
@@ -323,21 +329,26 @@ def span_rows(spans: Iterable) -> list[dict]:
 def to_chrome_trace(spans: Iterable) -> dict:
     """Chrome trace-event JSON of ``Span``s or their rows (see ``span_rows``): one process per rank;
     compute on one thread, and each batch's communication on a thread of its own (batches overlap,
-    and a thread's events must nest). Spans of numbered steps (``step`` >= 0, a ``StepRecorder``'s)
-    also give each rank's step an event "step k" on a thread of its own, from its first span's start
-    to its last span's end, so Perfetto shows where each of many steps begins; a span's args carry
-    its step."""
+    and a thread's events must nest); other communication (FSDP2's collectives of a whole step,
+    ``muonlab.trace.whole_step``) on a thread per path. Spans of numbered steps (``step`` >= 0, a
+    ``StepRecorder``'s or a ``WholeStepRecorder``'s) also give each rank's step an event "step k"
+    on a thread of its own, from its first span's start to its last span's end, so Perfetto shows
+    where each of many steps begins; a span's args carry its step."""
     rows = span_rows(spans)
     t0 = min((s["start"] for s in rows), default=0.0)
-    # compute on thread 1, each batch's communication (a span of no batch: batch -1) on its own
-    batches = sorted({s["batch"] for s in rows if LANES.get(s["name"]) == "comm"})
-    comm_thread = {b: 2 + k for k, b in enumerate(batches)}
+
+    def comm_key(s: dict) -> tuple:  # an optimizer batch's (no batch: batch -1) thread, or a path's
+        return (0, s["batch"], "") if s["name"] in OPTIMIZER_COMM else (1, 0, s["path"] or s["name"])
+
+    # compute on thread 1, each batch's communication on its own, then each other path's
+    keys = sorted({comm_key(s) for s in rows if LANES.get(s["name"]) == "comm"})
+    comm_thread = {key: 2 + k for k, key in enumerate(keys)}
     events = []
     for s in rows:
         lane = LANES.get(s["name"], "compute")
         events.append(dict(
             name=f"{s['name']}[{s['path']}]" if s["path"] else s["name"], ph="X", pid=s["rank"],
-            tid=comm_thread[s["batch"]] if lane == "comm" else 1, ts=(s["start"] - t0) * 1e6,
+            tid=comm_thread[comm_key(s)] if lane == "comm" else 1, ts=(s["start"] - t0) * 1e6,
             dur=(s["end"] - s["start"]) * 1e6,
             args={k: s[k] for k in ("path", "batch", "bytes_sent", "bytes_recv", "step")},
         ))
@@ -349,14 +360,16 @@ def to_chrome_trace(spans: Iterable) -> dict:
     for (rank, step), (start, end) in sorted(extents.items()):
         events.append(dict(name=f"step {step}", ph="X", pid=rank, tid=0, ts=(start - t0) * 1e6,
                            dur=(end - start) * 1e6, args=dict(step=step)))
+    # whole training steps (muonlab.trace.whole_step) begin at the forward, not the optimizer
+    step_thread = "training step" if any(s["name"] in ("forward", "backward") for s in rows) else "optimizer step"
     for r in sorted({s["rank"] for s in rows}):
         events.append(dict(name="process_name", ph="M", pid=r, args=dict(name=f"rank {r}")))
         if any(rank == r for rank, _ in extents):
-            events.append(dict(name="thread_name", ph="M", pid=r, tid=0, args=dict(name="optimizer step")))
+            events.append(dict(name="thread_name", ph="M", pid=r, tid=0, args=dict(name=step_thread)))
         events.append(dict(name="thread_name", ph="M", pid=r, tid=1, args=dict(name="compute")))
-        for b in sorted({s["batch"] for s in rows if s["rank"] == r and LANES.get(s["name"]) == "comm"}):
-            events.append(dict(name="thread_name", ph="M", pid=r, tid=comm_thread[b],
-                               args=dict(name=f"comm batch {b}")))
+        for key in sorted({comm_key(s) for s in rows if s["rank"] == r and LANES.get(s["name"]) == "comm"}):
+            label = f"comm batch {key[1]}" if key[0] == 0 else f"comm {key[2]}"
+            events.append(dict(name="thread_name", ph="M", pid=r, tid=comm_thread[key], args=dict(name=label)))
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 

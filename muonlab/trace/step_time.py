@@ -3,9 +3,11 @@
 The spans are ``Span``s or their rows (``StepRecorder.gather()``, ``train_worker(...)["step_spans"]``),
 each with its rank and step. Per rank and step, as Holistic Trace Analysis measures traces:
 
-- compute: the union of the rank's compute spans (momentum, newton_schulz, update, adamw: the
-  "compute" lane of ``muonlab.trace.spans.LANES``);
-- communication on a path: the union of the rank's comm spans of that path (comm_out, comm_back);
+- compute: the union of the rank's compute spans (momentum, newton_schulz, update, adamw; of a
+  whole step, ``muonlab.trace.whole_step``'s, also forward and backward: the "compute" lane of
+  ``muonlab.trace.spans.LANES``);
+- communication on a path: the union of the rank's comm spans of that path (comm_out, comm_back;
+  FSDP2's all-gathers and reduce-scatters are the paths fsdp_all_gather and fsdp_reduce_scatter);
   a comm span runs from the collective's issue to the end of the wait for it. Path "all": the
   union over every path;
 - overlapped communication: the part of that union the rank's compute covers, i.e. a collective
@@ -13,8 +15,9 @@ each with its rank and step. Per rank and step, as Holistic Trace Analysis measu
 - exposed communication: the rest, time in which the rank had a collective in flight and computed
   nothing: issuing, waiting, (un)packing, and host work between spans. Two paths in flight at once
   both count their shared time, so per-path exposed times can add up to more than "all"'s;
-- the step's spanned time: from the rank's first span of the step to its last (forward, backward
-  and the optimizer's control exchange before its first span are outside it).
+- the step's spanned time: from the rank's first span of the step to its last (of an optimizer
+  step's spans, forward, backward and the optimizer's control exchange before its first span are
+  outside it; of a whole step's, it runs from the forward's start to the optimizer's last span).
 
 Across steps: the median, min and max of each per-step value (the spread is step-to-step
 variation), and the overlap share as overlapped / communication summed over the steps. Times are
@@ -29,9 +32,10 @@ from collections.abc import Iterable
 from .spans import LANES, span_rows
 
 __all__ = ["PHASE_ORDER", "exposed_comm_table", "format_table", "intersection", "merge", "per_step",
-           "phase_table", "select_steps", "total"]
+           "phase_table", "select_steps", "subtract", "total"]
 
-PHASE_ORDER = ("adamw", "momentum", "comm_out", "newton_schulz", "comm_back", "update")
+PHASE_ORDER = ("forward", "all_gather", "backward", "reduce_scatter", "optimizer", "adamw", "momentum", "comm_out",
+               "newton_schulz", "comm_back", "update")
 """Phases in the order a step runs them (tables list unknown span names after them)."""
 
 Interval = tuple[float, float]
@@ -67,6 +71,24 @@ def intersection(a: list[Interval], b: list[Interval]) -> float:
         else:
             j += 1
     return length
+
+
+def subtract(a: list[Interval], b: list[Interval]) -> list[Interval]:
+    """The parts of ``a`` that ``b`` does not cover (both sorted and disjoint, ``merge``'s)."""
+    out: list[Interval] = []
+    j = 0
+    for start, end in a:
+        while j < len(b) and b[j][1] <= start:  # holes that end before this interval
+            j += 1
+        k = j
+        while k < len(b) and b[k][0] < end:
+            if b[k][0] > start:
+                out.append((start, b[k][0]))
+            start = max(start, b[k][1])
+            k += 1
+        if end > start:
+            out.append((start, end))
+    return out
 
 
 def _is_comm(row: dict) -> bool:

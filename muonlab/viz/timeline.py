@@ -20,7 +20,7 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from ..comm import records  # noqa: E402
 from ..comm.paths import PATHS  # noqa: E402
-from ..trace.spans import LANES, span_rows  # noqa: E402
+from ..trace.spans import LANES, OPTIMIZER_COMM, span_rows  # noqa: E402
 from ..trace.step_time import exposed_comm_table, per_step, select_steps  # noqa: E402
 from ..trace.steps import CLOCKS  # noqa: E402
 from ..trace.ns_choice import ns_choice_label  # noqa: E402
@@ -28,9 +28,13 @@ from ..trace.ns_choice import ns_choice_label  # noqa: E402
 __all__ = ["BYTE_UNITS", "DISTRIBUTION_ABOVE", "FLOP_UNITS", "PATH_COLORS", "PHASE_COLORS", "plot_bytes_by_path",
            "ns_choice_label", "plot_plan", "plot_rank_distribution", "plot_step_time", "plot_timeline", "scale_for"]
 
-PATH_COLORS = {name: path.color for name, path in PATHS.items()}
-# momentum a dark red-brown: tab:brown was padded_all_to_all's colour to within 0.1 per channel
-PHASE_COLORS = {"momentum": "#843c39", "newton_schulz": "#9467bd", "update": "#e377c2", "adamw": "#bcbd22"}
+# FSDP2's own collectives of a whole training step (muonlab.trace.whole_step) beside the optimizer's paths
+PATH_COLORS = {**{name: path.color for name, path in PATHS.items()},
+               "fsdp_all_gather": "#e7ba52", "fsdp_reduce_scatter": "#7b4173"}
+# momentum a dark red-brown: tab:brown was padded_all_to_all's colour to within 0.1 per channel;
+# forward and backward two blues of one family, away from the paths' blues and the direction swatch
+PHASE_COLORS = {"momentum": "#843c39", "newton_schulz": "#9467bd", "update": "#e377c2", "adamw": "#bcbd22",
+                "forward": "#6b6ecf", "backward": "#5254a3", "optimizer": "#8ca252"}
 _OTHER = "#000000"
 _DIRECTION = "#3a3a5a"  # the direction swatches' fill: unlike black (_OTHER) and every path's colour
 _HATCH = {"comm_out": "", "comm_back": "////"}
@@ -88,6 +92,9 @@ def plot_timeline(spans, ax=None, *, title: str | None = None, label_batches: bo
     out and hatched on the way back; spans that moved no bytes on this rank are dashed outlines.
     A comm span lasts from the collective's start to the end of its wait, so batches in flight
     together overlap; they are stacked on separate tracks. Bars wide enough carry their plan batch.
+    Whole training steps (``muonlab.trace.WholeStepRecorder``) add forward and backward on top and
+    FSDP2's all-gathers and reduce-scatters below, coloured as paths (they count no bytes, so they
+    are never outlined).
 
     ``spans``: ``Span``s or rows; of one step (``Muon.last_step_spans()``) or of several, numbered
     by their ``step`` (``muonlab.trace.StepRecorder``). Several steps are laid end to end, each
@@ -100,8 +107,10 @@ def plot_timeline(spans, ax=None, *, title: str | None = None, label_batches: bo
     rows = select_steps(span_rows(spans), steps)
     shift, placed = _step_offsets(rows) if rows else ({}, [])
     several = len(placed) > 1
+    whole = _whole_steps(rows)
+    kind = "training" if whole else "optimizer"
     if title is None:
-        title = f"{len(placed)} optimizer steps, per rank" if several else "one optimizer step, per rank"
+        title = f"{len(placed)} {kind} steps, per rank" if several else f"one {kind} step, per rank"
     if ax is None:
         width = min(22.0, 11.0 + 0.9 * max(0, len(placed) - 1))
         _, ax = plt.subplots(figsize=(width, 1.3 + 1.1 * max(1, len({r["rank"] for r in rows}))))
@@ -146,7 +155,8 @@ def plot_timeline(spans, ax=None, *, title: str | None = None, label_batches: bo
         for r, t in zip(comm, tracks):
             start, width = x_ms(r)
             color = _path_color(r["path"])
-            moved = r["bytes_sent"] or r["bytes_recv"]
+            # only the optimizer's batches count their bytes: FSDP2's collectives record none
+            moved = r["bytes_sent"] or r["bytes_recv"] or r["name"] not in OPTIMIZER_COMM
             y = base + gap + (num_tracks - 1 - t) * track_h
             style = (color, "white", _HATCH.get(r["name"], ""), 0.6, "-") if moved else \
                 ("none", color, _HATCH.get(r["name"], ""), 0.9, (0, (2, 1.5)))
@@ -174,8 +184,9 @@ def plot_timeline(spans, ax=None, *, title: str | None = None, label_batches: bo
             if i % every == 0:
                 ax.text((x0 + x1) / 2 * 1e3, 1.0, f"step {step}", transform=ax.get_xaxis_transform(),
                         ha="center", va="bottom", fontsize=7.5, color="0.25")
-        ax.set_xlabel("ms within each step, steps laid end to end (dashed: the time between steps, "
-                      "forward/backward/data, cut out)")
+        between = "data" if whole else "forward/backward/data"
+        ax.set_xlabel(f"ms within each step, steps laid end to end (dashed: the time between steps, {between}, "
+                      "cut out)")
     else:
         ax.set_xlabel("ms from the first span of the step")
     head = title + "  (top of each band: compute; bottom: communication)"
@@ -194,7 +205,7 @@ def plot_timeline(spans, ax=None, *, title: str | None = None, label_batches: bo
         handles.append(Patch(facecolor=_DIRECTION, edgecolor=_DIRECTION, label="out (solid)"))
     if "comm_back" in dirs_seen:
         handles.append(Patch(facecolor=_DIRECTION, edgecolor="white", hatch="////", label="back (hatched)"))
-    if any(not (r["bytes_sent"] or r["bytes_recv"]) for r in rows if LANES.get(r["name"]) == "comm"):
+    if any(not (r["bytes_sent"] or r["bytes_recv"]) for r in rows if r["name"] in OPTIMIZER_COMM):
         handles.append(Patch(facecolor="none", edgecolor="0.3", linestyle=(0, (2, 1.5)), lw=0.9,
                              label="no bytes on this rank"))
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
@@ -268,11 +279,16 @@ def plot_step_time(spans, axes=None, *, steps=None, title: str | None = None, cl
     ax_steps.grid(alpha=0.3)
     if ranks:
         ax_steps.legend(fontsize=7.5, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
-    head = title or "where the optimizer step's time went"
+    head = title or f"where the {'training' if _whole_steps(span_rows(spans)) else 'optimizer'} step's time went"
     if clock is not None:
         head += f" ({CLOCKS.get(clock, clock)})"
     ax_bars.figure.suptitle(head, fontsize=11)
     return ax_bars, ax_steps
+
+
+def _whole_steps(rows: list[dict]) -> bool:
+    """The rows are whole training steps (``muonlab.trace.whole_step``), not optimizer steps alone."""
+    return any(r["name"] in ("forward", "backward") for r in rows)
 
 
 def _stats_items(stats_by_rank) -> list[tuple[int, Mapping]]:
