@@ -12,8 +12,9 @@ wherever it can, so the figures carry the host work the model's terms stand for:
   to the slowest rank's medians (latency, bandwidth), and the host cost of issuing one call.
   Without one, the links come from the shipped profile of this device's kind (named in ``source``).
 
-Every rank of a group measures its own device, then takes the group's slowest figure of each (one
-all-reduce), so every rank holds the same profile and plans alike.
+Every rank of a group measures its own device, then takes the group's mean of each figure (the
+links: the slowest rank's, as a collective ends when its last rank does), so every rank holds the
+same profile and plans alike.
 """
 
 from __future__ import annotations
@@ -171,20 +172,22 @@ def _max_over(group, values: list[float]) -> list[float]:
 
 
 def _agree(figures: dict, group) -> dict:
-    """Every rank's slowest figure of each (seconds up, rates down), so all ranks plan alike."""
-    host = figures["host"]
-    rates = sorted(figures["rates"])
-    vec = [v for _, a, b in host for v in (a, b)] + [1 / r for *_, r in rates] + [1 / (figures["mem_bw"] or math.inf)]
-    sizes = _max_over(group, [len(vec), -len(vec)])
-    if sizes != [len(vec), -len(vec)]:
-        raise RuntimeError(f"ranks measured {-sizes[1]} to {sizes[0]} figures: their devices differ, so no "
-                           "one profile describes the group")
-    vals = _max_over(group, vec)
-    host = [(p, vals[2 * i], vals[2 * i + 1]) for i, (p, _, _) in enumerate(host)]
-    k = 2 * len(host)
-    rates = [(d, c, 1 / vals[k + i]) for i, (d, c, _) in enumerate(rates)]
-    inv_bw = vals[-1]
-    return dict(host=host, rates=rates, mem_bw=1 / inv_bw if inv_bw > 0 else None)
+    """The group's mean of each rank's figures, in time per unit (seconds, s/FLOP, s/byte), so every
+    rank plans alike. The mean, not the slowest: ranks sharing a loaded machine measure at different
+    moments, and the run's phases are each rank's own. A rate only some ranks could measure
+    (``_device_figures``) is the mean of theirs."""
+    every: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, figures, group=group)
+    host = [(p, statistics.fmean(dict((q, (x, y)) for q, x, y in f["host"])[p][0] for f in every),
+             statistics.fmean(dict((q, (x, y)) for q, x, y in f["host"])[p][1] for f in every))
+            for p, _, _ in figures["host"]]
+    per_flop: dict[tuple[str, str], list[float]] = {}
+    for f in every:
+        for d, c, r in f["rates"]:
+            per_flop.setdefault((d, c), []).append(1 / r)
+    rates = [(d, c, 1 / statistics.fmean(v)) for (d, c), v in sorted(per_flop.items())]
+    per_byte = [1 / f["mem_bw"] for f in every if f["mem_bw"]]
+    return dict(host=host, rates=rates, mem_bw=1 / statistics.fmean(per_byte) if per_byte else None)
 
 
 def calibrate(process_group=None, *, device: torch.device | str | None = None, steps: int = 5,
@@ -195,8 +198,6 @@ def calibrate(process_group=None, *, device: torch.device | str | None = None, s
     calls); None: the default group where torch.distributed is up with two or more ranks, else no
     links are measured. ``device``: where to measure (default: this rank's device, as muonlab's
     workers choose it). ``steps``: timed Muon steps per measurement."""
-    from ..distributed.device import rank_device
-
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be an int >= 1, got {steps!r}")
     if process_group is not None:
@@ -213,7 +214,10 @@ def calibrate(process_group=None, *, device: torch.device | str | None = None, s
     group = process_group
     if group is None and dist_on() and dist.get_world_size() > 1:
         group = dist.group.WORLD
-    device = torch.device(device) if device is not None else rank_device()
+    if device is None:
+        from ..distributed.device import rank_device  # the launcher's modules: imported only when needed
+        device = rank_device()
+    device = torch.device(device)
     on_group = group is not None and dist.get_world_size(group) > 1
     # the device part runs on this rank alone: a group of one makes Muon's plan local
     alone = dist.new_group([dist.get_rank()], use_local_synchronization=True) if dist_on() else None
