@@ -6,7 +6,9 @@ over the mesh (``(Replicate(), Shard(0))`` on a 2-D ``MeshAxis.REPLICATE`` x ``M
 mesh: HSDP). Local shards follow ``torch.chunk``: 3 rows on 2 ranks are 2 + 1, 6 rows on 4 ranks
 2 + 2 + 2 + 0, so a trailing rank may hold an empty shard. ``apply_ddp`` replicates with
 DistributedDataParallel. ``apply_ep`` (expert_parallel.py) places experts and shards the rest.
-Each modifies and returns the model; ``parallelize`` picks one by mode, builds the default mesh,
+``apply_tp`` splits Linear layers over a TP axis (torch's ColwiseParallel / RowwiseParallel, by a
+plan :func:`default_tp_plan` knows for muonlab's GPT and Llama/Qwen-style decoders), before FSDP2
+over the other axis. Each modifies and returns the model; ``parallelize`` picks one by mode, builds the default mesh,
 and says which module's parameters the optimizer should see.
 
 FSDP units of any ``nn.Module`` (:func:`fsdp_units`): the model's repeated blocks, found by
