@@ -47,8 +47,14 @@ def measure(set_name: str, device: torch.device, profiles: dict, steps: int, war
     out = dict(paths=sorted({b.path for b in opt.plan()}), profiles={})
     for label, profile in profiles.items():
         r = plan_vs_run(opt, rec, profile=profile)
+        figures = (f"latency {1e6 * profile.latency_s:.0f} us, links {profile.intra_bw / 1e9:.2f} GB/s, host per call "
+                   f"{1e6 * profile.host_s_per_call:.0f} us, elementwise {profile.mem_bw / 1e9:.1f} GB/s, Newton-Schulz "
+                   + (", ".join(f"{d} {c} {r / 1e9:.1f}" for d, c, r in profile.matmul_rates) or
+                      f"{profile.matmul_flops / 1e9:.0f}") + " GFLOP/s, host per batch + per matrix "
+                   + (", ".join(f"{p} {1e6 * a:.0f}+{1e6 * b:.0f} us" for p, a, b in profile.host_s) or "none"))
         out["profiles"][label] = dict(rows=r.rows, step_predicted_s=r.step_predicted_s,
-                                      step_measured_s=r.step_measured_s, source=profile.source, rank=r.rank)
+                                      step_measured_s=r.step_measured_s, source=f"{profile.source} ({figures})",
+                                      rank=r.rank)
     return out
 
 

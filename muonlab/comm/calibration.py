@@ -8,8 +8,9 @@ wherever it can, so the figures carry the host work the model's terms stand for:
 - Newton-Schulz rate per dtype and shape class (``cost.SHAPE_CLASSES``): Muon steps on a stack of
   each class, the batch's planned FLOPs over its span less the host cost above;
 - elementwise bandwidth (momentum and update): the largest stack's spans less their host cost;
-- over a process group of two or more ranks: ``all_to_all_single`` at several sizes, a line fitted
-  to the slowest rank's medians (latency, bandwidth), and the host cost of issuing one call.
+- over a process group of two or more ranks: ``all_to_all_single`` at several sizes, back to back,
+  a line fitted to the slowest rank's medians (latency, bandwidth), and the host cost of issuing one
+  call.
   Without one, the links come from the shipped profile of this device's kind (named in ``source``).
 
 Every rank of a group measures its own device, then takes the group's mean of each figure (the
@@ -138,8 +139,10 @@ def _link_figures(group, device: torch.device, reps: int) -> dict:
         send = torch.ones(numel, dtype=torch.bfloat16, device=device)
         recv = torch.empty_like(send)
         samples = []
+        dist.barrier(group=group)
+        # back to back, no barrier between: as in a step, where each collective also waits for the
+        # ranks' skew (a rank descheduled on a shared machine), which a barrier before each would hide
         for _ in range(reps + 1):  # the first call warms the connection up
-            dist.barrier(group=group)
             t0 = time.perf_counter()
             dist.all_to_all_single(recv, send, group=group)
             if device.type == "cuda":
