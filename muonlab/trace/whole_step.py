@@ -223,6 +223,8 @@ class WholeStepRecorder:
         self.completed += 1
         if self._profiler is not None and not self._recording:
             self._finish()
+        elif self._spans is None and self.completed >= self.skip + self.steps:
+            self._spans = []  # the window passed without a forward of the model: nothing to record
 
     # ---------------------------------------------------------------- the window's end
 

@@ -89,6 +89,15 @@ def test_recorder_keeps_its_window_of_whole_steps_in_order(optimizer):
     assert not model._forward_pre_hooks and not model._forward_hooks
 
 
+def test_a_window_without_a_forward_of_the_model_is_over_and_empty():
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rec = WholeStepRecorder(model, opt, steps=2)
+    for _ in range(2):  # steps of another model's loss: this model never runs forward
+        opt.step()
+    assert rec.done and rec.spans() == []
+
+
 @pytest.mark.parametrize("kwargs, error, match", [
     (dict(steps=0), ValueError, r"^steps must"),
     (dict(steps=2, skip=-1), ValueError, r"^skip must"),
