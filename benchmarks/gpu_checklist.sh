@@ -86,7 +86,7 @@ stage_host() {
 
 stage_plan() {
     if [ -f benchmarks/bench_plan_vs_run.py ]; then
-        timed plan 40 $PY benchmarks/bench_plan_vs_run.py --device cuda --out "$work/plan_vs_run_cuda.md"
+        timed plan 60 $PY benchmarks/bench_plan_vs_run.py --device cuda --out "$work/plan_vs_run_cuda.md"
     else
         echo "== plan: benchmarks/bench_plan_vs_run.py is not in this tree: not run" >>"$summary"
     fi
