@@ -295,6 +295,24 @@ def gather_spans(spans: list[Span], group=None, dst: int = 0) -> list[Span] | No
     return [Span(**row) for rank_rows in out for row in rank_rows]
 
 
+class RecordedSpans:
+    """What a recorder of spans gives besides its own ``spans()`` (this rank's): the spans as rows
+    and every rank's rows on one rank."""
+
+    def spans(self) -> list[Span]:
+        raise NotImplementedError
+
+    def rows(self) -> list[dict]:
+        """``spans()`` as plain dicts (what a worker returns to the notebook)."""
+        return [asdict(s) for s in self.spans()]
+
+    def gather(self, group=None, dst: int = 0) -> list[dict] | None:
+        """Every rank's ``rows()`` on ``dst`` (None on the other ranks); a collective, so every rank
+        of ``group`` calls it. This rank's rows when not distributed."""
+        spans = gather_spans(self.spans(), group=group, dst=dst)
+        return None if spans is None else [asdict(s) for s in spans]
+
+
 _OPTIONAL = dict(path="", batch=-1, bytes_sent=0, bytes_recv=0, step=-1)
 """Span fields a row may leave out, with Span's defaults."""
 

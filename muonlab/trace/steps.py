@@ -27,7 +27,7 @@ from collections import deque
 import torch
 
 from ..kernels.precision import is_number
-from .spans import Span, gather_spans
+from .spans import RecordedSpans, Span
 
 __all__ = ["CLOCKS", "StepRecorder"]
 
@@ -41,7 +41,7 @@ def _whole(name: str, value, low: int) -> int:
     return int(value)
 
 
-class StepRecorder:
+class StepRecorder(RecordedSpans):
     """Keeps the spans of ``optimizer``'s last ``keep`` recorded steps (see the module docstring).
 
     ``optimizer``: a muonlab ``Muon`` (anything with ``last_step_spans()`` and step hooks).
@@ -90,16 +90,6 @@ class StepRecorder:
     def spans(self) -> list[Span]:
         """This rank's spans of the kept steps, step by step, each carrying its ``step``."""
         return [s for _, spans in self._kept for s in spans]
-
-    def rows(self) -> list[dict]:
-        """``spans()`` as plain dicts (what a worker returns to the notebook)."""
-        return [dataclasses.asdict(s) for s in self.spans()]
-
-    def gather(self, group=None, dst: int = 0) -> list[dict] | None:
-        """Every rank's ``rows()`` on ``dst`` (None on the other ranks); a collective, so every rank
-        of ``group`` calls it. This rank's rows when not distributed."""
-        spans = gather_spans(self.spans(), group=group, dst=dst)
-        return None if spans is None else [dataclasses.asdict(s) for s in spans]
 
     # ---------------------------------------------------------------- lifetime
 

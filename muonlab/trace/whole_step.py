@@ -56,7 +56,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from torch.utils._pytree import tree_flatten
 
 from ..comm.collectives import dist_on
-from .spans import Span, gather_spans
+from .spans import RecordedSpans, Span
 from .step_time import merge, subtract
 from .steps import _whole
 
@@ -118,7 +118,7 @@ def fsdp_collective_spans(events: list[ProfiledEvent], thread: int) -> tuple[lis
     return out, blocked
 
 
-class WholeStepRecorder:
+class WholeStepRecorder(RecordedSpans):
     """Records ``steps`` whole training steps of ``model`` and ``optimizer`` on this rank, after
     ``skip`` steps (see the module docstring)::
 
@@ -296,16 +296,6 @@ class WholeStepRecorder:
             raise RuntimeError(f"the window is still open: {self.completed} of {self.skip + self.steps} steps "
                                "completed (skip + steps)")
         return list(self._spans)
-
-    def rows(self) -> list[dict]:
-        """``spans()`` as plain dicts (what a worker returns to the notebook)."""
-        return [dataclasses.asdict(s) for s in self.spans()]
-
-    def gather(self, group=None, dst: int = 0) -> list[dict] | None:
-        """Every rank's ``rows()`` on ``dst`` (None on the other ranks); a collective, so every rank
-        of ``group`` calls it. This rank's rows when not distributed."""
-        spans = gather_spans(self.spans(), group=group, dst=dst)
-        return None if spans is None else [dataclasses.asdict(s) for s in spans]
 
     def detach(self) -> None:
         """Remove the hooks; a window still open is dropped (its profiler stopped)."""
