@@ -226,15 +226,21 @@ def _die_with_parent(launcher_pid: int | None = None) -> None:
                          daemon=True).start()
 
 
-def _run_atexit_handlers_at_exit() -> None:
-    """A forkserver's worker ends with ``os._exit``, which skips what code registered with
-    :mod:`atexit` (the worker's function, a library); a spawned worker runs it as its interpreter
-    exits. Here multiprocessing runs it as it finishes the process, after elastic has taken the
-    result, as a spawned worker would."""
+def _settle_forked_worker() -> None:
+    """What a worker forked by the forkserver does to behave as a spawned one.
+
+    Its heap holds every object of the forkserver's imports (torch): the collector's first full
+    pass would write to each (copy-on-write faults over the whole heap, a second or more), and a
+    failing worker collects in its teardown, so a rank raising alongside another was killed before
+    it could record its error. ``gc.freeze()`` moves them out of the collector's sight at once.
+    And it ends with ``os._exit``, which skips what code registered with :mod:`atexit` (the
+    worker's function, a library); a spawned worker runs that as its interpreter exits. Here
+    multiprocessing runs it as it finishes the process, after elastic has taken the result."""
     if multiprocessing.get_start_method(allow_none=True) != "forkserver":
         return
     from multiprocessing import util
 
+    gc.freeze()
     # the handlers run once: running them empties the list (the interpreter's own exit finds none)
     util.Finalize(None, atexit._run_exitfuncs, exitpriority=-1)
 
@@ -323,7 +329,7 @@ def _worker_entry(
     _take_launch_env()
     _lead_own_process_group()
     _die_with_parent(launcher_pid)
-    _run_atexit_handlers_at_exit()
+    _settle_forked_worker()
     rank = int(os.environ["RANK"])
     _write_status(status_dir, rank, "pid", str(os.getpid()))
     _progress._open_stream(os.path.join(_rank_dir(run_dir, rank), _progress.PROGRESS_FILE), rank)
@@ -1326,13 +1332,14 @@ _UNGUARDED_MAIN = "unguarded_main"
 
 
 def _refuse_in_spawn_bootstrap() -> None:
-    """A spawned worker first re-runs the caller's main script: if that script calls launch()
-    outside ``if __name__ == "__main__":``, say so instead of spawning workers recursively."""
+    """A worker (spawned or forked by the forkserver) first re-runs the caller's main script: if
+    that script calls launch() outside ``if __name__ == "__main__":``, say so instead of starting
+    workers recursively."""
     if not getattr(multiprocessing.current_process(), "_inheriting", False):
         return
     script = getattr(sys.modules.get("__mp_main__"), "__file__", None) or "the main script"
     message = (
-        f"launch() was called while a worker process was starting: spawned workers re-run the main "
+        f"launch() was called while a worker process was starting: workers re-run the main "
         f"script ({script}), and it calls launch() at its top level. Put the script's top-level code "
         f"under `if __name__ == \"__main__\":` (see the README's Distributed section)."
     )

@@ -251,7 +251,7 @@ def _pool_worker_entry(first_task: Task, device: str, backend: str | None, launc
     _launch._take_launch_env()
     _launch._lead_own_process_group()
     _launch._die_with_parent(launcher_pid)
-    _launch._run_atexit_handlers_at_exit()
+    _launch._settle_forked_worker()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     inbox = inboxes[rank]
     for other in inboxes:

@@ -357,7 +357,7 @@ def test_killing_the_launcher_while_workers_start_leaves_no_worker(tmp_path):
             workers_seen |= _worker_processes(proc.pid)
             time.sleep(0.02)
         assert len(workers_seen) == 2, "the launcher started no workers"
-        proc.kill()  # while the workers are still bootstrapping (importing torch)
+        proc.kill()  # while the workers are still bootstrapping (importing muonlab, or torch if spawned)
         proc.wait()
         deadline = time.monotonic() + 90
         while any(map(_pid_alive, workers_seen)) and time.monotonic() < deadline:
