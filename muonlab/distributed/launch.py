@@ -904,7 +904,8 @@ def launch(
     torch itself (seconds of CPU per worker, minutes on a loaded machine); a forkserver's worker is
     forked from multiprocessing's forkserver, one per launching process, started at its first
     forkserver launch, which imports torch and torch.distributed once
-    (:data:`FORKSERVER_PRELOAD`): its workers are up in about a second. Both kinds import muonlab,
+    (:data:`FORKSERVER_PRELOAD`): its workers are up in about a second. (The forkserver then idles
+    for the caller's lifetime, holding its imports' memory, a few hundred MB.) Both kinds import muonlab,
     ``fn``'s module and the caller's main script afresh, from disk, and get the caller's
     ``sys.path``, working directory and ``os.environ`` as they are at the launch; both end when the
     caller dies. (Variables torch reads while it is imported take the values the forkserver

@@ -5,8 +5,9 @@ more ranks than a GPU node may have GPUs, so on a GPU node the device rule would
 test. Every test here therefore runs with ``MUONLAB_DEVICE=cpu`` (inherited by the workers it
 launches), except those marked ``auto_device``, which see the machine's own rule (the CUDA tests).
 
-Launches reuse warm workers (``MUONLAB_WARM_WORKERS=1``): a cold launch spends seconds starting
-processes and importing torch, and the suite launches about a hundred times. A task sees what a
+Launches reuse warm workers (``MUONLAB_WARM_WORKERS=1``): a cold launch spends a second or more
+starting processes (forked from a forkserver that imported torch once) and connecting them, and the
+suite launches about a hundred times. A task sees what a
 fresh worker would (muonlab.distributed.warm resets it), and a failing one takes the pool down.
 Modules marked ``cold_launch`` test the launcher itself, or need new processes (a resume read
 from disk alone), and launch cold.
