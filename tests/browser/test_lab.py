@@ -162,12 +162,17 @@ def _open_and_run_all(page, url: str, token: str, notebook: str, timeout_ms: int
 
 def _click_the_busy_panel(page) -> None:
     """While Run All is still going (the last cell trains through the panel), the panel's train
-    button says the kernel is busy and is disabled; a click on it is taken by nothing."""
-    busy = page.locator(".jupyter-widgets.widget-button", has_text="(kernel busy)").first
-    busy.wait_for(timeout=240_000)
-    assert busy.is_disabled()
-    assert busy.get_attribute("title").startswith("The kernel is running cells")
-    busy.click(force=True, timeout=10_000)
+    button says the kernel is busy and is disabled, and a click on it is taken by nothing. Found,
+    read and clicked in one evaluation in the page: the cell may end at any moment."""
+    state = page.wait_for_function(
+        """() => {
+            const b = [...document.querySelectorAll('.jupyter-widgets.widget-button')]
+                .find(b => b.textContent.includes('(kernel busy)'));
+            if (!b) return null;
+            b.click();  // a user's click: a disabled button takes none
+            return {disabled: b.disabled, title: b.title};
+        }""", timeout=240_000).json_value()
+    assert state["disabled"] and state["title"].startswith("The kernel is running cells"), state
 
 
 @contextlib.contextmanager

@@ -349,14 +349,18 @@ def test_killing_the_launcher_while_workers_start_leaves_no_worker(tmp_path):
     proc = _run_script(tmp_path, """
         if __name__ == "__main__":
             launch(workers.rank_info, 2, timeout_s=300, startup_timeout_s=300)
-    """, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=dict(os.environ, TMPDIR=str(temp)))
+    """, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        # the workers stay in their start-up (importing the function's module) for 600 s, longer than
+        # anything waits here, so only their launcher's death can end them in time: a forkserver's
+        # are otherwise up and done within a poll or two of this loop on a loaded machine
+        env=dict(os.environ, TMPDIR=str(temp), MUONLAB_TEST_SLOW_IMPORT_S="600"))
     workers_seen: set[int] = set()
     try:
         deadline = time.monotonic() + 120
-        while len(workers_seen) < 2 and time.monotonic() < deadline:
+        while len(workers_seen) < 2 and time.monotonic() < deadline and proc.poll() is None:
             workers_seen |= _worker_processes(proc.pid)
             time.sleep(0.02)
-        assert len(workers_seen) == 2, "the launcher started no workers"
+        assert len(workers_seen) == 2, f"the launcher started no workers (it exited with {proc.poll()})"
         proc.kill()  # while the workers are still bootstrapping (importing muonlab, or torch if spawned)
         proc.wait()
         deadline = time.monotonic() + 90
