@@ -431,17 +431,20 @@ def fused_row_layout(num_rows: int, num_fused: int, size: int) -> str:
 
 
 def matrix_spec(index: int, name: str, p: torch.Tensor, replicate_group=None, num_fused: int = 1,
-                view: str = "") -> MatrixSpec:
+                view: str = "", tp_slices: bool = True) -> MatrixSpec:
     """The layout of parameter ``p`` from its own metadata.
 
     ``replicate_group``: the process group a plain tensor is replicated over (None: not
     distributed, or a single rank). ``num_fused``: matrices stacked on dim 0 of a 2-D bank.
-    ``view``: how ``p`` reads as matrices (default: ``default_view`` of its shape).
+    ``view``: how ``p`` reads as matrices (default: ``default_view`` of its shape). ``tp_slices``:
+    a bank whose TP ranks hold whole blocks (``tp_whole_blocks``) is planned as its TP slice over
+    the FSDP axis alone; False keeps it on "pieces" (an update rule with per-row state: that state
+    is laid out for "pieces", every row on every rank).
     """
     shape = tuple(p.shape)
     view = view or default_view(shape)
     check_view(name, shape, view, num_fused)
-    within = tp_whole_blocks(p, num_fused)
+    within = tp_whole_blocks(p, num_fused) if tp_slices else None
     if within is not None:
         # each TP rank holds whole blocks (heads): its TP slice is a fused bank row-sharded over the
         # FSDP axis alone, planned as FSDP2's fused banks are (the TP ranks run alike, on other heads)

@@ -130,7 +130,9 @@ def plan_for(cache: dict, indices: tuple[int, ...], entries: list, options, name
         for i in indices:
             group, p = entries[i]
             name = named.names.get(p, f"param{i}")
-            spec = matrix_spec(i, name, p, replicate, named.fused_banks.get(name, 1), named.view_of(p))
+            # a rule with per-row state keeps TP-split heads on "pieces", where its state's layout holds
+            spec = matrix_spec(i, name, p, replicate, named.fused_banks.get(name, 1), named.view_of(p),
+                               tp_slices=not rule_of(group).state_keys)
             refuse_unfit(group, spec)
             specs.append(spec)
             if spec.group not in groups:

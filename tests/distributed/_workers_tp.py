@@ -528,4 +528,4 @@ def everything(folder: str) -> dict:
     return dict(pieces=pieces_match(), muon=train_tp("muon"), normuon=train_tp("normuon"),
                 layouts=layouts_gathers(), rowwise={rule: rowwise_alone(rule) for rule in ("muon", "normuon")}, replicated=replicated_slices(),
                 gpt=gpt_fsdp_tp(), default_mesh=fsdp_tp_default_mesh(), checkpoint=checkpoint_across_tp(folder),
-                heads=heads_under_tp("muon"), qk_clip=qk_clip_under_tp())
+                heads={rule: heads_under_tp(rule) for rule in ("muon", "normuon")}, qk_clip=qk_clip_under_tp())

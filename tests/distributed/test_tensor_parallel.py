@@ -166,7 +166,7 @@ def test_split_heads_under_tp_need_the_fsdp_axis_only(results):
     flattened "dp+tp" group; bytes counted = planned; fp32 Muon within 1e-6 of one process over 3
     steps from the same gradients (0 measured)."""
     for rank, res in results.items():
-        got = res["heads"]
+        got = res["heads"]["muon"]
         for name, err in got["errors"].items():
             assert err <= TOLERANCE, (rank, name, err)
         assert got["sent"] == got["planned_sent"], (rank, got["sent"], got["planned_sent"])
@@ -180,6 +180,22 @@ def test_split_heads_under_tp_need_the_fsdp_axis_only(results):
         assert {k[:4] for kind in ("k_proj", "v_proj") for k in by_kind[kind]} == {("all_to_all", "dp", 4, (4, 16))}
         for kind in ("o_proj", "gate_proj", "up_proj", "down_proj"):
             assert {k[:2] for k in by_kind[kind]} == {("pieces", "dp+tp")}, by_kind[kind]
+
+
+def test_normuon_keeps_split_heads_under_tp_on_pieces_and_equals_one_process(results):
+    """NorMuon's per-row state is laid out for "pieces" (every row on every rank), so with it the
+    heads of q, k and v stay on "pieces" over "dp+tp" (not their TP slice): within 1e-6 of one
+    process over 3 steps, the paths' bytes counted = planned (the slice layout gave a shape error)."""
+    for rank, res in results.items():
+        got = res["heads"]["normuon"]
+        for name, err in got["errors"].items():
+            assert err <= TOLERANCE, (rank, name, err)
+        # the paths' bytes as planned, beside the rule's own all-reduce of row sums
+        paths_sent = {k: v for k, v in got["sent"].items() if k != "normuon"}
+        assert paths_sent == got["planned_sent"] and got["sent"]["normuon"] > 0, (rank, got["sent"], got["planned_sent"])
+        paths = {(path, axis) for path, axis, names, *_ in got["plan"]
+                 for name in names if name.split(".")[-2] in ("q_proj", "k_proj", "v_proj")}
+        assert paths == {("pieces", "dp+tp")}, paths
 
 
 @pytest.mark.timeout(600)
