@@ -53,6 +53,29 @@ def cuda_sync_errors():
     return errors
 
 
+LONGEST_FIRST = (
+    "tests/browser/",
+    "tests/test_notebooks_at_default_size.py::TestAtDefaultSize_08",
+    "tests/test_notebooks_at_default_size.py::TestAtDefaultSize_01",
+    "tests/test_notebooks_at_default_size.py::TestAtDefaultSize_06",
+    "tests/test_notebooks_at_default_size.py::TestAtDefaultSize_07",
+    "tests/test_notebooks_at_default_size.py",
+)
+"""The scopes that take longest (JupyterLab in Chromium, 150 CPU-s; each notebook at its default
+size, 40-130 CPU-s; from a fresh clone's MUONLAB_TEST_CPU_LOG), in that order."""
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Run the longest scopes first: xdist hands scopes to its workers in collection order, and a
+    long one handed out last ran alone on one worker for minutes at the end of `make test` while
+    the other sat idle. Sorting is stable and the same on every worker, as xdist requires."""
+    def rank(item) -> int:
+        return next((i for i, prefix in enumerate(LONGEST_FIRST) if item.nodeid.startswith(prefix)),
+                    len(LONGEST_FIRST))
+
+    items.sort(key=rank)
+
+
 def pytest_terminal_summary(terminalreporter):
     """Say why the browser tests did not run (a missing Chromium): among the suite's other skips
     (no GPU, no Triton, ...) a quiet run would not show it, and `make test` would look complete."""
