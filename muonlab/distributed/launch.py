@@ -61,6 +61,7 @@ import shutil
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -900,7 +901,8 @@ def launch(
     A launch on another thread while the warm workers are busy runs cold.
 
     ``start_method``: how the worker processes start. None (default) means "forkserver" where the
-    platform has it (Linux), else "spawn". A spawned worker is a fresh interpreter that imports
+    platform has it (Linux) and its socket's path fits in the temporary folder (``TMPDIR``; Linux
+    takes 107 bytes), else "spawn". A spawned worker is a fresh interpreter that imports
     torch itself (seconds of CPU per worker, minutes on a loaded machine); a forkserver's worker is
     forked from multiprocessing's forkserver, one per launching process, started at its first
     forkserver launch, which imports torch and torch.distributed once
@@ -916,7 +918,8 @@ def launch(
         ValueError: ``fn`` is not importable by the children (defined in ``__main__``, e.g. a
             notebook cell, a lambda, or a nested function), ``nprocs < 1``, ``warm`` not None/True/False
             (or, for None, ``$MUONLAB_WARM_WORKERS`` set to other than "0" or "1"), ``start_method`` not
-            None, "forkserver" or "spawn" (or not available here), a timeout is not a
+            None, "forkserver" or "spawn" (or not available here, or "forkserver" whose socket path
+            would not fit in the temporary folder), a timeout is not a
             positive number of seconds up to ``MAX_TIMEOUT_S``, ``backend`` is not None, "gloo" or
             "nccl", ``device`` is not "auto"/"cpu"/"cuda", ``device="cuda"`` with fewer GPUs than
             ``nprocs``, ``backend="nccl"`` for CPU workers, or ``name`` is in use by a launch still
@@ -1363,14 +1366,38 @@ def _start_method(start_method: str | None) -> str:
     available = multiprocessing.get_all_start_methods()
     if start_method is None:
         # Linux only: elsewhere (macOS) forkserver exists, but its workers were never tried here
-        return "forkserver" if "forkserver" in available and sys.platform.startswith("linux") else "spawn"
+        usable = "forkserver" in available and sys.platform.startswith("linux") and _forkserver_address() is None
+        return "forkserver" if usable else "spawn"
     if start_method not in START_METHODS:
         raise ValueError(f"start_method must be None (forkserver where the platform has it, else spawn), "
                          f"'forkserver' or 'spawn', got {start_method!r}")
     if start_method not in available:
         raise ValueError(f"start_method={start_method!r} is not available on this platform "
                          f"({sys.platform}: {', '.join(available)}); use 'spawn' or None")
+    if start_method == "forkserver" and _forkserver_address() is not None:
+        raise ValueError(f"start_method='forkserver' can't start here: {_forkserver_address()}; use 'spawn' or None "
+                         "(None takes spawn here)")
     return start_method
+
+
+AF_UNIX_PATH_MAX = 107
+"""Linux's longest AF_UNIX socket path (``sun_path``'s 108 bytes, less the terminating NUL)."""
+
+
+def _forkserver_address() -> str | None:
+    """Why this process's forkserver could not start here, or None. It listens on an AF_UNIX socket
+    at ``<tmp>/pymp-XXXXXXXX/listener-XXXXXXXX`` (multiprocessing's temporary folder, in
+    ``tempfile.gettempdir()``), and under a long TMPDIR that path is over Linux's limit: the launch
+    then failed with "AF_UNIX path too long" after starting its agent."""
+    if _forkserver_pid() is not None:  # running already: its socket is bound
+        return None
+    folder = multiprocessing.current_process()._config.get("tempdir")  # made at its first use, then kept
+    folder = folder or os.path.join(tempfile.gettempdir(), "pymp-" + "x" * 8)
+    address = os.path.join(folder, "listener-" + "x" * 8)
+    if len(os.fsencode(address)) <= AF_UNIX_PATH_MAX:
+        return None
+    return (f"its socket path in the temporary folder {tempfile.gettempdir()!r} (TMPDIR) would be "
+            f"{len(os.fsencode(address))} bytes, over Linux's {AF_UNIX_PATH_MAX} for AF_UNIX sockets")
 
 
 def _forkserver_pid() -> int | None:

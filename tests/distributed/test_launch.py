@@ -12,11 +12,14 @@ import importlib
 import json
 import multiprocessing
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -266,6 +269,7 @@ def test_a_worker_that_vanishes_is_named_long_before_the_timeout(monkeypatch):
 
 _LAUNCHER_SCRIPT = """
 import sys
+import tempfile
 sys.path[:0] = {path!r}
 from muonlab.distributed import launch
 from tests.distributed import _workers_launch as workers
@@ -343,13 +347,13 @@ def test_killing_the_launcher_while_workers_start_leaves_no_worker(tmp_path):
     import signal
 
     # the launcher's temporary folder: it must leave nothing there (its status files live in the
-    # run directory, which is kept anyway)
-    temp = tmp_path / "tmp"
-    temp.mkdir()
+    # run directory, which is kept anyway). A short one: under xdist's long tmp_path the forkserver's
+    # socket path would not fit, and the launch would take spawn (test below)
+    temp = Path(tempfile.mkdtemp(prefix="ml-kill-"))
     proc = _run_script(tmp_path, """
         if __name__ == "__main__":
             launch(workers.rank_info, 2, timeout_s=300, startup_timeout_s=300)
-    """, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    """, stdout=subprocess.DEVNULL, stderr=(tmp_path / "launcher.err").open("w"),
         # the workers stay in their start-up (importing the function's module) for 600 s, longer than
         # anything waits here, so only their launcher's death can end them in time: a forkserver's
         # are otherwise up and done within a poll or two of this loop on a loaded machine
@@ -360,7 +364,8 @@ def test_killing_the_launcher_while_workers_start_leaves_no_worker(tmp_path):
         while len(workers_seen) < 2 and time.monotonic() < deadline and proc.poll() is None:
             workers_seen |= _worker_processes(proc.pid)
             time.sleep(0.02)
-        assert len(workers_seen) == 2, f"the launcher started no workers (it exited with {proc.poll()})"
+        assert len(workers_seen) == 2, (f"the launcher started no workers (it exited with {proc.poll()}):\n"
+                                        + (tmp_path / "launcher.err").read_text()[-3000:])
         proc.kill()  # while the workers are still bootstrapping (importing muonlab, or torch if spawned)
         proc.wait()
         deadline = time.monotonic() + 90
@@ -375,6 +380,25 @@ def test_killing_the_launcher_while_workers_start_leaves_no_worker(tmp_path):
         for pid in workers_seen:
             if _pid_alive(pid):
                 os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="AF_UNIX path limit of Linux")
+def test_a_temporary_folder_too_long_for_the_forkserver_socket_takes_spawn(tmp_path):
+    # the forkserver listens on <TMPDIR>/pymp-XXXXXXXX/listener-XXXXXXXX, at most 107 bytes on Linux:
+    # launch() failed with "AF_UNIX path too long" under a long TMPDIR (xdist's tmp_path is one)
+    long = tmp_path / ("t" * 90)
+    long.mkdir()
+    code = ("from muonlab.distributed.launch import _start_method\n"
+            "print(_start_method(None))\n"
+            "try:\n    _start_method('forkserver')\nexcept ValueError as e:\n    print(e)\n")
+    run = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, TMPDIR=str(long)), capture_output=True,
+                         text=True, timeout=100)
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert lines[0] == "spawn", run.stdout
+    assert "start_method='forkserver' can't start here" in lines[1] and "over Linux's 107" in lines[1], run.stdout
 
 
 @pytest.mark.timeout(240)
