@@ -227,6 +227,16 @@ def _die_with_parent(launcher_pid: int | None = None) -> None:
                          daemon=True).start()
 
 
+def _become_worker(launcher_pid: int | None) -> None:
+    """What every worker process does first, cold or warm: take the environment launch() handed
+    it, lead a process group of its own, end with its launcher, and, forked, behave as a spawned
+    worker."""
+    _take_launch_env()
+    _lead_own_process_group()
+    _die_with_parent(launcher_pid)
+    _settle_forked_worker()
+
+
 def _settle_forked_worker() -> None:
     """What a worker forked by the forkserver does to behave as a spawned one.
 
@@ -327,10 +337,7 @@ def _worker_entry(
     goes to this rank's stderr log there (elastic records it only in error.json). The worker leads a process group of its
     own, which the launcher ends with the launch (:func:`_lead_own_process_group`).
     """
-    _take_launch_env()
-    _lead_own_process_group()
-    _die_with_parent(launcher_pid)
-    _settle_forked_worker()
+    _become_worker(launcher_pid)
     rank = int(os.environ["RANK"])
     _write_status(status_dir, rank, "pid", str(os.getpid()))
     _progress._open_stream(os.path.join(_rank_dir(run_dir, rank), _progress.PROGRESS_FILE), rank)
@@ -1374,8 +1381,9 @@ def _start_method(start_method: str | None) -> str:
     if start_method not in available:
         raise ValueError(f"start_method={start_method!r} is not available on this platform "
                          f"({sys.platform}: {', '.join(available)}); use 'spawn' or None")
-    if start_method == "forkserver" and _forkserver_address() is not None:
-        raise ValueError(f"start_method='forkserver' can't start here: {_forkserver_address()}; use 'spawn' or None "
+    why_not = _forkserver_address() if start_method == "forkserver" else None
+    if why_not is not None:
+        raise ValueError(f"start_method='forkserver' can't start here: {why_not}; use 'spawn' or None "
                          "(None takes spawn here)")
     return start_method
 

@@ -248,10 +248,7 @@ def _pool_worker_entry(first_task: Task, device: str, backend: str | None, launc
                        inboxes: list[Connection]) -> None:
     """What each process of a pool runs: the first task, then each task its pipe brings, until
     the pipe says stop (None) or closes (the launcher is gone)."""
-    _launch._take_launch_env()
-    _launch._lead_own_process_group()
-    _launch._die_with_parent(launcher_pid)
-    _launch._settle_forked_worker()
+    _launch._become_worker(launcher_pid)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     inbox = inboxes[rank]
     for other in inboxes:
