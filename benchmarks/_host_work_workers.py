@@ -34,7 +34,7 @@ MUONLAB_KINDS = {
     "muonlab-normuon": dict(update_rule="normuon"),
 }
 # on CUDA only: the whole step captured in one CUDA graph after its first step (lr a device tensor)
-CUDA_KINDS = {"muonlab-captured": dict(capture_after=1)}
+CUDA_KINDS = {"muonlab-captured": dict(capture_after=1, nonfinite_decision="device")}  # a captured step decides a skip on the device
 KINDS = [*MUONLAB_KINDS, *CUDA_KINDS, "torch", "dion"]
 WARMUP = 3
 

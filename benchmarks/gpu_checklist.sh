@@ -54,7 +54,7 @@ stage_tests() {
             # NBVAL_CHECK_OUTPUT are compared (the stored outputs of the others were made on a CPU: device
             # names and Triton's availability differ on a GPU)
             CI=1 OMP_NUM_THREADS=2 timed notebooks 180 $PY -m pytest -q -p no:cacheprovider -n 6 --dist loadscope \
-                --nbval-lax --nbval-sanitize-with notebooks/nbval_sanitize.cfg notebooks &
+                --nbval-lax --nbval-kernel-startup-timeout 150 --nbval-sanitize-with notebooks/nbval_sanitize.cfg notebooks &
             nb_pid=$!
         else
             echo "== notebooks: the wheels in .whl/ did not install (wheels.log): not run" >>"$summary"

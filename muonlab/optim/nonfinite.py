@@ -28,15 +28,33 @@ from .step_inputs import plan_names
 from .validation import fmt_shape
 
 
+FUSED_CHECK_DTYPES = {"cuda": (torch.float16, torch.float32, torch.float64)}
+"""Per device type whose fused non-finite check doesn't take every floating dtype, those it takes:
+torch's CUDA kernel has no bf16 (AmpKernels.cu dispatches the float types and half), so bf16
+grads on a GPU take ``_largest_magnitudes_into``."""
+
+
 def _flag_into(found: torch.Tensor, grads: list[torch.Tensor], one: torch.Tensor) -> None:
-    """Raise ``found`` (a one-element float tensor on the grads' device) if any grad is non-finite;
-    ``one`` is the inverse scale 1.0 on that device."""
-    try:
-        torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one)
-    except RuntimeError:
-        # grads that can't be written in place (expanded views, inference tensors): no rewrite,
-        # one reduction per grad
-        found += torch.stack([torch.isfinite(g).all() for g in grads]).logical_not().any().float()
+    """Raise ``found`` (a one-element float tensor on the grads' device) if any of ``grads`` (one
+    device, one dtype) is non-finite; ``one`` is the inverse scale 1.0 on that device."""
+    takes = FUSED_CHECK_DTYPES.get(grads[0].device.type)
+    if takes is None or grads[0].dtype in takes:
+        try:
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one)
+            return
+        except RuntimeError:
+            pass  # grads that can't be written in place (expanded views, inference tensors)
+    _largest_magnitudes_into(found, grads)
+
+
+def _largest_magnitudes_into(found: torch.Tensor, grads: list[torch.Tensor]) -> None:
+    """``_flag_into`` without writing the grads: each one's largest magnitude, one fused reduction
+    for the list (an inf or NaN anywhere makes it inf or NaN), and no temporary of a grad's size
+    (an ``isfinite`` per grad takes a bool per element: a bf16 bank's check broke its workspace
+    budget on a GPU, and it launched twice per grad)."""
+    sized = [g for g in grads if g.numel()]  # an empty tensor has no largest magnitude
+    if sized:
+        found += torch.stack(torch._foreach_norm(sized, float("inf"))).isfinite().logical_not().any().float()
 
 
 def _flags_by_device(grads: Sequence[torch.Tensor], plain: bool = False) -> dict[torch.device, torch.Tensor]:

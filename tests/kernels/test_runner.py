@@ -16,7 +16,7 @@ from muonlab.kernels import backend_choice
 from muonlab.kernels.batch_io import Overwrite
 from muonlab.kernels.config import NSConfig
 from muonlab.kernels.newton_schulz import cpu_has_native_bf16, newton_schulz, resolve_dtype
-from muonlab.kernels.runner import NewtonSchulzRunner, default_budget
+from muonlab.kernels.runner import NewtonSchulzRunner, default_budget, matrices_within
 from muonlab.kernels.workspace import ALIGN, Workspace, max_batch_matrices
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (graphs, backend='auto' measurement)")
@@ -271,7 +271,7 @@ def test_backend_choice_is_cached_on_disk_per_device_and_versions(tmp_path, monk
     monkeypatch.setattr(backend_choice, "_memory", {})
     calls = []
     monkeypatch.setattr(backend_choice, "_measure", lambda *a: calls.append(a) or "triton")
-    cfg, cpu = NSConfig(), torch.device("cpu")
+    cfg, cpu = NSConfig(), torch.device("cuda" if torch.cuda.is_available() else "cpu")  # both backends run there
     assert backend_choice.faster_backend((2, 16, 32), torch.bfloat16, cfg, cpu) == "triton"
     assert backend_choice.faster_backend((2, 16, 32), torch.bfloat16, cfg, cpu) == "triton"
     assert len(calls) == 1  # measured once
@@ -297,7 +297,11 @@ def test_graphed_runner_matches_eager_and_replays():
     for backend in ("torch", "triton"):
         cfg = NSConfig(dtype=torch.bfloat16, backend=backend)
         eager = NewtonSchulzRunner(2**30)(mats, cfg)
-        runner = NewtonSchulzRunner(2 * 2 * (4 * 64 * 96 + 2 * 64 * 64), graphs=True)  # chunks of 2, 2, 1
+        # room for two matrices as this backend runs them (Triton's wide iterates take more): chunks of 2, 2, 1
+        per_matrix = 2**30 // matrices_within(2**30, (64, 96), torch.bfloat16, cfg, device=mats.device,
+                                              input_dtype=mats.dtype)
+        runner = NewtonSchulzRunner(2 * per_matrix + per_matrix // 2, graphs=True)
+        assert runner.chunk_size((64, 96), torch.bfloat16, cfg=cfg, device=mats.device, input_dtype=mats.dtype) == 2
         first = runner(mats, cfg)
         again = runner(mats * 2, cfg)  # replay with new inputs (normalisation makes the scale irrelevant)
         assert len(runner._graphed) == 2
@@ -359,7 +363,7 @@ def test_a_backend_choice_cache_entry_that_names_no_backend_is_measured_again(tm
     monkeypatch.setattr(backend_choice, "_memory", {})
     calls = []
     monkeypatch.setattr(backend_choice, "_measure", lambda *a: calls.append(a) or "torch")
-    cfg, cpu = NSConfig(), torch.device("cpu")
+    cfg, cpu = NSConfig(), torch.device("cuda" if torch.cuda.is_available() else "cpu")  # both backends run there
     path = backend_choice.cache_file(cpu)
     path.write_text(json.dumps({backend_choice._key((2, 16, 32), torch.bfloat16, cfg): 5}))
     assert backend_choice.faster_backend((2, 16, 32), torch.bfloat16, cfg, cpu) == "torch"

@@ -14,7 +14,10 @@ import torch
 from muonlab.kernels import backend_choice
 from muonlab.kernels.config import NSConfig
 
-CPU = torch.device("cpu")
+# A device where both backends can run, so that a choice between them is made: the GPU where there
+# is one, else the CPU under Triton's interpreter (set by tests/conftest.py on a CPU-only machine).
+# On a GPU machine the CPU has only the torch backend, and would never consult the cache.
+CPU = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ from muonlab.experiments.compare import Comparison, compare, run_one, summarize
 from muonlab.models import GPTConfig
 
 TINY = GPTConfig(d_model=32, n_layers=1, n_heads=2, context=16)
-FP32 = dict(ns_dtype="fp32")  # the same Newton-Schulz dtype on every CPU
+FP32 = dict(ns_dtype="fp32", ns_backend="torch")  # the same Newton-Schulz on every CPU (and on a GPU)
 
 
 @pytest.fixture(autouse=True)

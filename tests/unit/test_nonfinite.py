@@ -35,6 +35,30 @@ def test_finite_grads_pass_with_no_per_grad_work(dtype, monkeypatch):
     assert not nonfinite.found(grads)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bad", [float("inf"), float("nan"), float("-inf"), None])
+def test_a_dtype_the_fused_check_does_not_take_is_checked_by_largest_magnitudes(dtype, bad, monkeypatch):
+    """On a GPU torch's fused check has no bf16: such grads take one foreach reduction of their
+    largest magnitudes (emulated here by telling the CPU's check it takes no dtype): the same
+    answers, no grad written, no per-grad isfinite, empty grads and huge finite values passed."""
+    def fused(*args):
+        raise AssertionError("the fused check was called for a dtype it does not take")
+
+    def isfinite(t):
+        raise AssertionError("a per-grad isfinite")
+
+    monkeypatch.setitem(nonfinite.FUSED_CHECK_DTYPES, "cpu", ())
+    monkeypatch.setattr(torch, "_amp_foreach_non_finite_check_and_unscale_", fused)
+    monkeypatch.setattr(torch, "isfinite", isfinite)
+    grads = _grads(dtype) + [torch.full((3, 3), 3e38).to(dtype)]  # huge but finite
+    if bad is not None:
+        grads[7].view(-1)[3] = bad
+    before = [g.clone() for g in grads]
+    assert nonfinite.found(grads) == (bad is not None)
+    assert all(torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
+               for a, b in zip(grads, before))
+
+
 def test_mixed_dtypes_and_views_that_cant_be_written():
     grads = _grads(torch.float32, 4) + _grads(torch.bfloat16, 4) + [torch.ones(1).expand(4, 4)]
     assert not nonfinite.found(grads)

@@ -14,7 +14,10 @@ from muonlab.models import GPT, GPTConfig
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 CFG = dict(d_model=32, n_layers=2, n_heads=2, context=16)
-HYPER = dict(lr=0.02, weight_decay=0.01, momentum=0.9, adamw_lr=3e-3)
+# the backend named: "auto" times torch against Triton per batch, and a timing is no fixed point
+# for a bit-for-bit comparison (the fp32 cases differed once beside three busy test workers and
+# matched when run again)
+HYPER = dict(lr=0.02, weight_decay=0.01, momentum=0.9, adamw_lr=3e-3, ns_backend="torch")
 
 
 def _train(dtype, steps=3, **offload):

@@ -19,6 +19,7 @@ from muonlab import runs
 from muonlab.experiments import compare as compare_mod
 from muonlab.experiments.compare import Comparison, compare, summarize
 from muonlab.models import GPTConfig
+from muonlab.train import default_device
 
 FP32 = dict(ns_dtype="fp32")  # the same Newton-Schulz dtype on every CPU
 TINY = GPTConfig(d_model=32, n_layers=1, n_heads=2, context=16)
@@ -62,10 +63,12 @@ def test_a_train_record_keeps_what_ran_and_reruns_to_the_same_losses_bit_for_bit
     assert rec.config["batches"]["kind"] == "dataset" and rec.config["batches"]["kept"]
     assert rec.config["optimizer"]["options"]["ns_dtype"] == {"__dtype__": "float32"}
     prov = rec.provenance
-    assert prov["torch"] == torch.__version__ and prov["threads"] == 1 and prov["device"] == "cpu"
-    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                          cwd=os.path.dirname(muonlab.__file__))
-    if head.returncode == 0:  # a checkout: the record names its commit
+    assert prov["torch"] == torch.__version__ and prov["threads"] == 1
+    assert prov["device"] == str(default_device())  # cuda:0 on a GPU machine
+    package = os.path.dirname(muonlab.__file__)
+    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=package)
+    tracked = subprocess.run(["git", "ls-files", "--error-unmatch", "__init__.py"], capture_output=True, cwd=package)
+    if head.returncode == 0 and tracked.returncode == 0:  # a checkout of muonlab (not a copy inside another's)
         assert prov["git"]["commit"] == head.stdout.strip()
 
     torch.manual_seed(123)  # another global RNG state: the rerun starts from the kept one
