@@ -139,7 +139,10 @@ def host_work_worker(kinds: list[str], sizes: list[int], device: str = "cpu") ->
                 torch.cuda.synchronize()
             if mesh is not None:
                 dist.barrier()
-            out[(kind, n)] = count_step(opt.step)
+            # with the Newton-Schulz backends the step ran (muonlab's "auto" times them per batch:
+            # on CUDA a Triton launch is Python work of its own)
+            ran = sorted({c["backend"] for c in opt.resolved_choices()}) if hasattr(opt, "resolved_choices") else []
+            out[(kind, n)] = (*count_step(opt.step), "+".join(ran))
             if mesh is not None:
                 dist.barrier()
     return out

@@ -42,7 +42,8 @@ def rows_for(counts: dict, kinds: list[str], sizes: list[int], dion: dict | None
     for kind in kinds:
         if (kind, lo) not in counts:
             continue
-        cells = [f"{counts[(kind, n)][0]:,} / {counts[(kind, n)][1]:,}" for n in sizes]
+        cells = [f"{counts[(kind, n)][0]:,} / {counts[(kind, n)][1]:,}"
+                 + (f" [{counts[(kind, n)][4]}]" if counts[(kind, n)][4] else "") for n in sizes]
         per = [(counts[(kind, hi)][k] - counts[(kind, lo)][k]) / (hi - lo) for k in (0, 1)]
         vs = f"{counts[(kind, hi)][0] / dion[(hi)][0]:.2f}x" if dion else "n/a"
         files, kernel_files = counts[(kind, hi)][2:4]
@@ -89,7 +90,8 @@ def main(argv=None):
         "muonlab kinds: the defaults, `nonfinite_decision=\"device\"`, `state_offload=\"cpu\"`, "
         "`update_rule=\"normuon\"`; on CUDA also `capture_after=1` with a device-tensor lr (the replayed graph). Goal (issue 40): at most 5 Python calls per added matrix and at most 1.2x "
         "Dion's calls at 96 matrices, one process and rank 0 of 2. The files walked: the muonlab modules whose functions "
-        "the step called at the largest size (in brackets, those in kernels/); goal: at most 12 (3).",
+        "the step called at the largest size (in brackets, those in kernels/); goal: at most 12 (3). In square "
+        "brackets after a muonlab count: the Newton-Schulz backends the step ran.",
         *sections, *notes])
     default_out = "host_work" if args.device == "cpu" else "host_work_cuda"
     write_report(args.out or results_path(default_out), "Host work per optimizer step: Python calls and aten ops",
