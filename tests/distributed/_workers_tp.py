@@ -51,8 +51,10 @@ def tp_plan() -> dict:
     return plan
 
 
-def tp_model():
-    """(TinyMLP under TP x FSDP2 on a 2 x 2 mesh, its plain copy): both from seed 0."""
+def tp_model(replicate: int = 1):
+    """(TinyMLP under TP x FSDP2 on a 2 x 2 mesh, its plain copy): both from seed 0. ``replicate``
+    > 1: HSDP x TP on a (replicate, 2, 2) mesh, FSDP2 over ("replicate", "dp"): a column-wise
+    weight's placements (Replicate(), _StridedShard(0), Shard(0))."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import parallelize_module
@@ -61,9 +63,14 @@ def tp_model():
     model = TinyMLP()
     plain = TinyMLP()
     plain.load_state_dict(model.state_dict())
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    if replicate == 1:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        data = mesh["dp"]
+    else:
+        mesh = init_device_mesh("cpu", (replicate, 2, 2), mesh_dim_names=("replicate", "dp", "tp"))
+        data = mesh["replicate", "dp"]
     parallelize_module(model, mesh["tp"], tp_plan())
-    fully_shard(model, mesh=mesh["dp"])
+    fully_shard(model, mesh=data)
     return model, plain
 
 
@@ -104,11 +111,12 @@ class FullGatherCount:
         self._saved.clear()
 
 
-def train_tp(rule: str) -> dict:
-    """3 steps of Muon with ``rule`` on the TP x FSDP2 MLP and on its plain copy, from the same
-    gradients; the full gathers counted in the steps after the first."""
+def train_tp(rule: str, replicate: int = 1) -> dict:
+    """3 steps of Muon with ``rule`` on the TP x FSDP2 MLP (``replicate``: HSDP x TP, see
+    ``tp_model``) and on its plain copy, from the same gradients; the full gathers counted in the
+    steps after the first."""
     torch.set_num_threads(1)
-    model, plain = tp_model()
+    model, plain = tp_model(replicate)
     opt = Muon(list(model.named_parameters()), update_rule=rule, **HYPER)
     ref = Muon(list(plain.named_parameters()), update_rule=rule, **HYPER)
     gathers = []
@@ -139,6 +147,7 @@ def train_tp(rule: str) -> dict:
     # the rule's all-reduce as planned (a ring: 2 (W - 1) / W of its fp32 bytes, as counted)
     planned_rule = sum(2 * (b.group.size - 1) * 4 * b.rule_sums // b.group.size for b in opt.plan() if b.rule_sums)
     return dict(errors=errors, variances=variances, gathers=gathers[1:], sent=stats["bytes_sent"],
+                placements={name: str(tuple(p.placements)) for name, p in model.named_parameters()},
                 recv=stats["bytes_recv"], planned_sent=planned_sent, planned_recv=planned_recv,
                 planned_rule=planned_rule, counted_rule=stats["bytes_sent"].get(rule, 0),
                 plan=[(b.path, b.names, b.owners, b.bytes_sent, b.flops, b.travels_with) for b in opt.plan()])
@@ -529,3 +538,8 @@ def everything(folder: str) -> dict:
                 layouts=layouts_gathers(), rowwise={rule: rowwise_alone(rule) for rule in ("muon", "normuon")}, replicated=replicated_slices(),
                 gpt=gpt_fsdp_tp(), default_mesh=fsdp_tp_default_mesh(), checkpoint=checkpoint_across_tp(folder),
                 heads={rule: heads_under_tp(rule) for rule in ("muon", "normuon")}, qk_clip=qk_clip_under_tp())
+
+
+def hsdp_tp() -> dict:
+    """The 8-rank checks: HSDP x TP on a (2, 2, 2) mesh, Muon and NorMuon."""
+    return {rule: train_tp(rule, replicate=2) for rule in ("muon", "normuon")}

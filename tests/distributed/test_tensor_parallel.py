@@ -2,7 +2,8 @@
 
 torch's ColwiseParallel / RowwiseParallel on a tiny MLP over the "tp" axis of a 2 x 2 gloo mesh, then
 ``fully_shard`` over "dp" (tests/distributed/_workers_tp.py): uneven pieces and empty ones. One launch
-runs every check (worker start-up is the slow part); one thread per rank.
+runs every check (worker start-up is the slow part); one thread per rank. A second launch, of 8
+ranks, runs HSDP x TP on a (2, 2, 2) mesh.
 """
 
 import pytest
@@ -220,3 +221,27 @@ def test_qk_clip_under_tp_takes_each_head_where_it_lives(results):
         assert steps["logit_error"] <= 1e-4, (rank, steps["logit_error"])
         for name, err in steps["errors"].items():
             assert err <= 1e-4, (rank, name, err)
+
+
+@pytest.fixture(scope="module")
+def hsdp_results():
+    return launch(W.hsdp_tp, 8, timeout_s=500)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("rule", ["muon", "normuon"])
+def test_hsdp_tp_on_8_ranks_equals_one_process_at_the_planned_bytes(hsdp_results, rule):
+    """HSDP x TP on a (2, 2, 2) gloo mesh: the column-wise weights' placements have all three kinds
+    (Replicate, _StridedShard, Shard) and every matrix steps as in one process, with the bytes the
+    plan says and no full gather."""
+    for rank, res in hsdp_results.items():
+        got = res[rule]
+        assert got["placements"]["up.weight"] == "(Replicate(), _StridedShard(dim=0, sf=2), Shard(dim=0))"
+        for name, err in [*got["errors"].items(), *got["variances"].items()]:
+            assert err <= TOLERANCE, (rule, rank, name, err)
+        assert {row[0] for row in got["plan"]} == {"pieces"} and got["plan"] == hsdp_results[0][rule]["plan"]
+        assert {"pieces": got["sent"]["pieces"]} == got["planned_sent"], (rank, got["sent"], got["planned_sent"])
+        assert {"pieces": got["recv"]["pieces"]} == got["planned_recv"], (rank, got["recv"], got["planned_recv"])
+        assert got["planned_rule"] == got["counted_rule"] and got["gathers"] == [0] * (W.STEPS - 1)
+        # each replica (ranks 0-3, 4-7) moves what the 2 x 2 mesh above moves: nothing crosses replicas
+        assert got["sent"] == hsdp_results[rank % 4][rule]["sent"], (rank, got["sent"])
