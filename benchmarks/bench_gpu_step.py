@@ -49,6 +49,7 @@ cache of per-shape matmul kernels.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import statistics
@@ -247,6 +248,16 @@ def _timed_steps(opt, device, repeats) -> list[float]:
     return times
 
 
+def newton_schulz_ran(opt) -> str:
+    """What muonlab's Newton-Schulz ran, per (form, backend, dtype), with its number of plan
+    batches: what "auto" chose on this device ("-" for the peers, which run their own)."""
+    if not hasattr(opt, "resolved_choices"):
+        return "-"
+    ran = collections.Counter((c["form"], c["backend"], c["dtype"].replace("torch.", ""))
+                              for c in opt.resolved_choices())
+    return ", ".join(f"{' '.join(k)}: {n}" for k, n in sorted(ran.items()))
+
+
 def speed_table(set_name, shapes, dtype, device, args, factories=None):
     """On CPU every round steps every configuration once in a rotating order (load hits them
     alike); on a GPU, where a 1B set of fp32 parameters per configuration would not all fit, each
@@ -269,7 +280,7 @@ def speed_table(set_name, shapes, dtype, device, args, factories=None):
         # the Newton-Schulz FLOPs this configuration runs (its plan's: the gram form runs fewer)
         # (torch.optim.Muon and Dion: the plain form of the shapes, as their iteration is)
         ns_flops_run = sum(sum(b.flops) for b in opt.plan()) if hasattr(opt, "plan") else plain_flops(shapes)
-        run = dict(label=label, params=params, opt=opt, times=[], ns_flops=ns_flops_run)
+        run = dict(label=label, params=params, opt=opt, times=[], ns_flops=ns_flops_run, ran=newton_schulz_ran(opt))
         if device.type == "cuda":
             run["resident"] = torch.cuda.memory_allocated() - base
             torch.cuda.reset_peak_memory_stats()
@@ -301,6 +312,7 @@ def speed_table(set_name, shapes, dtype, device, args, factories=None):
             ref = runs[0]
             row += [f"{run['resident'] / 2**30:.2f}", f"{run['peak'] / 2**30:.2f}",
                     f"{(run['peak'] - run['resident']) / 2**30:.3f}", f"{run['peak'] / ref['peak']:.2f}x"]
+        row.append(run["ran"])
         rows.append(row)
         run["opt"] = run["params"] = None
     return rows, matmul_rate
@@ -539,6 +551,7 @@ def main(argv=None):
             "speed-up ceiling (those FLOPs at the matmul rate)"]
     if cuda:
         head += ["resident GiB", "peak GiB", "transient GiB", "peak vs torch.optim.Muon"]
+    head.append("Newton-Schulz run (form backend dtype: batches)")
     rows, rates = [], []
     for set_name in ([] if args.memory_only and not cuda else set_names):
         shapes = scaled(SETS[set_name], args.factor)
