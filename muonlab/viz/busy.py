@@ -46,11 +46,16 @@ def _busy(*_info) -> None:
         if button in _saved:
             continue
         _saved[button] = (button.description, button.tooltip, button.disabled)
-        button.description = button.description + BUSY_SUFFIX
-        button.tooltip = BUSY_TOOLTIP
-        button.disabled = True
+        # one message to the frontend for the three: sent apart, the page showed the busy text
+        # with the button still enabled for a moment (a fresh clone's browser test clicked then)
+        with button.hold_sync():
+            button.disabled = True
+            button.description = button.description + BUSY_SUFFIX
+            button.tooltip = BUSY_TOOLTIP
 
 
 def _idle(*_result) -> None:
     for button in list(_saved):
-        button.description, button.tooltip, button.disabled = _saved.pop(button)
+        description, tooltip, disabled = _saved.pop(button)
+        with button.hold_sync():
+            button.description, button.tooltip, button.disabled = description, tooltip, disabled

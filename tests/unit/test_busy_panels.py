@@ -45,3 +45,16 @@ def test_outside_ipython_buttons_never_change():
     button = w.Button(description="run")
     say_when_busy(button)
     assert _state(button) == (False, "run", None)
+
+
+def test_the_busy_state_reaches_the_frontend_in_one_message_each_way(shell, monkeypatch):
+    """Disabled, text and tooltip in one state update: sent one by one, the page showed the busy
+    text on a button still enabled for a moment, and a click then went through."""
+    import ipywidgets as w
+
+    train = w.Button(description="train")
+    sent = []
+    monkeypatch.setattr(train, "send_state", lambda key=None: sent.append(sorted(key) if key else key))
+    say_when_busy(train)
+    shell.run_cell("pass")
+    assert sent == [["description", "disabled", "tooltip"]] * 2, sent
