@@ -14,6 +14,8 @@ import time
 import pytest
 import torch
 
+from ._proc import descendants, stat_fields
+
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -113,28 +115,14 @@ class _ProcessTreeCPU:
         self.lock = threading.Lock()
         threading.Thread(target=self._run, daemon=True, name="test-cpu-sampler").start()
 
-    def _children(self, pid: int) -> list[int]:
-        out = []
-        try:
-            for task in os.listdir(f"/proc/{pid}/task"):
-                with open(f"/proc/{pid}/task/{task}/children") as f:
-                    out.extend(map(int, f.read().split()))
-        except OSError:  # ended meanwhile
-            pass
-        return out
-
     def sample(self) -> None:
-        todo, seen = self._children(os.getpid()), {}
-        while todo:
-            pid = todo.pop()
-            try:
-                with open(f"/proc/{pid}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
+        seen = {}
+        for pid in descendants(os.getpid()):
+            fields = stat_fields(pid)
+            if fields is None:
                 continue
             # utime, stime (the process's own, not its waited children's: those are counted themselves)
             seen[(pid, fields[19])] = (int(fields[11]) + int(fields[12])) / self.tick
-            todo.extend(self._children(pid))
         with self.lock:
             self.last.update(seen)
 

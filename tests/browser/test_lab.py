@@ -26,6 +26,8 @@ from pathlib import Path
 
 import pytest
 
+from tests._proc import alive, descendants
+
 REPO = Path(__file__).resolve().parents[2]
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 NOTEBOOK = "01_quickstart.ipynb"
@@ -38,30 +40,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (kernels start their own process groups, so killpg misses them)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
 
 
 def _kill(pids: list[int]) -> None:
@@ -112,7 +90,7 @@ def lab(tmp_path):
                 time.sleep(0.5)
         yield url, token
     finally:
-        below = _descendants(server.pid)
+        below = descendants(server.pid)
         try:  # the server's own shutdown stops its kernels first
             request = urllib.request.Request(f"{url}/api/shutdown", method="POST",
                                              headers={"Authorization": f"token {token}"})
@@ -120,12 +98,12 @@ def lab(tmp_path):
             server.wait(timeout=20)
         except (OSError, subprocess.TimeoutExpired):
             pass
-        _kill([*_descendants(server.pid), *below])
+        _kill([*descendants(server.pid), *below])
         if server.poll() is None:
             os.killpg(server.pid, signal.SIGKILL)
         server.wait(timeout=10)
         log.close()
-        leftover = [pid for pid in below if _alive(pid)]
+        leftover = [pid for pid in below if alive(pid)]
         assert not leftover, f"processes left behind by JupyterLab: {leftover}"
 
 

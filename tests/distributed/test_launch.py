@@ -7,7 +7,6 @@ shares test_mesh.py's launch.
 
 from __future__ import annotations
 
-import glob
 import importlib
 import json
 import multiprocessing
@@ -24,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from muonlab.distributed import WorkerError, WorkerTimeout, launch
+from tests._proc import alive, children, cmdline
 from tests.distributed import _workers_launch as workers
 
 pytestmark = pytest.mark.cold_launch  # the launcher itself
@@ -147,29 +147,16 @@ def _child_pids() -> set[int]:
     return _worker_processes(os.getpid())
 
 
-def _children(parent: int) -> dict[int, bytes]:
-    """{pid: command line} of ``parent``'s children."""
-    out = {}
-    for path in glob.glob(f"/proc/{parent}/task/*/children"):
-        try:
-            with open(path) as f:
-                for pid in map(int, f.read().split()):
-                    with open(f"/proc/{pid}/cmdline", "rb") as f:
-                        out[pid] = f.read()
-        except OSError:
-            pass
-    return out
-
-
 def _worker_processes(launcher: int) -> set[int]:
     """The worker processes ``launcher`` started: its spawned children and its forkserver's
     children (not multiprocessing's resource tracker, nor the forkserver itself)."""
     pids = set()
-    for pid, cmdline in _children(launcher).items():
-        if b"spawn_main" in cmdline:
+    for pid in children(launcher):
+        command = cmdline(pid)
+        if b"spawn_main" in command:
             pids.add(pid)
-        elif b"multiprocessing.forkserver" in cmdline:
-            pids |= set(_children(pid))
+        elif b"multiprocessing.forkserver" in command:
+            pids |= set(children(pid))
     return pids
 
 
@@ -333,14 +320,6 @@ def test_workers_get_the_callers_environment_as_it_is_at_each_launch(tmp_path):
             assert info["ppid"] == parent, (launch_name, rank, info, seen)
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 @pytest.mark.timeout(240)
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_killing_the_launcher_while_workers_start_leaves_no_worker(tmp_path):
@@ -369,16 +348,16 @@ def test_killing_the_launcher_while_workers_start_leaves_no_worker(tmp_path):
         proc.kill()  # while the workers are still bootstrapping (importing muonlab, or torch if spawned)
         proc.wait()
         deadline = time.monotonic() + 90
-        while any(map(_pid_alive, workers_seen)) and time.monotonic() < deadline:
+        while any(map(alive, workers_seen)) and time.monotonic() < deadline:
             time.sleep(0.2)
-        survivors = [pid for pid in workers_seen if _pid_alive(pid)]
+        survivors = [pid for pid in workers_seen if alive(pid)]
         assert not survivors, f"workers {survivors} outlived their launcher"
         left = [entry for entry in os.listdir(temp) if entry.startswith("muonlab")]
         assert not left, f"the killed launcher left {left} in its temporary folder"
     finally:
         proc.kill()
         for pid in workers_seen:
-            if _pid_alive(pid):
+            if alive(pid):
                 os.kill(pid, signal.SIGKILL)
         shutil.rmtree(temp, ignore_errors=True)
 
