@@ -23,7 +23,7 @@ from .comm.cost import get_profile, step_seconds
 from .comm.planner import REFERENCE_STRATEGIES, plan_batches, reference_plan
 from .comm.records import Plan, per_rank
 from .comm.specs import (GroupKey, MatrixSpec, check_view, chunk_sizes, default_view, fused_row_layout,
-                          group_pieces, piece_numel)
+                          group_pieces, piece_numel, row_layout)
 from .comm.wire import wire_itemsizes
 from .distributed.mesh import MeshAxis
 from .kernels.config import NSConfig, ns_flops
@@ -101,12 +101,18 @@ def tp_style(name: str) -> str:
     return "rowwise" if module in ROWWISE_NAMES else "colwise"
 
 
-def tp_specs(named_shapes: Iterable[tuple], world: int, tp: int, tp_styles: dict[str, str] | None = None
-             ) -> list[MatrixSpec]:
+def tp_specs(named_shapes: Iterable[tuple], world: int, tp: int, tp_styles: dict[str, str] | None = None,
+             fused_banks: dict[str, int] | None = None, tp_slices: bool = True) -> list[MatrixSpec]:
     """The MatrixSpecs of FSDP2 over tensor parallelism on a ("dp", "tp") mesh of ``world // tp`` x
     ``tp`` ranks: a column-wise weight ``(_StridedShard(0, tp), Shard(0))``, a row-wise one
     ``(Shard(0), Shard(1))``, as torch's TP and ``fully_shard`` place them; layout "pieces" over
-    the flattened mesh. ``tp_styles``: {name: style} overriding ``tp_style``."""
+    the flattened mesh. ``tp_styles``: {name: style} overriding ``tp_style``.
+
+    ``fused_banks``: {name: blocks} (``attention_blocks(model)``: heads), as Muon's. A column-wise
+    bank whose blocks ``tp`` divides leaves whole blocks on every TP rank: with ``tp_slices`` (an
+    update rule without per-row state, as ``matrix_spec`` decides) it is planned as a run plans it,
+    its TP slice (rows / tp, blocks / tp) row-sharded over "dp" alone, one slice per TP rank doing
+    the same on other heads (the plan's rows are one slice's). Any other bank stays on "pieces"."""
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -114,8 +120,15 @@ def tp_specs(named_shapes: Iterable[tuple], world: int, tp: int, tp_styles: dict
     for name, style in styles.items():
         if style not in TP_STYLES:
             raise ValueError(f"tp_styles[{name!r}] must be one of {TP_STYLES}, got {style!r}")
+    named_shapes = list(named_shapes)
+    fused = checked_fused_banks(fused_banks)
+    unknown = sorted(set(fused) - {item[0] for item in named_shapes})
+    if unknown:
+        raise ValueError(f"fused_banks names {unknown}, which are not among the Muon parameters")
+    mesh_shape = (world // tp, tp)
     key = GroupKey(mesh_ranks=tuple(range(world)), mesh_shape=(1, world),
                    axis_name=f"{MeshAxis.DP}+tp", axis_index=1)
+    dp = GroupKey(mesh_ranks=tuple(range(world)), mesh_shape=mesh_shape, axis_name=MeshAxis.DP, axis_index=0)
     placements = {"colwise": (_StridedShard(0, split_factor=tp), Shard(0)), "rowwise": (Shard(0), Shard(1))}
     specs = []
     for i, item in enumerate(named_shapes):
@@ -123,13 +136,20 @@ def tp_specs(named_shapes: Iterable[tuple], world: int, tp: int, tp_styles: dict
         view = (item[2] if len(item) > 2 else "") or default_view(shape)
         if view not in ("matrix", "transpose"):
             raise ValueError(f"tp > 1 plans 2-D weights; '{name}' of shape {shape} has matrix view {view!r}")
+        num_fused = fused.get(name, 1)
+        check_view(name, shape, view, num_fused)
         style = styles.pop(name, None) or tp_style(name)
         dim = 0 if style == "colwise" else 1
         if shape[dim] % tp:
             raise ValueError(f"'{name}' of shape {shape} is split {style} over tp={tp}: its dim {dim} "
                              f"({shape[dim]}) must divide by tp")
-        pieces = group_pieces(shape, (world // tp, tp), placements[style])
-        specs.append(MatrixSpec(i, name, shape, "pieces", key, view=view, pieces=pieces))
+        if tp_slices and num_fused > 1 and style == "colwise" and num_fused % tp == 0:
+            sliced, blocks = (shape[0] // tp, shape[1]), num_fused // tp
+            layout, group, rows, _ = row_layout(dp, sliced, blocks, view)  # as matrix_spec lays a run's out
+            specs.append(MatrixSpec(i, name, sliced, layout, group, rows, 0, blocks, view))
+            continue
+        pieces = group_pieces(shape, mesh_shape, placements[style])
+        specs.append(MatrixSpec(i, name, shape, "pieces", key, num_fused=num_fused, view=view, pieces=pieces))
     if styles:
         raise ValueError(f"tp_styles names {sorted(styles)}, which are not among the Muon parameters")
     return specs
@@ -245,7 +265,9 @@ def simulate(
             its norms (``BatchPlan.rule_sums``, priced by the cost model), and refuses the layouts
             a run refuses.
         tp: tensor-parallel size: FSDP2 over TP on a (W // tp, tp) mesh, every 2-D weight split
-            column-wise or row-wise (``tp_specs``: layout "pieces"); 1: none.
+            column-wise or row-wise (``tp_specs``: layout "pieces"; with ``fused_banks``, a
+            column-wise bank whose heads lie whole on each TP rank is planned over "dp" alone, as
+            a run with ``split_heads`` plans it); 1: none.
         tp_styles: {name: "colwise" or "rowwise"} overriding the style ``tp_style`` reads from a name.
     """
     if update_rule not in RULES:
@@ -275,12 +297,13 @@ def simulate(
         world = ep * fsdp
     tp = _positive_int(tp, "tp")
     if tp > 1:
-        if expert_mesh or layout != "fsdp" or fused_banks:
-            raise ValueError(f"tp={tp} plans FSDP2 over TP on a (W // tp, tp) mesh: pass an int world size, "
-                             f"layout 'fsdp' and no fused_banks (got mesh_shape {mesh_shape!r}, layout {layout!r})")
+        if expert_mesh or layout != "fsdp":
+            raise ValueError(f"tp={tp} plans FSDP2 over TP on a (W // tp, tp) mesh: pass an int world size "
+                             f"and layout 'fsdp' (got mesh_shape {mesh_shape!r}, layout {layout!r})")
         if world % tp:
             raise ValueError(f"world size {world} must be a multiple of tp={tp}")
-        specs = tp_specs(_named_shapes(params_or_shapes, matrix_views), world, tp, tp_styles)
+        specs = tp_specs(_named_shapes(params_or_shapes, matrix_views), world, tp, tp_styles, fused_banks,
+                         tp_slices=not RULES[update_rule].state_keys)
     elif tp_styles:
         raise ValueError("tp_styles is read with tp > 1 only")
     else:

@@ -450,7 +450,7 @@ def matrix_spec(index: int, name: str, p: torch.Tensor, replicate_group=None, nu
         # FSDP axis alone, planned as FSDP2's fused banks are (the TP ranks run alike, on other heads)
         fsdp_axis, tp = within
         shape = (shape[0] // tp, shape[1])
-        layout, group, rows, _ = _row_layout(group_key_for_mesh(p.device_mesh, fsdp_axis), shape, num_fused // tp, view)
+        layout, group, rows, _ = row_layout(group_key_for_mesh(p.device_mesh, fsdp_axis), shape, num_fused // tp, view)
         return MatrixSpec(index, name, shape, layout, group, rows, 0, num_fused // tp, view, str(p.dtype))
     if DTensor is not None and isinstance(p, DTensor) and is_pieces_placement(p.placements) \
             and not _one_rank_axis(p):
@@ -484,7 +484,7 @@ def tp_whole_blocks(p: torch.Tensor, num_fused: int) -> tuple[int, int] | None:
     return fsdp_axis, tp
 
 
-def _row_layout(key: GroupKey, shape: tuple[int, ...], num_fused: int,
+def row_layout(key: GroupKey, shape: tuple[int, ...], num_fused: int,
                 view: str) -> tuple[str, GroupKey | None, tuple[int, ...], int]:
     """(layout, group, rows, shard dim) of a tensor of ``shape`` sharded ``Shard(0)`` over the axis ``key``."""
     if key.size == 1:  # a one-rank axis holds everything: nothing to move
@@ -529,7 +529,7 @@ def _layout(name: str, p: torch.Tensor, shape: tuple[int, ...], replicate_group,
             mesh_dim, dim = sharded[0][0], sharded[0][1].dim
             key = group_key_for_mesh(mesh, mesh_dim)
             assert dim == 0 or key.size == 1, "a single Shard(dim > 0) on a bigger axis takes layout pieces (matrix_spec)"
-            return _row_layout(key, shape, num_fused, view)
+            return row_layout(key, shape, num_fused, view)
         raise ValueError(
             f"Muon parameter '{name}' of shape {shape} has placements {tuple(placements)} on mesh "
             f"{tuple(mesh.mesh.shape)}; supported: Shard(dim) or _StridedShard(dim) on one or more mesh "

@@ -245,3 +245,23 @@ def test_hsdp_tp_on_8_ranks_equals_one_process_at_the_planned_bytes(hsdp_results
         assert got["planned_rule"] == got["counted_rule"] and got["gathers"] == [0] * (W.STEPS - 1)
         # each replica (ranks 0-3, 4-7) moves what the 2 x 2 mesh above moves: nothing crosses replicas
         assert got["sent"] == hsdp_results[rank % 4][rule]["sent"], (rank, got["sent"])
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("rule", ["muon", "normuon"])
+def test_simulate_plans_split_heads_under_tp_as_the_run_does(results, rule):
+    """``simulate(model, 4, tp=2, fused_banks=attention_blocks(model))`` on the tiny Llama gives the
+    run's plan above row for row (path, axis, names, matrices, shape, bytes): with Muon the q/k/v
+    heads over "dp" alone, with NorMuon on "pieces"; without fused_banks it planned every head on
+    "pieces" and counted 1.29x the run's bytes."""
+    import torch
+
+    from muonlab.optim.heads import attention_blocks
+    from muonlab.simulate import simulate
+
+    model = W._llama()
+    plan = simulate(model, 4, tp=2, fused_banks=attention_blocks(model), update_rule=rule,
+                    comm_dtype=torch.float32, ns_dtype=torch.float32, device="cpu")
+    rows = [(b.path, b.group.axis_name if b.group else None, b.names, b.num_matrices, b.matrix_shape,
+             sum(b.bytes_sent)) for b in plan]
+    assert sorted(rows) == sorted(tuple(r) for r in results[0]["heads"][rule]["plan"]), rows
