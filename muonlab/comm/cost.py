@@ -21,7 +21,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from .paths import PATHS
-from .paths.subgroup import ranks_per_expert
 from .records import BatchPlan, group_rank_maps
 from .specs import GroupKey
 
@@ -143,8 +142,8 @@ def comm_seconds(batch: BatchPlan, profile: HardwareProfile) -> float:
 
     A group-local rank r moves ``traffic = max(bytes_sent[r], bytes_recv[r])``. Its PEERS are the
     ranks it exchanges with: the other members of its slice of the batch's group axis (global
-    ranks from ``GroupKey.axis_slices``), or on the subgroup path only the other members of its
-    sub-group of ``ranks_per_expert`` ranks (cut from the slice as the path cuts it). With
+    ranks from ``GroupKey.axis_slices``), or, on a path that says so (``CommPath.ranks_reached``:
+    the subgroup path's sub-group of ``ranks_per_expert`` ranks), that many of them. With
     ``intra = peers on its node / peers`` (node = global rank // ranks_per_node) the rank takes
     ``max(traffic * intra / intra_bw, traffic * (1 - intra) / inter_bw)``. A group-local rank
     stands for one global rank per slice, and slices may sit differently on nodes (a strided
@@ -164,8 +163,8 @@ def _paths_seconds(batch: BatchPlan, profile: HardwareProfile) -> float:
         intra_frac = (min(profile.ranks_per_node, size) - 1) / (size - 1)
         classes = [((intra_frac,), range(size))]
     else:
-        # max(1, ...): a sub-group of no rank (more experts than ranks) is no peer set at all
-        span = max(1, ranks_per_expert(batch)) if batch.path == "subgroup" else batch.group.size
+        reached = PATHS[batch.path].ranks_reached if batch.path in PATHS else None
+        span = reached(batch) if reached is not None else batch.group.size
         classes = _intra_classes(batch.group, span, profile.ranks_per_node)
     sent, recv = batch.bytes_sent, batch.bytes_recv
     if len(sent) != len(recv):  # priced pairwise, as zip pairs them

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm.collectives import dist_on
-from ..comm.paths.subgroup import ranks_per_expert, subgroups_for
+from ..comm.paths import PATHS
 from ..comm.planner import plan_batches
 from ..comm.records import Plan
 from ..comm.specs import MatrixSpec, even_share_bytes, local_shard, matrix_spec, process_group_for
@@ -160,8 +160,9 @@ def plan_for(cache: dict, indices: tuple[int, ...], entries: list, options, name
         for b in plan:
             if b.part is not None:  # a bank that can't be cut raises here, before anything changes
                 part_of(b, local_shard(entries[b.param_indices[0]][1]))
-            if b.path == "subgroup" and collective:  # sub-groups are made collectively, here, never mid-step
-                subgroups_for(b.group, ranks_per_expert(b))
+            prepare = PATHS[b.path].prepare_groups
+            if prepare is not None and collective:  # process groups are made collectively, here, never mid-step
+                prepare(b)
             if b.path == "owner":
                 pg, me = groups[b.group]
                 owners.update({i: (pg, dist.get_global_rank(pg, o), o == me)

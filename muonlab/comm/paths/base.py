@@ -62,3 +62,16 @@ class CommPath:
     """Its colour in timelines and plan charts."""
     run: PathRunner | None
     """The per-batch generator; None for a path that exists only in simulated reference plans."""
+    plans_layout: str | None = None
+    """A layout (muonlab.comm.specs.LAYOUTS) whose buckets this path plans by itself, with
+    ``plan_bucket``, instead of the planner's own branches; None: the planner picks the path."""
+    plan_bucket: Callable[..., None] | None = None
+    """``(planner, group, idx)``: append the batches of one bucket of ``plans_layout`` (``idx``:
+    spec indices sharing group, shape, dtype and config) to ``planner.batches``
+    (muonlab.comm.planner.rule.RulePlanner: ``make``, ``loads``, ``flops_of``, ``itemsize_of``)."""
+    prepare_groups: Callable[..., None] | None = None
+    """``(batch)``: make the process groups a batch needs, collectively (every rank, in plan
+    order) when the optimizer plans, never mid-step; None: the batch's group is enough."""
+    ranks_reached: Callable[..., int] | None = None
+    """``(batch)``: how many ranks of its group slice one rank of the batch exchanges with, for the
+    cost model's intra/inter-node split; None: the whole slice."""

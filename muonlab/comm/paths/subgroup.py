@@ -66,4 +66,28 @@ def run(batch, inputs, ctx):
     return [ortho[p, index * rows:(index + 1) * rows].reshape(x.shape) for p, x in enumerate(inputs)]
 
 
-PATH = CommPath(name="subgroup", collectives=1, out_share=1.0, color="#aec7e8", run=run)
+def plan_bucket(planner, group: GroupKey, idx: list[int]) -> None:
+    """One batch of a bucket of banks of layout "subgroup": each of the E experts spans k = W / E
+    ranks; every rank all-gathers its expert within its sub-group and orthogonalizes it (the k
+    ranks of a sub-group compute the same one)."""
+    size, first = group.size, planner.specs[idx[0]]
+    k = size // first.num_fused
+    sent, recv = bytes_per_rank(first.rows, first.matrix_shape[1], k, len(idx), planner.itemsize_of(idx[0]))
+    flops = [planner.flops_of(idx[0]) * len(idx)] * size
+    load = planner.loads.view(group)
+    for r in range(size):
+        load.add(r, flops[r])
+    planner.batches.append(planner.make("subgroup", idx, group, range(size), sent=sent, recv=recv, flops=flops,
+                                        notes=f"sub-groups of {k} ranks rebuild one expert each"))
+
+
+def prepare_groups(batch) -> None:
+    subgroups_for(batch.group, ranks_per_expert(batch))
+
+
+def ranks_reached(batch) -> int:
+    return max(1, ranks_per_expert(batch))  # a sub-group of no rank (more experts than ranks) is no peer set
+
+
+PATH = CommPath(name="subgroup", collectives=1, out_share=1.0, color="#aec7e8", run=run, plans_layout="subgroup",
+                plan_bucket=plan_bucket, prepare_groups=prepare_groups, ranks_reached=ranks_reached)

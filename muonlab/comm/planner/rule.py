@@ -17,7 +17,7 @@ from dataclasses import replace
 
 from ...kernels.config import NSConfig, ns_flops
 from ..cost import batch_seconds
-from ..paths import agrs, all_to_all, blocks, gather_all, owner, pieces, rebalance, subgroup
+from ..paths import PLANNED_BY_PATH, agrs, all_to_all, blocks, gather_all, owner, pieces, rebalance
 from ..records import BatchPlan, Plan, part_range
 from ..specs import GroupKey, MatrixSpec, piece_numel
 from ..wire import ItemsizeRule, itemsize_rule
@@ -155,8 +155,8 @@ class RulePlanner:
                 row_sharded.setdefault(group, []).extend(idx)
             elif layout == "replicated":
                 replicated.setdefault(group, []).extend(idx)
-            elif layout == "subgroup":
-                self._plan_subgroup(group, idx)
+            elif layout in PLANNED_BY_PATH:  # a path that plans its layout itself (its module says how)
+                PLANNED_BY_PATH[layout].plan_bucket(self, group, idx)
             elif layout == "blocks":
                 self._plan_blocks(group, idx)
             elif layout == "gather_all":
@@ -194,19 +194,6 @@ class RulePlanner:
             run.append((i, None))
             held += here
         return runs + [run] if run else runs
-
-    def _plan_subgroup(self, group: GroupKey, idx: list[int]) -> None:
-        """Each of the E experts spans k = W / E ranks; every rank all-gathers its expert within its
-        sub-group and orthogonalizes it (the k ranks of a sub-group compute the same one)."""
-        size, first = group.size, self.specs[idx[0]]
-        k = size // first.num_fused
-        sent, recv = subgroup.bytes_per_rank(first.rows, first.matrix_shape[1], k, len(idx), self.itemsize_of(idx[0]))
-        flops = [self.flops_of(idx[0]) * len(idx)] * size
-        load = self.loads.view(group)
-        for r in range(size):
-            load.add(r, flops[r])
-        self.batches.append(self.make("subgroup", idx, group, range(size), sent=sent, recv=recv, flops=flops,
-                                      notes=f"sub-groups of {k} ranks rebuild one expert each"))
 
     def _plan_blocks(self, group: GroupKey, idx: list[int]) -> None:
         """Fused banks whose matrices (blocks of rows) straddle the row shards: each block on the
