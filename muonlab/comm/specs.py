@@ -485,7 +485,7 @@ def tp_whole_blocks(p: torch.Tensor, num_fused: int) -> tuple[int, int] | None:
 
 
 def row_layout(key: GroupKey, shape: tuple[int, ...], num_fused: int,
-                view: str) -> tuple[str, GroupKey | None, tuple[int, ...], int]:
+               view: str) -> tuple[str, GroupKey | None, tuple[int, ...], int]:
     """(layout, group, rows, shard dim) of a tensor of ``shape`` sharded ``Shard(0)`` over the axis ``key``."""
     if key.size == 1:  # a one-rank axis holds everything: nothing to move
         # on a bigger mesh (experts on a (1, ep) mesh) its group still says which ranks
