@@ -82,7 +82,10 @@ def _ns_label(run) -> str:
 
 
 def _kind_colors(names: Sequence[str]) -> dict[str, str]:
-    """{kind: colour}, in the order the kinds first appear in ``names``."""
+    """{kind: colour}, in the order the kinds first appear in ``names``. Callers pass every matrix
+    a run recorded, not the ones they draw: a figure of the hidden matrices and a panel of all of
+    them then give a kind one colour (numbered over the drawn kinds, notebook 06's panel and its
+    static figures disagreed)."""
     kinds = dict.fromkeys(_kind(n) for n in names)
     return {kind: f"C{i}" for i, kind in enumerate(kinds)}
 
@@ -147,12 +150,13 @@ def plot_spectral_layers(run, metric: str, *, ax=None, title: str = "", names: S
     the axis; ``legend=False`` for none) names the kinds, then the blocks."""
     _check_metric(metric)
     series = records_by_name(_records(run), metric)
+    series_names = list(series)  # every matrix the run recorded: the colours follow all of them
     if names is not None:
         series = {n: series[n] for n in names if n in series}
     if ax is None:
         _, ax = plt.subplots(figsize=(6, 3.5))
     drawn = [n for n, (_, values) in series.items() if not all(math.isnan(v) for v in values)]
-    colors = _kind_colors(drawn) if colors is None else colors
+    colors = _kind_colors([*series_names, *drawn]) if colors is None else colors
     styles = _block_styles(drawn) if styles is None else styles
     labelled: set[str] = set()
     for n in drawn:
@@ -191,7 +195,7 @@ def plot_spectral_runs(runs: Mapping, metric: str, *, names: Sequence[str] | Non
     known = matrix_names(runs) if names is None else list(names)
     # one colour per kind and one style per block across the runs, which may record different
     # matrices: one legend serves all
-    colors, styles = _kind_colors(known), _block_styles(known)
+    colors, styles = _kind_colors([*matrix_names(runs), *known]), _block_styles(known)
     handles: dict = {}
     for ax, (label, run) in zip(axes[0], runs.items()):
         plot_spectral_layers(run, metric, ax=ax, title=str(label), names=names, legend=False, colors=colors,

@@ -368,6 +368,36 @@ def test_all_matrices_panel_colours_each_kind_alike_in_every_run():
     assert len(drawn) == 5 and all(colours[kind] == colour for kind, colour in drawn), (drawn, colours)
 
 
+def test_a_figure_of_some_matrices_colours_each_kind_as_the_panel_of_all_does():
+    """Notebook 06 draws the hidden matrices (``names=``), its panel every recorded one: a kind
+    keeps its colour in both (the colours were numbered over the drawn kinds only, so the panel,
+    with the embeddings first, coloured each hidden kind differently)."""
+    pytest.importorskip("ipywidgets", reason="notebook bars and panels are ipywidgets (the lab extra)")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.colors import to_hex
+
+    from muonlab.viz.spectral import ALL, plot_spectral_layers, plot_spectral_runs, spectral_panel
+
+    recorded = ["tok_emb.weight", "blocks.0.attn.qkv.weight", "blocks.0.mlp.fc.weight", "blocks.1.attn.qkv.weight",
+                "blocks.1.mlp.fc.weight", "head.weight"]
+    hidden = [n for n in recorded if n.startswith("blocks.")]
+    runs = {"muon": _synthetic_records(recorded), "adamw": _synthetic_records(recorded)}
+
+    def colours(fig):
+        return {line.get_label(): to_hex(line.get_color()) for ax in fig.axes for line in ax.lines
+                if not line.get_label().startswith("_") and line.get_label() not in ("blocks.0", "blocks.1")}
+
+    some = colours(plot_spectral_runs(runs, "weight_sigma", names=hidden))
+    everything = colours(spectral_panel(runs, name=ALL).figure(ALL, "weight_sigma"))
+    assert set(some) == {"blocks.attn.qkv.weight", "blocks.mlp.fc.weight"}, some
+    assert all(everything[kind] == colour for kind, colour in some.items()), (some, everything)
+    one_run = matplotlib.pyplot.figure().gca()
+    plot_spectral_layers(runs["muon"], "weight_sigma", ax=one_run, names=hidden)
+    assert colours(one_run.figure) == some
+
+
 def test_plots_and_panel_want_a_mapping_of_runs():
     """One run (a History or its records) where {label: run} is wanted: a TypeError saying so (it
     was an AttributeError about .values() from deep inside)."""
