@@ -1,11 +1,14 @@
-"""The tests' one reader of Linux's process table (/proc): children, descendants, a process's
-stat fields, whether it is alive. Used by the CPU log (tests/conftest.py), the browser test's
-clean-up and the launcher tests' worker sampling, which must see processes they never wait for
-(launch()'s workers are a forkserver's children; Jupyter kernels start process groups of their own)."""
+"""The tests' one reader of Linux's process table (/proc): children, descendants, a command line,
+whether a process is alive (stat fields through muonlab.processes.proc_stat, the launcher's reader).
+Used by the CPU log (tests/conftest.py), the browser test's clean-up and the launcher tests' worker
+sampling, which must see processes they never wait for (launch()'s workers are a forkserver's
+children; Jupyter kernels start process groups of their own)."""
 
 from __future__ import annotations
 
 import os
+
+from muonlab.processes import proc_stat
 
 
 def children(pid: int) -> list[int]:
@@ -31,16 +34,6 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def stat_fields(pid: int) -> list[str] | None:
-    """The fields of /proc/PID/stat after the command name (state first: field 3 of proc(5) is
-    index 0 here), or None once the process is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-
-
 def cmdline(pid: int) -> bytes:
     """The command line of ``pid`` (NUL-separated), b"" once it is gone."""
     try:
@@ -51,6 +44,6 @@ def cmdline(pid: int) -> bytes:
 
 
 def alive(pid: int) -> bool:
-    """Whether ``pid`` exists and is not a zombie (an ended child nobody waited for yet)."""
-    fields = stat_fields(pid)
-    return fields is not None and fields[0] != "Z"
+    """Whether ``pid`` exists and runs (a zombie, an ended child nobody waited for yet, does not)."""
+    fields = proc_stat(pid)
+    return fields is not None and fields[0] not in ("Z", "X")

@@ -14,10 +14,13 @@ import time
 import pytest
 import torch
 
-from ._proc import descendants, stat_fields
-
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# after the interpreter is chosen: importing muonlab imports its kernel module
+from muonlab.processes import proc_stat  # noqa: E402
+
+from ._proc import descendants  # noqa: E402
 
 
 def _share_the_cores_among_xdist_workers() -> None:
@@ -118,7 +121,7 @@ class _ProcessTreeCPU:
     def sample(self) -> None:
         seen = {}
         for pid in descendants(os.getpid()):
-            fields = stat_fields(pid)
+            fields = proc_stat(pid)
             if fields is None:
                 continue
             # utime, stime (the process's own, not its waited children's: those are counted themselves)
