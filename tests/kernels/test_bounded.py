@@ -105,11 +105,10 @@ def _triton_cases() -> list:
     case) fewer: in fp16 every schedule in the plain form and every form with the default schedule;
     in fp32 the default schedule in every form. In fp32 the Triton backend equals the torch one for
     every schedule (tests/kernels/test_dispatch.py), and the torch one is swept above in full."""
-    cases = []
+    cases, interpreted = [], not torch.cuda.is_available()
     for dtype in (torch.float16, torch.float32):
         for coefficients in sorted(PRESETS):
             for (form, gram_dtype), form_id in zip(FORMS, FORM_IDS):
-                interpreted = not torch.cuda.is_available()
                 if interpreted and coefficients != "keller" and (dtype == torch.float32 or form_id != "plain"):
                     continue
                 cases.append(pytest.param(coefficients, form, gram_dtype, dtype,
