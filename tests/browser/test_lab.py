@@ -265,7 +265,7 @@ def test_a_run_without_chromium_says_why_the_browser_tests_skipped():
     of the output names the package to install (a skip among the suite's others is easy to miss).
     Run as `make test` runs them, on xdist workers: the summary is written by the controller."""
     env = dict(os.environ, PATH=str(Path(sys.executable).parent))
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", "--dist",
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "1", "--dist",
                           "loadscope", "-k", "notebook_",
                           str(Path(__file__).relative_to(REPO))], cwd=REPO, env=env, capture_output=True,
                          text=True, timeout=300)
