@@ -375,11 +375,13 @@ def lower_bound_bytes(plan: Plan, comm_itemsize: int | None = None) -> int:
     return int(round(total))
 
 
-def _least_moved_share(rows: Sequence[int], span: int) -> float:
+@functools.lru_cache(maxsize=1024)
+def _least_moved_share(rows: tuple[int, ...], span: int) -> float:
     """The least share of a sharded parameter's bytes any plan moves: its sharded dim, ``rows``
     entries per rank, holds matrices of ``span`` entries each. Each matrix is either gathered to
     the rank holding most of it and sent back, 2 (1 - largest/span) of it, or all-gathered by the
-    h ranks holding part of it, h - 1 of it: the smaller of the two."""
+    h ranks holding part of it, h - 1 of it: the smaller of the two. Cached: O(matrices x ranks) a
+    call, and the same shape and world repeat in every layer."""
     ends = list(itertools.accumulate(rows))
     starts = [end - r for end, r in zip(ends, rows)]
     moved = 0.0

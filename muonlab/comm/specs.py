@@ -232,8 +232,10 @@ class MatrixSpec:
         return out
 
 
+@functools.lru_cache(maxsize=4096)
 def chunk_sizes(dim_size: int, parts: int) -> tuple[int, ...]:
-    """Sizes ``torch.chunk`` (and so FSDP2's Shard(0)) gives: ceil-sized chunks, trailing ones short or empty."""
+    """Sizes ``torch.chunk`` (and so FSDP2's Shard(0)) gives: ceil-sized chunks, trailing ones short or empty.
+    Cached: a model repeats its shapes layer after layer, and at thousands of ranks each call is O(parts)."""
     step = -(-dim_size // parts) if dim_size else 0
     return tuple(max(0, min(step, dim_size - i * step)) for i in range(parts))
 
