@@ -79,6 +79,26 @@ def least_loaded(load, candidates: Sequence[int], prefer: Sequence[int] | None =
     return min(r for r in tied if prefer[r] == most)
 
 
+class UnpickedLeastLoaded:
+    """``least_loaded`` over the ranks not yet picked, as one picking loop asks it again and again:
+    a heap of (load, -rows held, rank), so a pick costs O(log W), not O(W). Exact as long as only a
+    picked rank's load changes while it is in use (the picked rank leaves the heap), which is how
+    a bucket's matrices are spread over distinct ranks."""
+
+    def __init__(self, load, ranks: Sequence[int]):
+        self._at = load.values if isinstance(load, GroupLoad) else load
+        self._ranks, self._prefer, self._heap = list(ranks), None, None
+
+    def pick(self, prefer: Sequence[int] | None = None) -> int:
+        """The least-loaded unpicked rank, ties to the one holding more rows, then the lowest."""
+        if self._heap is None or (prefer is not self._prefer and prefer != self._prefer):
+            ranks = self._ranks if self._heap is None else [r for *_, r in self._heap]
+            self._prefer = prefer
+            self._heap = [(self._at[r], -prefer[r] if prefer else 0, r) for r in ranks]
+            heapq.heapify(self._heap)
+        return heapq.heappop(self._heap)[2]
+
+
 def lpt_makespan(loads: list[int], work: list[int]) -> int:
     """Largest load after placing ``work`` largest first on the least-loaded of ``loads``."""
     heap = [(x, r) for r, x in enumerate(loads)]

@@ -21,7 +21,7 @@ from ..paths import PLANNED_BY_PATH, agrs, all_to_all, blocks, gather_all, owner
 from ..records import BatchPlan, Plan, part_range
 from ..specs import GroupKey, MatrixSpec, piece_numel
 from ..wire import ItemsizeRule, itemsize_rule
-from .loads import RankLoads, least_loaded, lpt_makespan
+from .loads import RankLoads, UnpickedLeastLoaded, least_loaded, lpt_makespan
 
 ROW_RULES = ("structured", "capped", "lpt")
 """How row-sharded matrices get owners (each (shape, settings) bucket then travels as one batch,
@@ -386,18 +386,16 @@ class RulePlanner:
         flops_of = self.flops_of
         cap = lpt_makespan(list(load), [flops_of(i) for idx in leftovers for i in idx])
         for idx in sorted(leftovers, key=lambda idx: (-flops_of(idx[0]), idx[0])):
-            taken: set[int] = set()
+            untaken = UnpickedLeastLoaded(load, range(size))
             for i in idx:
-                f = flops_of(i)
-                candidates = [r for r in range(size) if r not in taken]
-                if self.row_assignment == "capped":
-                    under = [r for r in candidates if load[r] + f <= cap]
-                    if not under:  # this round is full: start the next one
-                        taken.clear()
-                        under = [r for r in range(size) if load[r] + f <= cap] or list(range(size))
-                    candidates = under
-                o = least_loaded(load, candidates, self.specs[i].rows)
-                taken.add(o)
+                f, rows = flops_of(i), self.specs[i].rows
+                o = untaken.pick(rows)
+                # "capped": the least-loaded untaken rank is the likeliest to fit under the cap; if
+                # even it doesn't, none does: this round is full, the next starts over all ranks
+                # (where the least-loaded rank is the pick whether it fits or not)
+                if self.row_assignment == "capped" and load[o] + f > cap:
+                    untaken = UnpickedLeastLoaded(load, range(size))
+                    o = untaken.pick(rows)
                 owner_of[i] = o
                 load.add(o, f)
 
