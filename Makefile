@@ -27,7 +27,7 @@ demo: setup data/cache/corpus.meta.json
 # Then one pytest session over tests/ and notebooks/, on TEST_WORKERS xdist workers; --dist loadscope
 # keeps a module's (and a notebook's) tests on one worker, so module fixtures launch once.
 # tests/ includes tests/browser (JupyterLab in headless Chromium; skipped where none is installed)
-# and tests/test_notebooks_at_default_size.py (every notebook again with CI unset, --nbval-lax:
+# and tests/test_notebooks_at_default_size.py (every notebook sized by CI again with CI unset, --nbval-lax:
 # the # NBVAL_CHECK_OUTPUT cells compared, so a run that breaks only after some steps fails).
 # Notebooks: strict nbval, every cell not marked # NBVAL_IGNORE_OUTPUT compared with its stored
 # output (notebooks/_store_outputs.py writes them), after notebooks/nbval_sanitize.cfg.
