@@ -5,7 +5,7 @@
 
 Writes benchmarks/results/trust_trial.md (the command, the machine, one row or paragraph per item).
 Multi-process items run on gloo CPU ranks through muonlab.distributed.launch (workers in
-benchmarks/_trust_trial_workers.py); item 6 runs again in a subprocess with
+benchmarks/_trust_trial_workers.py, and the tests' own for items 1 and 6); item 6 runs again in a subprocess with
 ``PYTHONPATH=tools/cpu_kind/native_bf16`` prepended (muonlab then sees native bf16 matmul), whose
 workers inherit it. Launch logs go to a temporary MUONLAB_RUNS_DIR, removed at the end. A few
 minutes on a loaded 2-core machine.
@@ -30,6 +30,7 @@ import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.distributed: the workers reused
 from _machine import load  # noqa: E402
 from _report import ROOT, md_table, results_path, text_table, write_report  # noqa: E402
 
@@ -57,9 +58,8 @@ def _rel(got: torch.Tensor, ref: torch.Tensor, start: torch.Tensor) -> float:
 
 
 def item1() -> tuple[list, str]:
-    from _trust_trial_workers import late_form_runs
-
     from muonlab.distributed import launch
+    from tests.distributed._workers_replicas import late_form_runs
 
     cases = [("fp32", 1), ("fp32", 2), ("bf16", 1)]
     results = launch(late_form_runs, 2, cases, timeout_s=240, progress=False, name="trust_item1")
@@ -69,10 +69,10 @@ def item1() -> tuple[list, str]:
         same = per_rank[0]["error"] == per_rank[1]["error"]
         at = [o["at"] for o in per_rank]
         rows.append([f"{case[0]}, own rows from step {case[1]}", "/".join(map(str, at)),
-                     per_rank[0]["kind"], cell(first_line(per_rank[0]["error"] or "no error")),
+                     cell(first_line(per_rank[0]["error"] or "no error")),
                      "yes" if same else "no", "/".join("yes" if o["unchanged"] else "NO" for o in per_rank),
                      "/".join(str(o["momentum"]) for o in per_rank)])
-    header = ["case (2 gloo ranks)", "step raised (rank 0/1)", "type", "error (first line, rank 0)",
+    header = ["case (2 gloo ranks)", "step raised (rank 0/1)", "ValueError (first line, rank 0; any other error fails the launch)",
               "same text on both ranks", "unchanged by the failing step (params, state, skip count; rank 0/1)",
               "momentum buffers kept"]
     cost = ("Cost of the check (not re-run here): benchmarks/results/peers_check.md, the replicas' per-step "
@@ -373,12 +373,13 @@ def item5() -> tuple[list, list, list]:
 
 
 def fsdp_figures() -> dict:
-    from _trust_trial_workers import MLP_CASES, build_mlp, fsdp_runs
+    from _trust_trial_workers import MLP_CASES, MLP_WIDTHS, fsdp_runs
 
     from muonlab.distributed import launch
     from muonlab.kernels.newton_schulz import cpu_has_native_bf16
+    from tests.distributed._workers_wire import build_mlp
 
-    start = {n: p.detach().clone() for n, p in build_mlp().named_parameters()}
+    start = {n: p.detach().clone() for n, p in build_mlp(MLP_WIDTHS).named_parameters()}
     out = {"native_bf16_parent": cpu_has_native_bf16(), "worlds": {}}
     for world in (2, 3, 4):
         res = launch(fsdp_runs, world, 3, timeout_s=400, progress=False, name=f"trust_fsdp_w{world}")
@@ -386,10 +387,11 @@ def fsdp_figures() -> dict:
         for case in MLP_CASES:
             worst = 0.0
             for r in res.values():
-                ref, got = r["one_process"], r[case]["params"]
+                ref, got = r["defaults"], r[case]["params"]  # one process with Muon's defaults
                 worst = max([worst] + [_rel(got[n], ref[n], start[n]) for n in ref if ref[n].dim() == 2])
             figs["/".join(case)] = worst
-        figs["choices"] = [list(map(str, c)) for c in res[0][("rows", "defaults")]["choices"]]
+        choices = {(tuple(shape), d, w) for shape, d, w in res[0][("rows", "defaults")]["choices"]}
+        figs["choices"] = [list(map(str, c)) for c in sorted(choices)]
         figs["native_bf16_workers"] = all(r["native_bf16"] for r in res.values())
         out["worlds"][world] = figs
     return out
