@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.test_notebooks_at_default_size import SIZES_BY_CI
+
 NOTEBOOK_DIR = Path(__file__).resolve().parents[1] / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
 _spec = importlib.util.spec_from_file_location("_store_outputs", NOTEBOOK_DIR / "_store_outputs.py")
@@ -82,7 +84,7 @@ def test_ci_is_read_once_in_the_first_cell_or_the_notebook_says_it_has_one_size(
     said in the first markdown (tests/test_notebooks_at_default_size.py then has nothing to rerun)."""
     cells = json.loads(path.read_text())["cells"]
     code = ["".join(c["source"]) for c in cells if c["cell_type"] == "code"]
-    if 'SMOKE = "CI" in os.environ' in code[0]:
+    if SIZES_BY_CI in code[0]:
         assert not any('"CI"' in src for src in code[1:]), path.name
     else:
         assert not any('"CI"' in src or "SMOKE" in src for src in code), path.name

@@ -20,7 +20,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 import torch
 
 NOTEBOOK_DIR = Path(__file__).resolve().parent.parent / "notebooks"
