@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from muonlab import Muon, muon_param_groups
 from muonlab.comm.records import bytes_for_rank
-from muonlab.comm.specs import local_shard
+from muonlab.comm.specs import local_shard, piece_numel
 
 from ._common import SMALL_GPT, SMALL_MOE, build_gpt, build_moe_gpt, rank_rows, token_batches
 
@@ -150,7 +150,8 @@ def train_tp(rule: str, replicate: int = 1) -> dict:
                 placements={name: str(tuple(p.placements)) for name, p in model.named_parameters()},
                 recv=stats["bytes_recv"], planned_sent=planned_sent, planned_recv=planned_recv,
                 planned_rule=planned_rule, counted_rule=stats["bytes_sent"].get(rule, 0),
-                plan=[(b.path, b.names, b.owners, b.bytes_sent, b.flops, b.travels_with) for b in opt.plan()])
+                plan=[(b.path, b.names, b.owners, b.bytes_sent, b.flops, b.travels_with) for b in opt.plan()],
+                owners_hold=all(piece_numel(pcs[o]) > 0 for b in opt.plan() for pcs, o in zip(b.pieces, b.owners)))
 
 
 def pieces_match() -> dict:
@@ -540,6 +541,54 @@ def everything(folder: str) -> dict:
                 heads={rule: heads_under_tp(rule) for rule in ("muon", "normuon")}, qk_clip=qk_clip_under_tp())
 
 
+EXPERT_BANKS = {  # name -> (local experts, d_out, d_in), tensor-parallel dim, as Megatron splits an expert MLP
+    "experts.w_in": ((3, 10, 6), 1),  # column-wise: d_out over tp; 3 experts over dp: 2 + 1
+    "experts.w_out": ((3, 6, 10), 2),  # row-wise: d_in over tp
+}
+
+
+def ep_fsdp_tp(rule: str) -> dict:
+    """EP x FSDP x TP on a (dp 2, ep 2, tp 2) mesh: each ep rank's own experts (a bank of 3, its
+    values seeded by the ep rank, as ``apply_ep`` leaves them local), sharded over dp on the
+    expert dim and over tp inside each expert: placements (Shard(0), Shard(1 or 2)) on the
+    ("dp", "tp") sub-mesh, uneven over dp. Muon steps them from seeded gradients; each rank checks
+    its ep slice against one process stepping that slice's banks whole; bytes as planned, no full
+    gathers, and no owner holding none of what it owns."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp", "ep", "tp"))
+    ep_rank, sub = mesh.get_local_rank("ep"), mesh["dp", "tp"]
+    params, plain = [], []
+    for k, (name, (shape, tp_dim)) in enumerate(EXPERT_BANKS.items()):
+        whole = torch.randn(shape, generator=torch.Generator().manual_seed(10 * ep_rank + k))
+        params.append((name, torch.nn.Parameter(distribute_tensor(whole, sub, [Shard(0), Shard(tp_dim)]))))
+        plain.append((name, torch.nn.Parameter(whole.clone())))
+    opt = Muon(params, update_rule=rule, **HYPER)
+    alone, _ = dist.new_subgroups(group_size=1)  # the one process: each rank's experts are its own
+    ref = Muon(plain, update_rule=rule, process_group=alone, **HYPER)
+    gathers = []
+    for step in range(STEPS):
+        for k, ((_, p), (_, q)) in enumerate(zip(params, plain)):
+            g = torch.randn(q.shape, generator=torch.Generator().manual_seed(1000 * step + 10 * ep_rank + k))
+            p.grad, q.grad = distribute_tensor(g, sub, p.placements), g
+        with FullGatherCount() as count:
+            opt.step()
+        gathers.append(count.calls)
+        ref.step()
+    errors = {name: float((p.full_tensor() - q.detach()).abs().max() / q.detach().abs().max())
+              for (name, p), (_, q) in zip(params, plain)}
+    stats, plan = opt.last_step_stats(), opt.plan()
+    planned_sent, planned_recv = bytes_for_rank(plan, dist.get_rank())
+    return dict(errors=errors, gathers=gathers[1:], sent=stats["bytes_sent"], recv=stats["bytes_recv"],
+                planned_sent=planned_sent, planned_recv=planned_recv,
+                placements={name: str(tuple(p.placements)) for name, p in params},
+                paths=sorted({b.path for b in plan}), groups=sorted({b.group.axis_name for b in plan}),
+                owners_hold=all(piece_numel(pcs[o]) > 0 for b in plan for pcs, o in zip(b.pieces, b.owners)))
+
+
 def hsdp_tp() -> dict:
-    """The 8-rank checks: HSDP x TP on a (2, 2, 2) mesh, Muon and NorMuon."""
-    return {rule: train_tp(rule, replicate=2) for rule in ("muon", "normuon")}
+    """The 8-rank checks: HSDP x TP on a (2, 2, 2) mesh and EP x FSDP x TP on another, Muon and NorMuon."""
+    return {rule: train_tp(rule, replicate=2) for rule in ("muon", "normuon")} | {
+        f"ep_{rule}": ep_fsdp_tp(rule) for rule in ("muon", "normuon")}

@@ -3,7 +3,7 @@
 torch's ColwiseParallel / RowwiseParallel on a tiny MLP over the "tp" axis of a 2 x 2 gloo mesh, then
 ``fully_shard`` over "dp" (tests/distributed/_workers_tp.py): uneven pieces and empty ones. One launch
 runs every check (worker start-up is the slow part); one thread per rank. A second launch, of 8
-ranks, runs HSDP x TP on a (2, 2, 2) mesh.
+ranks, runs HSDP x TP on a (2, 2, 2) mesh and EP x FSDP x TP on another.
 """
 
 import pytest
@@ -54,6 +54,9 @@ def test_tp_fsdp_equals_one_process_at_the_planned_bytes(results, rule):
         assert {"pieces": got["recv"]["pieces"]} == got["planned_recv"], (rank, got["recv"], got["planned_recv"])
         assert got["planned_rule"] == got["counted_rule"], (rank, got["planned_rule"], got["counted_rule"])
         assert got["gathers"] == [0] * (W.STEPS - 1), got["gathers"]
+        # uneven and empty pieces: no parameter is owned by a rank holding none of it (before the
+        # owner choice priced bytes, narrow_up went to a dp rank 1 rank, 656 B against a 576 B bound)
+        assert got["owners_hold"], got["plan"]
     assert (results[0][rule]["counted_rule"] > 0) == (rule == "normuon")
     # the tiny batches are latency-bound: some travel together in a wave (one collective each way)
     assert any(row[5] is not None for row in results[0][rule]["plan"]), results[0][rule]["plan"]
@@ -245,6 +248,27 @@ def test_hsdp_tp_on_8_ranks_equals_one_process_at_the_planned_bytes(hsdp_results
         assert got["planned_rule"] == got["counted_rule"] and got["gathers"] == [0] * (W.STEPS - 1)
         # each replica (ranks 0-3, 4-7) moves what the 2 x 2 mesh above moves: nothing crosses replicas
         assert got["sent"] == hsdp_results[rank % 4][rule]["sent"], (rank, got["sent"])
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("rule", ["muon", "normuon"])
+def test_ep_fsdp_tp_on_8_ranks_equals_one_process_at_the_planned_bytes(hsdp_results, rule):
+    """EP x FSDP x TP on a (dp 2, ep 2, tp 2) gloo mesh: each ep rank's own expert banks, sharded
+    over dp on the expert dim (3 experts: 2 + 1) and over tp inside each expert, step as one process
+    steps that ep rank's banks whole; bytes as planned, within each ep slice's ("dp", "tp") group;
+    no full gather."""
+    for rank, res in hsdp_results.items():
+        got = res[f"ep_{rule}"]
+        assert got["placements"] == {"experts.w_in": "(Shard(dim=0), Shard(dim=1))",
+                                     "experts.w_out": "(Shard(dim=0), Shard(dim=2))"}, got["placements"]
+        for name, err in got["errors"].items():
+            assert err <= TOLERANCE, (rule, rank, name, err)
+        assert got["paths"] == ["pieces"] and got["groups"] == ["dp+tp"], got
+        assert {"pieces": got["sent"]["pieces"]} == got["planned_sent"], (rank, got["sent"], got["planned_sent"])
+        assert {"pieces": got["recv"]["pieces"]} == got["planned_recv"], (rank, got["recv"], got["planned_recv"])
+        assert got["gathers"] == [0] * (W.STEPS - 1) and got["owners_hold"], got
+    # the other ep rank's experts, on the same plan: the same bytes one ep slice over
+    assert hsdp_results[0][f"ep_{rule}"]["sent"] == hsdp_results[2][f"ep_{rule}"]["sent"]
 
 
 @pytest.mark.timeout(600)

@@ -124,6 +124,10 @@ def test_simulate_plans_fsdp_over_tp_at_the_bound():
                 for b in small for shape, pieces in zip(b.param_shapes, b.pieces))
     assert summarize(small, 4, "cpu_gloo")["bound_bytes"] == bound
     assert sum(sum(b.bytes_sent) for b in small) >= bound
+    # where bytes cost more than the balance they buy (h100_node: tiny matrices, fast matmuls), each
+    # owner holds most of its weight: at the bound
+    assert summarize(simulate(_llama_like(2, 10, 4, 20), 4, tp=2, profile="h100_node"), 4, "h100_node")[
+        "bytes_over_bound"] == 1.0
     with pytest.raises(ValueError, match="tp=3"):
         simulate(_llama_like(1, 12, 6, 24), 8, tp=3)
     with pytest.raises(ValueError, match="tp_styles"):
@@ -144,3 +148,45 @@ def test_parallelize_fsdp_tp_refuses_what_it_cannot_place():
         parallelize(gpt, "fsdp+tp")
     with pytest.raises(ValueError, match="tp_axis is read in 'fsdp\\+tp' mode only"):
         parallelize(gpt, "fsdp", tp_axis="tp")
+
+
+def test_owner_choice_is_least_loaded_for_even_pieces_and_weighs_bytes_for_uneven_ones():
+    """``cheapest_owner`` (the pieces layout's owner rule) against ``least_loaded``, its rule before
+    uneven pieces were priced: the same pick wherever every rank holds as much (random loads, ties
+    included); with uneven and empty pieces a tiny weight goes to a rank holding most of it, a large
+    one to where the balance is (the bytes it moves cost less than the makespan it would add)."""
+    import random
+
+    from muonlab.comm.planner.loads import cheapest_owner, least_loaded
+
+    rng = random.Random(0)
+    for _ in range(500):
+        size = rng.choice([2, 3, 4, 8, 16])
+        load = [rng.choice([0, 5, 10, 10, 20]) for _ in range(size)]
+        held, cost = [rng.choice([3, 4])] * size, rng.choice([1, 5, 50])
+        moved = [2 * (size * held[0] - h) * 1e-9 for h in held]
+        assert cheapest_owner(load, max(load), cost, held, moved, 1e-12) == least_loaded(load, range(size), held)
+    # one row per tp rank of a (2, 6) weight over dp 2: ranks 2 and 3 hold none of it
+    held, moved = [6, 6, 0, 0], [2 * (12 - h) * 4 / 1e9 for h in (6, 6, 0, 0)]  # fp32 at 1 GB/s
+    assert least_loaded([100, 100, 0, 0], range(4), held) == 2  # the rule before: the least loaded, holding nothing
+    assert cheapest_owner([100, 100, 0, 0], 100, 10, held, moved, 1 / 40e9) == 0  # 48 B saved beat 10 FLOPs of growth
+    assert cheapest_owner([2e6, 2e6, 0, 0], 2e6, 1e6, held, moved, 1 / 40e9) == 2  # a megaFLOP of growth did not
+
+
+def test_uneven_pieces_no_longer_go_to_a_rank_holding_none_of_them():
+    """The tensor-parallel tests' TinyMLP (tests/distributed/_workers_tp.py): its (2, 6) weight's pieces
+    sit on dp rank 0 alone; before, balance gave it to a rank holding nothing (656 B against a 576 B
+    bound). Now every owner holds a piece of what it owns, and under h100_node the plan is at the bound."""
+    from muonlab.comm.specs import piece_numel
+    from muonlab.simulate import simulate, summarize
+
+    shapes = [("up.weight", (10, 6)), ("down.weight", (6, 10)), ("sq_a.weight", (6, 6)), ("sq_b.weight", (6, 6)),
+              ("narrow_up.weight", (2, 6)), ("narrow_down.weight", (6, 2))]
+    for profile in ("cpu_gloo", "h100_node"):
+        plan = simulate(shapes, 4, tp=2, profile=profile, device="cpu")
+        for b in plan:
+            for name, pieces, o in zip(b.names, b.pieces, b.owners):
+                assert piece_numel(pieces[o]) > 0, (profile, name, o)
+        summary = summarize(plan, 4, profile)
+        assert summary["total_bytes"] < 656, (profile, summary)
+    assert summary["bytes_over_bound"] == 1.0, summary

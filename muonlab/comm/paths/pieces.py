@@ -15,8 +15,8 @@ order (``all_to_all.owner_order``); a receive buffer holds the sources' pieces s
 the same order, so every rank finds each piece from the plan alone.
 
 Bytes: each parameter crosses the wire once out and once back, minus its owner's own piece: the
-least owner compute can move, when each owner is its parameter's largest holder (the planner
-prefers it among the least loaded ranks).
+least owner compute can move, when each owner is its parameter's largest holder (the planner's
+``cheapest_owner`` takes one unless the balance it costs is worth more than the bytes it saves).
 """
 
 from __future__ import annotations

@@ -79,6 +79,20 @@ def least_loaded(load, candidates: Sequence[int], prefer: Sequence[int] | None =
     return min(r for r in tied if prefer[r] == most)
 
 
+def cheapest_owner(load, top: int, cost: int, held: Sequence[int], moved_seconds: Sequence[float],
+                   seconds_per_flop: float) -> int:
+    """The owner of a parameter gathered whole from pieces on every rank (layout "pieces"): the rank
+    whose pick adds least to the modelled step, its Newton-Schulz time (the makespan's growth:
+    ``max(top, load + cost)``, in FLOPs, ``top`` the largest load so far) plus the time of the
+    bytes its pick moves (``moved_seconds[r]``: every piece but rank r's, out and back). Where the
+    pieces are even the bytes are alike and this is ``least_loaded``; where they are not (uneven and
+    empty pieces), a small matrix goes to a rank holding most of it and a large one keeps the
+    balance. Ties: the least loaded, then the one holding most, then the lowest."""
+    at = load.values if isinstance(load, GroupLoad) else load
+    return min(range(len(held)),
+               key=lambda r: (max(top, at[r] + cost) * seconds_per_flop + moved_seconds[r], at[r], -held[r], r))
+
+
 class UnpickedLeastLoaded:
     """``least_loaded`` over the ranks not yet picked, as one picking loop asks it again and again:
     a heap of (load, -rows held, rank), so a pick costs O(log W), not O(W). Exact as long as only a

@@ -21,7 +21,7 @@ from ..paths import PLANNED_BY_PATH, agrs, all_to_all, blocks, gather_all, owner
 from ..records import BatchPlan, Plan, part_range
 from ..specs import GroupKey, MatrixSpec, piece_numel
 from ..wire import ItemsizeRule, itemsize_rule
-from .loads import RankLoads, UnpickedLeastLoaded, least_loaded, lpt_makespan
+from .loads import RankLoads, UnpickedLeastLoaded, cheapest_owner, least_loaded, lpt_makespan
 
 ROW_RULES = ("structured", "capped", "lpt")
 """How row-sharded matrices get owners (each (shape, settings) bucket then travels as one batch,
@@ -243,9 +243,10 @@ class RulePlanner:
     # ------------------------------------------------------------------ pieces (tensor parallel x FSDP2)
 
     def _plan_pieces(self, group: GroupKey, items: list[int]) -> None:
-        """Each parameter whole on one owner of the flattened group: largest first to the least
-        loaded rank (LPT over its FLOPs), ties to the rank holding most of it (the fewest bytes
-        move). Each (matrix shape, config, wire dtype) bucket travels as one batch, one
+        """Each parameter whole on one owner of the flattened group, largest first (LPT over its
+        FLOPs), on the rank whose pick adds least to the modelled step (``cheapest_owner``: the
+        makespan's growth and the bytes its pieces move, under ``profile``), so with even pieces
+        the least loaded and with uneven ones a rank holding most where balance allows. Each (matrix shape, config, wire dtype) bucket travels as one batch, one
         all-to-all each way, cut where an owner's matrices exceed the workspace budget."""
         size, load = group.size, self.loads.view(group)
         done = self._pieces_plans.get((group, tuple(items)))
@@ -263,11 +264,15 @@ class RulePlanner:
                 sizes[id(self.specs[i].pieces)] = [piece_numel(pc) for pc in self.specs[i].pieces]
         held = {i: sizes[id(self.specs[i].pieces)] for i in items}
         cost = {i: self.flops_of(i) * self.specs[i].num_matrices for i in items}
-        owner_of = {}
+        seconds_per_byte = 1 / self._slowest_link(group)
+        owner_of, top = {}, max(load, default=0)
         for i in sorted(items, key=lambda i: (-cost[i], i)):
-            o = least_loaded(load, range(size), held[i])
+            total, itemsize = sum(held[i]), self.itemsize_of(i)
+            moved = [2 * (total - h) * itemsize * seconds_per_byte for h in held[i]]
+            o = cheapest_owner(load, top, cost[i], held[i], moved, 1 / self.profile.matmul_flops)
             owner_of[i] = o
             load.add(o, cost[i])
+            top = max(top, load[o])
             added[o] = added.get(o, 0) + cost[i]
         buckets: dict[tuple, list[int]] = {}
         for i in items:
@@ -286,6 +291,13 @@ class RulePlanner:
                 self.batches.append(self.make("pieces", idx, group, range(size), owners, sent, recv, flops,
                                               pieces=tuple(self.specs[i].pieces for i in idx)))
         self._pieces_plans[(group, tuple(items))] = (self.batches[first:], added)
+
+    def _slowest_link(self, group: GroupKey) -> float:
+        """Bytes/s of the slower link a batch over ``group`` crosses: the inter-node one where a
+        slice of the group spans nodes (``profile.ranks_per_node``), else the intra-node one."""
+        per_node = self.profile.ranks_per_node
+        spans = any(len({g // per_node for g in members}) > 1 for members in group.axis_slices())
+        return self.profile.inter_bw if spans else self.profile.intra_bw
 
     # ------------------------------------------------------------------ row-sharded (FSDP2)
 
