@@ -9,7 +9,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
-from muonlab.distributed import report_progress
+from muonlab.launcher import report_progress
 
 
 def train_mlp(steps: int, width: int = 64, seed: int = 0) -> float:

@@ -28,7 +28,8 @@ def measure(set_name: str, device: torch.device, profiles: dict, steps: int, war
     from torch.distributed.tensor import Shard, distribute_tensor
 
     from muonlab import Muon
-    from muonlab.trace import StepRecorder, plan_vs_run
+    from muonlab.comm.plan_vs_run import plan_vs_run
+    from muonlab.trace import StepRecorder
 
     gen = torch.Generator().manual_seed(0)
     params = []

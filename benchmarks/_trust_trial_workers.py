@@ -1,4 +1,4 @@
-"""Workers of bench_trust_trial.py (launched by muonlab.distributed.launch: they must live in a module).
+"""Workers of bench_trust_trial.py (launched by muonlab.launch: they must live in a module).
 
 * Item 1 (DDP forgotten after the first steps) launches the replicas tests' worker,
   ``tests.distributed._workers_replicas.late_form_runs``, as it is.

@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from muonlab.distributed import launch  # noqa: E402
+from muonlab.launcher import launch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _dist_workers import bench_save_load  # noqa: E402
 from _report import md_table, results_path, write_report  # noqa: E402

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _dist_workers import bench_worker, gpt_matrix_shapes, single_process  # noqa: E402
 
 from muonlab import ns_flops  # noqa: E402
-from muonlab.distributed import launch  # noqa: E402
+from muonlab.launcher import launch  # noqa: E402
 from _report import md_table, results_path, write_report  # noqa: E402
 
 

@@ -31,7 +31,7 @@ from _machine import load  # noqa: E402
 from _peers_workers import PEERS_DIR  # noqa: E402
 from _report import md_table, results_path, text_table, write_report  # noqa: E402
 
-from muonlab.distributed import launch  # noqa: E402
+from muonlab.launcher import launch  # noqa: E402
 
 
 def rows_for(counts: dict, kinds: list[str], sizes: list[int], dion: dict | None) -> tuple[list, list]:

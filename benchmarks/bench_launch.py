@@ -37,8 +37,8 @@ FIELDS = ("startup_s", "first_step_s", "teardown_s", "total_s")
 def _one(kind: str, index: int, steps: int, start_method: str | None = None) -> dict:
     from _launch_workers import train_mlp
 
-    from muonlab.distributed import launch
-    from muonlab.distributed.launch import LAUNCH_INFO, RUNS_DIR_ENV
+    from muonlab.launcher import launch
+    from muonlab.launcher import LAUNCH_INFO, RUNS_DIR_ENV
 
     name = f"{kind}-{start_method or 'default'}-{index}"
     started = time.perf_counter()
@@ -65,7 +65,7 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=20)
     args = parser.parse_args(argv)
 
-    from muonlab.distributed.launch import RUNS_DIR_ENV, shutdown_workers
+    from muonlab.launcher import RUNS_DIR_ENV, shutdown_workers
 
     os.environ.setdefault(RUNS_DIR_ENV, tempfile.mkdtemp(prefix="bench_launch_runs_"))
     cold = [_one("cold", i, args.steps) for i in range(args.repeats)]

@@ -62,7 +62,7 @@ from _machine import load  # noqa: E402
 from _report import md_table, results_path, write_report  # noqa: E402
 from _rounds import median_interval  # noqa: E402
 
-from muonlab.distributed import launch  # noqa: E402
+from muonlab.launcher import launch  # noqa: E402
 
 DION = dict(repo="microsoft/dion", commit="0a059a4542e5aa74b40dcd1dce363836c7afcd48")
 XTUNER = dict(repo="InternLM/xtuner", commit="3b6701a1d9dec1e3ab619d82b6edc1518b8d82ff",

@@ -5,7 +5,7 @@
 
 For the GPT set (the 16 hidden matrices of a 4-layer, width-256 GPT) and small48 (the 48 of a
 width-8 GPT), muonlab's Muon with its defaults takes ``--warmup`` steps, then ``--steps`` recorded
-ones; ``muonlab.trace.plan_vs_run`` compares, on each rank, ``muonlab.comm.cost.predict_phases``
+ones; ``muonlab.comm.plan_vs_run`` compares, on each rank, ``muonlab.comm.cost.predict_phases``
 of its plan with the medians of the recorded spans, under the shipped profile of the device's kind
 (h100_node, cpu_gloo) and under one ``muonlab.calibrate()`` measured first in the same process
 (on gloo: over the launch's world). Modes: one process on ``--device`` (cpu or cuda, default cuda
@@ -92,7 +92,7 @@ def main(argv=None) -> None:
         for label, p in res[s]["profiles"].items():
             sources[(mode, label)] = p["source"]
     for world in worlds:
-        from muonlab.distributed import launch
+        from muonlab.launcher import launch
         out = launch(gloo_worker, world, args.sets, args.steps, args.warmup, device="cpu", timeout_s=600)
         mode = f"gloo W={world}"
         for s in args.sets:

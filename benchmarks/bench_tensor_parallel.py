@@ -33,7 +33,7 @@ sys.path.insert(0, str(HERE.parent))
 import _tp_workers as W  # noqa: E402
 from _report import md_table, results_path, text_table, write_report  # noqa: E402
 
-from muonlab.distributed import launch  # noqa: E402
+from muonlab.launcher import launch  # noqa: E402
 from muonlab.kernels.newton_schulz import cpu_has_native_bf16  # noqa: E402
 
 WORLD = 4

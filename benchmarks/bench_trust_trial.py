@@ -4,7 +4,7 @@
     PYTHONPATH=. python benchmarks/bench_trust_trial.py
 
 Writes benchmarks/results/trust_trial.md (the command, the machine, one row or paragraph per item).
-Multi-process items run on gloo CPU ranks through muonlab.distributed.launch (workers in
+Multi-process items run on gloo CPU ranks through muonlab.launch (workers in
 benchmarks/_trust_trial_workers.py, and the tests' own for items 1 and 6); item 6 runs again in a subprocess with
 ``PYTHONPATH=tools/cpu_kind/native_bf16`` prepended (muonlab then sees native bf16 matmul), whose
 workers inherit it. Launch logs go to a temporary MUONLAB_RUNS_DIR, removed at the end. A few
@@ -58,7 +58,7 @@ def _rel(got: torch.Tensor, ref: torch.Tensor, start: torch.Tensor) -> float:
 
 
 def item1() -> tuple[list, str]:
-    from muonlab.distributed import launch
+    from muonlab.launcher import launch
     from tests.distributed._workers_replicas import late_form_runs
 
     cases = [("fp32", 1), ("fp32", 2), ("bf16", 1)]
@@ -306,8 +306,8 @@ def _gone(pid: int, limit_s: float = 10.0) -> bool:
 def item5() -> tuple[list, list, list]:
     from _trust_trial_workers import hang_mid_run, pid_and_reduce, raise_on_rank
 
-    from muonlab.distributed import WorkerError, WorkerTimeout, launch
-    from muonlab.distributed.launch import shutdown_workers
+    from muonlab.launcher import WorkerError, WorkerTimeout, launch
+    from muonlab.launcher import shutdown_workers
 
     shutdown_workers()
     kill_rows = []
@@ -375,7 +375,7 @@ def item5() -> tuple[list, list, list]:
 def fsdp_figures() -> dict:
     from _trust_trial_workers import MLP_CASES, MLP_WIDTHS, fsdp_runs
 
-    from muonlab.distributed import launch
+    from muonlab.launcher import launch
     from muonlab.kernels.newton_schulz import cpu_has_native_bf16
     from tests.distributed._workers_wire import build_mlp
 
@@ -538,7 +538,7 @@ def main(argv=None) -> None:
     parser.add_argument("--items", type=int, nargs="*", default=list(range(1, 9)))
     args = parser.parse_args(argv)
 
-    from muonlab.distributed.launch import RUNS_DIR_ENV
+    from muonlab.launcher import RUNS_DIR_ENV
 
     runs_dir = tempfile.mkdtemp(prefix="trust_trial_runs_")
     os.environ[RUNS_DIR_ENV] = runs_dir

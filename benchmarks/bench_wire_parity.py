@@ -30,7 +30,7 @@ from _peers_workers import matrix_shapes  # noqa: E402
 from _report import md_table, results_path, text_table, write_report  # noqa: E402
 from _wire_workers import plan_bytes  # noqa: E402
 
-from muonlab.distributed import launch  # noqa: E402
+from muonlab.launcher import launch  # noqa: E402
 from muonlab.kernels.newton_schulz import cpu_has_native_bf16  # noqa: E402
 from tests.distributed import _workers_wire as W  # noqa: E402
 from tests.distributed._common import cloned, rel_displacement  # noqa: E402

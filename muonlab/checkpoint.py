@@ -39,7 +39,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from .comm.collectives import dist_on, rank_or_zero, world_size_or_one
+from ._base import dist_on, rank_or_zero, world_size_or_one
 from .optim.validation import whole_number
 
 __all__ = ["save", "load", "read_meta", "META_FILE"]

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
+from ._base import check_whole
 from .files import file_lock, write_atomic
-from .optim.validation import check_whole
 
 DEFAULT_MAX_BYTES = 4 << 20
 MIN_BYTES = 100_000

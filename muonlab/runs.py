@@ -42,7 +42,7 @@ import torch
 __all__ = ["KEEP_MAX_BYTES", "RunRecord", "export_tensorboard", "list", "load", "provenance", "rerun", "runs_dir",
            "save"]
 
-# The launcher's variable (muonlab.distributed.launch.RUNS_DIR_ENV), named here too: importing the
+# The launcher's variable (muonlab.launcher.RUNS_DIR_ENV), named here too: importing the
 # launcher to read it would make every train() import torch.distributed's elastic agent.
 RUNS_DIR_ENV = "MUONLAB_RUNS_DIR"
 RECORD_FILE = "record.json"
@@ -361,7 +361,7 @@ def launch_folder() -> str | None:
     are); None outside a launch."""
     import sys
 
-    progress = sys.modules.get("muonlab.distributed.progress")
+    progress = sys.modules.get("muonlab.launcher.progress")
     sink = getattr(progress, "_sink", None)  # the worker's progress file: <run folder>/rank<r>/progress.jsonl
     return os.path.dirname(os.path.dirname(os.path.abspath(sink.name))) if sink is not None else None
 
@@ -575,8 +575,8 @@ LAUNCH_KEYWORDS = ("backend", "device", "timeout_s", "startup_timeout_s", "name"
 
 
 def _rerun_train_model(record: RunRecord, overrides: dict):
-    from .distributed import launch
     from .experiments.any_model import train_model
+    from .launcher import launch
 
     args = decode(record.config["train_model"])
     world = args.pop("world_size")
@@ -594,8 +594,8 @@ def _rerun_train_model(record: RunRecord, overrides: dict):
 def _rerun_train_worker(record: RunRecord, overrides: dict):
     """``train_worker`` launched again with the record's arguments (its GPT is built from the seed);
     a History of the mean losses and optimizer step seconds, as the record keeps them."""
-    from .distributed import launch
     from .experiments.train import train_worker
+    from .launcher import launch
     from .train import History
 
     args = decode(record.config["train_worker"])

@@ -62,7 +62,7 @@ def _muon_spans(shapes, device: torch.device, ns_dtype, group, steps: int) -> tu
     {phase: seconds}}, per step its span) over the last ``steps`` steps (the first two build the
     plan and warm up)."""
     from ..optim import Muon
-    from ..trace.plan_vs_run import measured_phases
+    from .plan_vs_run import measured_phases
     from ..trace.steps import StepRecorder
 
     gen = torch.Generator().manual_seed(0)

@@ -12,20 +12,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-
-def dist_on() -> bool:
-    """torch.distributed is available and a default process group is up."""
-    return dist.is_available() and dist.is_initialized()
-
-
-def rank_or_zero() -> int:
-    """This process's global rank; 0 where torch.distributed is off (one process)."""
-    return dist.get_rank() if dist_on() else 0
-
-
-def world_size_or_one() -> int:
-    """The default group's size; 1 where torch.distributed is off."""
-    return dist.get_world_size() if dist_on() else 1
+from .._base import dist_on, rank_or_zero, world_size_or_one  # noqa: F401 (named here by callers)
 
 
 @dataclass

@@ -380,7 +380,7 @@ def _timeline(batches: list[BatchPlan], profile: HardwareProfile, index: dict, w
     its share (``out_share``) of the transfer (``comm_seconds``; a wave's add up).
 
     Returns (the latest rank's end, {id(batch): [seconds in flight per global rank]}, {id(batch):
-    [seconds of that no compute covers]}): what ``muonlab.trace.plan_vs_run`` measures from spans.
+    [seconds of that no compute covers]}): what ``muonlab.comm.plan_vs_run`` measures from spans.
     """
     from ..trace.step_time import intersection, merge, total  # the measured side's own interval arithmetic
 

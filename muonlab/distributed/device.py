@@ -3,7 +3,7 @@
 The rule (:func:`choose_device`): with CUDA available and a GPU for every local rank, rank ``r`` of a
 node computes on ``cuda:LOCAL_RANK`` and the default process group is NCCL; otherwise the rank
 computes on the CPU over gloo, as on the CPU machines this project is built on. An explicit choice,
-the ``device`` argument of :func:`muonlab.distributed.launch` (``"cpu"``, ``"cuda"`` or ``"auto"``)
+the ``device`` argument of :func:`muonlab.launcher.launch` (``"cpu"``, ``"cuda"`` or ``"auto"``)
 or else the environment variable ``MUONLAB_DEVICE``, overrides the automatic one, so a researcher on
 a GPU node can still run CPU/gloo workers (and the CPU test suite stays on gloo there).
 
@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..comm.collectives import dist_on
+from .._base import collective_device, dist_on  # noqa: F401 (collective_device: named here by callers)
 
 __all__ = [
     "DEVICE_CHOICES",
@@ -233,15 +233,6 @@ def wait_for(device: torch.device) -> None:
     asynchronous kernels times their launches); on a CPU nothing."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def collective_device(group=None) -> torch.device:
-    """Where a small tensor for a collective on ``group`` must live: this rank's GPU when the group
-    is NCCL only, else the CPU (gloo, or a group that has gloo for CPU tensors)."""
-    backend = str(dist.get_backend(group))
-    if _uses_cuda(backend) and "gloo" not in backend:
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def to_rank_device(model: nn.Module) -> nn.Module:

@@ -47,7 +47,7 @@ from torch.distributed.tensor import DTensor
 
 from muonlab.models.gpt import MoE
 
-from ..comm.collectives import dist_on
+from .._base import dist_on
 from .device import match_default_timeout
 from .mesh import MeshAxis, _check_size, _default_device_type
 

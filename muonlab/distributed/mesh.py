@@ -16,8 +16,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from ..comm.collectives import dist_on
-from ..optim.validation import whole_number
+from .._base import dist_on, whole_number
 from .device import match_default_timeout, rank_device
 
 __all__ = ["MeshAxis", "build_mesh", "mesh_axis_group"]

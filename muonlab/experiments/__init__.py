@@ -1,6 +1,6 @@
 """Importable worker entry points for notebooks, the CLI and benchmarks, outside the library's core.
 
-:func:`muonlab.distributed.launch` starts functions by module and name, so a worker cannot live in
+:func:`muonlab.launch` starts functions by module and name, so a worker cannot live in
 a notebook cell; these modules hold them. Nothing in muonlab's core imports this package.
 
 * ``train``: ``train_worker``, the small GPT (or its MoE variant) with Muon under FSDP2, DDP or

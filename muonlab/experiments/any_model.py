@@ -2,7 +2,7 @@
 your own: ``train_model`` is the worker, the model, loss and batches its arguments.
 
     import torch, torch.nn as nn
-    from muonlab.distributed import launch
+    from muonlab.launcher import launch
     from muonlab.experiments.any_model import train_model
     from muonlab.viz import plot_loss_curves, plot_timeline
 
@@ -31,12 +31,12 @@ import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 
 from .. import runs
+from .._base import check_whole
 from ..comm.records import table
 from ..distributed import build_mesh, parallelize
 from ..distributed.device import rank_device, wait_for
-from ..distributed.progress import report_progress
+from ..launcher.progress import report_progress
 from ..optim import Muon, muon_param_groups
-from ..optim.validation import check_whole
 from ..trace import StepRecorder, gather_spans
 from ..train import BatchSource, History, model_loss, resolve_loss, rows_of, to_device
 from .train import STEPS_KEPT, plan_rows

@@ -1,6 +1,6 @@
 """Worker functions for saving, resharding and resuming a run (notebook 05, bench_checkpoint.py).
 
-They live in an importable module because :func:`muonlab.distributed.launch` cannot start
+They live in an importable module because :func:`muonlab.launch` cannot start
 functions defined in a notebook. Each builds the small GPT from seed 0, shards it with FSDP2 over
 all ranks, trains with Muon on this rank's slice of a fixed global batch (so the global batch, and
 the loss, do not depend on the world size) and returns plain data (tensors copied to the CPU,
@@ -15,12 +15,12 @@ import torch
 import torch.distributed as dist
 
 from .. import checkpoint
+from .._base import check_whole
 from ..distributed.device import rank_device, to_rank_device
-from ..distributed.progress import report_progress
+from ..launcher.progress import report_progress
 from ..models import GPT, GPTConfig
 from ..models.gpt import check_width
 from ..optim import Muon, muon_param_groups
-from ..optim.validation import check_whole
 from .train import tensor_devices
 
 __all__ = ["build", "global_batch", "train_steps", "train_and_save", "resume_and_train"]

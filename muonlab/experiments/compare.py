@@ -16,7 +16,7 @@ comparison checks the pairing from them instead of assuming it (and falls back t
 test where it does not hold). The statistics are in :mod:`muonlab.stats`.
 
 ``nprocs=k`` runs the (configuration, seed) runs on k worker processes started by
-:func:`muonlab.distributed.launch` (rank r takes every k-th run, each on its own device under the
+:func:`muonlab.launch` (rank r takes every k-th run, each on its own device under the
 device rule), instead of one after the other here. Plots and the panel: :mod:`muonlab.viz.compare`.
 
 A model of your own compares as ``train`` trains it (``batches``, ``loss_fn``, ...); every
@@ -40,11 +40,11 @@ import torch
 
 from .. import runs as run_records
 from .. import stats
+from .._base import check_whole
 from ..bars import in_notebook_kernel, notebook_bar
 from ..models import GPT, GPTConfig
-from ..optim.validation import check_whole
-from ..train import OPTIMIZERS, default_device, make_optimizer, train
 from ..trace.ns_choice import ns_choice_summary
+from ..train import OPTIMIZERS, default_device, make_optimizer, train
 
 __all__ = ["Comparison", "ConfigResult", "Run", "compare", "run_one"]
 
@@ -178,7 +178,7 @@ def _run_share(jobs: list[tuple[str, int]], configs: dict, *, model, steps: int,
     """A launched worker's runs: every world_size-th job from its rank on (launch's entry point)."""
     import torch.distributed as dist
 
-    from ..distributed.progress import report_progress
+    from ..launcher.progress import report_progress
 
     rank, world = dist.get_rank(), dist.get_world_size()
     # Each rank trains its own runs: Muon on the default (world) group would take the ranks for
@@ -643,7 +643,7 @@ def compare(configs: Mapping[str, Mapping], *, model: GPTConfig | torch.nn.Modul
     batches and loss it kept where they are not given.
 
     ``nprocs``: None runs here, one run after another; k runs them on k processes through
-    ``muonlab.distributed.launch`` (``launch_kwargs``, e.g. ``device="cpu"``, go to it).
+    ``muonlab.launch`` (``launch_kwargs``, e.g. ``device="cpu"``, go to it).
     ``progress``: a bar over the runs. ``record``: True (default) keeps the comparison as a run
     record (muonlab.runs) in ``runs/compare-<date>``, a string names the folder, False keeps none;
     ``Comparison.record`` is the folder. Every argument and every configuration's settings are
@@ -699,7 +699,7 @@ def compare(configs: Mapping[str, Mapping], *, model: GPTConfig | torch.nn.Modul
                 bar.close()
         where = run_records.machine_of(run_records.provenance(default_device()))
     else:
-        from ..distributed import launch
+        from ..launcher import launch
 
         results = launch(_run_share, nprocs, jobs, configs, model=model, steps=steps, train_kwargs=train_kwargs,
                          progress=progress, **launch_kwargs)

@@ -21,10 +21,10 @@ import sys
 import time
 from pathlib import Path
 
-from ..distributed import launch
+from .._base import check_whole
 from ..distributed.device import requested_device
+from ..launcher import launch
 from ..models.gpt import check_width
-from ..optim.validation import check_whole
 from ..trace import Span, write_chrome_trace
 from .train import MODES, train_worker
 
@@ -120,7 +120,7 @@ def run_distributed(out_dir="runs/demo", steps: int = 5, nprocs: int = 4, mode: 
                     timeout_s: float = 300, device: str | None = None) -> dict:
     """Train, print the plan and bytes per path, write timeline.png and trace.json; return the results.
 
-    ``device`` goes to :func:`muonlab.distributed.launch` (None: GPUs when there is one per worker).
+    ``device`` goes to :func:`muonlab.launch` (None: GPUs when there is one per worker).
     The arguments are checked before any worker starts (a ValueError naming the one at fault)."""
     from matplotlib.figure import Figure
 

@@ -7,9 +7,8 @@ others waiting in a collective, as a real failure would.
 
 from __future__ import annotations
 
-from ..distributed.progress import report_progress
-from ..optim.validation import check_whole
-
+from .._base import check_whole
+from ..launcher.progress import report_progress
 from .checkpoint import _world_rank, build, global_batch
 
 __all__ = ["faulty_training"]

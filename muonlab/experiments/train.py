@@ -1,11 +1,11 @@
 """Train the small GPT with Muon under FSDP2 or DDP, or its MoE variant under expert parallelism x
-FSDP2 ("ep"), in workers started by muonlab.distributed.launch (notebooks 02 and 03, the demo).
+FSDP2 ("ep"), in workers started by muonlab.launch (notebooks 02 and 03, the demo).
 
 ``train_worker`` runs on every rank and returns plain data (losses, the plan as rows, the counted
 bytes, and on rank 0 every rank's spans of the last step), so a notebook or the CLI can show what
 the optimizer did without touching the workers' tensors::
 
-    from muonlab.distributed import launch
+    from muonlab.launcher import launch
     from muonlab.experiments.train import train_worker
     results = launch(train_worker, 4, mode="fsdp", steps=5)
     results = launch(train_worker, 4, mode="ep", ep=2, num_experts=4, steps=5)  # (fsdp=2, ep=2)
@@ -25,14 +25,14 @@ import torch
 import torch.distributed as dist
 
 from .. import runs
+from .._base import check_whole
 from ..comm.records import bytes_for_rank, table
 from ..data import get_batch, load_corpus
 from ..distributed.device import rank_device, wait_for
-from ..distributed.progress import report_progress
+from ..launcher.progress import report_progress
 from ..models import GPT, GPTConfig
 from ..models.gpt import moe_config
 from ..optim import Muon, muon_param_groups
-from ..optim.validation import check_whole
 from ..trace import StepRecorder, WholeStepRecorder, gather_spans
 
 __all__ = ["COMM_DTYPES", "MODES", "plan_rows", "tensor_devices", "train_worker"]

@@ -13,8 +13,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .._base import check_whole
 from .qk_logits import note_max_logits
-from ..optim.validation import check_whole
 
 
 @dataclass(kw_only=True)

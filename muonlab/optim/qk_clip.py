@@ -52,8 +52,8 @@ the TP rank that holds it, and every rank scales the rows it holds of each head.
 from __future__ import annotations
 
 import math
-import warnings
 import sys
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -61,7 +61,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..comm.collectives import dist_on
+from .._base import collective_device, dist_on
 from ..models.gpt import Attention
 from ..models.qk_logits import note_max_logits
 
@@ -381,8 +381,6 @@ class QKClip:
             seen.append(m)
         flat = torch.cat(seen)
         if dist_on() and dist.get_world_size(self.group) > 1:
-            from ..distributed.device import collective_device
-
             moved = flat.to(collective_device(self.group))
             dist.all_reduce(moved, op=dist.ReduceOp.MAX, group=self.group)
             flat = moved.to(device)

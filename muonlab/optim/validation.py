@@ -7,35 +7,17 @@ before anything is stored or changed.
 from __future__ import annotations
 
 import math
-import operator
 from collections.abc import Mapping
 
 import torch
 
+from .._base import check_whole, whole_number  # noqa: F401 (named here by callers)
 from ..comm.specs import DTensor
 from ..comm.wire import WIRE_DTYPES
 from ..kernels.coefficients import resolve_coefficients
 from ..kernels.precision import is_number
 from . import functional as F
 from .rules import RULE_SETTINGS, check_rule_settings
-
-
-def whole_number(value) -> int | None:
-    """``value`` as an int (an int, a numpy int, a one-element integer tensor), or None for anything
-    else: a float, a str, and a bool (an int to Python, but True as a count is a mistake)."""
-    if isinstance(value, bool):
-        return None
-    try:
-        return operator.index(value)
-    except TypeError:
-        return None
-
-
-def check_whole(name: str, value, low: int) -> None:
-    """A ValueError naming ``name`` unless ``value`` is a whole number (``whole_number``) >= ``low``."""
-    number = whole_number(value)
-    if number is None or number < low:
-        raise ValueError(f"{name} must be a whole number >= {low}, got {value!r}")
 
 
 def fmt_shape(shape) -> str:

@@ -37,7 +37,7 @@ from typing import NamedTuple, Union
 import torch
 import torch.distributed as dist
 
-from ..comm.collectives import dist_on
+from .._base import dist_on
 from ..kernels.precision import is_number
 
 # Which timeline row a phase belongs to.

@@ -48,8 +48,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
-from ..comm.collectives import dist_on
-from ..comm.specs import local_shard
+from .._base import dist_on, local_shard
 
 METRICS = ("weight_sigma", "update_sigma", "update_rms", "ortho_error")
 """The measured fields of a SpectralRecord, in the order notebooks show them."""

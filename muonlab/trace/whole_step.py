@@ -55,7 +55,7 @@ from torch.autograd import Variable
 from torch.profiler import ProfilerActivity, profile, record_function
 from torch.utils._pytree import tree_flatten
 
-from ..comm.collectives import dist_on
+from .._base import dist_on
 from .spans import RecordedSpans, Span
 from .step_time import merge, subtract
 from .steps import _whole

@@ -325,7 +325,7 @@ def report_steps(num_steps: int, fail_rank: int | None = None) -> int:
     stderr; ``fail_rank`` raises after its first step."""
     import sys
 
-    from muonlab.distributed import report_progress
+    from muonlab.launcher import report_progress
 
     rank = dist.get_rank()
     print(f"stdout line from rank {rank}", flush=True)

@@ -16,7 +16,8 @@ def calibrate_and_compare(steps: int) -> dict:
     from torch.distributed.tensor import Shard, distribute_tensor
 
     from muonlab import Muon, calibrate
-    from muonlab.trace import StepRecorder, plan_vs_run
+    from muonlab.comm.plan_vs_run import plan_vs_run
+    from muonlab.trace import StepRecorder
 
     torch.set_num_threads(1)
     refused = {}

@@ -11,7 +11,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from muonlab.distributed import report_progress
+from muonlab.launcher import report_progress
 
 
 def pid_and_steps(steps: int, tag: str) -> dict:

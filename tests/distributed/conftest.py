@@ -8,7 +8,7 @@ launches), except those marked ``auto_device``, which see the machine's own rule
 Launches reuse warm workers (``MUONLAB_WARM_WORKERS=1``): a cold launch spends a second or more
 starting processes (forked from a forkserver that imported torch once) and connecting them, and the
 suite launches about a hundred times. A task sees what a
-fresh worker would (muonlab.distributed.warm resets it), and a failing one takes the pool down.
+fresh worker would (muonlab.launcher.warm resets it), and a failing one takes the pool down.
 Modules marked ``cold_launch`` test the launcher itself, or need new processes (a resume read
 from disk alone), and launch cold.
 """
@@ -16,7 +16,7 @@ from disk alone), and launch cold.
 import pytest
 
 from muonlab.distributed.device import DEVICE_ENV
-from muonlab.distributed.launch import WARM_ENV, shutdown_workers
+from muonlab.launcher import WARM_ENV, shutdown_workers
 
 
 def pytest_configure(config):
@@ -40,7 +40,7 @@ def _runs_in_a_temporary_directory(tmp_path_factory):
     go to a temporary directory instead of the checkout. Package scope, not session: on an xdist
     worker the notebooks run after these tests in the same process, and their kernels must see
     the environment a researcher's has."""
-    from muonlab.distributed.launch import RUNS_DIR_ENV
+    from muonlab.launcher import RUNS_DIR_ENV
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(RUNS_DIR_ENV, str(tmp_path_factory.mktemp("runs")))
@@ -65,5 +65,5 @@ def launches_started(monkeypatch) -> list:
     import sys
 
     started = []
-    monkeypatch.setattr(sys.modules["muonlab.distributed.launch"], "elastic_launch", lambda *a, **k: started.append(a))
+    monkeypatch.setattr(sys.modules["muonlab.launcher.supervisor"], "elastic_launch", lambda *a, **k: started.append(a))
     return started

@@ -3,7 +3,7 @@ before anything changes (muonlab.optim.agreement), instead of hanging or silentl
 
 import pytest
 
-from muonlab.distributed import launch
+from muonlab.launcher import launch
 
 from . import _workers_agreement as W
 

@@ -12,7 +12,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from muonlab import Muon, muon_param_groups, train  # noqa: E402
-from muonlab.distributed import launch  # noqa: E402
+from muonlab.launcher import launch  # noqa: E402
 from muonlab.experiments.any_model import train_model  # noqa: E402
 
 from . import _workers_any_model as W  # noqa: E402
@@ -32,7 +32,7 @@ def test_task3_two_ranks_of_your_own_model_from_a_cell_in_ten_lines():
     # ---- the cell: 10 lines, the imports and the data included, no module of the researcher's own
     import torch.nn as nn
 
-    from muonlab.distributed import launch
+    from muonlab.launcher import launch
     from muonlab.experiments.any_model import train_model
     from muonlab.viz import plot_loss_curves, plot_timeline
     torch.manual_seed(0)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from muonlab import checkpoint
-from muonlab.distributed import launch
+from muonlab.launcher import launch
 from tests.distributed import _workers_ckpt as W
 
 CASES4 = [("fsdp", "fp32"), ("fsdp", "bf16"), ("ep", "fp32")]

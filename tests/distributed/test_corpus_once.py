@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from muonlab.distributed import launch
+from muonlab.launcher import launch
 from tests.distributed import _workers_corpus as workers
 
 pytestmark = pytest.mark.cold_launch  # a fresh cache read by fresh processes

@@ -8,7 +8,7 @@ import multiprocessing
 import pytest
 import torch
 
-from muonlab.distributed import launch
+from muonlab.launcher import launch
 from muonlab.distributed.device import DEVICE_ENV, backend_for, choose_device
 from tests.distributed import _workers_device as workers
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from muonlab.distributed import launch
+from muonlab.launcher import launch
 from tests.distributed import _workers_dist_wrapper_fixes as workers
 
 NUM_RANKS = 2

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.distributed.tensor import Shard
 
-from muonlab.distributed import launch
+from muonlab.launcher import launch
 
 from . import _workers_ep as W
 

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from muonlab.distributed import WorkerError, WorkerTimeout, launch
+from muonlab.launcher import WorkerError, WorkerTimeout, launch
 from tests.distributed import _workers_faults as F
 
 pytestmark = pytest.mark.cold_launch  # a fault ends the workers; the launch after it starts fresh ones

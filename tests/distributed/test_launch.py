@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from muonlab.distributed import WorkerError, WorkerTimeout, launch
+from muonlab.launcher import WorkerError, WorkerTimeout, launch
 from tests._proc import alive, children, cmdline
 from tests.distributed import _workers_launch as workers
 
@@ -188,13 +188,13 @@ def test_hanging_worker_times_out_leaves_nothing_then_launch_again(tmp_path):
 
 @pytest.mark.timeout(60)
 def test_worker_main_runs_module_function_in_a_process_group_from_env(monkeypatch):
-    # What `torchrun ... -m muonlab.distributed.launch MODULE:FUNCTION ARGS` runs in each
+    # What `torchrun ... -m muonlab.launcher MODULE:FUNCTION ARGS` runs in each
     # process, here in this process as a world of one.
     import socket
 
     import torch
 
-    from muonlab.distributed.launch import worker_main
+    from muonlab.launcher import worker_main
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -245,7 +245,7 @@ def test_a_worker_that_vanishes_is_named_long_before_the_timeout(monkeypatch):
     has been gone for _VANISHED_GRACE_S (3 s here, 10 by default), instead of waiting out
     timeout_s (then 40 s more). (With peers, a peer's teardown barrier fails first and names the
     lost connection.)"""
-    monkeypatch.setattr(importlib.import_module("muonlab.distributed.launch"), "_VANISHED_GRACE_S", 3.0)
+    monkeypatch.setattr(importlib.import_module("muonlab.launcher.process_tools"), "_VANISHED_GRACE_S", 3.0)
     started = time.monotonic()
     with pytest.raises(WorkerError) as info:
         launch(workers.vanish_on_rank, 1, 0, timeout_s=150)
@@ -258,7 +258,7 @@ _LAUNCHER_SCRIPT = """
 import sys
 import tempfile
 sys.path[:0] = {path!r}
-from muonlab.distributed import launch
+from muonlab.launcher import launch
 from tests.distributed import _workers_launch as workers
 {body}
 """
@@ -296,7 +296,7 @@ def test_workers_get_the_callers_environment_as_it_is_at_each_launch(tmp_path):
     # first launch), so a later launch must hand its own: changed, removed and added variables.
     proc = _run_script(tmp_path, """
         import json, os
-        from muonlab.distributed.launch import _forkserver_pid
+        from muonlab.launcher.process_tools import _forkserver_pid
         if __name__ == "__main__":
             names = ["T_CHANGED", "T_REMOVED", "T_ADDED"]
             os.environ.update(T_CHANGED="before", T_REMOVED="before")
@@ -369,7 +369,7 @@ def test_a_temporary_folder_too_long_for_the_forkserver_socket_takes_spawn(tmp_p
     # launch() failed with "AF_UNIX path too long" under a long TMPDIR (xdist's tmp_path is one)
     long = tmp_path / ("t" * 90)
     long.mkdir()
-    code = ("from muonlab.distributed.launch import _start_method\n"
+    code = ("from muonlab.launcher.supervisor import _start_method\n"
             "print(_start_method(None))\n"
             "try:\n    _start_method('forkserver')\nexcept ValueError as e:\n    print(e)\n")
     run = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, TMPDIR=str(long)), capture_output=True,
@@ -411,9 +411,9 @@ def test_bad_timeouts_are_refused_before_starting(launches_started):
 @pytest.mark.timeout(30)
 def test_unknown_backends_and_timeouts_past_the_cap_are_refused_before_starting(monkeypatch, tmp_path,
                                                                                 launches_started):
-    from muonlab.distributed.launch import RUNS_DIR_ENV
+    from muonlab.launcher import RUNS_DIR_ENV
 
-    launch_module = sys.modules["muonlab.distributed.launch"]
+    launch_module = sys.modules["muonlab.launcher.supervisor"]
     monkeypatch.setenv(RUNS_DIR_ENV, str(tmp_path))
     for bad in ("glo", "mpi", 123):
         with pytest.raises(ValueError, match=r"^backend must be None .* 'gloo' or 'nccl', got"):

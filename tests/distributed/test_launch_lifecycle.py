@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from muonlab.distributed import WorkerError, WorkerTimeout, launch
-from muonlab.distributed.launch import RUNS_DIR_ENV
+from muonlab.launcher import WorkerError, WorkerTimeout, launch
+from muonlab.launcher import RUNS_DIR_ENV
 from tests.distributed import _workers_launch as workers
 from tests.distributed._common import running
 

@@ -10,8 +10,8 @@ import os
 
 import pytest
 
-from muonlab.distributed import WorkerError, launch
-from muonlab.distributed.launch import RUNS_DIR_ENV
+from muonlab.launcher import WorkerError, launch
+from muonlab.launcher import RUNS_DIR_ENV
 from tests.distributed import _workers_launch as workers
 
 pytestmark = pytest.mark.cold_launch  # a cold launch's phases

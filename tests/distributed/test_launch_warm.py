@@ -1,4 +1,4 @@
-"""Warm workers (launch(..., warm=True), muonlab.distributed.warm): real worker processes over gloo
+"""Warm workers (launch(..., warm=True), muonlab.launcher.warm): real worker processes over gloo
 on CPU. A second launch on the same ranks reuses the running workers and their process group; a
 failure or a timeout takes the pool down and the next launch starts fresh; nothing outlives
 shutdown_workers(). Each test starts at most two pools (a pool's start is a cold launch's, seconds
@@ -15,8 +15,8 @@ import time
 
 import pytest
 
-from muonlab.distributed import WorkerError, WorkerTimeout, launch
-from muonlab.distributed.launch import LAUNCH_INFO, RUNS_DIR_ENV, WARM_ENV, shutdown_workers
+from muonlab.launcher import WorkerError, WorkerTimeout, launch
+from muonlab.launcher import LAUNCH_INFO, RUNS_DIR_ENV, WARM_ENV, shutdown_workers
 from tests.distributed import _workers_warm as workers
 from tests.distributed._common import running
 
@@ -221,7 +221,7 @@ def test_warm_must_be_a_bool_or_none(launches_started):
 
 @pytest.mark.timeout(240)
 def test_a_cold_launch_shows_its_phases_in_order_and_records_its_timings(monkeypatch):
-    from muonlab.distributed import progress
+    from muonlab.launcher import progress
 
     seen = []
     poll, close = progress.ProgressMonitor.poll, progress.ProgressMonitor.close

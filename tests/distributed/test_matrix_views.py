@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from muonlab.distributed import launch
+from muonlab.launcher import launch
 from muonlab.simulate import muon_shapes, simulate
 
 from . import _workers_views as W

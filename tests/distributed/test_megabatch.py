@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 import torch
 
-from muonlab.distributed import launch
+from muonlab.launcher import launch
 from muonlab.kernels.newton_schulz import newton_schulz
 
 from . import _workers_megabatch as W

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from torch.distributed.tensor import Replicate, Shard
 
-from muonlab.distributed import launch
+from muonlab.launcher import launch
 from tests.distributed import _workers_launch as workers
 
 SHARD0 = repr(Shard(0))

@@ -11,10 +11,11 @@ from collections import Counter
 import pytest
 import torch
 
-from muonlab.distributed import launch
+from muonlab.launcher import launch
 
 from . import _workers_muon as W
 from ._common import DTYPES, build_gpt, cloned, nonzero, rel_displacement
+from ._memory import assert_counted
 
 GPT_CASES = [("fsdp", "fp32"), ("fsdp", "bf16"), ("ddp", "fp32"), ("ddp", "bf16")]
 # (remainder_path, precision[, workspace_bytes]); a budget of 1 byte: one matrix per owner in each
@@ -76,6 +77,7 @@ def test_gpt_plan_identical_on_every_rank_bytes_match_and_no_padding(world_resul
             assert nonzero(r["sent"]) == r["plan_sent"], (case, rank)
             assert nonzero(r["recv"]) == r["plan_recv"], (case, rank)
             assert r["spans"] > 0
+            assert_counted(r, (case, rank))  # planned buffer bytes == counted, exactly
 
 
 @pytest.mark.timeout(600)
@@ -102,6 +104,8 @@ def test_paths_taken_bytes_counted_and_momentum_on_owner_only(world_results):
         remainder = case[0]
         rows = [res["paths"][case] for res in results.values()]
         assert all(r["plan"] == rows[0]["plan"] for r in rows)
+        for rank, r in enumerate(rows):  # planned buffer bytes == counted, exactly, on every path
+            assert_counted(r, (case, rank))
         paths = {row[0] for row in rows[0]["plan"]}
         if world == 1:
             assert paths == {"local"}

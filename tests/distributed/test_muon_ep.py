@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from muonlab.distributed import launch
+from muonlab.launcher import launch
 
 from . import _workers_muon_ep as W
 from ._common import cloned, nonzero, rel_displacement

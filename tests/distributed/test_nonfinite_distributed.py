@@ -3,7 +3,7 @@ step's control exchange shares the flags), and a skipped or raised step changes 
 
 import pytest
 
-from muonlab.distributed import launch
+from muonlab.launcher import launch
 
 from . import _workers_nonfinite as W
 

@@ -5,7 +5,7 @@ replicas, expert banks; and an FSDP2 checkpoint resumes it bit for bit. One laun
 import pytest
 import torch
 
-from muonlab.distributed import launch
+from muonlab.launcher import launch
 
 from . import _workers_normuon as W
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from muonlab.distributed import launch
+from muonlab.launcher import launch
 
 from . import _workers_offload as W
 

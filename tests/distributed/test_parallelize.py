@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
-from muonlab.distributed import MeshAxis, launch, parallelize
+from muonlab.distributed import MeshAxis, parallelize
+from muonlab.launcher import launch
 
 from . import _workers_parallelize as W
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from muonlab.distributed import launch
+from muonlab.launcher import launch
 
 from . import _workers_path_fixes as W
 

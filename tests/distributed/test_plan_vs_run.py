@@ -7,7 +7,7 @@ import statistics
 
 import pytest
 
-from muonlab.distributed import launch
+from muonlab.launcher import launch
 from muonlab.trace.step_time import merge, total
 
 from . import _workers_plan_vs_run as W

@@ -5,7 +5,7 @@ order is the only difference)."""
 
 import pytest
 
-from muonlab.distributed import launch
+from muonlab.launcher import launch
 
 from . import _workers_qk_clip as W
 from ._common import cloned, rel_displacement

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from muonlab.distributed import launch
+from muonlab.launcher import launch
 
 from . import _workers_replicas as W
 from ._common import rel_displacement

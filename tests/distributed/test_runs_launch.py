@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from muonlab import runs
-from muonlab.distributed import launch
+from muonlab.launcher import launch
 from muonlab.experiments.any_model import train_model
 
 from . import _workers_any_model as W

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from muonlab.distributed import launch
+from muonlab.launcher import launch
 from muonlab.trace import METRICS
 
 from . import _workers_spectral as W

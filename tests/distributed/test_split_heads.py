@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from muonlab.comm.records import Plan
-from muonlab.distributed import launch
+from muonlab.launcher import launch
 from muonlab.simulate import lower_bound_bytes, muon_shapes, simulate
 
 from . import _workers_heads as W

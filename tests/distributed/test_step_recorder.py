@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from muonlab.distributed import launch
+from muonlab.launcher import launch
 from muonlab.trace import exposed_comm_table, phase_table, write_chrome_trace
 
 from . import _workers_steps as W

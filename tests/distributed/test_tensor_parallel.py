@@ -8,7 +8,7 @@ ranks, runs HSDP x TP on a (2, 2, 2) mesh and EP x FSDP x TP on another.
 
 import pytest
 
-from muonlab.distributed import launch
+from muonlab.launcher import launch
 
 from . import _workers_tp as W
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from muonlab.distributed import launch
+from muonlab.launcher import launch
 from muonlab.experiments.train import train_worker
 from muonlab.trace import exposed_comm_table, phase_table, write_chrome_trace
 from muonlab.trace.spans import LANES

@@ -10,7 +10,7 @@ Run as on the other kind of CPU with ``PYTHONPATH=tools/cpu_kind/native_bf16``: 
 
 import pytest
 
-from muonlab.distributed import launch
+from muonlab.launcher import launch
 from muonlab.kernels.newton_schulz import cpu_has_native_bf16
 
 from . import _workers_wire as W

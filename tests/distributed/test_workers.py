@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from muonlab.distributed import launch
+from muonlab.launcher import launch
 from muonlab.experiments.train import MODES
 from tests.distributed import _workers_device as workers
 

@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from muonlab.distributed import launch
+from muonlab.launcher import launch
 from muonlab.experiments.checkpoint import resume_and_train, train_and_save
 from muonlab.experiments.train import train_worker
 from tests.distributed import _workers_device as workers

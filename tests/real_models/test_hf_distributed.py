@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from muonlab.distributed import launch
+from muonlab.launcher import launch
 from tests.distributed._common import rel_displacement
 
 from . import _workers as W

@@ -206,7 +206,7 @@ def test_the_readme_names_resolve_after_a_plain_import():
     import subprocess
     import sys
 
-    code = ("import muonlab; from muonlab.distributed import launch; "
+    code = ("import muonlab; from muonlab.launcher import launch; "
             "assert muonlab.launch is launch; "
             "print(muonlab.checkpoint.save.__module__, muonlab.simulate.simulate.__module__, "
             "muonlab.distributed.parallelize.__module__)")

@@ -15,8 +15,8 @@ from muonlab.comm.calibration import calibrate, load_profile, save_profile
 from muonlab.comm.cost import (MOMENTUM_PASSES, PHASES, PROFILES, UPDATE_PASSES, HardwareProfile, comm_seconds,
                                matmul_rate, predict_phases, rule_seconds, step_seconds)
 from muonlab.simulate import simulate
-from muonlab.trace import StepRecorder, plan_vs_run
-from muonlab.trace.plan_vs_run import MEASURED_PHASES
+from muonlab.comm.plan_vs_run import MEASURED_PHASES, plan_vs_run
+from muonlab.trace import StepRecorder
 
 SHAPES = [("a", (32, 16)), ("b", (32, 16)), ("c", (16, 48)), ("d", (24, 24))]
 

@@ -1,4 +1,4 @@
-"""The launcher's side of worker progress (muonlab.distributed.progress) without processes or a
+"""The launcher's side of worker progress (muonlab.launcher.progress) without processes or a
 kernel: folding stream lines, tailing a file being appended to, the displays and their summary."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from muonlab.distributed import progress
-from muonlab.distributed.progress import ProgressMonitor, ProgressState, report_progress
+from muonlab.launcher import progress
+from muonlab.launcher.progress import ProgressMonitor, ProgressState, report_progress
 
 
 def _line(rank, step, loss=None, total=None) -> str:

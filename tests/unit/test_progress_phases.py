@@ -1,4 +1,4 @@
-"""The launch display's phases, step rate and timings (muonlab.distributed.progress), without
+"""The launch display's phases, step rate and timings (muonlab.launcher.progress), without
 processes: what the bar says while ranks start, run and tear down, and a rate that a poll catching
 up on many steps at once cannot inflate."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import json
 
-from muonlab.distributed import progress
-from muonlab.distributed.progress import LaunchPhase, ProgressMonitor, ProgressState, phase_text, timing_text
+from muonlab.launcher import progress
+from muonlab.launcher.progress import LaunchPhase, ProgressMonitor, ProgressState, phase_text, timing_text
 
 
 def _record(rank, step, time, total=10, loss=1.0) -> dict:

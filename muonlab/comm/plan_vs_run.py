@@ -28,9 +28,9 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 
-from ..comm.cost import HardwareProfile, get_profile, predict_phases
-from .spans import LANES, span_rows
-from .step_time import format_table, intersection, merge, total
+from ..trace.spans import LANES, span_rows
+from ..trace.step_time import format_table, intersection, merge, total
+from .cost import HardwareProfile, get_profile, predict_phases
 
 __all__ = ["MEASURED_PHASES", "PlanVsRun", "measured_phases", "plan_vs_run"]
 
@@ -128,7 +128,7 @@ def plan_vs_run(opt, recorder=None, *, profile: HardwareProfile | str | None = N
         raise TypeError(f"recorder must be a muonlab.trace.StepRecorder or None, got {type(recorder).__name__}")
     rows = span_rows(spans)
     if steps is not None:
-        from .step_time import select_steps
+        from ..trace.step_time import select_steps
         rows = select_steps(rows, steps)
     ranks = sorted({r["rank"] for r in rows if r["batch"] >= 0})
     if not ranks:

@@ -1,4 +1,4 @@
-"""Warm workers: one pool of running worker processes that :func:`~muonlab.distributed.launch`
+"""Warm workers: one pool of running worker processes that :func:`~muonlab.launcher.launch`
 reuses for the next launch on the same ranks.
 
 A cold launch spends time before its first step (new processes start, import muonlab, connect a
@@ -27,7 +27,7 @@ the process group connected:
   :func:`shutdown_workers`.
 
 This module holds both sides: :func:`_pool_worker_entry` runs in each worker, :class:`WorkerPool`
-and the pool registry in the launching process. :mod:`muonlab.distributed.launch` drives them.
+and the pool registry in the launching process. :mod:`muonlab.launcher.supervisor` drives them.
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ import atexit
 import dataclasses
 import gc
 import hashlib
-import importlib
 import logging
 import os
 import pickle
@@ -55,11 +54,33 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from ..distributed.device import init_process_group
+from ..processes import proc_stat
 from . import progress as _progress
-from .device import init_process_group
-
-# the module, not the function muonlab.distributed exports under the same name
-_launch = importlib.import_module(__package__ + ".launch")
+from .process_tools import (
+    _AGENT_THREAD,
+    _ELASTIC_LOGGERS,
+    _HAS_PROC,
+    _TERM_GRACE_S,
+    _WORKER_STARTS,
+    _end_process_groups,
+    _process_gone,
+    _stop_workers,
+    _vanished,
+    _worker_pids,
+)
+from .run_dir import (
+    _LAUNCH_ENV,
+    _STATUS_DIR_ENV,
+    LAUNCHER_LOG,
+    _rank_dir,
+    _ranks_in,
+    _status_path,
+    _status_text,
+    _timeout_report,
+    _write_status,
+)
+from .worker import _become_worker, _call, _teardown, _wait_for_peers, report_failure, unrecorded_as_error
 
 __all__ = ["WorkerPool", "pool_info", "shutdown_workers"]
 
@@ -116,7 +137,7 @@ def _processes_in_group(pgid: int) -> list[int]:
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) == os.getpid():
             continue
-        fields = _launch.proc_stat(entry)
+        fields = proc_stat(entry)
         if fields is not None and int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
             out.append(int(entry))
     return out
@@ -127,7 +148,7 @@ def _end_task_processes() -> None:
     one, see ``_lead_own_process_group``); SIGTERM, then SIGKILL after the grace a cold launch
     gives. A cold launch signals the whole group once its worker has ended; a warm worker lives
     on, so it signals the others itself."""
-    if not _launch._HAS_PROC:
+    if not _HAS_PROC:
         return
     pids = _processes_in_group(os.getpid())
     for sig in (signal.SIGTERM, signal.SIGKILL):
@@ -136,7 +157,7 @@ def _end_task_processes() -> None:
                 os.kill(pid, sig)
             except ProcessLookupError:
                 pass
-        deadline = time.monotonic() + _launch._TERM_GRACE_S
+        deadline = time.monotonic() + _TERM_GRACE_S
         while pids and time.monotonic() < deadline:
             time.sleep(0.02)
             pids = _processes_in_group(os.getpid())
@@ -180,12 +201,12 @@ def _run_task(task: Task, rank: int, world: int, first: bool, device: str, backe
     the pool is ending). A failure is re-raised: the process ends, and elastic's agent ends the
     pool as it ends a cold launch's workers."""
     status_dir = task.status_dir
-    _launch._write_status(status_dir, rank, "pid", str(os.getpid()))
-    _progress._open_stream(os.path.join(_launch._rank_dir(task.run_dir, rank), _progress.PROGRESS_FILE), rank)
+    _write_status(status_dir, rank, "pid", str(os.getpid()))
+    _progress._open_stream(os.path.join(_rank_dir(task.run_dir, rank), _progress.PROGRESS_FILE), rank)
 
     def mark_failed() -> None:
         if not os.path.exists(os.path.join(status_dir, f"rank{rank}.failed")):
-            _launch._write_status(status_dir, rank, "failed", repr(time.time()))
+            _write_status(status_dir, rank, "failed", repr(time.time()))
 
     try:
         fn, args, kwargs = pickle.loads(task.payload)
@@ -196,23 +217,23 @@ def _run_task(task: Task, rank: int, world: int, first: bool, device: str, backe
             gc.freeze()
         else:  # this launch's collective timeout on the group the pool keeps
             dist.distributed_c10d._set_pg_timeout(timedelta(seconds=task.timeouts[0]))
-        _launch._write_status(status_dir, rank, "ready", "")
-        watch = _progress._CollectiveWatch(_launch._status_path(status_dir, rank, "collective")).start()
+        _write_status(status_dir, rank, "ready", "")
+        watch = _progress._CollectiveWatch(_status_path(status_dir, rank, "collective")).start()
         try:
-            result = _launch._call(fn, args, kwargs)
+            result = _call(fn, args, kwargs)
         except BaseException:
             watch.stop()  # before the process group goes: the watch reads its counters
             mark_failed()
             # as a cold worker fails: the group destroyed before the process ends (the pool ends
             # with this failure anyway), its peers' collectives then fail at once
-            _launch._teardown(wait_for_peers=False)
+            _teardown(wait_for_peers=False)
             raise
         watch.stop()
         # The cold teardown without destroying the group: no rank goes on before the slowest has
         # returned. (The cold one collects garbage first, so objects of fn's that hold the group
         # die before the group; here the group lives on, so that waits until the task is done.)
-        _launch._write_status(status_dir, rank, "returned", "")
-        if not _launch._wait_for_peers(status_dir, world):
+        _write_status(status_dir, rank, "returned", "")
+        if not _wait_for_peers(status_dir, world):
             return "abandon"
         if dist.is_initialized():
             dist.barrier()
@@ -221,8 +242,8 @@ def _run_task(task: Task, rank: int, world: int, first: bool, device: str, backe
         return "keep" if dist.is_initialized() else "retire"
     except BaseException as e:
         mark_failed()
-        _launch.report_failure(rank, status_dir, e)
-        error = _launch.unrecorded_as_error(rank, e)
+        report_failure(rank, status_dir, e)
+        error = unrecorded_as_error(rank, e)
         if error is not None:
             raise error from e
         raise
@@ -237,7 +258,7 @@ def _after_task(rank: int, status_dir: str) -> None:
     if rank == 0:
         with open(os.path.join(status_dir, "modules.pkl"), "wb") as f:
             pickle.dump(_module_files(), f)
-    _launch._write_status(status_dir, rank, "done", str(os.getpid()))
+    _write_status(status_dir, rank, "done", str(os.getpid()))
     gc.collect()
     if torch.cuda.is_initialized():
         torch.cuda.empty_cache()
@@ -248,26 +269,26 @@ def _pool_worker_entry(first_task: Task, device: str, backend: str | None, launc
                        inboxes: list[Connection]) -> None:
     """What each process of a pool runs: the first task, then each task its pipe brings, until
     the pipe says stop (None) or closes (the launcher is gone)."""
-    _launch._become_worker(launcher_pid)
+    _become_worker(launcher_pid)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     inbox = inboxes[rank]
     for other in inboxes:
         if other is not inbox:
             other.close()
     # what every task starts from (not the first launch's status folder, long gone by then)
-    env = {k: v for k, v in os.environ.items() if k != _launch._STATUS_DIR_ENV}
+    env = {k: v for k, v in os.environ.items() if k != _STATUS_DIR_ENV}
     # a fresh worker's intra-op threads: one on a CPU rank (init_process_group's), torch's own else
     threads = 1 if device == "cpu" else torch.get_num_threads()
     task, first = first_task, True
     while task is not None:
-        rank_dir = _launch._rank_dir(task.run_dir, rank)
+        rank_dir = _rank_dir(task.run_dir, rank)
         _point_output_at(rank_dir)
         _reset_process_state(task, env, rank_dir, threads)
         outcome = _run_task(task, rank, world, first, device, backend)
         if outcome == "abandon":  # as a cold worker whose peer failed: end, the agent ends the rest
             return
         if outcome == "retire":  # so the launcher takes this worker's end for no death
-            _launch._write_status(task.status_dir, rank, "retiring", "")
+            _write_status(task.status_dir, rank, "retiring", "")
         _after_task(rank, task.status_dir)
         if outcome == "retire":  # the task destroyed the process group: no further task can run
             return
@@ -289,7 +310,7 @@ def pool_key(nprocs: int, device: str, backend: str | None, start_method: str) -
     and the start method (a launch asking for spawned workers gets them).
     Variables elastic and launch set while a launch runs are left out, and pytest's
     PYTEST_CURRENT_TEST, which it rewrites for every test (a suite's launches share a pool)."""
-    left_out = (*_launch._LAUNCH_ENV, "PYTEST_CURRENT_TEST")
+    left_out = (*_LAUNCH_ENV, "PYTEST_CURRENT_TEST")
     env = sorted((k, v) for k, v in os.environ.items() if not k.startswith("TORCHELASTIC_") and k not in left_out)
     digest = hashlib.sha1(repr(env).encode()).hexdigest()
     return (nprocs, device, backend, digest, start_method)
@@ -334,8 +355,8 @@ class WorkerPool:
             finally:
                 self.agent_done.set()
 
-        _launch._WORKER_STARTS.watch(self.run_id)
-        threading.Thread(target=run_agent, name=_launch._AGENT_THREAD + self.run_id, daemon=True).start()
+        _WORKER_STARTS.watch(self.run_id)
+        threading.Thread(target=run_agent, name=_AGENT_THREAD + self.run_id, daemon=True).start()
 
     def send(self, task: Task) -> None:
         for writer in self._writers:
@@ -343,9 +364,9 @@ class WorkerPool:
 
     def pids_of(self, status_dir: str | None = None) -> set[int]:
         """The pool's worker processes: those elastic started, and those that wrote their pid."""
-        pids = _launch._WORKER_STARTS.pids(self.run_id) | self.pids
+        pids = _WORKER_STARTS.pids(self.run_id) | self.pids
         if status_dir is not None:
-            pids |= _launch._worker_pids(status_dir, self.run_id)
+            pids |= _worker_pids(status_dir, self.run_id)
         return pids
 
     def stale(self) -> str | None:
@@ -362,13 +383,13 @@ class WorkerPool:
     def finished_task(self, status_dir: str) -> None:
         """Note what a successful task's workers left: their pids and module files; a pool whose
         task destroyed the process group ends (its workers are leaving) and is not reused."""
-        self.pids |= _launch._worker_pids(status_dir, self.run_id)
-        for rank in _launch._ranks_in(status_dir, "pid"):
+        self.pids |= _worker_pids(status_dir, self.run_id)
+        for rank in _ranks_in(status_dir, "pid"):
             try:
-                self.rank_pids[rank] = int(_launch._status_text(status_dir, rank, "pid"))
+                self.rank_pids[rank] = int(_status_text(status_dir, rank, "pid"))
             except ValueError:
                 pass
-        if _launch._ranks_in(status_dir, "retiring"):
+        if _ranks_in(status_dir, "retiring"):
             self.alive = False
         try:
             with open(os.path.join(status_dir, "modules.pkl"), "rb") as f:
@@ -380,7 +401,7 @@ class WorkerPool:
     def ended_workers(self) -> dict[int, int]:
         """{rank: pid} of the workers that have ended (or are zombies) while the pool idles: a
         pool with one is dead (its process group broken), whatever elastic's agent has noticed yet."""
-        return {rank: pid for rank, pid in sorted(self.rank_pids.items()) if _launch._process_gone(pid)}
+        return {rank: pid for rank, pid in sorted(self.rank_pids.items()) if _process_gone(pid)}
 
     def death_text(self, ended: dict[int, int]) -> str:
         """"the worker of rank 1 (pid 123, killed by signal SIGKILL)": the ranks in ``ended``, with
@@ -406,7 +427,7 @@ class WorkerPool:
         """End the pool at once (after a failure, a timeout, an interrupt): the cold launch's
         SIGTERM-then-SIGKILL of every worker and its process group."""
         self.alive = False
-        _launch._stop_workers(lambda: self.pids_of(status_dir), self.agent_done, agent_ends=agent_ends)
+        _stop_workers(lambda: self.pids_of(status_dir), self.agent_done, agent_ends=agent_ends)
         self._closed(status_dir)
 
     def shutdown(self) -> float:
@@ -419,14 +440,14 @@ class WorkerPool:
                 writer.send(None)
             except (OSError, ValueError):
                 pass
-        if not self.agent_done.wait(_launch._TERM_GRACE_S):
-            _launch._stop_workers(self.pids_of, self.agent_done)
+        if not self.agent_done.wait(_TERM_GRACE_S):
+            _stop_workers(self.pids_of, self.agent_done)
         self._closed(None)
         return time.monotonic() - started
 
     def _closed(self, status_dir: str | None) -> None:
-        _launch._end_process_groups(self.pids_of(status_dir))
-        _launch._WORKER_STARTS.forget(self.run_id)
+        _end_process_groups(self.pids_of(status_dir))
+        _WORKER_STARTS.forget(self.run_id)
         for conn in (*self._writers, *self._readers):
             conn.close()
         global _POOL
@@ -507,12 +528,12 @@ class _quiet_elastic:
 
     def __init__(self, run_dir: str | None):
         self.run_dir = run_dir
-        self.loggers = [logging.getLogger(name) for name in _launch._ELASTIC_LOGGERS]
+        self.loggers = [logging.getLogger(name) for name in _ELASTIC_LOGGERS]
 
     def __enter__(self):
         self.saved = [lg.propagate for lg in self.loggers]
         try:
-            self.handler: logging.Handler = logging.FileHandler(os.path.join(self.run_dir, _launch.LAUNCHER_LOG))
+            self.handler: logging.Handler = logging.FileHandler(os.path.join(self.run_dir, LAUNCHER_LOG))
         except (OSError, TypeError):
             self.handler = logging.NullHandler()
         for lg in self.loggers:
@@ -528,7 +549,7 @@ class _quiet_elastic:
 
 
 def shutdown_workers() -> float | None:
-    """End the warm workers :func:`~muonlab.distributed.launch` keeps (if any); the next launch
+    """End the warm workers :func:`~muonlab.launcher.launch` keeps (if any); the next launch
     starts fresh ones. Returns the seconds the shutdown took, or None when there was no pool.
     A pool running a launch on another thread is left to it. Called at interpreter exit too."""
     global _POOL
@@ -587,16 +608,16 @@ def wait_for_task(pool: WorkerPool, status_dir: str, limits: tuple[float, float]
                 next_tick = now + _TICK_S
             if pool.agent_done.is_set():  # a worker failed or ended: the agent ended the pool
                 break
-            if len(_launch._ranks_in(status_dir, "done")) == nprocs and not _launch._ranks_in(status_dir, "failed"):
+            if len(_ranks_in(status_dir, "done")) == nprocs and not _ranks_in(status_dir, "failed"):
                 return {"values": _results_on_disk(status_dir, nprocs)}
-            if phase == "startup" and len(_launch._ranks_in(status_dir, "ready")) == nprocs:
+            if phase == "startup" and len(_ranks_in(status_dir, "ready")) == nprocs:
                 phase, deadline = "run", time.monotonic() + timeout_s
-            vanished = _launch._vanished(status_dir, gone_since)
+            vanished = _vanished(status_dir, gone_since)
             if vanished:
                 pool.kill(status_dir, agent_ends=False)
                 return {"vanished": vanished}
             if now >= deadline:
-                report = _launch._timeout_report(status_dir, nprocs, phase)
+                report = _timeout_report(status_dir, nprocs, phase)
                 pool.kill(status_dir)
                 return {"timed_out": report}
             pool.agent_done.wait(_TASK_POLL_S)
@@ -607,6 +628,6 @@ def wait_for_task(pool: WorkerPool, status_dir: str, limits: tuple[float, float]
     pool._closed(status_dir)
     outcome = dict(pool.outcome)
     if "values" in outcome:  # every worker ended without an error, yet not every rank finished
-        missing = sorted(set(range(nprocs)) - _launch._ranks_in(status_dir, "done"))
+        missing = sorted(set(range(nprocs)) - _ranks_in(status_dir, "done"))
         return {"vanished": missing or list(range(nprocs))}
     return outcome

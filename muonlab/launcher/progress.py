@@ -64,7 +64,7 @@ def report_progress(*, step: int, loss: Any = None, total: int | None = None) ->
 
     ``step`` counts the steps this rank has finished in the current launch (1, 2, ...), ``loss``
     is a number or a one-element tensor (this rank's loss at that step), ``total`` the number of
-    steps the launch will run when known. Outside a :func:`muonlab.distributed.launch` worker it
+    steps the launch will run when known. Outside a :func:`muonlab.launcher.launch` worker it
     does nothing, so worker functions can call it unconditionally.
     """
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
