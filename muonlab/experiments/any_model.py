@@ -21,9 +21,7 @@ of the rows, so the run follows the one-process run on the same batches (``train
 
 from __future__ import annotations
 
-import time
 import warnings
-from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
@@ -32,14 +30,13 @@ from torch.distributed.fsdp import FSDPModule
 
 from .. import runs
 from .._base import check_whole
-from ..comm.records import table
 from ..distributed import build_mesh, parallelize
-from ..distributed.device import rank_device, wait_for
-from ..launcher.progress import report_progress
+from ..distributed.device import rank_device
 from ..optim import Muon, muon_param_groups
-from ..trace import StepRecorder, gather_spans
-from ..train import BatchSource, History, model_loss, resolve_loss, rows_of, to_device
-from .train import STEPS_KEPT, plan_rows
+from ..trace import StepRecorder
+from ..train import BatchSource, History, resolve_loss, rows_of
+from .steps import distributed_steps, optimizer_report
+from .train import STEPS_KEPT
 
 __all__ = ["MODES", "global_slice", "train_model"]
 
@@ -149,36 +146,19 @@ def train_model(
     opt = Muon(muon_param_groups(inner), lr=lr, **(muon_kwargs or {}))
     recorder = StepRecorder(opt, keep=STEPS_KEPT, first_step=1)  # numbered as history.steps
 
-    history = History()
-    losses, step_seconds = [], []
-    for step in range(1, steps + 1):
-        batch = source.next_batch(step)
-        if step == 1:
-            history.tokens_per_step = rows_of(batch)
-        t0 = time.perf_counter()
-        value = model_loss(net, to_device(global_slice(batch, rank, world), device), loss_fn)
-        value.backward()
-        wait_for(device)  # backward's kernels before the optimizer's clock starts
-        t1 = time.perf_counter()
-        opt.step()
-        wait_for(device)
-        t2 = time.perf_counter()
-        opt.zero_grad()
-        mean = value.detach().clone()
-        dist.all_reduce(mean)
-        losses.append(value.item())
-        history.steps.append(step)
-        history.train_loss.append(mean.item() / world)
-        history.step_time_s.append(t2 - t0)
-        history.opt_time_s.append(t2 - t1)
-        step_seconds.append(t2 - t1)
-        report_progress(step=step, loss=history.train_loss[-1], total=steps)
+    global_rows = []
 
-    history.ns_choices = opt.resolved_choices()
-    plan = opt.plan()
-    spans = gather_spans(opt.last_step_spans())
-    step_spans = recorder.gather()
-    plan_table = table(plan)
+    def my_share(step: int):
+        batch = source.next_batch(step)
+        global_rows.append(rows_of(batch))
+        return global_slice(batch, rank, world)
+
+    ran = distributed_steps(net, opt, my_share, range(1, steps + 1), loss_fn=loss_fn, device=device)
+    history = History(steps=ran.steps, train_loss=list(ran.mean_losses), step_time_s=ran.step_seconds,
+                      opt_time_s=list(ran.opt_seconds), tokens_per_step=global_rows[0])
+    report = optimizer_report(opt, recorder)
+    history.ns_choices = report["ns_choices"]
+    plan_table = report["plan_table"]
     if keep:
         args = dict(mode=mode, steps=steps, batch_size=batch_size, lr=lr, seed=seed, replicate=replicate,
                     block_attr=block_attr, muon_kwargs=muon_kwargs or {}, world_size=world, units=units)
@@ -198,9 +178,6 @@ def train_model(
         except OSError as e:  # a full disk must not fail the run after its last step
             warnings.warn(f"train_model: the run record was not written ({e})", stacklevel=2)
     return dict(
-        rank=rank, world_size=world, mode=mode, losses=losses, mean_losses=list(history.train_loss),
-        history=history, step_seconds=step_seconds, units=units, ns_choices=history.ns_choices,
-        plan=plan_rows(plan), plan_table=plan_table, stats=opt.last_step_stats(),
-        spans=None if spans is None else [asdict(s) for s in spans], step_spans=step_spans,
-        span_clock=recorder.clock, record=history.record,
+        report, rank=rank, world_size=world, mode=mode, losses=ran.losses, mean_losses=list(ran.mean_losses),
+        history=history, step_seconds=ran.opt_seconds, units=units, record=history.record,
     )

@@ -17,10 +17,10 @@ import torch.distributed as dist
 from .. import checkpoint
 from .._base import check_whole
 from ..distributed.device import rank_device, to_rank_device
-from ..launcher.progress import report_progress
 from ..models import GPT, GPTConfig
 from ..models.gpt import check_width
 from ..optim import Muon, muon_param_groups
+from .steps import distributed_steps
 from .train import tensor_devices
 
 __all__ = ["build", "global_batch", "train_steps", "train_and_save", "resume_and_train"]
@@ -66,21 +66,8 @@ def train_steps(model, opt, steps: range, *, done_before: int = 0, total: int | 
 
     Each step is reported to the launcher (``report_progress``) as step ``done_before + i + 1`` of
     ``total`` (default: ``len(steps)``), so a launch that trains twice counts on across both."""
-    losses = []
-    total = len(steps) if total is None else total
-    for i, step in enumerate(steps):
-        x, y = global_batch(step)
-        loss = model(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        value = loss.detach().clone()
-        if dist.is_initialized():
-            dist.all_reduce(value)
-            value /= dist.get_world_size()
-        losses.append(float(value))
-        report_progress(step=done_before + i + 1, loss=losses[-1], total=total)
-    return losses
+    return distributed_steps(model, opt, global_batch, steps, first_reported=done_before + 1,
+                             total=total).mean_losses
 
 
 def _full_params(model) -> dict[str, torch.Tensor]:

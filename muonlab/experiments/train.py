@@ -16,9 +16,7 @@ The worker follows muonlab's device rule (:mod:`muonlab.distributed.device`): un
 
 from __future__ import annotations
 
-import time
 import warnings
-from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -26,14 +24,14 @@ import torch.distributed as dist
 
 from .. import runs
 from .._base import check_whole
-from ..comm.records import bytes_for_rank, table
+from ..comm.records import bytes_for_rank
 from ..data import get_batch, load_corpus
-from ..distributed.device import rank_device, wait_for
-from ..launcher.progress import report_progress
+from ..distributed.device import rank_device
 from ..models import GPT, GPTConfig
 from ..models.gpt import moe_config
 from ..optim import Muon, muon_param_groups
-from ..trace import StepRecorder, WholeStepRecorder, gather_spans
+from ..trace import StepRecorder, WholeStepRecorder
+from .steps import distributed_steps, optimizer_report, plan_rows
 
 __all__ = ["COMM_DTYPES", "MODES", "plan_rows", "tensor_devices", "train_worker"]
 
@@ -46,12 +44,6 @@ COMM_DTYPES = {"auto": "auto", "bf16": torch.bfloat16, "fp16": torch.float16, "f
 MOE_TOP_K = GPTConfig.top_k
 STEPS_KEPT = 50
 """The last steps whose spans ``train_worker`` returns (``step_spans``)."""
-
-
-def plan_rows(plan) -> list[dict]:
-    """``as_row()`` of each batch plus its per-rank tuples (owners, bytes, FLOPs), for plotting."""
-    return [dict(b.as_row(), owners=list(b.owners), bytes_sent=list(b.bytes_sent),
-                 bytes_recv=list(b.bytes_recv), flops=list(b.flops)) for b in plan]
 
 
 def tensor_devices(model, opt) -> dict[str, list[str]]:
@@ -145,7 +137,7 @@ def train_worker(
     whole = None
     if whole_step_timeline:
         whole = WholeStepRecorder(model, opt, steps=whole_step_timeline, skip=steps - whole_step_timeline)
-    losses, mean_losses, step_seconds = _train(model, opt, steps, batch_per_rank, context, seed)
+    ran = distributed_steps(model, opt, _corpus_batches(batch_per_rank, context, seed), range(steps))
     if whole is not None:
         whole.detach()
 
@@ -154,20 +146,17 @@ def train_worker(
     # rank on the 1-D meshes of fsdp/ddp, the "fsdp" coordinate for expert banks in "ep" mode);
     # bytes_for_rank maps it, and leaves out paths that move nothing here, as the collectives do.
     plan_sent, plan_recv = bytes_for_rank(plan, rank)
-    spans = gather_spans(opt.last_step_spans())
-    step_spans = recorder.gather()
+    report = optimizer_report(opt, recorder)
     whole_step_spans = None if whole is None else whole.gather()
     folder = None
     if record is not False and rank == 0:
-        folder = _keep_record(record, args, opt, mean_losses=mean_losses, step_seconds=step_seconds, world=world,
-                              plan_table=table(plan))
+        folder = _keep_record(record, args, opt, mean_losses=ran.mean_losses, step_seconds=ran.opt_seconds,
+                              world=world, plan_table=report["plan_table"])
     return dict(
-        rank=rank, world_size=world, mode=mode, losses=losses, mean_losses=mean_losses, record=folder,
-        step_seconds=step_seconds, plan=plan_rows(plan), plan_table=table(plan),
-        plan_bytes_sent=plan_sent, plan_bytes_recv=plan_recv, stats=opt.last_step_stats(),
+        report, rank=rank, world_size=world, mode=mode, losses=ran.losses, mean_losses=ran.mean_losses,
+        record=folder, step_seconds=ran.opt_seconds, plan_bytes_sent=plan_sent, plan_bytes_recv=plan_recv,
         plan_batches=list(plan), device=str(rank_device()), devices=tensor_devices(inner, opt),
-        spans=None if spans is None else [asdict(s) for s in spans], step_spans=step_spans,
-        span_clock=recorder.clock, ns_choices=opt.resolved_choices(), whole_step_spans=whole_step_spans,
+        whole_step_spans=whole_step_spans,
     )
 
 
@@ -228,28 +217,16 @@ def _parallel_gpt(mode: str, *, seed: int, ep: int, num_experts: int, **arch) ->
     return model, inner
 
 
-def _train(model, opt, steps: int, batch_per_rank: int, context: int, seed: int) -> tuple[list, list, list]:
-    """(this rank's losses, mean losses over ranks, optimizer step seconds), one per step, each rank
-    on its slice of the same global batch; on a GPU a step's seconds run until its kernels end."""
+def _corpus_batches(batch_per_rank: int, context: int, seed: int):
+    """``step -> this rank's batch``: its slice of a global batch of ``batch_per_rank * world``
+    corpus windows, drawn in step order from one generator seeded alike on every rank."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    device = rank_device()
     data = load_corpus("train")
     gen = torch.Generator().manual_seed(seed)
     mine = slice(rank * batch_per_rank, (rank + 1) * batch_per_rank)
-    losses, mean_losses, step_seconds = [], [], []
-    for step in range(steps):
+
+    def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = get_batch(data, batch_per_rank * world, context, gen)
-        loss = model(x[mine].to(device), y[mine].to(device))
-        loss.backward()
-        wait_for(device)  # backward's kernels before the clock starts, the step's before it stops
-        t0 = time.perf_counter()
-        opt.step()
-        wait_for(device)
-        step_seconds.append(time.perf_counter() - t0)
-        opt.zero_grad()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        losses.append(loss.item())
-        mean_losses.append(mean.item() / world)
-        report_progress(step=step + 1, loss=losses[-1], total=steps)
-    return losses, mean_losses, step_seconds
+        return x[mine], y[mine]
+
+    return batch

@@ -23,6 +23,7 @@ from matplotlib.ticker import MaxNLocator
 from ..experiments.compare import Comparison, compare, describe_test, verdict_text
 from ..runs import RunRecord, as_comparison
 from .busy import say_when_busy
+from .caption import add_caption, caption_runs
 from .panel_output import check_range, show_figure
 
 __all__ = ["ComparePanel", "compare_panel", "comparison_html", "plot_comparison"]
@@ -125,8 +126,9 @@ def plot_comparison(result: Comparison, axes=None, *, title: str | None = None):
     seeds as a red x at the top), the difference and its verdict in the title when there is one.
     The legend (each configuration with the Newton-Schulz form, dtype and backend that ran) sits
     below the axes. ``result``: a Comparison or a saved one (``muonlab.runs.load``). ``axes``: None
-    (a new figure) or a pair. Returns the pair."""
-    result = as_comparison(result)
+    (a new figure) or a pair. Returns the pair. The figure's caption says what produced it
+    (:mod:`muonlab.viz.caption`)."""
+    given, result = result, as_comparison(result)
     if not isinstance(result, Comparison):
         raise TypeError(f"result must be the Comparison that compare() returns or a saved one (a RunRecord), got "
                         f"{type(result).__name__}")
@@ -147,6 +149,7 @@ def plot_comparison(result: Comparison, axes=None, *, title: str | None = None):
     seeds = len(result.seeds)
     fig.suptitle(title or f"{len(result.configs)} configurations x {seeds} seeds, {result.steps} steps", fontsize=12)
     fig.subplots_adjust(left=0.07, right=0.98, top=0.80, bottom=0.15 + 0.045 * rows, wspace=0.22)
+    add_caption(fig, caption_runs(given))
     return ax_curves, ax_finals
 
 

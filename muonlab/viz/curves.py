@@ -20,6 +20,7 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from ..runs import RunRecord, as_history  # noqa: E402
 from ..trace.ns_choice import ns_choice_short  # noqa: E402
+from .caption import add_caption, caption_runs  # noqa: E402
 
 __all__ = ["DIVERGED_FACTOR", "integer_steps", "ns_choice_short", "plot_loss_curves", "plot_singular_values",
            "robust_ylim"]
@@ -162,7 +163,8 @@ def plot_loss_curves(histories, *, ax=None, title: str = "loss", legend: str = "
     step from 1 (a worker's ``losses``). A run whose History says what Newton-Schulz ran (``History.ns_choices``) is
     labelled with it: "muon (bf16, plain, torch)". Steps tick at whole numbers; a diverged run is
     marked and leaves the y-axis to the others (:func:`robust_ylim`). ``legend``: "outside" (right
-    of the axis, clear of the curves), "inside" (matplotlib's best place), or "none".
+    of the axis, clear of the curves), "inside" (matplotlib's best place), or "none". The figure's
+    caption says what produced the runs (:mod:`muonlab.viz.caption`).
     """
     if legend not in ("outside", "inside", "none"):
         raise ValueError(f"legend must be 'outside', 'inside' or 'none', got {legend!r}")
@@ -186,6 +188,7 @@ def plot_loss_curves(histories, *, ax=None, title: str = "loss", legend: str = "
     elif legend == "inside":
         ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
+    add_caption(ax.figure, caption_runs(histories))
     return ax
 
 

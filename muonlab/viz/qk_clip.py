@@ -14,6 +14,7 @@ import matplotlib.pyplot as plt
 
 from ..train import History
 from .busy import say_when_busy
+from .caption import add_caption, caption_runs
 from .curves import integer_steps, plot_loss_curves
 from .panel_output import check_choice, check_range, show_figure
 
@@ -66,6 +67,7 @@ def plot_max_logits(runs: Mapping[str, History], *, tau: float | Mapping[str, fl
     integer_steps(ax)
     if legend:
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8, frameon=False)
+    add_caption(ax.figure, caption_runs(runs))
     return ax
 
 

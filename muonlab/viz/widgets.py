@@ -15,6 +15,7 @@ from ..models import GPT, GPTConfig
 from ..train import History, make_optimizer, train
 from .curves import ns_choice_short, plot_loss_curves, robust_ylim
 from .busy import say_when_busy
+from .caption import add_caption, caption_runs
 from .panel_output import check_range, show_figure
 
 
@@ -48,6 +49,7 @@ def plot_val_loss_vs_time(histories: dict, *, ax=None, title: str = "validation 
     robust_ylim(ax)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
+    add_caption(ax.figure, caption_runs(histories))
     return ax
 
 
