@@ -20,6 +20,8 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from .comm.cost import get_profile, step_seconds
+from .comm.memory import PlanMemory, plan_memory, with_buffer_bytes
+from .comm.paths.base import Itemsizes
 from .comm.planner import REFERENCE_STRATEGIES, plan_batches, reference_plan
 from .comm.records import Plan, per_rank
 from .comm.specs import (GroupKey, MatrixSpec, check_view, chunk_sizes, default_view, fused_row_layout,
@@ -29,6 +31,7 @@ from .distributed.mesh import MeshAxis
 from .kernels.config import NSConfig, ns_flops
 from .kernels.newton_schulz import resolve_dtype, resolve_form
 from .kernels.runner import matrices_within
+from .kernels.workspace import batch_bytes_per_matrix
 from .optim.routing import muon_param_groups
 from .optim.rule_step import refuse_unfit_for, with_rule_sums
 from .optim.rules import RULES
@@ -329,7 +332,9 @@ def simulate(
             refuse_unfit_for(rule, spec)
         plan = plan_batches(specs, configs, comm_itemsize=itemsize, remainder_path=remainder_path, profile=profile,
                             max_local_matrices=limit)
-        return with_rule_sums(plan, {s.index: s for s in specs}, lambda i: rule)
+        plan = with_rule_sums(plan, {s.index: s for s in specs}, lambda i: rule)
+        momentum = {s.index: momentum_dtype(s).itemsize for s in specs}
+        return Plan(tuple(with_buffer_bytes(plan, _itemsizes(ns_dtype, run_device, momentum.__getitem__))))
     return reference_plan(strategy, specs, configs, comm_itemsize=itemsize)
 
 
@@ -389,6 +394,32 @@ def _least_moved_share(rows: tuple[int, ...], span: int) -> float:
         pieces = [p for a, e in zip(starts, ends) if (p := min(e, lo + span) - max(a, lo)) > 0]
         moved += min(2 * (1 - max(pieces) / span), len(pieces) - 1)
     return moved * span / ends[-1]
+
+
+def _itemsizes(ns_dtype, device, momentum_itemsize):
+    """``batch -> Itemsizes`` of a simulated run (``momentum_itemsize(param index)``)."""
+    def sizes(batch) -> Itemsizes:
+        ns = resolve_dtype(ns_dtype, device, batch.matrix_shape)
+        return Itemsizes(momentum_itemsize(batch.param_indices[0]), None if ns is None else ns.itemsize,
+                         batch.comm_itemsize)
+    return sizes
+
+
+def step_memory(plan: Plan, world: int, *, workspace_bytes: int, momentum_dtype: torch.dtype = torch.float32,
+                ns_dtype: torch.dtype | str = torch.bfloat16, device: torch.device | str | None = None) -> PlanMemory:
+    """The optimizer step's memory per rank of a ``simulate`` plan, as ``Muon``'s plan reports it
+    for a run (muonlab.comm.memory: the same formulas, the engine's order of batches): per global
+    rank the buffers' peak and the batches then in flight, each batch's bytes, and the
+    Newton-Schulz workspace's bound (``workspace_bytes``: the run's budget, which ``simulate``
+    should be given too). ``momentum_dtype``: the momentum's (fp32 for bare shapes, as ``simulate``
+    takes them); ``ns_dtype`` and ``device`` as given to ``simulate``."""
+    check_workspace_bytes(workspace_bytes)
+    sizes = _itemsizes(ns_dtype, device if device is not None else "cuda", lambda i: momentum_dtype.itemsize)
+
+    def one_matrix(batch) -> int:
+        m, n = sorted(batch.matrix_shape)
+        return batch_bytes_per_matrix(m, n, sizes(batch).ns or momentum_dtype.itemsize)
+    return plan_memory(plan, world, sizes, workspace_bytes, one_matrix)
 
 
 def summarize(plan: Plan, world: int, profile="h100_node", comm_itemsize: int | None = None) -> dict:

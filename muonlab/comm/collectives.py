@@ -22,11 +22,19 @@ class CommCounter:
     sent: dict[str, int] = field(default_factory=dict)
     recv: dict[str, int] = field(default_factory=dict)
     calls: dict[str, int] = field(default_factory=dict)
+    memory: object = field(default_factory=lambda: _buffer_counter())
+    """The step's ``muonlab.comm.memory.BufferCounter``: the buffers the engine counted."""
 
     def add(self, path: str, sent: int, recv: int, calls: int = 1) -> None:
         self.sent[path] = self.sent.get(path, 0) + sent
         self.recv[path] = self.recv.get(path, 0) + recv
         self.calls[path] = self.calls.get(path, 0) + calls
+
+
+def _buffer_counter():
+    from .memory import BufferCounter  # memory reads the paths, which import this module
+
+    return BufferCounter()
 
 
 class Pending:
@@ -40,6 +48,11 @@ class Pending:
         self.request = request
         """(send, send_splits, recv_splits) of a deferred all_to_all; None once issued."""
         self.carrier: Coalesced | None = None
+        self.buffers: tuple = ()
+        """The send-side tensors it was handed or made (the engine counts their new storages once,
+        then drops them: muonlab.comm.memory)."""
+        self.recv_nbytes = 0
+        """Bytes of its receive buffer (a deferred one's is made when its wave arrives)."""
 
     @property
     def calls(self) -> int:
@@ -91,11 +104,14 @@ def all_to_all(send: torch.Tensor, send_splits: list[int], recv_splits: list[int
     sent = (sum(send_splits) - send_splits[group_rank]) * item
     recv = (sum(recv_splits) - recv_splits[group_rank]) * item
     if defer:
-        return Pending(None, None, sent, recv, request=(send, list(send_splits), list(recv_splits)))
-    send = send.contiguous()
-    out = send.new_empty(sum(recv_splits))
-    work = dist.all_to_all_single(out, send, recv_splits, send_splits, group=group, async_op=True)
-    return Pending(work, out, sent, recv)
+        pending = Pending(None, None, sent, recv, request=(send, list(send_splits), list(recv_splits)))
+    else:
+        send = send.contiguous()
+        out = send.new_empty(sum(recv_splits))
+        work = dist.all_to_all_single(out, send, recv_splits, send_splits, group=group, async_op=True)
+        pending = Pending(work, out, sent, recv)
+    pending.buffers, pending.recv_nbytes = (send,), sum(recv_splits) * item
+    return pending
 
 
 class Coalesced:
@@ -150,8 +166,11 @@ def all_gather(send: torch.Tensor, sizes: list[int], *, group, group_rank: int) 
     if len(set(sizes)) == 1:
         out = send.new_empty(total)
         work = dist.all_gather_into_tensor(out, send, group=group, async_op=True)
-        return Pending(work, out, sent, recv)
+        pending = Pending(work, out, sent, recv)
+        pending.buffers, pending.recv_nbytes = (send,), total * item
+        return pending
     pending = all_to_all(send.repeat(size), [sizes[group_rank]] * size, list(sizes), group=group,
                          group_rank=group_rank)
     pending.sent, pending.recv = sent, recv
+    pending.buffers = (send, *pending.buffers)  # the send, and its copy for every rank
     return pending

@@ -19,6 +19,11 @@ taking its inputs early would overlap nothing and hold two batches' inputs at on
 small batches (``WaveRun``, planned by muonlab.comm.planner.coalesce) takes one place in that
 order: all its ways out in one collective, all its ways back in another.
 
+Memory: with a ``BufferCounter`` (muonlab.comm.memory) the engine counts the buffers each batch
+allocates where it sees them (a collective's send and receive buffers, the matrices handed to
+Newton-Schulz, its output, the outputs), each new storage once, held until the batch is applied;
+the plan's ``buffer_peaks`` replays this order with each path's formula.
+
 Times are the tracer's marks (muonlab.trace): wall clock on CPU, CUDA events on the compute stream
 on a GPU, so nothing here synchronises; ``phase_seconds(tracer)`` reads the totals after the step.
 Spans and tallies go straight into the tracer's ``log`` (appends, no call into the tracer), which
@@ -34,6 +39,7 @@ import torch
 from ..kernels.newton_schulz import newton_schulz
 from ..trace import Tracer
 from .collectives import Coalesced, CommCounter, Pending
+from .memory import BufferCounter
 from .paths import PATHS, PathContext
 from .records import BatchPlan, Plan
 from .specs import GroupKey
@@ -51,10 +57,12 @@ class BatchRun:
     """
 
     def __init__(self, index: int, batch: BatchPlan, ctx: PathContext, *, prepare, apply, orthogonalize,
-                 tracer: Tracer, counter: CommCounter):
+                 tracer: Tracer, counter: CommCounter, memory: BufferCounter | None = None):
         self.index, self.batch, self.path = index, batch, batch.path
         self._ctx, self._prepare, self._apply, self._orthogonalize = ctx, prepare, apply, orthogonalize
-        self._tracer, self._counter = tracer, counter
+        self._tracer, self._counter, self._memory = tracer, counter, memory
+        self.owner = self  # what its buffers are held by: itself, or its wave
+        self.indices = (batch.index,)
         self._bytes = {"out": (0, 0), "back": (0, 0)}
         self._item = None
         self._start = self._back_start = None  # marks: the way out issued, the way back issued
@@ -66,12 +74,37 @@ class BatchRun:
         if isinstance(item, Pending):
             self._counter.add(self.path, item.sent, item.recv, calls=item.calls)
             self._bytes[direction] = (item.sent, item.recv)
+            self._count(item.buffers)
+            if item.out is not None:
+                self._count(item.out)
+            else:  # deferred: its wave makes it (``_received`` knows it then)
+                self._count_bytes(item.recv_nbytes)
+            item.buffers = ()  # counted: the collective holds what it still needs
+        else:
+            self._count(item)  # the matrices handed to Newton-Schulz
         return item
+
+    def _count(self, tensors) -> None:
+        if self._memory is not None:
+            self._memory.count(self.owner, self.batch.index, tensors)
+
+    def _received(self, pending: Pending) -> torch.Tensor:
+        """Wait for ``pending``; its output is a buffer counted already (views of it are no more)."""
+        out = pending.wait()
+        if self._memory is not None:
+            self._memory.know(self.owner, (out,))
+        return out
+
+    def _count_bytes(self, nbytes: int) -> None:
+        if self._memory is not None:
+            self._memory.add(self.owner, self.batch.index, nbytes)
 
     def start(self) -> None:
         """Take the batch's inputs and issue the way out (a path with none yields its matrices at once)."""
         self.started = True
         inputs = self._prepare(self.batch)
+        if self._memory is not None:
+            self._memory.know(self.owner, inputs)  # the momentum inputs: not the path's allocations
         self._gen = PATHS[self.path].run(self.batch, inputs, self._ctx)
         del inputs  # the path holds what it still needs
         tracer = self._tracer
@@ -92,7 +125,7 @@ class BatchRun:
         t0 = tracer.mark()
         mats, self._item = self._item, None
         if isinstance(mats, Pending):
-            mats = self._advance(mats.wait(), "out")
+            mats = self._advance(self._received(mats), "out")
         t1 = tracer.mark()  # on CUDA after wait(): the current stream has waited for the data
         exposed = (t0, t1)  # tallied with the way back's issue below, in one call
         self._record_comm("out", t1)
@@ -100,6 +133,7 @@ class BatchRun:
         ortho = None
         if mats is not None:
             ortho = self._orthogonalize(mats, self.batch.ns_config)
+            self._count(ortho)
             del mats
             self._back_start = tracer.mark()
             tracer.log.append(("newton_schulz", t1, self._back_start, dict(path=self.path, batch=self.index)))
@@ -113,8 +147,11 @@ class BatchRun:
             self._apply_outputs(outputs)
 
     def _apply_outputs(self, outputs: list) -> None:
+        self._count(outputs)
         self._apply(self.batch, outputs)
         self.done = True
+        if self._memory is not None and self.owner is self:
+            self._memory.release(self)
 
     def finish(self) -> None:
         """Wait for the way back, then apply this rank's output per parameter of the batch."""
@@ -125,7 +162,7 @@ class BatchRun:
         if not isinstance(self._item, Pending):  # pragma: no cover - the path broke the protocol
             raise AssertionError(f"path {self.path!r} yielded {type(self._item).__name__} as its way back")
         try:
-            self._gen.send(self._item.wait())
+            self._gen.send(self._received(self._item))
         except StopIteration as done:
             outputs = done.value
         else:  # pragma: no cover - a path that yields after its way back
@@ -144,14 +181,25 @@ class WaveRun:
     own outputs. Its members' spans and bytes are their own; the wave counts each collective once.
     """
 
-    def __init__(self, runs: list[BatchRun], *, group, group_rank: int, tracer: Tracer, counter: CommCounter):
+    def __init__(self, runs: list[BatchRun], *, group, group_rank: int, tracer: Tracer, counter: CommCounter,
+                 memory: BufferCounter | None = None):
         self.runs, self.path = runs, runs[0].path
         self._group, self._group_rank, self._tracer, self._counter = group, group_rank, tracer, counter
+        self._memory = memory
+        for run in runs:
+            run.owner = self
         self.started = self.done = False
+
+    @property
+    def indices(self) -> tuple[int, ...]:
+        return tuple(run.batch.index for run in self.runs)
 
     def _send_together(self) -> None:
         """Issue the members' deferred collectives (the way they are at) as one."""
         t0 = self._tracer.mark()
+        if self._memory is not None:  # the wave's buffers hold each member's send and receive buffers again
+            for run in self.runs:
+                self._memory.add(self, run.batch.index, run._item.request[0].nbytes + run._item.recv_nbytes)
         Coalesced([run._item for run in self.runs], group=self._group, group_rank=self._group_rank)
         self._counter.add(self.path, 0, 0)
         self._tracer.log.append((COMMUNICATION, t0, self._tracer.mark(), None))
@@ -171,6 +219,8 @@ class WaveRun:
         for run in self.runs:
             run.finish()
         self.done = True
+        if self._memory is not None:
+            self._memory.release(self)
 
 
 def phase_seconds(tracer: Tracer) -> dict[str, float]:
@@ -198,6 +248,7 @@ def execute_plan(
     counter: CommCounter,
     device: torch.device | None = None,
     contexts: list[PathContext] | None = None,
+    memory: BufferCounter | None = None,
 ) -> None:
     """Run every batch of ``plan`` on this rank, recording its spans and communication time in
     ``tracer`` (read them with ``phase_seconds(tracer)``; the callbacks time themselves).
@@ -210,17 +261,22 @@ def execute_plan(
     ``device``: where this rank's tensors live (``PathContext.device``).
     Each batch's matrices travel in its own wire dtype (``BatchPlan.wire_dtype``).
     ``contexts``: ``path_contexts(plan, groups, device)``, where the caller keeps them (else made here).
+    ``memory``: counts the buffers each batch allocates (muonlab.comm.memory); None: ``counter.memory``.
     """
     if contexts is None:
         contexts = path_contexts(plan, groups, device)
+    if memory is None:
+        memory = counter.memory
     runs: list[BatchRun | WaveRun] = []
     for i, (batch, ctx) in enumerate(zip(plan.batches, contexts)):  # the tuple: iterating a Plan is a call
-        run = BatchRun(i, batch, ctx, prepare=prepare,
-                       apply=apply, orthogonalize=orthogonalize, tracer=tracer, counter=counter)
+        run = BatchRun(i, batch, ctx, prepare=prepare, apply=apply, orthogonalize=orthogonalize, tracer=tracer,
+                       counter=counter, memory=memory)
         if ctx.defer and not batch.pays_latency:  # a later member of the wave just before it
             runs[-1].runs.append(run)
+            run.owner = runs[-1]
         elif ctx.defer:  # the first member of a wave
-            runs.append(WaveRun([run], group=ctx.group, group_rank=ctx.group_rank, tracer=tracer, counter=counter))
+            runs.append(WaveRun([run], group=ctx.group, group_rank=ctx.group_rank, tracer=tracer, counter=counter,
+                                memory=memory))
         else:
             runs.append(run)
     if not runs:

@@ -78,6 +78,10 @@ class BatchPlan:
     """fp32 numbers the batch's update rule adds across its group once it is back (NorMuon: two
     norms per matrix whose rows lie on several ranks, or a stored (in, out) matrix's column sums),
     in one all-reduce of its own (``muonlab.optim.rule_step.with_rule_sums``); 0: none."""
+    buffer_bytes: tuple[int, ...] = ()
+    """Bytes of the buffers the batch allocates per group-local rank over its life (send and
+    receive buffers, stacked matrices, Newton-Schulz's output: ``muonlab.comm.memory``; a wave's
+    combined buffers come on top, in ``memory.buffer_peaks``); empty where not planned."""
 
     @property
     def pays_latency(self) -> bool:
@@ -101,7 +105,8 @@ class BatchPlan:
         return dict(batch=self.index, path=self.path, shape=self.matrix_shape, matrices=self.num_matrices,
                     names=", ".join(self.names), ranks=len(self.ranks),
                     max_bytes_sent=max(self.bytes_sent, default=0), total_bytes=self.total_bytes,
-                    max_flops=max(self.flops, default=0), notes=self.notes)
+                    max_flops=max(self.flops, default=0), max_buffer_bytes=max(self.buffer_bytes, default=0),
+                    notes=self.notes)
 
 
 def part_range(held: int, part: tuple[int, int]) -> tuple[int, int]:

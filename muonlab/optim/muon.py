@@ -105,6 +105,7 @@ class Muon(Optimizer):
     nonfinite = OptionAttribute()
     nonfinite_decision = OptionAttribute()
     capture_after = OptionAttribute()
+    memory_budget = OptionAttribute()
 
     def __init__(
         self,
@@ -134,8 +135,7 @@ class Muon(Optimizer):
         remainder_path: str = "auto",
         strategy: str = "muonlab",
         hardware_profile=None,
-        nonfinite: str = "skip",
-        nonfinite_decision: str = "host",
+        nonfinite: str = "skip", nonfinite_decision: str = "host",
         fused_banks: dict[str, int] | None = None,
         matrix_views: dict[str, str] | None = None,
         state_offload: str | None = None,
@@ -144,7 +144,7 @@ class Muon(Optimizer):
         update_rule: str = MUON_DEFAULTS["update_rule"],
         normuon_beta2: float = MUON_DEFAULTS["normuon_beta2"],
         normuon_scale: str = MUON_DEFAULTS["normuon_scale"],
-        capture_after: int | None = None,
+        capture_after: int | None = None, memory_budget: int | str | None = "auto",
     ):
         arguments = locals()  # the group defaults and options given: each table's keys pick them
         self.options = MuonOptions(**{name: arguments[name] for name in OPTION_NAMES})

@@ -30,9 +30,26 @@ from .validation import ADAMW_DEFAULTS, MUON_DEFAULTS, check_comm_dtype, check_m
 NONFINITE_POLICIES = ("skip", "raise", "ignore")
 
 
+def check_memory_budget(value) -> None:
+    """``memory_budget``: bytes per rank (an int >= 0), None (no limit) or "auto" (on CUDA the
+    device's free memory when a plan is made; no limit elsewhere)."""
+    if value is None or value == "auto":
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f'memory_budget must be an int (bytes per rank), None or "auto", got {value!r}')
+    if value < 0:
+        raise ValueError(f"memory_budget must be >= 0 bytes per rank, got {value}")
+
+
 @dataclass(frozen=True, kw_only=True)
 class MuonOptions:
     """Muon's optimizer-wide options (their meanings: ``Muon``'s docstring), checked when made.
+
+    ``memory_budget``: bytes per rank the optimizer step's buffers and Newton-Schulz workspace may
+    take (muonlab.comm.memory); a step whose new plan needs more raises a ValueError naming the
+    batch and a ``workspace_bytes`` that fits, before it changes anything. "auto": on CUDA the
+    device's free memory when the plan is made (the least over the ranks), no limit elsewhere;
+    None: no limit.
 
     ``hardware_profile=None`` becomes the profile of this machine's kind ("h100_node" where CUDA is
     available, else "cpu_gloo"); a name becomes its ``HardwareProfile``.
@@ -52,6 +69,7 @@ class MuonOptions:
     nonfinite: str = "skip"
     nonfinite_decision: str = "host"
     capture_after: int | None = None
+    memory_budget: int | str | None = "auto"
 
     def __post_init__(self) -> None:
         NSConfig(dtype=self.ns_dtype, **resolve_form(self.ns_form), backend=self.ns_backend)  # a bad ns_*
@@ -61,6 +79,7 @@ class MuonOptions:
             raise TypeError(f"process_group must be a torch.distributed ProcessGroup or None, got "
                             f"{type(pg).__name__} (for a DeviceMesh axis pass mesh.get_group(axis))")
         check_comm_dtype(self.comm_dtype)
+        check_memory_budget(self.memory_budget)
         choices_of = (("remainder_path", self.remainder_path, REMAINDER_PATHS),
                       ("strategy", self.strategy, STRATEGIES),
                       ("nonfinite policy", self.nonfinite, NONFINITE_POLICIES),

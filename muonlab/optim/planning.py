@@ -14,14 +14,17 @@ import torch
 import torch.distributed as dist
 
 from ..comm.collectives import dist_on
+from ..comm.memory import PlanMemory, over_budget, plan_memory, with_buffer_bytes
+from ..comm.paths.base import Itemsizes
 from ..comm.paths import PATHS
 from ..comm.planner import plan_batches
-from ..comm.records import Plan
+from ..comm.records import Plan, group_rank_maps
 from ..comm.specs import MatrixSpec, even_share_bytes, local_shard, matrix_spec, process_group_for
 from ..comm.wire import wire_itemsizes
 from ..kernels.config import NSConfig, form_for
 from ..kernels.newton_schulz import possible_backends, resolve_dtype, resolve_form
 from ..kernels.runner import NewtonSchulzRunner, default_budget
+from ..kernels.workspace import batch_bytes_per_matrix
 from .replicas import check_ranks_agree
 from .rule_step import refuse_unfit, rule_of, with_rule_sums
 from .step_program import part_of
@@ -41,6 +44,8 @@ class Planned(NamedTuple):
     """Whether the replicas' gradients were compared across ranks (see
     ``muonlab.optim.replicas.check_ranks_agree``): False for a plan made outside a step, or where a
     gradient was not finite; the next step that uses it compares them then."""
+    memory: PlanMemory | None = None
+    """The plan's buffer bytes per rank and workspace bound (muonlab.comm.memory)."""
 
 
 def why_captured_again(old: tuple, new: tuple) -> str:
@@ -118,8 +123,11 @@ def plan_for(cache: dict, indices: tuple[int, ...], entries: list, options, name
     # resharded between steps, and a plan made for its old shape would update it wrongly
     layouts = tuple(_layout(entries[i][1]) for i in indices)
     rules = tuple(entries[i][0]["update_rule"] for i in indices)  # a rule may refuse a layout
+    if runner is not None and options.workspace_bytes not in (None, runner.budget_bytes):
+        # set after the runner was made (e.g. as a refused plan's message says): the next plan and chunks use it
+        runner.budget_bytes = int(options.workspace_bytes)
     cache_key = (indices, configs, layouts, rules, options.comm_dtype, options.strategy, options.remainder_path,
-                 options.hardware_profile)
+                 options.hardware_profile, options.memory_budget, runner.budget_bytes if runner is not None else None)
     if cache_key not in cache:
         if runner is not None:  # a new plan is made outside the hot step: the place to read them
             runner.health.warn_unread(" (read when making a new plan)")
@@ -145,17 +153,26 @@ def plan_for(cache: dict, indices: tuple[int, ...], entries: list, options, name
         def momentum_dtype(spec: MatrixSpec) -> torch.dtype:  # what Newton-Schulz reads with ns_dtype=None
             return offload.dtype(entries[spec.index][1], "momentum_buffer")
 
-        def max_local(shape: tuple[int, int], cfg: NSConfig) -> int:
-            return max_local_matrices(shape, cfg, device, offload.dtype(entries[0][1], "momentum_buffer"), runner)
-
         # each batch's wire dtype follows its Newton-Schulz dtype on this device (comm_dtype "auto")
         wire = wire_itemsizes(options.comm_dtype, device=device, input_dtype=momentum_dtype)
-        plan = plan_batches(
-            specs, configs, comm_itemsize=wire,
-            remainder_path=options.remainder_path, strategy=options.strategy, profile=options.hardware_profile,
-            max_local_matrices=max_local,
-        )
-        plan = with_rule_sums(plan, {s.index: s for s in specs}, lambda i: rule_of(entries[i][0]))
+        sizes = itemsizes_of(entries, offload, device)
+
+        def planned_with(runner: NewtonSchulzRunner) -> tuple[Plan, PlanMemory]:
+            def max_local(shape: tuple[int, int], cfg: NSConfig) -> int:
+                return max_local_matrices(shape, cfg, device, offload.dtype(entries[0][1], "momentum_buffer"), runner)
+
+            plan = plan_batches(
+                specs, configs, comm_itemsize=wire,
+                remainder_path=options.remainder_path, strategy=options.strategy, profile=options.hardware_profile,
+                max_local_matrices=max_local,
+            )
+            plan = with_rule_sums(plan, {s.index: s for s in specs}, lambda i: rule_of(entries[i][0]))
+            plan = Plan(tuple(with_buffer_bytes(plan, sizes)))
+            return plan, plan_memory(plan, world_of(plan), sizes, runner.budget_bytes, matrix_bytes(sizes))
+
+        plan, memory = planned_with(runner)
+        if collective:  # a step: refused before it changes anything (Muon.plan() shows it instead)
+            refuse_over_budget(memory, memory_budget(options, device, check_group), planned_with, runner)
         owners = {}
         for b in plan:
             if b.part is not None:  # a bank that can't be cut raises here, before anything changes
@@ -167,7 +184,7 @@ def plan_for(cache: dict, indices: tuple[int, ...], entries: list, options, name
                 pg, me = groups[b.group]
                 owners.update({i: (pg, dist.get_global_rank(pg, o), o == me)
                                for i, o in zip(b.param_indices, b.owners)})
-        planned = Planned(plan, {s.index: s for s in specs}, groups, owners, compared)
+        planned = Planned(plan, {s.index: s for s in specs}, groups, owners, compared, memory)
         if not collective:
             return planned
         cache[cache_key] = planned
@@ -177,6 +194,72 @@ def plan_for(cache: dict, indices: tuple[int, ...], entries: list, options, name
                                      [entries[i][1] for i in indices], runner.budget_bytes, grads=True)
         cache[cache_key] = planned._replace(grads_compared=compared)
     return cache[cache_key]
+
+
+def itemsizes_of(entries: list, offload, device: torch.device):
+    """``batch -> Itemsizes``: its momentum's (the first parameter's, for all), its Newton-Schulz
+    output's on ``device`` (None: what it is handed) and its wire itemsize."""
+    def sizes(batch) -> Itemsizes:
+        momentum = offload.dtype(entries[batch.param_indices[0]][1], "momentum_buffer")
+        ns = resolve_dtype(batch.ns_config.dtype, device, batch.matrix_shape)
+        return Itemsizes(momentum.itemsize, None if ns is None else ns.itemsize, batch.comm_itemsize)
+    return sizes
+
+
+def matrix_bytes(sizes):
+    """``batch -> bytes`` of one of its matrices in a Newton-Schulz call (the workspace takes one
+    whatever the budget)."""
+    def one(batch) -> int:
+        s = sizes(batch)
+        m, n = sorted(batch.matrix_shape)
+        return batch_bytes_per_matrix(m, n, s.ns or s.momentum)
+    return one
+
+
+def world_of(plan: Plan) -> int:
+    """Global ranks the plan spans, or the world where larger (a rank with no batch has no buffers)."""
+    spanned = 1 + max((g for ranks in group_rank_maps(plan.batches).values() for g in ranks), default=0)
+    return max(spanned, dist.get_world_size() if dist_on() else 1)
+
+
+def memory_budget(options, device: torch.device, group) -> int | None:
+    """``options.memory_budget`` in bytes per rank (None: no limit). "auto": on CUDA the device's
+    free memory now, the least over ``group``'s ranks (every rank must refuse alike, or the others
+    would wait in the step's collectives); elsewhere no limit."""
+    budget = options.memory_budget
+    if budget != "auto":
+        return budget
+    if device.type != "cuda":
+        return None
+    free = torch.tensor(torch.cuda.mem_get_info(device)[0], device=device)
+    if dist_on() and dist.get_world_size(group) > 1:
+        dist.all_reduce(free, op=dist.ReduceOp.MIN, group=group)
+    return int(free.item())
+
+
+def refuse_over_budget(memory: PlanMemory, budget: int | None, planned_with, runner: NewtonSchulzRunner) -> None:
+    """ValueError where ``memory`` exceeds ``budget``, naming the batch and a ``workspace_bytes``
+    that fits (planned again at halves of the current one), or saying none does."""
+    why = None if budget is None else over_budget(memory, budget)
+    if why is None:
+        return
+    ws, floor = runner.budget_bytes // 2, 1 << 20
+    while ws >= floor:
+        _, smaller = planned_with(NewtonSchulzRunner(ws))
+        if over_budget(smaller, budget) is None:
+            raise ValueError(f"{why}: workspace_bytes={ws} fits (step needs "
+                             f"{smaller.peak(smaller.worst_rank)} bytes), or raise memory_budget")
+        ws //= 2
+    raise ValueError(f"{why}: no workspace_bytes down to {floor} fits (the buffers alone need "
+                     f"{memory.ranks[memory.worst_rank].peak} bytes): raise memory_budget, or shard the parameters of "
+                     "that batch over more ranks")
+
+
+def memory_of(opt) -> PlanMemory:
+    """The memory ``opt``'s plan for all its Muon parameters reports (``Muon.plan()``'s plan):
+    per global rank the buffers' peak and the batches then in flight, each batch's bytes, and
+    the Newton-Schulz workspace's bound. Made from metadata alone, without a step."""
+    return opt._plan_for(tuple(range(len(opt._muon_entries()))), collective=False).memory
 
 
 def resolved_choices(plan: Plan, runner: NewtonSchulzRunner | None, device: torch.device,

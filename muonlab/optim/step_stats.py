@@ -95,7 +95,10 @@ class StepRecord:
         if gate is not None:
             self.count_skip(gate)
         nonfinite = {} if gate is not None else dict(skipped_steps=self.skipped_steps, **nonfinite)  # gate: when read
+        memory = counter.memory
         self.stats = dict(bytes_sent=dict(counter.sent), bytes_recv=dict(counter.recv), calls=dict(counter.calls),
+                          buffer_peak_bytes=memory.peak, buffer_peak_batches=memory.peak_batches,
+                          buffer_bytes=dict(memory.by_batch),
                           seconds=None, skipped=skipped, **nonfinite,
                           nonfinite_seconds=seconds or None, unhealthy_updates=None, worst_update_ratio=None)
         self.stats_gate = None if gate is None else (gate, checked)
@@ -117,6 +120,11 @@ class StepRecord:
         that completed or was skipped (a step that raised leaves them as they were), as a copy the
         caller may change. ``runner``: the Newton-Schulz runner (or None), ``names``: parameter ->
         name, for a skipped step's culprits.
+
+        ``buffer_peak_bytes``: the most bytes of communication and Newton-Schulz buffers the
+        batches in flight held at once on this rank (muonlab.comm.memory; the workspace aside),
+        ``buffer_peak_batches`` those batches, ``buffer_bytes`` {batch: its buffers' bytes}: what
+        ``muonlab.comm.memory.plan_memory`` plans for this rank.
 
         Bytes: the matrices the plan's paths moved, and momentum moved between ranks
         (MOMENTUM_MOVE); the small control messages (the ranks' agreement digests, the non-finite

@@ -19,6 +19,7 @@ from muonlab.kernels.config import NSConfig
 from muonlab.kernels.newton_schulz import newton_schulz
 
 from ._common import full
+from ._memory import memory_check
 
 HYPER = dict(lr=0.02, weight_decay=0.01, momentum=0.9)
 STEPS = 3
@@ -91,7 +92,7 @@ def fsdp_run(workspace_bytes: int | None = None, waves: bool = False, steps: int
     plan_sent, plan_recv = bytes_for_rank(plan, dist.get_rank())
     return dict(
         params={n: full(p) for n, p in params}, calls=calls, sent=stats["bytes_sent"], recv=stats["bytes_recv"],
-        plan_sent=plan_sent, plan_recv=plan_recv,
+        plan_sent=plan_sent, plan_recv=plan_recv, memory=memory_check(opt),
         plan=[(b.path, b.names, b.owners, b.rows, PATHS[b.path].collectives if b.pays_latency else 0,
                b.travels_with) for b in plan],
     )

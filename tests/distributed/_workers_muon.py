@@ -12,6 +12,8 @@ import torch.distributed as dist
 from muonlab import Muon, muon_param_groups
 from muonlab.comm.records import bytes_for_rank
 
+from ._memory import memory_check
+
 from ._common import (DTYPES, SMALL_GPT, build_gpt, cloned, full, rank_rows, single_process, token_batches,
                       train_steps)
 
@@ -46,7 +48,7 @@ def _train_gpt(mode: str, precision: str):
     rows = [(b.path, b.names, b.owners, b.bytes_sent, b.flops) for b in opt.plan()]
     assert {b.wire_dtype for b in opt.plan()} == {dtype}, opt.plan()
     return dict(params=params, sent=stats["bytes_sent"], recv=stats["bytes_recv"], plan_sent=plan_sent,
-                plan_recv=plan_recv, plan=rows, spans=len(opt.last_step_spans()))
+                plan_recv=plan_recv, plan=rows, spans=len(opt.last_step_spans()), memory=memory_check(opt))
 
 
 def gpt_runs(cases):
@@ -125,6 +127,7 @@ def run_paths(world: int, remainder_path: str, precision: str, workspace_bytes: 
         plan=[(b.path, b.names, b.owners, b.bytes_sent, b.flops) for b in opt.plan()],
         parts=[b.part for b in opt.plan()],
         spans=[(s.name, s.path, s.bytes_sent) for s in opt.last_step_spans()],
+        memory=memory_check(opt),
     )
 
 

@@ -18,6 +18,7 @@ from muonlab.models import GPT
 
 from ._common import (DTYPES, SMALL_MOE, build_moe_gpt, full_ep, group_rank, rank_rows,
                       shifted, single_process as _single_process, token_batches, train_steps)
+from ._memory import memory_check
 
 MODEL_CFG = SMALL_MOE
 HYPER = dict(lr=0.02, weight_decay=0.01, momentum=0.9, adamw_lr=3e-3)
@@ -76,7 +77,7 @@ def _run_case(mesh, ep: int, num_experts: int, precision: str) -> dict:
         groups=[None if b.group is None else (b.group.axis_name, b.group.size) for b in plan],
         sent=stats["bytes_sent"], recv=stats["bytes_recv"], plan_sent=plan_sent, plan_recv=plan_recv,
         plan_flops=plan_flops, expert_group_ranks_agree=all(r == fsdp_rank for r in expert_ranks.values()),
-        spans=sorted({s.name for s in opt.last_step_spans()}),
+        spans=sorted({s.name for s in opt.last_step_spans()}), memory=memory_check(opt),
     )
 
 

@@ -19,6 +19,7 @@ from muonlab.comm.records import bytes_for_rank
 from muonlab.comm.specs import local_shard, piece_numel
 
 from ._common import SMALL_GPT, SMALL_MOE, build_gpt, build_moe_gpt, rank_rows, token_batches
+from ._memory import memory_check
 
 STEPS = 3
 HYPER = dict(lr=0.05, weight_decay=0.01, momentum=0.9, ns_dtype=torch.float32, comm_dtype=torch.float32)
@@ -151,7 +152,7 @@ def train_tp(rule: str, replicate: int = 1) -> dict:
                 recv=stats["bytes_recv"], planned_sent=planned_sent, planned_recv=planned_recv,
                 planned_rule=planned_rule, counted_rule=stats["bytes_sent"].get(rule, 0),
                 plan=[(b.path, b.names, b.owners, b.bytes_sent, b.flops, b.travels_with) for b in opt.plan()],
-                owners_hold=all(piece_numel(pcs[o]) > 0 for b in opt.plan() for pcs, o in zip(b.pieces, b.owners)))
+                memory=memory_check(opt), owners_hold=all(piece_numel(pcs[o]) > 0 for b in opt.plan() for pcs, o in zip(b.pieces, b.owners)))
 
 
 def pieces_match() -> dict:
@@ -585,7 +586,7 @@ def ep_fsdp_tp(rule: str) -> dict:
                 planned_sent=planned_sent, planned_recv=planned_recv,
                 placements={name: str(tuple(p.placements)) for name, p in params},
                 paths=sorted({b.path for b in plan}), groups=sorted({b.group.axis_name for b in plan}),
-                owners_hold=all(piece_numel(pcs[o]) > 0 for b in plan for pcs, o in zip(b.pieces, b.owners)))
+                memory=memory_check(opt), owners_hold=all(piece_numel(pcs[o]) > 0 for b in plan for pcs, o in zip(b.pieces, b.owners)))
 
 
 def hsdp_tp() -> dict:

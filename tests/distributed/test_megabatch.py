@@ -13,6 +13,7 @@ from muonlab.kernels.newton_schulz import newton_schulz
 
 from . import _workers_megabatch as W
 from ._common import nonzero
+from ._memory import assert_counted
 
 # (workspace_bytes, waves): None, the default budget (every bucket one batch); 1 byte: one matrix
 # per owner per batch, so the buckets are cut into several. waves: the default CPU profile, under
@@ -70,6 +71,7 @@ def test_fsdp2_megabatches_count_the_bytes_and_calls_they_plan(world_results):
             r = res["fsdp"][case]
             assert nonzero(r["sent"]) == r["plan_sent"], (case, rank)
             assert nonzero(r["recv"]) == r["plan_recv"], (case, rank)
+            assert_counted(r, (case, rank))  # planned buffer bytes == counted, waves too
             planned = Counter()
             for path, *_, collectives, _wave in r["plan"]:
                 planned[path] += collectives

@@ -16,6 +16,7 @@ from muonlab.launcher import launch
 
 from . import _workers_muon_ep as W
 from ._common import cloned, nonzero, rel_displacement
+from ._memory import assert_counted
 
 NUM_RANKS = 4
 INVALID = [(2, 3, "fp32")]
@@ -105,6 +106,7 @@ def test_plan_identical_and_bytes_measured_equal_plan_bytes(results, case):
         assert r["expert_group_ranks_agree"], rank  # GroupKey.local_ranks == mesh["fsdp"] coordinate
         assert nonzero(r["sent"]) == r["plan_sent"], (rank, r["sent"], r["plan_sent"])
         assert nonzero(r["recv"]) == r["plan_recv"], (rank, r["recv"], r["plan_recv"])
+        assert_counted(r, (case, rank))  # planned buffer bytes == counted, exactly
         expected = {"comm_out", "comm_back", "momentum", "update"} | ({"newton_schulz"} if r["plan_flops"] else set())
         assert expected <= set(r["spans"]), (rank, r["spans"])
 

@@ -11,6 +11,7 @@ import pytest
 from muonlab.launcher import launch
 
 from . import _workers_tp as W
+from ._memory import assert_counted
 
 TOLERANCE = 1e-6
 """fp32 everywhere (comm_dtype and ns_dtype): the pieces are put back exactly; NorMuon's row sums
@@ -57,6 +58,7 @@ def test_tp_fsdp_equals_one_process_at_the_planned_bytes(results, rule):
         # uneven and empty pieces: no parameter is owned by a rank holding none of it (before the
         # owner choice priced bytes, narrow_up went to a dp rank 1 rank, 656 B against a 576 B bound)
         assert got["owners_hold"], got["plan"]
+        assert_counted(got, (rule, rank))  # planned buffer bytes == counted, exactly
     assert (results[0][rule]["counted_rule"] > 0) == (rule == "normuon")
     # the tiny batches are latency-bound: some travel together in a wave (one collective each way)
     assert any(row[5] is not None for row in results[0][rule]["plan"]), results[0][rule]["plan"]
@@ -248,6 +250,7 @@ def test_hsdp_tp_on_8_ranks_equals_one_process_at_the_planned_bytes(hsdp_results
         assert got["planned_rule"] == got["counted_rule"] and got["gathers"] == [0] * (W.STEPS - 1)
         # each replica (ranks 0-3, 4-7) moves what the 2 x 2 mesh above moves: nothing crosses replicas
         assert got["sent"] == hsdp_results[rank % 4][rule]["sent"], (rank, got["sent"])
+        assert_counted(got, (rule, rank))
 
 
 @pytest.mark.timeout(600)
@@ -267,6 +270,7 @@ def test_ep_fsdp_tp_on_8_ranks_equals_one_process_at_the_planned_bytes(hsdp_resu
         assert {"pieces": got["sent"]["pieces"]} == got["planned_sent"], (rank, got["sent"], got["planned_sent"])
         assert {"pieces": got["recv"]["pieces"]} == got["planned_recv"], (rank, got["recv"], got["planned_recv"])
         assert got["gathers"] == [0] * (W.STEPS - 1) and got["owners_hold"], got
+        assert_counted(got, (rule, rank))
     # the other ep rank's experts, on the same plan: the same bytes one ep slice over
     assert hsdp_results[0][f"ep_{rule}"]["sent"] == hsdp_results[2][f"ep_{rule}"]["sent"]
 

@@ -16,8 +16,8 @@ from collections.abc import Sequence
 import torch
 
 from ..collectives import all_gather, pack
-from .all_to_all import my_rows, owned_positions, owner_counts, send_back
-from .base import CommPath
+from .all_to_all import back_bytes, my_rows, owned_positions, owner_counts, send_back
+from .base import CommPath, Itemsizes, Phases
 
 
 def bytes_per_rank(rows: Sequence[int], cols: int, owners: Sequence[int], itemsize: int):
@@ -50,4 +50,20 @@ def run(batch, inputs, ctx):
     return my_rows(batch, inputs, returned, me)
 
 
-PATH = CommPath(name="agrs", collectives=2, out_share=0.5, color="#ff7f0e", run=run)
+def buffer_bytes(batch, sizes: Itemsizes) -> list[Phases]:
+    """Per group rank: out, the packed send buffer (the input itself for one matrix already in the
+    wire dtype), its copy per rank where shards are uneven (``all_gather``), every matrix
+    received; then the owned blocks put together, Newton-Schulz's output and the way back's
+    buffers (as all_to_all's). The outputs are views."""
+    rows, (A, B), w, k = batch.rows, batch.matrix_shape, sizes.wire, len(batch.owners)
+    c, uneven = sizes.ns or w, len(set(rows)) > 1
+    out = []
+    for r, m in zip(rows, owner_counts(batch.owners, len(rows))):
+        send = 0 if k == 1 and sizes.momentum == w else k * r * B * w
+        send += len(rows) * k * r * B * w if uneven else 0
+        compute = m * A * B * (w + c) + back_bytes(m, A * B, r * B, k, c, w)
+        out.append(Phases(send + k * A * B * w, compute, 0))
+    return out
+
+
+PATH = CommPath(name="agrs", collectives=2, out_share=0.5, color="#ff7f0e", run=run, buffer_bytes=buffer_bytes)

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import torch
 
 from ..collectives import Pending, all_to_all, pack
-from .base import CommPath
+from .base import CommPath, Itemsizes, Phases
 
 
 def owner_counts(owners: Sequence[int], size: int) -> list[int]:
@@ -114,4 +114,34 @@ def run(batch, inputs, ctx):
     return my_rows(batch, inputs, returned, me)
 
 
-PATH = CommPath(name="all_to_all", collectives=2, out_share=0.5, color="#1f77b4", run=run)
+def back_bytes(owned: int, matrix: int, mine: int, n: int, c: int, w: int) -> int:
+    """The way back's buffers (``send_back``) on a rank owning ``owned`` of ``n`` matrices of
+    ``matrix`` elements, ``mine`` of each held here: its send buffer (a view of one result already
+    in the wire dtype, a packed copy of several) and its receive buffer."""
+    send = 0 if owned == 0 or (owned == 1 and c == w) else owned * matrix * w
+    return send + n * mine * w
+
+
+def buffer_bytes(batch, sizes: Itemsizes) -> list[Phases]:
+    """Per group rank: out, the packed send buffer (the input itself for one matrix already in
+    the wire dtype) and the owned matrices received; then the owned stack (a view of the receive
+    buffer for one), Newton-Schulz's output and the way back's buffers. The outputs are views."""
+    (A, B), w, n = batch.matrix_shape, sizes.wire, len(batch.owners)
+    c = sizes.ns or w
+    out = []
+    for r, m in zip(batch.rows, owner_counts(batch.owners, len(batch.rows))):
+        send = 0 if n == 1 and sizes.momentum == w else n * r * B * w
+        compute = (m * A * B * w if m > 1 else 0) + m * A * B * c + back_bytes(m, A * B, r * B, n, c, w)
+        out.append(Phases(send + m * A * B * w, compute, 0))
+    return out
+
+
+def wire_buffers(batch) -> list:
+    """Per group rank ((out send, out receive), (back send, back receive)) elements."""
+    (A, B), n = batch.matrix_shape, len(batch.owners)
+    return [((n * r * B, m * A * B), (m * A * B, n * r * B))
+            for r, m in zip(batch.rows, owner_counts(batch.owners, len(batch.rows)))]
+
+
+PATH = CommPath(name="all_to_all", collectives=2, out_share=0.5, color="#1f77b4", run=run,
+                buffer_bytes=buffer_bytes, wire_buffers=wire_buffers)

@@ -24,10 +24,31 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 PathRunner = Callable[..., Generator]
+
+
+class Itemsizes(NamedTuple):
+    """Element sizes a batch's buffers are made in."""
+
+    momentum: int
+    """The momentum inputs' (a send buffer that is one input in the wire dtype is the input)."""
+    ns: int | None
+    """Newton-Schulz's output (its compute dtype); None: the dtype of what it is handed."""
+    wire: int
+    """On the wire (``BatchPlan.comm_itemsize``)."""
+
+
+class Phases(NamedTuple):
+    """Bytes one rank's batch allocates at each place the engine counts (muonlab.comm.memory)."""
+
+    start: int = 0
+    compute: int = 0
+    finish: int | None = 0
+    """None: the batch has no way back; its outputs are in ``compute`` and it is applied there."""
 
 
 @dataclass(frozen=True)
@@ -75,3 +96,10 @@ class CommPath:
     ranks_reached: Callable[..., int] | None = None
     """``(batch)``: how many ranks of its group slice one rank of the batch exchanges with, for the
     cost model's intra/inter-node split; None: the whole slice."""
+    buffer_bytes: Callable[..., list[Phases]] | None = None
+    """``(batch, sizes: Itemsizes)``: per group-local rank, the bytes of the buffers its generator
+    allocates at each phase the engine counts (muonlab.comm.memory); the engine's count equals it."""
+    wire_buffers: Callable[..., list] | None = None
+    """A path that can travel in a wave: ``(batch)`` -> per group-local rank ((out send, out
+    receive), (back send, back receive)) elements of its collectives' buffers, which a wave's
+    combined buffers hold again."""

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 import torch
 
 from ..collectives import all_to_all, pack
-from .base import CommPath
+from .base import CommPath, Itemsizes, Phases
 
 Piece = tuple[int, int, int]
 """(group rank, first row of the piece in that rank's shard, rows)."""
@@ -128,4 +128,28 @@ def run(batch, inputs, ctx):
     return outputs
 
 
-PATH = CommPath(name="blocks", collectives=2, out_share=0.5, color="#98df8a", run=run)
+def buffer_bytes(batch, sizes: Itemsizes) -> list[Phases]:
+    """Per group rank: out, its packed pieces (the input's rows themselves where it holds one piece
+    of one parameter in the wire dtype) and its owned blocks' pieces received; then those blocks
+    stacked, Newton-Schulz's output, the way back's packed pieces (a view for one piece of one
+    result in the wire dtype) and its rows received; after it, each parameter's rows joined."""
+    rows, (M, N), w, n = batch.rows, batch.matrix_shape, sizes.wire, len(batch.param_indices)
+    E, c = batch.num_matrices // n, sizes.ns or w
+    pieces = block_pieces(rows, E)
+    held = [0] * len(rows)  # pieces a rank holds of one parameter
+    for ps in pieces:
+        for q, _, _ in ps:
+            held[q] += 1
+    owned, back_pieces = [0] * len(rows), [0] * len(rows)
+    for k, o in enumerate(batch.owners):
+        owned[o] += 1
+        back_pieces[o] += len(pieces[k % E])
+    out = []
+    for r, h, o, b in zip(rows, held, owned, back_pieces):
+        send = 0 if n * h == 1 and sizes.momentum == w else n * r * N * w
+        back = 0 if b == 1 and c == w else o * M * N * w
+        out.append(Phases(send + o * M * N * w, o * M * N * (w + c) + back + n * r * N * w, n * r * N * w))
+    return out
+
+
+PATH = CommPath(name="blocks", collectives=2, out_share=0.5, color="#98df8a", run=run, buffer_bytes=buffer_bytes)

@@ -14,7 +14,7 @@ import math
 import torch
 
 from ..collectives import all_gather
-from .base import CommPath
+from .base import CommPath, Itemsizes, Phases
 from .owner import gather_bytes
 
 
@@ -38,4 +38,15 @@ def run(batch, inputs, ctx):
     return [full.narrow(dim, sum(rows[:me]), rows[me])]
 
 
-PATH = CommPath(name="gather_all", collectives=1, out_share=1.0, color="#d62728", run=run)
+def buffer_bytes(batch, sizes: Itemsizes) -> list[Phases]:
+    """Per group rank: its padded shard, every rank's gathered, the trimmed whole matrix and
+    Newton-Schulz's output. No way back: the output is a view of it."""
+    shape, dim, rows, w = batch.param_shapes[0], batch.shard_dim, batch.rows, sizes.wire
+    numel = math.prod(shape)
+    padded = max(rows) * (numel // max(shape[dim], 1))
+    phases = Phases((1 + len(rows)) * padded * w, numel * (w + (sizes.ns or w)), None)
+    return [phases] * len(rows)
+
+
+PATH = CommPath(name="gather_all", collectives=1, out_share=1.0, color="#d62728", run=run,
+                buffer_bytes=buffer_bytes)

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from ..collectives import all_gather
-from .base import CommPath
+from .base import CommPath, Itemsizes, Phases
 
 
 def gather_bytes(payload: Sequence[int]):
@@ -42,4 +42,22 @@ def run(batch, inputs, ctx):
     return out
 
 
-PATH = CommPath(name="owner", collectives=1, out_share=0.0, color="#2ca02c", run=run)
+def buffer_bytes(batch, sizes: Itemsizes) -> list[Phases]:
+    """Per group rank: the owner's matrices are views of its inputs; then Newton-Schulz's output,
+    its wire-dtype copy (none where it is already in it), that copy once per rank where the
+    owners' shares differ (``all_gather``), and every update gathered. The outputs are views."""
+    size = len(batch.bytes_sent)
+    c = sizes.ns or sizes.momentum
+    owned = [0] * size
+    for o, numel in zip(batch.owners, batch.param_numels):
+        owned[o] += numel
+    total, uneven = sum(owned), len(set(owned)) > 1
+    out = []
+    for mine in owned:
+        send = mine * sizes.wire if c != sizes.wire else 0
+        send += size * mine * sizes.wire if uneven else 0
+        out.append(Phases(0, mine * c + send + total * sizes.wire, 0))
+    return out
+
+
+PATH = CommPath(name="owner", collectives=1, out_share=0.0, color="#2ca02c", run=run, buffer_bytes=buffer_bytes)

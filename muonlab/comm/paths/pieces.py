@@ -28,8 +28,8 @@ import torch
 
 from ..collectives import all_to_all, pack
 from ..specs import Piece, piece_numel
-from .all_to_all import owner_order
-from .base import CommPath
+from .all_to_all import owner_counts, owner_order
+from .base import CommPath, Itemsizes, Phases
 
 
 def bytes_per_rank(held: Sequence[Sequence[int]], owners: Sequence[int], itemsize: int):
@@ -107,7 +107,11 @@ def run(batch, inputs, ctx):
     flat = yield all_to_all(send, send_splits, recv_splits, group=ctx.group, group_rank=me, defer=ctx.defer)
     mats = None
     if owned:
-        wholes = [flat.new_empty(batch.param_shapes[pos]) for pos in owned]
+        # one stack, each owned parameter a view of its run of it: put together in place
+        shape = batch.matrix_shape
+        counts = [batch.param_numels[pos] // (shape[0] * shape[1]) for pos in owned]
+        mats = flat.new_empty((sum(counts), *shape))
+        wholes = [part.view(batch.param_shapes[pos]) for part, pos in zip(mats.split(counts), owned)]
         offset = 0
         for q in range(size):  # source by source, each source's pieces of my parameters in batch order
             for whole, pos in zip(wholes, owned):
@@ -115,9 +119,7 @@ def run(batch, inputs, ctx):
                 if n:
                     put(whole, pieces[pos][q], flat[offset:offset + n])
                 offset += n
-        del flat
-        shape = batch.matrix_shape
-        mats = torch.cat([w.view(-1, *shape) for w in wholes]) if len(wholes) > 1 else wholes[0].view(-1, *shape)
+        del flat, wholes
     ortho = yield mats
     back = []
     if owned:
@@ -128,6 +130,7 @@ def run(batch, inputs, ctx):
             start += count
         back = [take(r, pieces[pos][q]) for q in range(size) for r, pos in zip(results, owned)]
     send = pack(back, ctx.wire_dtype, like=inputs[0])
+    del back  # a piece of several blocks was copied out (``take``): freed once packed
     returned = yield all_to_all(send, recv_splits, send_splits, group=ctx.group, group_rank=me, defer=ctx.defer)
     slot, offset = {}, 0
     for pos in order:  # owner by owner, each owner's in batch order: this rank's piece of each
@@ -136,4 +139,37 @@ def run(batch, inputs, ctx):
     return [returned[slot[pos]:slot[pos] + mine[pos]].view(x.shape) for pos, x in enumerate(inputs)]
 
 
-PATH = CommPath(name="pieces", collectives=2, out_share=0.5, color="#c49c94", run=run)
+def _sizes(batch) -> tuple[list[int], list[int]]:
+    """Per group rank: elements it holds of the batch's parameters, and of the parameters it owns."""
+    size = len(batch.pieces[0])
+    held, owned = [0] * size, [0] * size
+    for pos, (pieces, o) in enumerate(zip(batch.pieces, batch.owners)):
+        for q, pc in enumerate(pieces):
+            held[q] += piece_numel(pc)
+        owned[o] += batch.param_numels[pos]
+    return held, owned
+
+
+def buffer_bytes(batch, sizes: Itemsizes) -> list[Phases]:
+    """Per group rank: out, its packed pieces (the input itself for one parameter already in the
+    wire dtype) and its owned parameters' pieces received; then the owned stack, Newton-Schulz's
+    output, the way back's packed pieces (a view for one whole result already in the wire dtype)
+    and its pieces of the results received. The outputs are views."""
+    w, n, size = sizes.wire, len(batch.owners), len(batch.pieces[0])
+    c = sizes.ns or w
+    counts = owner_counts(batch.owners, size)
+    out = []
+    for held, owned, m in zip(*_sizes(batch), counts):
+        send = 0 if n == 1 and sizes.momentum == w else held * w
+        back = 0 if size * m == 1 and c == w else owned * w
+        out.append(Phases(send + owned * w, owned * (w + c) + back + held * w, 0))
+    return out
+
+
+def wire_buffers(batch) -> list:
+    """Per group rank ((out send, out receive), (back send, back receive)) elements."""
+    return [((held, owned), (owned, held)) for held, owned in zip(*_sizes(batch))]
+
+
+PATH = CommPath(name="pieces", collectives=2, out_share=0.5, color="#c49c94", run=run,
+                buffer_bytes=buffer_bytes, wire_buffers=wire_buffers)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..collectives import all_to_all, pack
-from .base import CommPath
+from .base import CommPath, Itemsizes, Phases
 
 
 def bytes_per_rank(moves, size: int, matrix_bytes: int):
@@ -86,4 +86,45 @@ def _stack(mats: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor | None:
     return out
 
 
-PATH = CommPath(name="rebalance", collectives=2, out_share=0.5, color="#17becf", run=run)
+def buffer_bytes(batch, sizes: Itemsizes) -> list[Phases]:
+    """Per group rank: out, the matrices it sends packed (the input's matrix itself for one in the
+    wire dtype) and those it receives; then its kept and received matrices stacked in the
+    momentum's dtype (a view for one such matrix), Newton-Schulz's output, the received ones'
+    results cast to the wire dtype (a view already in it) and its moved matrices' results
+    received; after it, each parameter's results joined (a view for one in the output dtype)."""
+    size, (A, B) = len(batch.bytes_sent), batch.matrix_shape
+    mat, w, mi = A * B, sizes.wire, sizes.momentum
+    c = sizes.ns or mi
+    outgoing, incoming = [0] * size, [0] * size
+    moved = {}  # (position, matrix) -> source rank
+    for pos, j, src, owner in batch.moves:
+        outgoing[src] += 1
+        incoming[owner] += 1
+        moved[(pos, j)] = src
+    held = [[0] * len(batch.sources) for _ in range(size)]
+    singles = [[None] * len(batch.sources) for _ in range(size)]  # a lone matrix: moved away?
+    for pos, src in enumerate(batch.sources):
+        for j, s in enumerate(src):
+            held[s][pos] += 1
+            singles[s][pos] = (pos, j) in moved
+    out = []
+    for r in range(size):
+        o, i = outgoing[r], incoming[r]
+        send = 0 if o == 1 and mi == w else o * mat * w
+        total = sum(held[r]) - o + i  # matrices orthogonalized here
+        one_received = total == 1 and i == 1
+        stack = 0 if total == 0 or (total == 1 and (not one_received or w == mi)) else total * mat * mi
+        back = 0 if i == 0 or c == w else i * mat * w
+        out_item = c if total else w
+        finish = 0
+        for h, away in zip(held[r], singles[r]):
+            if h > 1:
+                finish += h * mat * out_item
+            elif h == 1 and (w if away else c) != out_item:
+                finish += mat * out_item
+        out.append(Phases(send + i * mat * w, stack + total * mat * c + back + o * mat * w, finish))
+    return out
+
+
+PATH = CommPath(name="rebalance", collectives=2, out_share=0.5, color="#17becf", run=run,
+                buffer_bytes=buffer_bytes)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from ..collectives import all_gather
 from ..specs import GroupKey
-from .base import CommPath
+from .base import CommPath, Itemsizes, Phases
 
 _SUBGROUPS: dict[tuple, dict[int, tuple[object, int]]] = {}
 
@@ -89,5 +89,16 @@ def ranks_reached(batch) -> int:
     return max(1, ranks_per_expert(batch))  # a sub-group of no rank (more experts than ranks) is no peer set
 
 
+def buffer_bytes(batch, sizes: Itemsizes) -> list[Phases]:
+    """Per group rank: its rows of every bank, cast and joined; its sub-group's experts gathered;
+    them reordered expert by expert (a view for one bank or a sub-group of one rank);
+    Newton-Schulz's output. No way back: the outputs are views of it."""
+    k, n, (M, N), w = ranks_per_expert(batch), len(batch.param_indices), batch.matrix_shape, sizes.wire
+    stack = n * M * N * w if n > 1 and k > 1 else 0
+    ns = n * M * N * (sizes.ns or w)
+    return [Phases(n * r * N * w * (1 + k), stack + ns, None) for r in batch.rows]
+
+
 PATH = CommPath(name="subgroup", collectives=1, out_share=1.0, color="#aec7e8", run=run, plans_layout="subgroup",
-                plan_bucket=plan_bucket, prepare_groups=prepare_groups, ranks_reached=ranks_reached)
+                plan_bucket=plan_bucket, prepare_groups=prepare_groups, ranks_reached=ranks_reached,
+                buffer_bytes=buffer_bytes)
