@@ -237,6 +237,9 @@ class PlanMemory:
     ranks: tuple[RankMemory, ...]
     workspace: int
     batches: tuple[BatchPlan, ...] = ()
+    state: int | None = None
+    """This rank's Muon state held between steps (momentum where it lives here, the update rule's
+    state), apart from the step's peak: it exists before and after the step. None: not planned."""
 
     def peak(self, rank: int) -> int:
         """Planned step bytes of ``rank``: its buffers' peak plus the workspace."""
@@ -245,6 +248,16 @@ class PlanMemory:
     @property
     def worst_rank(self) -> int:
         return max(range(len(self.ranks)), key=lambda g: self.ranks[g].peak, default=0)
+
+    def rows(self) -> list[dict]:
+        """One dict per global rank: its buffers' peak, the batches then in flight, the workspace
+        bound and their sum (the step's peak), and its largest batch."""
+        out = []
+        for g, mem in enumerate(self.ranks):
+            top = max(mem.by_batch, key=mem.by_batch.get, default=None)
+            out.append(dict(rank=g, buffer_peak=mem.peak, in_flight=mem.peak_batches, workspace=self.workspace,
+                            step_peak=self.peak(g), largest_batch=top, largest_batch_bytes=mem.by_batch.get(top, 0)))
+        return out
 
     def largest_buffer(self) -> tuple[int, int, int]:
         """(bytes, batch index, global rank) of the batch holding the most bytes on one rank."""

@@ -8,6 +8,8 @@ the Newton-Schulz runner, whose budget shapes the batches.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from typing import NamedTuple
 
 import torch
@@ -19,7 +21,8 @@ from ..comm.paths.base import Itemsizes
 from ..comm.paths import PATHS
 from ..comm.planner import plan_batches
 from ..comm.records import Plan, group_rank_maps
-from ..comm.specs import MatrixSpec, even_share_bytes, local_shard, matrix_spec, process_group_for
+from ..comm.specs import (MatrixSpec, even_share_bytes, is_pieces_placement, local_shard, matrix_spec,
+                          process_group_for)
 from ..comm.wire import wire_itemsizes
 from ..kernels.config import NSConfig, form_for
 from ..kernels.newton_schulz import possible_backends, resolve_dtype, resolve_form
@@ -172,7 +175,7 @@ def plan_for(cache: dict, indices: tuple[int, ...], entries: list, options, name
 
         plan, memory = planned_with(runner)
         if collective:  # a step: refused before it changes anything (Muon.plan() shows it instead)
-            refuse_over_budget(memory, memory_budget(options, device, check_group), planned_with, runner)
+            refuse_over_budget(memory, memory_budget(options, device, check_group, runner), planned_with, runner)
         owners = {}
         for b in plan:
             if b.part is not None:  # a bank that can't be cut raises here, before anything changes
@@ -184,6 +187,8 @@ def plan_for(cache: dict, indices: tuple[int, ...], entries: list, options, name
                 pg, me = groups[b.group]
                 owners.update({i: (pg, dist.get_global_rank(pg, o), o == me)
                                for i, o in zip(b.param_indices, b.owners)})
+        memory = dataclasses.replace(memory, state=state_bytes([entries[i] for i in indices], indices, owners, named,
+                                                               offload))
         planned = Planned(plan, {s.index: s for s in specs}, groups, owners, compared, memory)
         if not collective:
             return planned
@@ -222,16 +227,19 @@ def world_of(plan: Plan) -> int:
     return max(spanned, dist.get_world_size() if dist_on() else 1)
 
 
-def memory_budget(options, device: torch.device, group) -> int | None:
+def memory_budget(options, device: torch.device, group, runner: NewtonSchulzRunner) -> int | None:
     """``options.memory_budget`` in bytes per rank (None: no limit). "auto": on CUDA the device's
-    free memory now, the least over ``group``'s ranks (every rank must refuse alike, or the others
-    would wait in the step's collectives); elsewhere no limit."""
+    free memory now, plus what this process holds and the step may reuse (the caching allocator's
+    unused blocks, the workspace arena, which the plan counts), the least over ``group``'s ranks
+    (every rank must refuse alike, or the others would wait in the step's collectives); elsewhere
+    no limit."""
     budget = options.memory_budget
     if budget != "auto":
         return budget
     if device.type != "cuda":
         return None
-    free = torch.tensor(torch.cuda.mem_get_info(device)[0], device=device)
+    reusable = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device) + runner.nbytes
+    free = torch.tensor(torch.cuda.mem_get_info(device)[0] + reusable, device=device)
     if dist_on() and dist.get_world_size(group) > 1:
         dist.all_reduce(free, op=dist.ReduceOp.MIN, group=group)
     return int(free.item())
@@ -253,6 +261,25 @@ def refuse_over_budget(memory: PlanMemory, budget: int | None, planned_with, run
     raise ValueError(f"{why}: no workspace_bytes down to {floor} fits (the buffers alone need "
                      f"{memory.ranks[memory.worst_rank].peak} bytes): raise memory_budget, or shard the parameters of "
                      "that batch over more ranks")
+
+
+def state_bytes(entries: list, indices, owners: dict, named, offload) -> int:
+    """This rank's Muon state between steps: the momentum of each shard whose momentum lives here (a
+    replicated matrix's on its owner alone), in its dtype, and the update rule's state, fp32, as
+    ``UpdateRule.new_state`` lays it out (the local rows of a sharded parameter; whole for a stored
+    (in, out) matrix or a tensor-parallel piece)."""
+    total = 0
+    for i, (group, p) in zip(indices, entries):
+        local = local_shard(p)
+        if i not in owners or owners[i][2]:
+            total += local.numel() * offload.dtype(p, "momentum_buffer").itemsize
+        rule, view = rule_of(group), named.view_of(p)
+        for _ in rule.state_keys:
+            shape = rule.state_shape(tuple(p.shape), view)
+            if hasattr(p, "to_local") and not (view == "transpose" or is_pieces_placement(p.placements)):
+                shape = (local.shape[0], *shape[1:])
+            total += math.prod(shape) * 4
+    return total
 
 
 def memory_of(opt) -> PlanMemory:

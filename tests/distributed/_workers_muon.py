@@ -208,8 +208,24 @@ def budget_case():
     mesh = init_device_mesh("cpu", (world,))
     uneven = distribute_tensor(torch.ones(5, 3), mesh, [Shard(0)])
     shard = local_shard(uneven)
+    # a memory_budget one byte short of the plan's peak (its worst rank's): every rank refuses alike
+    from muonlab.optim.planning import memory_of
+
+    sharded = [(f"s{i}", torch.nn.Parameter(distribute_tensor(torch.ones(8, 10), mesh, [Shard(0)]))) for i in range(3)]
+    short = Muon(sharded, workspace_bytes=2**21)
+    need = memory_of(short)
+    short.memory_budget = need.peak(need.worst_rank) - 1
+    for _, p in sharded:
+        p.grad = distribute_tensor(torch.ones(8, 10), mesh, [Shard(0)])
+    try:
+        short.step()
+        refused = None
+    except ValueError as e:
+        refused = str(e)
     return dict(message=message, untouched=bool((w == 1).all()), state=len(opt.state),
-                share=even_share_bytes(uneven), local=shard.numel() * shard.element_size())
+                share=even_share_bytes(uneven), local=shard.numel() * shard.element_size(),
+                refused=refused, refused_untouched=all(bool((p.full_tensor() == 1).all()) for _, p in sharded),
+                refused_buffers=need.ranks[need.worst_rank].peak, refused_state=len(short.state))
 
 
 def diverged_case():

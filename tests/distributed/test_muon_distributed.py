@@ -213,6 +213,15 @@ def test_ranks_with_different_workspace_budgets_get_a_clear_error(several_ranks)
     # the default budget's basis: equal on every rank, though the shards are not
     assert {res["budget"]["share"] for res in results.values()} == {5 * 3 * 4 // world}
     assert len({res["budget"]["local"] for res in results.values()}) > 1
+    # memory_budget one byte short of the plan's peak: the same refusal on every rank (none waits in a
+    # collective), naming a workspace that fits, before anything changes
+    refusals = {res["budget"]["refused"] for res in results.values()}
+    assert len(refusals) == 1 and None not in refusals, refusals
+    (refused,) = refusals
+    assert "over memory_budget=" in refused and "workspace_bytes=1048576 fits" in refused, refused
+    assert "batch 0 (all_to_all, 3 x (8, 10): s0, s1, s2)" in refused, refused
+    assert all(res["budget"]["refused_untouched"] and res["budget"]["refused_buffers"] > 0
+               and res["budget"]["refused_state"] == 0 for res in results.values())
 
 
 @pytest.mark.timeout(600)

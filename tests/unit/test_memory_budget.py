@@ -31,11 +31,15 @@ def test_every_registered_path_has_a_buffer_formula():
     assert not missing, missing
 
 
-def test_one_process_planned_equals_counted_and_the_workspace_within_its_bound():
+@pytest.mark.parametrize("rule", ["muon", "normuon"])
+def test_one_process_planned_equals_counted_and_the_workspace_within_its_bound(rule):
     model = _model_and_grads()
-    opt = muonlab.Muon(muonlab.muon_param_groups(model, adamw_lr=3e-3), lr=0.02)
+    opt = muonlab.Muon(muonlab.muon_param_groups(model, adamw_lr=3e-3), lr=0.02, update_rule=rule,
+                       momentum_dtype=torch.bfloat16 if rule == "muon" else None)
     opt.step()
     stats, mem = opt.last_step_stats(), memory_of(opt)
+    held = sum(t.nbytes for _, p in opt._muon_entries() for t in opt.state[p].values() if torch.is_tensor(t))
+    assert mem.state == held > 0, (mem.state, held)  # momentum (bf16 or fp32), NorMuon's row moments
     assert (stats["buffer_peak_bytes"], stats["buffer_bytes"]) == (mem.ranks[0].peak, mem.ranks[0].by_batch) == (0, {})
     assert 0 < opt._runner.nbytes <= mem.workspace  # the arena the runner kept, within the planned bound
     assert [b.buffer_bytes for b in opt.plan()] == [(0,)] * len(opt.plan())  # local: views, results in place
@@ -57,6 +61,7 @@ def test_memory_budget_refuses_before_anything_changes_and_names_a_workspace_tha
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
     assert all(torch.equal(p.grad, grads[n]) for n, p in model.named_parameters())
     assert len(opt.state) == 0
+    assert memory_of(opt).peak(0) == 8 << 20 and opt.plan()  # inspecting the plan refuses nothing
     # the setting it names fits: the step runs and moves the parameters
     opt.workspace_bytes = fits
     opt.step()
@@ -113,4 +118,5 @@ def test_simulate_reports_per_rank_peaks_with_the_plans_formulas():
         assert rank.by_batch == {b.index: b.buffer_bytes[g] for b in plan if b.buffer_bytes[g]}
         assert 0 < rank.peak <= sum(rank.by_batch.values())
     assert mem.peak(0) == mem.ranks[0].peak + (1 << 20)
+    assert [r["step_peak"] for r in mem.rows()] == [mem.peak(g) for g in range(4)]
     assert buffer_peaks(plan.batches, 4, lambda b: Itemsizes(4, 2, 2))[0].peak == mem.ranks[0].peak
