@@ -14,6 +14,7 @@ from muonlab.optim.agreement import Agreement
 from muonlab.comm.specs import local_shard
 
 from ._common import full
+from ._memory import memory_check
 
 
 def _flagged(grads, group, name_of=None) -> tuple[list[int], list[str]]:
@@ -133,6 +134,7 @@ def check_on_and_off_are_bit_identical() -> dict:
             equal.append(_equal(_snapshot(runs["skip"], opts["skip"]), _snapshot(runs["ignore"], opts["ignore"])))
         out[k] = equal
         out[f"paths{k}"] = [b.path for b in opts["skip"].plan()]
+        out[f"memory{k}"] = memory_check(opts["skip"])  # gather_all (redundant), parts, bf16 momentum
     return out
 
 

@@ -6,6 +6,7 @@ import pytest
 from muonlab.launcher import launch
 
 from . import _workers_nonfinite as W
+from ._memory import assert_counted
 
 
 @pytest.mark.timeout(300)
@@ -33,6 +34,8 @@ def test_steps_with_the_check_on_are_bit_identical_to_the_check_off():
         assert len(out["paths0"]) >= 4 and {"all_to_all", "owner", "local"} <= set(out["paths0"]), out["paths0"]
         assert set(out["paths5"]) == {"gather_all", "local"}, out["paths5"]
         assert out["paths0"][0] == out["paths5"][0] == "local"
+        for k in range(7):  # planned buffer bytes == counted, gather_all and banks in parts too
+            assert_counted({"memory": out[f"memory{k}"]}, (k, rank))
 
 
 @pytest.mark.timeout(300)
