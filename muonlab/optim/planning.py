@@ -239,10 +239,12 @@ def memory_budget(options, device: torch.device, group, runner: NewtonSchulzRunn
     if device.type != "cuda":
         return None
     reusable = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device) + runner.nbytes
-    free = torch.tensor(torch.cuda.mem_get_info(device)[0] + reusable, device=device)
+    free = torch.cuda.mem_get_info(device)[0] + reusable
     if dist_on() and dist.get_world_size(group) > 1:
-        dist.all_reduce(free, op=dist.ReduceOp.MIN, group=group)
-    return int(free.item())
+        least = torch.tensor(free, device=device)
+        dist.all_reduce(least, op=dist.ReduceOp.MIN, group=group)
+        free = least.item()
+    return int(free)
 
 
 def refuse_over_budget(memory: PlanMemory, budget: int | None, planned_with, runner: NewtonSchulzRunner) -> None:

@@ -120,3 +120,22 @@ def test_simulate_reports_per_rank_peaks_with_the_plans_formulas():
     assert mem.peak(0) == mem.ranks[0].peak + (1 << 20)
     assert [r["step_peak"] for r in mem.rows()] == [mem.peak(g) for g in range(4)]
     assert buffer_peaks(plan.batches, 4, lambda b: Itemsizes(4, 2, 2))[0].peak == mem.ranks[0].peak
+
+
+def test_auto_budget_on_cuda_is_free_memory_plus_what_the_step_may_reuse(monkeypatch):
+    """memory_budget="auto" on a CUDA device (its queries stood in for here): the driver's free
+    bytes, plus the caching allocator's unused blocks and the workspace arena the plan counts."""
+    from muonlab.kernels.runner import NewtonSchulzRunner
+    from muonlab.optim.options import MuonOptions
+    from muonlab.optim.planning import memory_budget
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1000, 5000))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 300)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 200)
+    runner = NewtonSchulzRunner(1 << 20)
+    runner.workspace.take(torch.device("cpu"), [((4, 4), torch.float32)])  # an arena of 256 bytes (aligned)
+    cuda = torch.device("cuda", 0)
+    assert runner.nbytes == 256 and memory_budget(MuonOptions(), cuda, None, runner) == 1000 + 100 + 256
+    assert memory_budget(MuonOptions(), torch.device("cpu"), None, runner) is None
+    assert memory_budget(MuonOptions(memory_budget=None), cuda, None, runner) is None
+    assert memory_budget(MuonOptions(memory_budget=123), cuda, None, runner) == 123
