@@ -1,5 +1,5 @@
 """Command line: ``python -m muonlab.cli demo`` (what ``make demo`` runs). Argument parsing only; the
-demo itself is muonlab.experiments.demo."""
+demo itself is muonlab.demo."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ def demo(args) -> None:
 
     # A command line has no display to draw on; set before anything imports pyplot.
     matplotlib.use("Agg")
-    from .experiments.demo import run
+    from .demo import run
 
     run(args.out, steps=args.steps, width=args.width, layers=args.layers, nprocs=args.nprocs, device=args.device)
 
@@ -48,7 +48,7 @@ def main(argv=None) -> None:
             except ValueError:
                 d.error(f"$MUONLAB_DEMO_STEPS must be a whole number >= 1, got {env!r}")
         from .distributed.device import requested_device
-        from .experiments.demo import SINGLE_HEADS, check_out_dir
+        from .demo import SINGLE_HEADS, check_out_dir
         from .models.gpt import check_width
 
         try:

@@ -12,7 +12,6 @@ a notebook cell; these modules hold them. Nothing in muonlab's core imports this
   function building one) with a loss and batches, under FSDP2, HSDP or DDP;
 * ``checkpoint``: save, reshard and resume a run (notebook 05, benchmarks/bench_checkpoint.py);
 * ``faults``: a worker that fails on purpose (notebook 05);
-* ``demo``: both halves of ``make demo`` (single-process Muon vs AdamW, then the distributed run).
 * ``compare``: named configurations x seeds, on one process or launched ranks, with intervals and a
   test of the difference (notebook 07).
 """

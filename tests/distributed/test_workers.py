@@ -45,7 +45,7 @@ def test_every_worker_runs_on_cpu_workers(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_the_demos_distributed_half_runs_on_cpu_workers(tmp_path, capsys):
-    from muonlab.experiments.demo import run_distributed
+    from muonlab.demo import run_distributed
 
     results = run_distributed(tmp_path, steps=1, nprocs=2, timeout_s=200)
     assert sorted(results) == [0, 1]

@@ -141,7 +141,7 @@ def test_the_demo_command_refuses_a_bad_device_env_and_an_out_under_a_file_befor
         tmp_path, monkeypatch, capsys):
     import pytest
 
-    import muonlab.experiments.demo as demo
+    import muonlab.demo as demo
     from muonlab import cli
 
     def no_training(*args, **kwargs):  # a check that lets a case through must not cost minutes
@@ -170,7 +170,7 @@ def test_check_out_dir_accepts_new_folders_under_writable_ones_and_refuses_the_r
 
     import pytest
 
-    from muonlab.experiments.demo import check_out_dir
+    from muonlab.demo import check_out_dir
 
     check_out_dir(tmp_path / "a" / "b" / "c")  # made when the figures are saved
     check_out_dir(tmp_path)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from muonlab.experiments import demo
+from muonlab import demo
 from muonlab.experiments.checkpoint import resume_and_train, train_and_save
 from muonlab.experiments.faults import faulty_training
 from muonlab.experiments.train import train_worker

@@ -21,12 +21,12 @@ import sys
 import time
 from pathlib import Path
 
-from .._base import check_whole
-from ..distributed.device import requested_device
-from ..launcher import launch
-from ..models.gpt import check_width
-from ..trace import Span, write_chrome_trace
-from .train import MODES, train_worker
+from ._base import check_whole
+from .distributed.device import requested_device
+from .experiments.train import MODES, train_worker
+from .launcher import launch
+from .models.gpt import check_width
+from .trace import Span, write_chrome_trace
 
 __all__ = ["DEMO_MODEL", "check_out_dir", "run", "run_distributed", "run_single"]
 
@@ -90,9 +90,9 @@ def run_single(out_dir="runs/demo", *, steps: int = 150, width: int = 128, layer
     _check_single_args(steps, width, layers)
     from matplotlib.figure import Figure
 
-    from ..models import GPTConfig
-    from ..train import compare_optimizers, default_device
-    from ..viz import plot_loss_curves
+    from .models import GPTConfig
+    from .train import compare_optimizers, default_device
+    from .viz import plot_loss_curves
 
     cfg = GPTConfig(d_model=width, n_layers=layers, n_heads=SINGLE_HEADS, context=64)
     hist = compare_optimizers(
@@ -124,7 +124,7 @@ def run_distributed(out_dir="runs/demo", steps: int = 5, nprocs: int = 4, mode: 
     The arguments are checked before any worker starts (a ValueError naming the one at fault)."""
     from matplotlib.figure import Figure
 
-    from ..viz.timeline import plot_timeline
+    from .viz.timeline import plot_timeline
 
     check_out_dir(out_dir)
     check_whole("steps", steps, 1)  # the summary below reads the first and last step's loss
