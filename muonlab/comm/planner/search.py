@@ -70,24 +70,31 @@ def plan_batches(
     profile = get_profile(profile or "cpu_gloo")
     planned_specs = [_redundant(s) for s in specs] if strategy == "redundant" else list(specs)
     sources: dict[int, list[int]] = {}
-    pieces_plans: dict = {}
+    pieces_plans: dict[bool, dict] = {}  # the pieces planned, shared by the planners of one budget (or none)
 
-    def plan_with(rule: str, move: bool) -> Plan:
+    def plan_with(rule: str, move: bool, budget=max_local_matrices) -> Plan:
         return RulePlanner(planned_specs, configs, comm_itemsize=comm_itemsize, remainder_path=remainder_path,
                            profile=profile, row_assignment=rule, rebalance=move,
-                           max_local_matrices=max_local_matrices, sources=sources,
-                           pieces_plans=pieces_plans).plan()
+                           max_local_matrices=budget, sources=sources,
+                           pieces_plans=pieces_plans.setdefault(budget is None, {})).plan()
 
     if row_assignment != "best":
         return coalesce(plan_with(row_assignment, rebalance is not False), profile)
     moves = (True, False) if rebalance is None else (rebalance,)
-    options = [plan_with(rule, move) for rule in ROW_RULES for move in moves]
+    choices = [(rule, move) for rule in ROW_RULES for move in moves]
+    # The rule is chosen on the plans without the budget, then planned again with it: under one
+    # rule a budget only cuts batches (owners are placed before any cut), so a plan's owners, and
+    # the bytes they move, do not follow workspace_bytes, and the setting a memory refusal names
+    # changes nothing else.
+    options = [plan_with(rule, move, None) for rule, move in choices]
     largest = max((ns_flops(s.matrix_shape, c) for s, c in zip(specs, configs)), default=0)
     # balance first (anything within 10% of perfect counts as balanced), then modelled time; the
     # time (a replay of the pipeline over every rank) is modelled only for the best-balanced plans
     balance = [max(_imbalance(p, largest), 1.1) for p in options]
-    tied = [p for p, b in zip(options, balance) if b == min(balance)]
-    return coalesce(min(tied, key=lambda p: step_seconds(p, profile)), profile)
+    tied = [k for k, b in enumerate(balance) if b == min(balance)]
+    best = min(tied, key=lambda k: step_seconds(options[k], profile))
+    plan = options[best] if max_local_matrices is None else plan_with(*choices[best])
+    return coalesce(plan, profile)
 
 
 def _imbalance(plan: Plan, largest_matrix_flops: int) -> float:
