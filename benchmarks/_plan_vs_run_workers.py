@@ -61,7 +61,7 @@ def measure(set_name: str, device: torch.device, profiles: dict, steps: int, war
 
 def single_device(device: str, sets: list[str], steps: int, warmup: int, threads: int) -> dict:
     """Every set on one device, under the shipped profile of its kind and a calibrated one."""
-    from muonlab.comm.calibration import calibrate
+    from muonlab.calibration import calibrate
     from muonlab.comm.cost import PROFILES
 
     torch.set_num_threads(threads)
@@ -75,7 +75,7 @@ def gloo_worker(sets: list[str], steps: int, warmup: int) -> dict:
     """On each rank of a gloo launch: calibrate over the world, then every set as FSDP2 shards."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from muonlab.comm.calibration import calibrate
+    from muonlab.calibration import calibrate
     from muonlab.comm.cost import PROFILES
     from muonlab.distributed import MeshAxis
 

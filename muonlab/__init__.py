@@ -3,7 +3,7 @@
 import importlib
 
 from . import runs  # run records: muonlab.runs.list(), load(name)
-from .comm.calibration import calibrate  # a HardwareProfile measured here: muonlab.calibrate()
+from .calibration import calibrate  # a HardwareProfile measured here: muonlab.calibrate()
 from .kernels import PRESETS, NSConfig, newton_schulz, ns_flops
 from .optim import Muon, RoutingWarning, attention_blocks, muon_param_groups
 from .train import History, compare_optimizers, make_optimizer, train

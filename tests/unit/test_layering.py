@@ -11,8 +11,9 @@ Read from what the code does, bottom up:
 4. ``optim``: Muon, calling the engine; it knows models' attention layers for QK-clip and heads.
 5. ``distributed``: parallelism applied to models (FSDP2, DDP, EP), which reads the optimizer's
    head rules to keep heads whole; the device rule.
-6. ``launcher``, ``checkpoint``, ``simulate``: worker processes (on the device rule), checkpoints of
-   a model and its optimizer, plans at any world size.
+6. ``launcher``, ``checkpoint``, ``simulate``, ``calibration``: worker processes (on the device
+   rule), checkpoints of a model and its optimizer, plans at any world size, a hardware profile
+   measured by running Muon steps.
 7. ``runs``: run records (what is written; loading and rerunning reach up, see ``LATE_IMPORTS``).
 8. ``train``: the one-process loop, writing records.
 9. ``experiments``, ``run_checks``: worker entry points and the comparison, checks of a history.
@@ -40,7 +41,7 @@ FLOORS = [
     {"comm"},
     {"optim"},
     {"distributed"},
-    {"launcher", "checkpoint", "simulate"},
+    {"launcher", "checkpoint", "simulate", "calibration"},
     {"runs"},
     {"train"},
     {"experiments", "run_checks"},
@@ -52,10 +53,6 @@ FLOOR = {unit: level for level, units in enumerate(FLOORS) for unit in units}
 
 # (importing module, imported unit): imports inside functions that reach up on purpose.
 LATE_IMPORTS = {
-    # calibrate() measures this machine by running Muon steps: a tool on the optimizer's floor and
-    # above, kept with the cost model it feeds (muonlab.calibrate).
-    ("muonlab.comm.calibration", "optim"): "runs Muon steps to measure the hardware",
-    ("muonlab.comm.calibration", "distributed"): "puts each rank's measurement on its device",
     # A record is written by train (below) and reruns what wrote it: loading builds a History,
     # rerunning calls train, compare, train_model, train_worker and launch.
     ("muonlab.runs", "train"): "a loaded record's History; rerunning a train record",

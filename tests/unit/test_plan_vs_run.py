@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from muonlab import Muon
-from muonlab.comm.calibration import calibrate, load_profile, save_profile
+from muonlab.calibration import calibrate, load_profile, save_profile
 from muonlab.comm.cost import (MOMENTUM_PASSES, PHASES, PROFILES, UPDATE_PASSES, HardwareProfile, comm_seconds,
                                matmul_rate, predict_phases, rule_seconds, step_seconds)
 from muonlab.simulate import simulate

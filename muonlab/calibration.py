@@ -31,9 +31,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..kernels.newton_schulz import cpu_has_native_bf16
-from .collectives import dist_on
-from .cost import MOMENTUM_PASSES, PROFILES, UPDATE_PASSES, HardwareProfile, shape_class
+from ._base import dist_on
+from .comm.cost import MOMENTUM_PASSES, PROFILES, UPDATE_PASSES, HardwareProfile, shape_class
+from .kernels.newton_schulz import cpu_has_native_bf16
 
 __all__ = ["calibrate", "load_profile", "save_profile"]
 
@@ -61,9 +61,9 @@ def _muon_spans(shapes, device: torch.device, ns_dtype, group, steps: int) -> tu
     """Step a local Muon on random matrices of ``shapes``; (plan, {batch: resolved choice}, per step {batch:
     {phase: seconds}}, per step its span) over the last ``steps`` steps (the first two build the
     plan and warm up)."""
-    from ..optim import Muon
-    from .plan_vs_run import measured_phases
-    from ..trace.steps import StepRecorder
+    from .comm.plan_vs_run import measured_phases
+    from .optim import Muon
+    from .trace.steps import StepRecorder
 
     gen = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(r, c, generator=gen).to(device))
@@ -218,7 +218,7 @@ def calibrate(process_group=None, *, device: torch.device | str | None = None, s
     if group is None and dist_on() and dist.get_world_size() > 1:
         group = dist.group.WORLD
     if device is None:
-        from ..distributed.device import rank_device  # the launcher's modules: imported only when needed
+        from .distributed.device import rank_device  # the launcher's modules: imported only when needed
         device = rank_device()
     device = torch.device(device)
     on_group = group is not None and dist.get_world_size(group) > 1
