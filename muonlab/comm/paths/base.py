@@ -89,7 +89,8 @@ class CommPath:
     plan_bucket: Callable[..., None] | None = None
     """``(planner, group, idx)``: append the batches of one bucket of ``plans_layout`` (``idx``:
     spec indices sharing group, shape, dtype and config) to ``planner.batches``
-    (muonlab.comm.planner.rule.RulePlanner: ``make``, ``loads``, ``flops_of``, ``itemsize_of``)."""
+    (muonlab.comm.planner.rule.RulePlanner: ``specs``, ``configs``, ``make``, ``loads``, ``flops_of``,
+    ``itemsize_of``, ``max_local_matrices``: the workspace budget's matrices per rank, or None)."""
     prepare_groups: Callable[..., None] | None = None
     """``(batch)``: make the process groups a batch needs, collectively (every rank, in plan
     order) when the optimizer plans, never mid-step; None: the batch's group is enough."""

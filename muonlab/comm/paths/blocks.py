@@ -26,11 +26,13 @@ from the plan alone, with no index travelling with it.
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from collections.abc import Sequence
 
 import torch
 
 from ..collectives import all_to_all, pack
+from ..specs import GroupKey
 from .base import CommPath, Itemsizes, Phases
 
 Piece = tuple[int, int, int]
@@ -152,4 +154,41 @@ def buffer_bytes(batch, sizes: Itemsizes) -> list[Phases]:
     return out
 
 
-PATH = CommPath(name="blocks", collectives=2, out_share=0.5, color="#98df8a", run=run, buffer_bytes=buffer_bytes)
+def plan_bucket(planner, group: GroupKey, idx: list[int]) -> None:
+    """The batches of a bucket of layout "blocks": each block on the rank holding most of its rows,
+    the fewest bytes it can move (ties: the least loaded rank so far), the bucket as one batch, cut
+    where an owner's blocks would exceed the workspace budget (``planner.max_local_matrices``)."""
+    size, first = group.size, planner.specs[idx[0]]
+    E, shape = first.num_fused, first.matrix_shape
+    pieces = block_pieces(first.rows, E)
+    f, load = planner.flops_of(idx[0]), planner.loads.view(group)
+    owners: dict[int, list[int]] = {}
+    for i in idx:
+        owners[i] = []
+        for ps in pieces:
+            o = min(largest_holders(ps), key=lambda r: (load[r], r))
+            owners[i].append(o)
+            load.add(o, f)
+    runs = [idx]
+    if planner.max_local_matrices is not None:
+        limit = max(1, planner.max_local_matrices(shape, planner.configs[idx[0]]))
+        runs, held = [[]], Counter()
+        for i in idx:
+            mine = Counter(owners[i])
+            if runs[-1] and any(held[o] + n > limit for o, n in mine.items()):
+                runs.append([])
+                held = Counter()
+            runs[-1].append(i)
+            held.update(mine)
+    for run in runs:
+        own = [o for i in run for o in owners[i]]
+        flops = [0] * size
+        for o in own:
+            flops[o] += f
+        sent, recv = bytes_per_rank(first.rows, shape[1], E, own, planner.itemsize_of(idx[0]))
+        planner.batches.append(planner.make("blocks", run, group, range(size), own, sent, recv, flops,
+                                            notes=f"{E} blocks of {shape[0]} rows each, cut by the shards"))
+
+
+PATH = CommPath(name="blocks", collectives=2, out_share=0.5, color="#98df8a", run=run, plans_layout="blocks",
+                plan_bucket=plan_bucket, buffer_bytes=buffer_bytes)

@@ -14,6 +14,7 @@ import math
 import torch
 
 from ..collectives import all_gather
+from ..specs import GroupKey
 from .base import CommPath, Itemsizes, Phases
 from .owner import gather_bytes
 
@@ -48,5 +49,18 @@ def buffer_bytes(batch, sizes: Itemsizes) -> list[Phases]:
     return [phases] * len(rows)
 
 
+def plan_bucket(planner, group: GroupKey, idx: list[int]) -> None:
+    """A batch per parameter of a bucket of layout "gather_all" (the "redundant" strategy's
+    row-sharded matrices): every rank gathers it and computes it."""
+    size = group.size
+    for i in idx:
+        spec = planner.specs[i]
+        sent, recv = bytes_per_rank(spec.shape, spec.shard_dim, size, planner.itemsize_of(i))
+        planner.batches.append(planner.make(
+            "gather_all", [i], group, range(size), sent=sent, recv=recv,
+            flops=[planner.flops_of(i) * spec.num_matrices] * size,
+            notes=f"redundant, Shard({spec.shard_dim}): padded all-gather, every rank computes it"))
+
+
 PATH = CommPath(name="gather_all", collectives=1, out_share=1.0, color="#d62728", run=run,
-                buffer_bytes=buffer_bytes)
+                plans_layout="gather_all", plan_bucket=plan_bucket, buffer_bytes=buffer_bytes)

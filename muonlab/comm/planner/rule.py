@@ -17,7 +17,7 @@ from dataclasses import replace
 
 from ...kernels.config import NSConfig, ns_flops
 from ..cost import batch_seconds
-from ..paths import PLANNED_BY_PATH, agrs, all_to_all, blocks, gather_all, owner, pieces, rebalance
+from ..paths import PLANNED_BY_PATH, agrs, all_to_all, owner, pieces, rebalance
 from ..records import BatchPlan, Plan, part_range
 from ..specs import GroupKey, MatrixSpec, piece_numel
 from ..wire import ItemsizeRule, itemsize_rule
@@ -157,10 +157,6 @@ class RulePlanner:
                 replicated.setdefault(group, []).extend(idx)
             elif layout in PLANNED_BY_PATH:  # a path that plans its layout itself (its module says how)
                 PLANNED_BY_PATH[layout].plan_bucket(self, group, idx)
-            elif layout == "blocks":
-                self._plan_blocks(group, idx)
-            elif layout == "gather_all":
-                self._plan_gather_all(group, idx)
             elif layout == "pieces":
                 pieced.setdefault(group, []).extend(idx)
             else:  # pragma: no cover - MatrixSpec validates layouts
@@ -194,51 +190,6 @@ class RulePlanner:
             run.append((i, None))
             held += here
         return runs + [run] if run else runs
-
-    def _plan_blocks(self, group: GroupKey, idx: list[int]) -> None:
-        """Fused banks whose matrices (blocks of rows) straddle the row shards: each block on the
-        rank holding most of its rows, the fewest bytes it can move (ties: the least loaded rank so
-        far), the bucket as one batch, cut where an owner's blocks would exceed the workspace budget."""
-        size, first = group.size, self.specs[idx[0]]
-        E, shape = first.num_fused, first.matrix_shape
-        pieces = blocks.block_pieces(first.rows, E)
-        f, load = self.flops_of(idx[0]), self.loads.view(group)
-        owners: dict[int, list[int]] = {}
-        for i in idx:
-            owners[i] = []
-            for ps in pieces:
-                o = min(blocks.largest_holders(ps), key=lambda r: (load[r], r))
-                owners[i].append(o)
-                load.add(o, f)
-        runs = [idx]
-        if self.max_local_matrices is not None:
-            limit = max(1, self.max_local_matrices(shape, self.configs[idx[0]]))
-            runs, held = [[]], Counter()
-            for i in idx:
-                mine = Counter(owners[i])
-                if runs[-1] and any(held[o] + n > limit for o, n in mine.items()):
-                    runs.append([])
-                    held = Counter()
-                runs[-1].append(i)
-                held.update(mine)
-        for run in runs:
-            own = [o for i in run for o in owners[i]]
-            flops = [0] * size
-            for o in own:
-                flops[o] += f
-            sent, recv = blocks.bytes_per_rank(first.rows, shape[1], E, own, self.itemsize_of(idx[0]))
-            self.batches.append(self.make("blocks", run, group, range(size), own, sent, recv, flops,
-                                          notes=f"{E} blocks of {shape[0]} rows each, cut by the shards"))
-
-    def _plan_gather_all(self, group: GroupKey, idx: list[int]) -> None:
-        size = group.size
-        for i in idx:
-            spec = self.specs[i]
-            sent, recv = gather_all.bytes_per_rank(spec.shape, spec.shard_dim, size, self.itemsize_of(i))
-            self.batches.append(self.make(
-                "gather_all", [i], group, range(size), sent=sent, recv=recv,
-                flops=[self.flops_of(i) * spec.num_matrices] * size,
-                notes=f"redundant, Shard({spec.shard_dim}): padded all-gather, every rank computes it"))
 
     # ------------------------------------------------------------------ pieces (tensor parallel x FSDP2)
 
