@@ -21,11 +21,12 @@ import torch
 
 from .comm.cost import get_profile, step_seconds
 from .comm.memory import PlanMemory, plan_memory, with_buffer_bytes
+from .comm.paths import PATHS
 from .comm.paths.base import Itemsizes
 from .comm.planner import REFERENCE_STRATEGIES, plan_batches, reference_plan
 from .comm.records import Plan, per_rank
 from .comm.specs import (GroupKey, MatrixSpec, check_view, chunk_sizes, default_view, fused_row_layout,
-                          group_pieces, piece_numel, row_layout)
+                          group_pieces, row_layout)
 from .comm.wire import wire_itemsizes
 from .distributed.mesh import MeshAxis
 from .kernels.config import NSConfig, ns_flops
@@ -353,30 +354,21 @@ def lower_bound_bytes(plan: Plan, comm_itemsize: int | None = None) -> int:
     byte counts were made with, ``BatchPlan.comm_itemsize``), so a plan at the bound scores 1.0
     whatever its comm dtype."""
     total = 0.0
-    largest: dict[int, int] = {}  # a pieces parameter's largest piece, per pieces object (shared by shape)
     for b in plan:
         if b.group is None or b.group.size == 1 or b.sources:  # sources: whole matrices, in place
             continue
         W = b.group.size
         copies = len(b.group.mesh_ranks) // W  # an axis of a bigger mesh repeats per slice
-        if b.path == "pieces":  # gathered on the rank holding most of it, and back
-            for shape, pieces in zip(b.param_shapes, b.pieces):
-                if id(pieces) not in largest:
-                    largest[id(pieces)] = max(piece_numel(pc) for pc in pieces)
-                itemsize = b.comm_itemsize if comm_itemsize is None else comm_itemsize
-                total += copies * 2 * (math.prod(shape) - largest[id(pieces)]) * itemsize
+        itemsize = b.comm_itemsize if comm_itemsize is None else comm_itemsize
+        least = PATHS[b.path].least_bytes
+        if least is not None:  # a layout whose path module knows its bound (pieces, owner)
+            total += copies * least(b, itemsize)
             continue
-        for shape in b.param_shapes:
-            nbytes = b.comm_itemsize if comm_itemsize is None else comm_itemsize
-            for d in shape:
-                nbytes *= d
-            if b.path == "owner":
-                total += copies * (W - 1) * nbytes  # summed over the W ranks
-            else:
-                extent = shape[b.shard_dim]
-                # a fused bank's sharded dim 0 holds its matrices one after another
-                span = b.matrix_shape[0] if b.shard_dim == 0 and extent % b.matrix_shape[0] == 0 else extent
-                total += copies * _least_moved_share(chunk_sizes(extent, W), span) * nbytes
+        for shape in b.param_shapes:  # row-sharded: the least of gathering and all-gathering each matrix
+            extent = shape[b.shard_dim]
+            # a fused bank's sharded dim 0 holds its matrices one after another
+            span = b.matrix_shape[0] if b.shard_dim == 0 and extent % b.matrix_shape[0] == 0 else extent
+            total += copies * _least_moved_share(chunk_sizes(extent, W), span) * math.prod(shape) * itemsize
     return int(round(total))
 
 

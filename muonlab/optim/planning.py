@@ -183,10 +183,10 @@ def plan_for(cache: dict, indices: tuple[int, ...], entries: list, options, name
             prepare = PATHS[b.path].prepare_groups
             if prepare is not None and collective:  # process groups are made collectively, here, never mid-step
                 prepare(b)
-            if b.path == "owner":
+            homes = PATHS[b.path].state_homes
+            if homes is not None:  # one rank of the group keeps each parameter's state (owner: replicas)
                 pg, me = groups[b.group]
-                owners.update({i: (pg, dist.get_global_rank(pg, o), o == me)
-                               for i, o in zip(b.param_indices, b.owners)})
+                owners.update({i: (pg, dist.get_global_rank(pg, o), mine) for i, (o, mine) in homes(b, me).items()})
         memory = dataclasses.replace(memory, state=state_bytes([entries[i] for i in indices], indices, owners, named,
                                                                offload))
         planned = Planned(plan, {s.index: s for s in specs}, groups, owners, compared, memory)

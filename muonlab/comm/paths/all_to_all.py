@@ -144,4 +144,4 @@ def wire_buffers(batch) -> list:
 
 
 PATH = CommPath(name="all_to_all", collectives=2, out_share=0.5, color="#1f77b4", run=run,
-                buffer_bytes=buffer_bytes, wire_buffers=wire_buffers)
+                waves=True, buffer_bytes=buffer_bytes, wire_buffers=wire_buffers)

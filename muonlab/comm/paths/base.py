@@ -97,6 +97,17 @@ class CommPath:
     ranks_reached: Callable[..., int] | None = None
     """``(batch)``: how many ranks of its group slice one rank of the batch exchanges with, for the
     cost model's intra/inter-node split; None: the whole slice."""
+    waves: bool = False
+    """Its small batches may travel in a wave (muonlab.comm.planner.coalesce): each way is one
+    all_to_all_single with split sizes, its ``run`` hands it back unissued under ``ctx.defer``, and
+    ``wire_buffers`` gives the wave's buffers."""
+    state_homes: Callable[..., dict] | None = None
+    """``(batch, group_rank)``: {parameter index: (its owner's group rank, whether it is this rank)}
+    for a path on which one rank of a replicated parameter's group keeps its optimizer state (the
+    other replicas keep none); None: every rank keeps its own."""
+    least_bytes: Callable[..., float] | None = None
+    """``(batch, itemsize)``: the fewest bytes any plan moves for the batch's parameters, summed over
+    one slice of its group (muonlab.simulate.lower_bound_bytes); None: a row-sharded layout's."""
     buffer_bytes: Callable[..., list[Phases]] | None = None
     """``(batch, sizes: Itemsizes)``: per group-local rank, the bytes of the buffers its generator
     allocates at each phase the engine counts (muonlab.comm.memory); the engine's count equals it."""

@@ -60,4 +60,15 @@ def buffer_bytes(batch, sizes: Itemsizes) -> list[Phases]:
     return out
 
 
-PATH = CommPath(name="owner", collectives=1, out_share=0.0, color="#2ca02c", run=run, buffer_bytes=buffer_bytes)
+def state_homes(batch, group_rank: int) -> dict[int, tuple[int, bool]]:
+    """Each parameter's momentum lives on its owner alone (the ZeRO-1 style saving)."""
+    return {i: (o, o == group_rank) for i, o in zip(batch.param_indices, batch.owners)}
+
+
+def least_bytes(batch, itemsize: int) -> float:
+    """Every update reaches the W - 1 other replicas: (W - 1) of its bytes, summed over the ranks."""
+    return (batch.group.size - 1) * sum(batch.param_numels) * itemsize
+
+
+PATH = CommPath(name="owner", collectives=1, out_share=0.0, color="#2ca02c", run=run, state_homes=state_homes,
+                least_bytes=least_bytes, buffer_bytes=buffer_bytes)

@@ -22,6 +22,7 @@ least owner compute can move, when each owner is its parameter's largest holder 
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Sequence
 
 import torch
@@ -171,5 +172,17 @@ def wire_buffers(batch) -> list:
     return [((held, owned), (owned, held)) for held, owned in zip(*_sizes(batch))]
 
 
-PATH = CommPath(name="pieces", collectives=2, out_share=0.5, color="#c49c94", run=run,
-                buffer_bytes=buffer_bytes, wire_buffers=wire_buffers)
+def least_bytes(batch, itemsize: int) -> float:
+    """Each parameter gathered whole on the rank holding its largest piece and its update sent
+    back: 2 (1 - largest/all) of its bytes, the bound of owner compute."""
+    largest: dict[int, int] = {}  # per pieces object: parameters of one shape and placements share one
+    total = 0
+    for shape, pieces in zip(batch.param_shapes, batch.pieces):
+        if id(pieces) not in largest:
+            largest[id(pieces)] = max(piece_numel(pc) for pc in pieces)
+        total += 2 * (math.prod(shape) - largest[id(pieces)]) * itemsize
+    return total
+
+
+PATH = CommPath(name="pieces", collectives=2, out_share=0.5, color="#c49c94", run=run, waves=True,
+                least_bytes=least_bytes, buffer_bytes=buffer_bytes, wire_buffers=wire_buffers)

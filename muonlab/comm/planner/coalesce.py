@@ -3,7 +3,7 @@
 A batch whose transfer and Newton-Schulz each take less time than a collective's fixed cost (the
 profile's latency) is latency-bound: many small matrices of different shapes (a narrow model,
 small adapters) would otherwise pay one collective pair per shape. Consecutive such batches of
-one path (``WAVE_PATHS``: ``all_to_all``, ``pieces``) on the same process group form a wave:
+one path (``WAVE_PATHS``: ``all_to_all``, ``pieces``, those whose record says ``waves``) on the same process group form a wave:
 every rank packs the wave's send buffers into one all_to_all_single out and one back
 (``muonlab.comm.collectives.Coalesced``), so the step's collective count follows its large
 batches, not its shapes. A wave
@@ -22,9 +22,9 @@ from ..cost import HardwareProfile, comm_seconds, compute_seconds
 from ..paths import PATHS
 from ..records import BatchPlan, Plan
 
-WAVE_PATHS = ("all_to_all", "pieces")
-"""Paths whose collectives a wave can merge: both ways are one all_to_all_single with split sizes
-(a wave holds batches of one path and group)."""
+WAVE_PATHS = tuple(name for name, path in PATHS.items() if path.waves)
+"""Paths whose collectives a wave can merge (``CommPath.waves``: both ways are one
+all_to_all_single with split sizes; a wave holds batches of one path and group)."""
 
 
 def latency_bound(batch: BatchPlan, profile: HardwareProfile) -> bool:
