@@ -22,19 +22,14 @@ class CommCounter:
     sent: dict[str, int] = field(default_factory=dict)
     recv: dict[str, int] = field(default_factory=dict)
     calls: dict[str, int] = field(default_factory=dict)
-    memory: object = field(default_factory=lambda: _buffer_counter())
-    """The step's ``muonlab.comm.memory.BufferCounter``: the buffers the engine counted."""
+    memory: object = None
+    """The step's ``muonlab.comm.memory.BufferCounter``, made by the engine when it runs the plan
+    (None on a step that ran none): the buffers it counted."""
 
     def add(self, path: str, sent: int, recv: int, calls: int = 1) -> None:
         self.sent[path] = self.sent.get(path, 0) + sent
         self.recv[path] = self.recv.get(path, 0) + recv
         self.calls[path] = self.calls.get(path, 0) + calls
-
-
-def _buffer_counter():
-    from .memory import BufferCounter  # memory reads the paths, which import this module
-
-    return BufferCounter()
 
 
 class Pending:

@@ -266,6 +266,8 @@ def execute_plan(
     if contexts is None:
         contexts = path_contexts(plan, groups, device)
     if memory is None:
+        if counter.memory is None:
+            counter.memory = BufferCounter()
         memory = counter.memory
     runs: list[BatchRun | WaveRun] = []
     for i, (batch, ctx) in enumerate(zip(plan.batches, contexts)):  # the tuple: iterating a Plan is a call

@@ -95,10 +95,11 @@ class StepRecord:
         if gate is not None:
             self.count_skip(gate)
         nonfinite = {} if gate is not None else dict(skipped_steps=self.skipped_steps, **nonfinite)  # gate: when read
-        memory = counter.memory
+        memory = counter.memory  # None: the step ran no plan (skipped before it)
         self.stats = dict(bytes_sent=dict(counter.sent), bytes_recv=dict(counter.recv), calls=dict(counter.calls),
-                          buffer_peak_bytes=memory.peak, buffer_peak_batches=memory.peak_batches,
-                          buffer_bytes=dict(memory.by_batch),
+                          buffer_peak_bytes=memory.peak if memory else 0,
+                          buffer_peak_batches=memory.peak_batches if memory else (),
+                          buffer_bytes=dict(memory.by_batch) if memory else {},
                           seconds=None, skipped=skipped, **nonfinite,
                           nonfinite_seconds=seconds or None, unhealthy_updates=None, worst_update_ratio=None)
         self.stats_gate = None if gate is None else (gate, checked)
