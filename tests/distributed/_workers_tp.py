@@ -112,6 +112,27 @@ class FullGatherCount:
         self._saved.clear()
 
 
+def steps_beside_plain(opt, ref, params, plain, grad_of) -> tuple[list[int], dict[str, float]]:
+    """``STEPS`` steps of ``opt`` on ``params`` (DTensors) and of ``ref`` on ``plain`` (their whole
+    copies) from the same gradients (``grad_of(step, k, name)``: parameter k's whole gradient, laid
+    out here as the parameter is). Returns the full gathers counted in each step after the first,
+    and each parameter's largest error relative to its one-process value."""
+    from torch.distributed.tensor import distribute_tensor
+
+    gathers = []
+    for step in range(STEPS):
+        for k, ((name, p), (_, q)) in enumerate(zip(params, plain)):
+            g = grad_of(step, k, name)
+            p.grad, q.grad = distribute_tensor(g, p.device_mesh, p.placements), g
+        with FullGatherCount() as count:
+            opt.step()
+        gathers.append(count.calls)
+        ref.step()
+    errors = {n: float((p.full_tensor() - q.detach()).abs().max() / q.detach().abs().max())
+              for (n, p), (_, q) in zip(params, plain)}
+    return gathers[1:], errors
+
+
 def train_tp(rule: str, replicate: int = 1) -> dict:
     """3 steps of Muon with ``rule`` on the TP x FSDP2 MLP (``replicate``: HSDP x TP, see
     ``tp_model``) and on its plain copy, from the same gradients; the full gathers counted in the
@@ -247,26 +268,17 @@ def rowwise_alone(rule: str) -> dict:
 
     params = [(n, torch.nn.Parameter(distribute_tensor(start(n), meshes[n], kinds[n][1]))) for n in kinds]
     plain = [(n, torch.nn.Parameter(start(n))) for n in kinds]
-    gathers = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         opt, ref = Muon(params, update_rule=rule, **HYPER), Muon(plain, update_rule=rule, **HYPER)
-        for step in range(STEPS):
-            for (n, p), (_, q) in zip(params, plain):
-                g = torch.randn(kinds[n][0], generator=torch.Generator().manual_seed(10 * step + len(n)))
-                p.grad, q.grad = distribute_tensor(g, meshes[n], kinds[n][1]), g
-            with FullGatherCount() as count:
-                opt.step()
-            gathers.append(count.calls)
-            ref.step()
-    errors = {n: float((p.full_tensor() - q.detach()).abs().max() / q.detach().abs().max())
-              for (n, p), (_, q) in zip(params, plain)}
+        gathers, errors = steps_beside_plain(opt, ref, params, plain, lambda step, k, n: torch.randn(
+            kinds[n][0], generator=torch.Generator().manual_seed(10 * step + len(n))))
     if rule == "normuon":  # every row's second moment on every rank, as the one process has them
         for (n, p), (_, q) in zip(params, plain):
             want = ref.state[q]["row_variance"]
             errors[f"{n} row_variance"] = float((local_shard(opt.state[p]["row_variance"]) - want).abs().max()
                                                 / want.abs().max())
-    return dict(errors=errors, gathers=gathers[1:], plan=[(b.path, b.names) for b in opt.plan()],
+    return dict(errors=errors, gathers=gathers, plan=[(b.path, b.names) for b in opt.plan()],
                 warnings=[str(c.message) for c in caught if "gather" in str(c.message)])
 
 
@@ -288,14 +300,8 @@ def replicated_slices() -> dict:
     params = [(n, torch.nn.Parameter(distribute_tensor(start(n), mesh, pl))) for n, pl in kinds.items()]
     plain = [(n, torch.nn.Parameter(start(n))) for n in kinds]
     opt, ref = Muon(params, **HYPER), Muon(plain, **HYPER)
-    for step in range(STEPS):
-        for (n, p), (_, q) in zip(params, plain):
-            g = torch.randn(shapes[n], generator=torch.Generator().manual_seed(10 * step + len(n)))
-            p.grad, q.grad = distribute_tensor(g, mesh, kinds[n]), g
-        opt.step()
-        ref.step()
-    errors = {n: float((p.full_tensor() - q.detach()).abs().max() / q.detach().abs().max())
-              for (n, p), (_, q) in zip(params, plain)}
+    _, errors = steps_beside_plain(opt, ref, params, plain, lambda step, k, n: torch.randn(
+        shapes[n], generator=torch.Generator().manual_seed(10 * step + len(n))))
     (group,) = {b.group for b in opt.plan()}
     return dict(errors=errors, slices=group.axis_slices(), paths=sorted({b.path for b in opt.plan()}))
 
@@ -569,20 +575,11 @@ def ep_fsdp_tp(rule: str) -> dict:
     opt = Muon(params, update_rule=rule, **HYPER)
     alone, _ = dist.new_subgroups(group_size=1)  # the one process: each rank's experts are its own
     ref = Muon(plain, update_rule=rule, process_group=alone, **HYPER)
-    gathers = []
-    for step in range(STEPS):
-        for k, ((_, p), (_, q)) in enumerate(zip(params, plain)):
-            g = torch.randn(q.shape, generator=torch.Generator().manual_seed(1000 * step + 10 * ep_rank + k))
-            p.grad, q.grad = distribute_tensor(g, sub, p.placements), g
-        with FullGatherCount() as count:
-            opt.step()
-        gathers.append(count.calls)
-        ref.step()
-    errors = {name: float((p.full_tensor() - q.detach()).abs().max() / q.detach().abs().max())
-              for (name, p), (_, q) in zip(params, plain)}
+    gathers, errors = steps_beside_plain(opt, ref, params, plain, lambda step, k, n: torch.randn(
+        EXPERT_BANKS[n][0], generator=torch.Generator().manual_seed(1000 * step + 10 * ep_rank + k)))
     stats, plan = opt.last_step_stats(), opt.plan()
     planned_sent, planned_recv = bytes_for_rank(plan, dist.get_rank())
-    return dict(errors=errors, gathers=gathers[1:], sent=stats["bytes_sent"], recv=stats["bytes_recv"],
+    return dict(errors=errors, gathers=gathers, sent=stats["bytes_sent"], recv=stats["bytes_recv"],
                 planned_sent=planned_sent, planned_recv=planned_recv,
                 placements={name: str(tuple(p.placements)) for name, p in params},
                 paths=sorted({b.path for b in plan}), groups=sorted({b.group.axis_name for b in plan}),
